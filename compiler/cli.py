@@ -1,0 +1,183 @@
+"""The `vlmprune` command line: one thin command per verb over the library."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from vlmprune.compiler import __version__
+from vlmprune.compiler.errors import VlmpruneError
+
+
+def _one_line_errors(fn):
+    """User errors become one line on stderr and exit code 2; never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except VlmpruneError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted; nothing was written", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+def _progress(quiet: bool):
+    return (lambda _m: None) if quiet else (lambda m: click.echo(m, err=True))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="vlmprune")
+def main():
+    """Compile LLaVA-style vision towers into edge artifacts with visual-token pruning in the graph."""
+
+
+@main.command()
+@click.argument("model")
+@click.option("--target", "-t", default="ort", show_default=True, help="Deployment target (see `vlmprune targets`).")
+@click.option("--keep", "-k", type=int, default=192, show_default=True, help="Patch tokens to keep (K).")
+@click.option("--layer", "-l", type=int, default=None, help="Prune after this block (from 1). Default: the feature layer.")
+@click.option("--lambda", "lam", type=float, default=0.0, show_default=True, help="Weight of the pixel-variance term.")
+@click.option("--no-prune", is_flag=True, help="Dense baseline in the same bundle format.")
+@click.option("--batch", type=int, default=None, help="Static batch size. Default: dynamic batch.")
+@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset of the export.")
+@click.option("--feature-layer", type=int, default=None, help="Override the model's vision_feature_layer.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("build"), show_default=True,
+              help="Bundle directory to write.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@_one_line_errors
+def compile(model, target, keep, layer, lam, no_prune, batch, opset, feature_layer, output, force, as_json, quiet):
+    """Compile MODEL (a preset such as `demo`, a Hugging Face directory, or an .onnx tower) into a bundle."""
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+    options = CompileOptions(target, keep, layer, lam, not no_prune, batch, opset, feature_layer, force)
+    result = compile_model(model, output, options, _progress(quiet or as_json))
+    manifest = result.manifest
+    summary = {"bundle": str(result.bundle), "target": target, "method": manifest["method"],
+               "outputs": manifest["outputs"], "parity": manifest["parity"], "seconds": round(result.seconds, 2)}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        _print_summary(manifest, result)
+    if not result.report.passed:
+        click.echo(f"error: parity failed (see {result.bundle / 'parity.json'})", err=True)
+        sys.exit(1)
+
+
+def _print_summary(manifest: dict, result) -> None:
+    method = manifest["method"]
+    if method["name"] == "none":
+        click.echo("tokens: dense (no pruning)")
+    else:
+        click.echo(f"tokens: {method['num_patches']} patch tokens -> {method['keep']} kept + 1 summary "
+                   f"(after block {method['layer']}/{method['num_blocks']}; later blocks run on {method['tokens_out']} tokens)")
+    for name, stage in manifest["parity"]["stages"].items():
+        figures = []
+        if "cosine_min" in stage:
+            figures.append(f"cosine {stage['cosine_min']:.7f}")
+        if "max_abs" in stage:
+            figures.append(f"max-abs {stage['max_abs']:.2e}")
+        if "index_agreement" in stage:
+            figures.append(f"kept-index agreement {stage['index_agreement']:.4f}")
+        status = "PASS" if stage["passed"] else "FAIL"
+        click.echo(f"parity {name:<10} {status}  {', '.join(figures)}" + (f"  {stage['error']}" if "error" in stage else ""))
+    click.echo(f"bundle: {result.bundle} ({result.seconds:.1f}s)")
+
+
+@main.command()
+@click.argument("bundle_dir", type=click.Path(path_type=Path))
+@click.option("--batch", type=int, default=None, help="Parity batch (dynamic-batch bundles; default 2).")
+@click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write the parity report here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the full parity report as JSON on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@_one_line_errors
+def check(bundle_dir, batch, report, as_json, quiet):
+    """Re-run BUNDLE's parity against the PyTorch reference; exit 1 if any stage fails."""
+    from vlmprune.compiler.pipeline import check_bundle
+
+    result = check_bundle(bundle_dir, batch, _progress(quiet or as_json))
+    data = result.to_json()
+    if report:
+        report.write_text(json.dumps(data, indent=2) + "\n")
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+    else:
+        for stage in result.stages:
+            click.echo(f"{stage.stage:<10} {'PASS' if stage.passed else 'FAIL'}")
+    if not result.passed:
+        failed = [s.stage for s in result.stages if not s.passed]
+        click.echo(f"error: parity failed at {', '.join(failed)}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("bundle_dir", type=click.Path(path_type=Path))
+@_one_line_errors
+def inspect(bundle_dir):
+    """Print BUNDLE's manifest readably (after checking every file's sha256)."""
+    from vlmprune.compiler.bundle import load_manifest
+
+    m = load_manifest(bundle_dir, verify=True)
+    click.echo(f"vlmprune {m['vlmprune_version']} bundle: {bundle_dir}")
+    t = m["target"]
+    click.echo(f"target:   {t['name']} — {t['summary']}")
+    click.echo("toolchain: " + ", ".join(f"{k} {v}" for k, v in t["toolchain"].items()))
+    click.echo(f"model:    {m['model']['source']} ({m['model']['kind']}, sha256 {m['model']['sha256'][:16]}…)")
+    click.echo(f"method:   {m['method']['summary']}")
+    for kind in ("inputs", "outputs"):
+        for io in m[kind]:
+            click.echo(f"{kind[:-1]:<9} {io['name']} {io['shape']} {io['dtype']}")
+    click.echo(f"parity:   {'PASS' if m['parity']['passed'] else 'FAIL'} ({', '.join(m['parity']['stages'])})")
+    click.echo("files:")
+    for name, digest in m["files"].items():
+        click.echo(f"  {name:<28} {digest[:16]}…")
+
+
+@main.command()
+def targets():
+    """List the targets and whether each one's toolchain is available here."""
+    from vlmprune.targets import PLANNED, TARGETS
+
+    for name, cls in TARGETS.items():
+        target = cls()
+        ok, why = target.available()
+        click.echo(f"{name:<8} {'available' if ok else 'unavailable: ' + why:<40} {target.summary}")
+    for name, summary in PLANNED.items():
+        click.echo(f"{name:<8} {'planned (not in this version)':<40} {summary}")
+
+
+@main.command()
+@click.argument("bundle_dir", type=click.Path(path_type=Path))
+@click.option("--image", required=True, type=click.Path(exists=True, dir_okay=False), help="An image file.")
+@_one_line_errors
+def run(bundle_dir, image):
+    """Run BUNDLE's model.onnx on IMAGE with ONNX Runtime and print the outputs' shapes and kept indices."""
+    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.images import load_image_file
+    from vlmprune.compiler.runtime import ort_session, run_session
+
+    m = load_manifest(bundle_dir, verify=True)
+    if m["target"]["name"] != "ort":
+        raise VlmpruneError(f"`vlmprune run` runs ort bundles here; this bundle targets {m['target']['name']}")
+    pre = m["preprocess"]
+    try:
+        pixel = load_image_file(image, pre["size"], pre["mean"], pre["std"])
+    except Exception as exc:
+        raise VlmpruneError(f"{image}: cannot read the image ({exc})") from None
+    outputs = run_session(ort_session(Path(bundle_dir) / "model.onnx"), pixel)
+    for name, value in outputs.items():
+        click.echo(f"{name}: shape {list(value.shape)} dtype {value.dtype}")
+    if "kept_indices" in outputs:
+        click.echo("kept_indices: " + " ".join(map(str, outputs["kept_indices"][0].tolist())))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+/* vlmprune kernels: one C ABI shared by the ONNX Runtime custom op and the TensorRT plugins.
+ *
+ * Semantics are shared/DESIGN.md's "Pruning semantics"; the Python reference is
+ * vlmprune.compiler.reference. All tensors are dense, row-major, contiguous.
+ * Every function returns VLMP_OK or an error code; none allocates on the device
+ * and none synchronises the host (CUDA entry points only enqueue on `stream`).
+ */
+#ifndef VLMPRUNE_KERNELS_H
+#define VLMPRUNE_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum vlmp_status {
+  VLMP_OK = 0,
+  VLMP_ERR_INVALID_ARGUMENT = 1, /* shapes or K out of range, null pointers */
+  VLMP_ERR_UNSUPPORTED = 2,      /* dtype or size this build does not handle (e.g. N > 4096 on CUDA) */
+  VLMP_ERR_CUDA = 3              /* a CUDA launch failed; cudaGetLastError() has the reason */
+} vlmp_status;
+
+typedef enum vlmp_dtype { VLMP_FLOAT32 = 0, VLMP_FLOAT16 = 1 } vlmp_dtype;
+
+/* Selection. scores [B, N] fp32 -> kept [B, K] int64.
+ * TopK(K) per row; equal scores are broken towards the lower index; the K kept
+ * indices are then written in ascending order. Requires 1 <= K < N. */
+vlmp_status vlmp_select_topk_cpu(const float* scores, int64_t B, int64_t N, int64_t K, int64_t* kept);
+
+/* Gather + summary. hidden [B, T, D] with T = has_cls + N (dtype dt),
+ * kept [B, K] int64 ascending and unique, each in [0, N).
+ * out [B, has_cls + K + 1, D] (dtype dt): the [CLS] token if has_cls, the kept
+ * patch tokens in the order of kept, then the unweighted mean of the N - K
+ * patch tokens not kept (accumulated in fp32). Each input token is read once. */
+vlmp_status vlmp_gather_summary_cpu(vlmp_dtype dt, const void* hidden, int64_t B, int64_t T, int64_t D,
+                                    int has_cls, const int64_t* kept, int64_t K, void* out);
+
+/* [CLS]-row attention score, averaged over heads.
+ * q [B, H, T, dh] (only row 0 is read), k [B, H, T, dh], or k [B, H, dh, T] when
+ * k_transposed != 0 (the layout of the operand of the graph's Q·Kᵀ MatMul).
+ * logits_h = scale * (q[b,h,0,:] · k[b,h,t,:]); a_h = softmax over all T keys;
+ * scores[b, i] = mean_h a_h[has_cls + i] for i in [0, T - has_cls).
+ * int8 != 0: q row and each key vector are quantized symmetric per vector to
+ * int8, dot products accumulate in int32, softmax runs in fp32. */
+vlmp_status vlmp_cls_scores_cpu(vlmp_dtype dt, const void* q, const void* k, int64_t B, int64_t H, int64_t T,
+                                int64_t dh, int k_transposed, float scale, int has_cls, int int8, float* scores);
+
+/* CUDA twins: same arguments and semantics, device pointers, enqueued on stream
+ * (a cudaStream_t passed as void*). vlmp_select_topk_cuda handles N <= 4096. */
+vlmp_status vlmp_select_topk_cuda(const float* scores, int64_t B, int64_t N, int64_t K, int64_t* kept, void* stream);
+vlmp_status vlmp_gather_summary_cuda(vlmp_dtype dt, const void* hidden, int64_t B, int64_t T, int64_t D,
+                                     int has_cls, const int64_t* kept, int64_t K, void* out, void* stream);
+vlmp_status vlmp_cls_scores_cuda(vlmp_dtype dt, const void* q, const void* k, int64_t B, int64_t H, int64_t T,
+                                 int64_t dh, int k_transposed, float scale, int has_cls, int int8, float* scores,
+                                 void* stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* VLMPRUNE_KERNELS_H */

@@ -1,0 +1,1 @@
+"""vlmprune.passes: onnx_ir passes that insert, retarget and fuse visual-token pruning."""

@@ -1,0 +1,210 @@
+"""Find a ViT's attention blocks in an ONNX graph by structure, never by names.
+
+The pruning pass needs, for block L, the two operands of its Q·Kᵀ MatMul (to
+recompute the [CLS] row), the elementwise scaling between that MatMul and the
+Softmax, and the residual-stream value that leaves the block. Exporters name
+nodes arbitrarily, so everything here is derived from the dataflow:
+
+- an attention Softmax is a Softmax over the last axis whose input is a MatMul
+  of two rank-4 runtime tensors, possibly through Mul/Div by constant scalars;
+- the block's first residual Add takes one operand downstream of that Softmax and
+  one upstream of it (the block input);
+- the block output is the Add that takes the first residual's output directly
+  and, as its other operand, something computed from it (the MLP branch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+from vlmprune.compiler.errors import StructureError
+
+# Elementwise ops that may sit between the Q·Kᵀ MatMul and the Softmax with a
+# constant scalar operand (scaling by 1/sqrt(d), or a temperature).
+_SCALE_OPS = ("Mul", "Div")
+
+
+@dataclasses.dataclass
+class AttentionBlock:
+    """One transformer block as the pruning pass needs it."""
+
+    index: int  # 1-based, in execution order
+    softmax: ir.Node
+    qk_matmul: ir.Node
+    scale_ops: list[ir.Node]  # from the MatMul to the Softmax, in order
+    output: ir.Value  # residual stream after the block
+
+
+@dataclasses.dataclass
+class TowerStructure:
+    blocks: list[AttentionBlock]
+    pixel_input: ir.Value | None
+    patch_size: int | None
+    grid: tuple[int, int] | None  # patches along H and W
+
+    @property
+    def num_patches(self) -> int | None:
+        return None if self.grid is None else self.grid[0] * self.grid[1]
+
+
+def _scalar_const(value: ir.Value | None) -> bool:
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return tensor is not None and tensor.size == 1
+
+
+def _rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def _attention_softmax(node: ir.Node) -> tuple[ir.Node, list[ir.Node]] | None:
+    """(qk_matmul, scale_ops) when node is an attention Softmax, else None."""
+    if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
+        return None
+    axis = node.attributes.get_int("axis", -1)
+    rank = _rank(node.inputs[0])
+    if axis != -1 and (rank is None or axis != rank - 1):
+        return None
+    scale_ops: list[ir.Node] = []
+    producer = node.inputs[0].producer()
+    while producer is not None and producer.op_type in _SCALE_OPS:
+        data, other = producer.inputs[0], producer.inputs[1]
+        if producer.op_type == "Mul" and _scalar_const(data):
+            data, other = other, data  # Mul(c, x)
+        if not _scalar_const(other):
+            return None
+        scale_ops.insert(0, producer)
+        producer = data.producer()
+    if producer is None or producer.op_type != "MatMul":
+        return None
+    q, kt = producer.inputs
+    if ir.convenience.get_const_tensor(q) is not None or ir.convenience.get_const_tensor(kt) is not None:
+        return None  # a weight MatMul, not Q·Kᵀ
+    if _rank(q) not in (None, 4) or _rank(kt) not in (None, 4):
+        return None
+    return producer, scale_ops
+
+
+def _downstream(start: Iterable[ir.Node]) -> set[ir.Node]:
+    seen: set[ir.Node] = set()
+    stack = list(start)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for out in node.outputs:
+            stack.extend(use.node for use in out.uses())
+    return seen
+
+
+def _upstream(start: ir.Node) -> set[ir.Node]:
+    seen: set[ir.Node] = set()
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
+    return seen
+
+
+def _block_output(graph: ir.Graph, softmax: ir.Node, order: dict[ir.Node, int]) -> ir.Value | None:
+    down = _downstream([softmax])
+    up = _upstream(softmax)
+    first = None
+    for node in sorted(down, key=order.__getitem__):
+        if node.op_type != "Add" or len(node.inputs) != 2:
+            continue
+        a, b = node.inputs
+        for branch, residual in ((a, b), (b, a)):
+            if branch.producer() in down and (residual.producer() in up or residual.is_graph_input()):
+                first = node
+                break
+        if first is not None:
+            break
+    if first is None:
+        return None
+    mid = first.outputs[0]
+    after_mid = _downstream(use.node for use in mid.uses())
+    for use in sorted(mid.uses(), key=lambda u: order[u.node]):
+        node = use.node
+        if node.op_type == "Add" and node is not first and len(node.inputs) == 2:
+            other = node.inputs[1 - use.idx]
+            if other is not None and other.producer() in after_mid:
+                return node.outputs[0]
+    return None
+
+
+def _patch_conv(graph: ir.Graph) -> tuple[ir.Value | None, int | None, tuple[int, int] | None]:
+    """The pixel input and patch size, from the Conv that embeds patches."""
+    for value in graph.inputs:
+        for use in value.uses():
+            node = use.node
+            if node.op_type != "Conv" or use.idx != 0:
+                continue
+            kernel = node.attributes.get_ints("kernel_shape")
+            strides = node.attributes.get_ints("strides")
+            if kernel is None:
+                weight = ir.convenience.get_const_tensor(node.inputs[1])
+                kernel = tuple(weight.shape[2:]) if weight is not None else None
+            if not kernel or len(kernel) != 2 or kernel[0] != kernel[1] or tuple(strides or ()) != tuple(kernel):
+                continue
+            patch = int(kernel[0])
+            grid = None
+            shape = value.shape
+            if shape is not None and len(shape) == 4 and all(isinstance(d, int) for d in shape[2:]):
+                grid = (shape[2] // patch, shape[3] // patch)
+            return value, patch, grid
+    return None, None, None
+
+
+def find_tower_structure(graph: ir.Graph) -> TowerStructure:
+    """Locate every attention block; raise StructureError saying what was missing."""
+    order = {node: i for i, node in enumerate(graph)}
+    blocks: list[AttentionBlock] = []
+    for node in graph:
+        found = _attention_softmax(node)
+        if found is None:
+            continue
+        matmul, scale_ops = found
+        output = _block_output(graph, node, order)
+        if output is None:
+            raise StructureError(
+                f"found attention block {len(blocks) + 1} (Softmax over a Q·Kᵀ MatMul) but not its "
+                "residual Adds: vlmprune handles pre-norm blocks x + Attn(LN(x)), then + MLP(LN(.))"
+            )
+        blocks.append(AttentionBlock(len(blocks) + 1, node, matmul, scale_ops, output))
+    if not blocks:
+        raise StructureError(
+            "no attention block found: looked for Softmax(MatMul(Q, Kᵀ)) over rank-4 runtime tensors "
+            "(fused Attention ops are not supported; export with decomposed attention)"
+        )
+    pixel, patch, grid = _patch_conv(graph)
+    return TowerStructure(blocks, pixel, patch, grid)
+
+
+def static_dim(value: ir.Value, axis: int) -> int | None:
+    shape = value.shape
+    if shape is None or len(shape) <= abs(axis):
+        return None
+    dim = shape[axis]
+    return dim if isinstance(dim, int) else None
+
+
+def const_ints(value: ir.Value | None) -> np.ndarray | None:
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    if tensor is None or tensor.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+        return None
+    return tensor.numpy()
+
+
+def scale_operand(node: ir.Node) -> ir.Value:
+    """The constant scalar operand of a Mul/Div found between Q·Kᵀ and Softmax."""
+    if node.op_type == "Mul" and _scalar_const(node.inputs[0]):
+        return node.inputs[0]
+    return node.inputs[1]
