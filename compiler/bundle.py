@@ -38,8 +38,13 @@ def prepare_output(output: Path, force: bool) -> None:
     parent = output.parent if str(output.parent) else Path(".")
     if not parent.exists():
         raise InputError(f"{parent}: parent directory does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{parent}: directory is not writable")
+    if not parent.is_dir():
+        raise InputError(f"{parent}: not a directory")
+    # os.access says yes to root everywhere; creating something is the real test.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".probe", dir=parent))
+    except OSError as exc:
+        raise InputError(f"{parent}: directory is not writable ({exc.strerror})") from None
 
 
 @contextlib.contextmanager

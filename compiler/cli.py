@@ -176,7 +176,7 @@ def run(bundle_dir, image):
     for name, value in outputs.items():
         click.echo(f"{name}: shape {list(value.shape)} dtype {value.dtype}")
     if "kept_indices" in outputs:
-        click.echo("kept_indices: " + " ".join(map(str, outputs["kept_indices"][0].tolist())))
+        click.echo("kept (image 0): " + " ".join(map(str, outputs["kept_indices"][0].tolist())))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ REAL_IMAGES = ("astronaut", "chelsea", "coffee", "rocket")
 
 def preprocess(image: np.ndarray, size: int, mean, std) -> np.ndarray:
     """uint8 HxWx3 -> float32 3xSxS: resize the short side, centre crop, scale to [0, 1], normalise."""
-    x = torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1).float().unsqueeze(0) / 255.0
+    x = torch.from_numpy(np.array(image[..., :3])).permute(2, 0, 1).float().unsqueeze(0) / 255.0
     h, w = x.shape[-2:]
     scale = size / min(h, w)
     x = F.interpolate(x, size=(max(size, round(h * scale)), max(size, round(w * scale))), mode="bilinear",

@@ -25,6 +25,8 @@ from vlmprune.targets import get_target
 from vlmprune.targets.base import Target
 
 Progress = Callable[[str], None]
+WEIGHTS = "weights.bin"  # shared by every graph in a bundle
+DENSE = ".dense.onnx"  # the unpruned export, kept only while parity runs
 
 
 @dataclasses.dataclass
@@ -69,23 +71,25 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
 
     timer.step(f"load {model}")
     source = load_source(model, options.feature_layer)
-    with tempfile.TemporaryDirectory(prefix="vlmprune-") as scratch:
-        dense_path = Path(scratch) / "dense.onnx"
-        dense = _dense_model(source, options, dense_path, timer)
-        config = PruneConfig(options.keep, options.layer, options.lam, source.has_cls) if options.prune else None
+    if options.prune and source.pipeline is not None:
+        _validate_against(source, options)
+    config = PruneConfig(options.keep, options.layer, options.lam, source.has_cls) if options.prune else None
+    with bundle.staging(output, options.force) as tmp:
+        dense = _dense_model(source, options, tmp, timer)
+        dense_path = tmp / DENSE
         timer.step("passes: " + ", ".join(type(p).__name__ for p in target.pipeline(config)))
         decomposed, site = _run_pipeline(target, config, dense)
-        with bundle.staging(output, options.force) as tmp:
-            ir.save(decomposed, tmp / "model.decomposed.onnx")
-            timer.step(f"emit target {target.name}")
-            target_fields = target.emit(decomposed, tmp, {"site": site, "options": options})
-            manifest = _manifest(source, options, target, site, decomposed, target_fields)
-            timer.step("parity")
-            report = _parity(source, dense_path, tmp, manifest, target, options.batch or 2, progress=timer.step)
-            manifest["parity"] = {"passed": report.passed, "stages": report.summary()}
-            (tmp / "parity.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
-            (tmp / "README.md").write_text(target.readme(manifest))
-            manifest = bundle.write_manifest(tmp, manifest)
+        ir.save(decomposed, tmp / "model.decomposed.onnx")
+        timer.step(f"emit target {target.name}")
+        target_fields = target.emit(decomposed, tmp, {"site": site, "options": options})
+        manifest = _manifest(source, options, target, site, decomposed, target_fields)
+        timer.step("parity")
+        report = _parity(source, dense_path, tmp, manifest, target, options.batch or 2, progress=timer.step)
+        dense_path.unlink()
+        manifest["parity"] = {"passed": report.passed, "stages": report.summary()}
+        (tmp / "parity.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        (tmp / "README.md").write_text(target.readme(manifest))
+        manifest = bundle.write_manifest(tmp, manifest)
     timer.step(f"bundle written to {output}")
     return CompileResult(output, manifest, report, time.perf_counter() - timer.start)
 
@@ -103,12 +107,11 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
         raise InputError(f"{source_spec} has changed since the bundle was compiled (content hash differs)")
     options = CompileOptions(**manifest["compile_options"])
     with tempfile.TemporaryDirectory(prefix="vlmprune-") as scratch:
-        dense_path = Path(scratch) / "dense.onnx"
-        _dense_model(source, options, dense_path, timer)
+        _dense_model(source, options, Path(scratch), timer)
         timer.step("parity")
         fixed = manifest["inputs"][0]["shape"][0]
         b = batch or (fixed if isinstance(fixed, int) else 2)
-        return _parity(source, dense_path, bundle_dir, manifest, target, b, progress=timer.step)
+        return _parity(source, Path(scratch) / DENSE, bundle_dir, manifest, target, b, progress=timer.step)
 
 
 def _validate(options: CompileOptions) -> None:
@@ -122,7 +125,24 @@ def _validate(options: CompileOptions) -> None:
         raise InputError(f"--opset must be between 17 and 23, got {options.opset}")
 
 
-def _dense_model(source: Source, options: CompileOptions, path: Path, timer: _Timer) -> ir.Model:
+def _validate_against(source: Source, options: CompileOptions) -> None:
+    """Catch what the pass would reject before spending time on the export."""
+    blocks = source.num_blocks
+    if options.layer is not None and not 1 <= options.layer <= blocks:
+        raise InputError(f"--layer {options.layer} is out of range: this tower runs {blocks} blocks (1..{blocks})")
+    if not source.has_cls:
+        raise InputError("the tower has no [CLS] token, and the [CLS]-attention method needs one")
+    n = (source.image_size // source.patch_size) ** 2
+    if not 1 <= options.keep < n:
+        raise InputError(f"--keep must satisfy 1 <= keep < {n} (the tower has {n} patch tokens), got {options.keep}")
+
+
+def _dense_model(source: Source, options: CompileOptions, folder: Path, timer: _Timer) -> ir.Model:
+    """Export (or load) the dense tower; its weights go to folder/WEIGHTS once, the graph to folder/DENSE.
+
+    Every graph written later into the same folder (decomposed, target) refers to
+    that one weights file instead of copying gigabytes per graph.
+    """
     if source.kind == "onnx":
         model = ir.load(source.onnx_path)
         if options.batch is not None:
@@ -133,7 +153,8 @@ def _dense_model(source: Source, options: CompileOptions, path: Path, timer: _Ti
             model = export_onnx(source.pipeline, source.image_size, options.batch, options.opset)
         except Exception as exc:  # the exporter's failure is the user's to act on, in one line
             raise VlmpruneError(f"torch.onnx export failed: {str(exc).splitlines()[0]}") from exc
-    ir.save(model, path)
+    ir.external_data.unload_from_model(model, folder, WEIGHTS, size_threshold_bytes=1024)
+    ir.save(model, folder / DENSE)
     return model
 
 
@@ -202,7 +223,12 @@ def _onnx_reference(dense_path: Path, method: dict, pixel: np.ndarray):
     block = structure.blocks[method["layer"] - 1]
     logits = block.softmax.inputs[0]
     model.graph.outputs.append(logits)
-    outputs = run_session(ort_session(ir.to_proto(model).SerializeToString()), pixel)
+    probe = dense_path.with_name(".probe.onnx")  # beside the weights it refers to
+    ir.save(model, probe)
+    try:
+        outputs = run_session(ort_session(probe), pixel)
+    finally:
+        probe.unlink()
     cls_row = torch.from_numpy(outputs[logits.name][:, :, 0, :]).double()
     attn = cls_row.softmax(-1).mean(1)[:, 1:]
     variance = patch_variance(torch.from_numpy(pixel).double(), structure.patch_size) if method["lambda"] else None

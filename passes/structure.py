@@ -52,7 +52,13 @@ class TowerStructure:
 
 
 def _scalar_const(value: ir.Value | None) -> bool:
-    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    """A constant scalar, possibly behind Cast/CastLike (exporters cast the scale to Q's dtype)."""
+    if value is None:
+        return False
+    producer = value.producer()
+    if producer is not None and producer.op_type in ("Cast", "CastLike"):
+        return _scalar_const(producer.inputs[0])
+    tensor = ir.convenience.get_const_tensor(value)
     return tensor is not None and tensor.size == 1
 
 

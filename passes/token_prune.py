@@ -234,7 +234,7 @@ def _patch_variance(b: _Builder, structure: TowerStructure, n: int) -> ir.Value:
 
 # Inputs that carry shapes or token positions, by op type: a constant there that
 # equals the old token count is the token count.
-_SHAPE_INPUTS = {"Reshape": (1,), "Expand": (1,), "ConstantOfShape": (0,), "Slice": (1, 2), "Tile": (1,)}
+_SHAPE_INPUTS = {"Reshape": (1,), "Expand": (1,), "ConstantOfShape": (0,), "Slice": (1, 2), "Tile": (1,), "Range": (1,)}
 
 
 class RetargetTokenCountPass(ir.passes.InPlacePass):
@@ -267,23 +267,44 @@ class RetargetTokenCountPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
     def _retarget_node(self, graph: ir.Graph, node: ir.Node, old: int, new: int) -> None:
-        positions = _SHAPE_INPUTS.get(node.op_type, ())
-        if node.op_type == "Concat":  # pieces of a runtime-built shape
-            positions = range(len(node.inputs))
-        for idx in positions:
-            if idx >= len(node.inputs):
-                continue
-            values = const_ints(node.inputs[idx])
-            if values is None or values.ndim > 1 or old not in values.reshape(-1):
-                continue
-            fixed = np.where(values == old, new, values).astype(values.dtype)
-            replacement = ir.Value(name=f"{node.inputs[idx].name}_retok{new}", const_value=ir.tensor(fixed))
-            replacement.type = node.inputs[idx].type
-            replacement.shape = ir.Shape(fixed.shape)
-            if replacement.name not in graph.initializers:
+        for idx in _SHAPE_INPUTS.get(node.op_type, ()):
+            if idx < len(node.inputs) and node.inputs[idx] is not None:
+                fixed = self._retarget_value(graph, node.inputs[idx], node, old, new)
+                if fixed is not node.inputs[idx]:
+                    node.replace_input_with(idx, fixed)
+
+    def _retarget_value(self, graph: ir.Graph, value: ir.Value, consumer: ir.Node, old: int, new: int) -> ir.Value:
+        """value with `old` replaced by `new`: a fresh constant, or a fresh Concat of retargeted pieces.
+
+        Shape vectors are often built as Concat(batch, 577, H, dh) from the pixel input's
+        batch size, upstream of the pruning point and possibly shared with earlier blocks,
+        so nothing existing is modified: the consumer gets its own copy.
+        """
+        values = const_ints(value)
+        if values is not None:
+            if values.ndim > 1 or old not in values.reshape(-1):
+                return value
+            name = f"{value.name}_retok{new}"
+            if name not in graph.initializers:
+                fixed = np.where(values == old, new, values).astype(values.dtype)
+                replacement = ir.Value(name=name, const_value=ir.tensor(fixed))
+                replacement.type = value.type
+                replacement.shape = ir.Shape(fixed.shape)
                 graph.register_initializer(replacement)
-            node.replace_input_with(idx, graph.initializers[replacement.name])
             self.rewritten += 1
+            return graph.initializers[name]
+        producer = value.producer()
+        if producer is None or producer.op_type != "Concat":
+            return value
+        pieces = [self._retarget_value(graph, v, consumer, old, new) for v in producer.inputs]
+        if all(p is v for p, v in zip(pieces, producer.inputs)):
+            return value
+        concat = ir.node("Concat", pieces, attributes={"axis": producer.attributes.get_int("axis", 0)},
+                         name=f"{producer.name}_retok{new}")
+        concat.outputs[0].name = f"{value.name}_retok{new}_{consumer.name}"
+        concat.outputs[0].type = value.type
+        graph.insert_before(consumer, concat)
+        return concat.outputs[0]
 
 
 def _downstream_nodes(value: ir.Value) -> list[ir.Node]:

@@ -29,7 +29,8 @@ class OrtTarget(Target):
         return {"onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__}
 
     def pipeline(self, config) -> list[ir.passes.PassBase]:
-        return [InsertTokenPrunePass(config), RetargetTokenCountPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
+        prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
+        return [*prune, RemoveUnusedNodesPass(), TopologicalSortPass()]
 
     def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
         ir.save(decomposed, out_dir / "model.onnx")

@@ -1,0 +1,108 @@
+"""Loading Hugging Face directories, .onnx towers and presets; parity on each."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend import load_source
+from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+
+def test_llava_dir_honours_feature_layer_and_strategy(tiny_llava_dir):
+    source = load_source(str(tiny_llava_dir))
+    assert source.kind == "hf" and source.has_cls
+    assert source.num_blocks == 2  # vision_feature_layer -2 of 3 layers
+    assert source.pipeline.drop_cls and source.pipeline.projector is not None
+    full = load_source(str(tiny_llava_dir), feature_layer=-1)
+    assert full.num_blocks == 3
+
+
+def test_llava_dir_weights_really_loaded(tiny_llava_dir):
+    from transformers import LlavaForConditionalGeneration
+
+    hf = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir).eval()
+    ours = load_source(str(tiny_llava_dir)).pipeline
+    x = torch.randn(2, 3, 112, 112, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf.get_image_features(pixel_values=x, vision_feature_layer=-2, vision_feature_select_strategy="default")
+        expected = expected.pooler_output if hasattr(expected, "pooler_output") else expected
+        expected = torch.stack(list(expected)) if isinstance(expected, (list, tuple)) else expected
+        got = ours(x)
+    torch.testing.assert_close(got, expected.reshape(got.shape), atol=1e-5, rtol=1e-4)
+
+
+def test_full_select_strategy_keeps_cls(tiny_llava_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "llava_full"
+    shutil.copytree(tiny_llava_dir, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["vision_feature_select_strategy"] = "full"
+    (copy / "config.json").write_text(json.dumps(cfg))
+    result = compile_model(str(copy), tmp_path / "b", CompileOptions(keep=10, layer=2))
+    assert result.report.passed
+    features = next(o for o in result.manifest["outputs"] if o["name"] == "image_features")
+    assert features["shape"][1] == 1 + 10 + 1
+
+
+def test_clip_dir_with_projector(tiny_clip_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    copy = tmp_path / "clip_proj"
+    shutil.copytree(tiny_clip_dir, copy)
+    g = torch.Generator().manual_seed(0)
+    save_file({"model.mm_projector.0.weight": torch.randn(40, 32, generator=g), "model.mm_projector.0.bias": torch.zeros(40),
+               "model.mm_projector.2.weight": torch.randn(40, 40, generator=g), "model.mm_projector.2.bias": torch.zeros(40)},
+              str(copy / "mm_projector.safetensors"))
+    source = load_source(str(copy))
+    assert source.pipeline.projector.linear_2.out_features == 40
+    result = compile_model(str(copy), tmp_path / "b", CompileOptions(keep=12, batch=1))
+    assert result.report.passed
+    assert result.manifest["inputs"][0]["shape"][0] == 1
+
+
+def test_onnx_tower_source(tiny_dense_path, tmp_path):
+    result = compile_model(str(tiny_dense_path), tmp_path / "b", CompileOptions(keep=20, layer=2, lam=0.2))
+    stages = {s.stage: s for s in result.report.stages}
+    assert set(stages) == {"rewritten", "target"}  # no torch model: the selection is checked
+    assert stages["rewritten"].passed and stages["rewritten"].indices["agreement"] == 1.0
+
+
+def test_no_prune_baseline(tiny_llava_dir, tmp_path):
+    result = compile_model(str(tiny_llava_dir), tmp_path / "b", CompileOptions(prune=False))
+    assert result.report.passed
+    assert result.manifest["method"]["name"] == "none"
+    assert [o["name"] for o in result.manifest["outputs"]] == ["image_features"]
+
+
+def test_bad_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_source(str(tmp_path))
+
+
+def test_refuses_pickle_only_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "clip_vision_model"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(InputError, match="never unpickles"):
+        load_source(str(tmp_path))
+
+
+@pytest.mark.parametrize("batch,layer", [(1, 2), (3, None)])
+def test_demo_parity_inside_and_end(batch, layer, tmp_path):
+    result = compile_model("demo", tmp_path / "b", CompileOptions(keep=192, layer=layer, batch=batch))
+    assert result.report.passed, result.manifest["parity"]
+    for stage in result.report.stages:
+        if stage.indices:
+            assert stage.indices["agreement"] == 1.0
+        feats = stage.outputs["image_features"]
+        assert feats["cosine_min"] >= 0.99999 and feats["max_abs"] <= 1e-4
+    assert result.manifest["method"]["layer"] == (layer or 5)
+    assert np.all(np.array(result.manifest["inputs"][0]["shape"]) == [batch, 3, 336, 336])

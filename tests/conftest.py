@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny Hugging Face models saved offline, and compiled demo bundles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _tiny_vision(kind: str, image_size: int = 112):
+    from transformers import CLIPVisionConfig, SiglipVisionConfig
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                  image_size=image_size, patch_size=14)
+    return CLIPVisionConfig(**common) if kind == "clip" else SiglipVisionConfig(**common)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory):
+    """A LlavaForConditionalGeneration checkpoint (safetensors) with a 3-block CLIP tower, 64 patches."""
+    from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(1)
+    text = LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, vocab_size=128)
+    config = LlavaConfig(vision_config=_tiny_vision("clip"), text_config=text, vision_feature_layer=-2,
+                         vision_feature_select_strategy="default", image_token_index=100)
+    path = tmp_path_factory.mktemp("tiny_llava")
+    LlavaForConditionalGeneration(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_clip_dir(tmp_path_factory):
+    from transformers import CLIPVisionModel
+
+    torch.manual_seed(2)
+    path = tmp_path_factory.mktemp("tiny_clip")
+    CLIPVisionModel(_tiny_vision("clip")).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_siglip_dir(tmp_path_factory):
+    from transformers import SiglipVisionModel
+
+    torch.manual_seed(3)
+    path = tmp_path_factory.mktemp("tiny_siglip")
+    SiglipVisionModel(_tiny_vision("siglip")).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_source(tiny_clip_dir):
+    from vlmprune.compiler.frontend import load_source
+
+    return load_source(str(tiny_clip_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_path(tiny_source, tmp_path_factory):
+    """The tiny CLIP tower exported (dynamic batch) to an .onnx file."""
+    import onnx_ir as ir
+
+    from vlmprune.compiler.frontend import export_onnx
+
+    path = tmp_path_factory.mktemp("tiny_onnx") / "tower.onnx"
+    ir.save(export_onnx(tiny_source.pipeline, tiny_source.image_size, None, 18), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_bundle(tmp_path_factory):
+    """`demo` compiled for ort with dynamic batch, pruning inside the tower (after block 2)."""
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+    out = tmp_path_factory.mktemp("bundles") / "demo_l2"
+    return compile_model("demo", out, CompileOptions(keep=192, layer=2, lam=0.3))
