@@ -56,6 +56,9 @@ def staging(output: Path, force: bool):
         tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=parent))
     except OSError as exc:
         raise InputError(f"{parent}: cannot create a directory there ({exc.strerror})") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is not what a bundle should end up with
     try:
         yield tmp
         if output.exists():

@@ -172,7 +172,9 @@ def run(bundle_dir, image):
         pixel = load_image_file(image, pre["size"], pre["mean"], pre["std"])
     except Exception as exc:
         raise VlmpruneError(f"{image}: cannot read the image ({exc})") from None
-    outputs = run_session(ort_session(Path(bundle_dir) / "model.onnx"), pixel)
+    library = m["target"].get("custom_op_library")
+    libs = (Path(bundle_dir) / library,) if library else ()
+    outputs = run_session(ort_session(Path(bundle_dir) / "model.onnx", libs), pixel)
     for name, value in outputs.items():
         click.echo(f"{name}: shape {list(value.shape)} dtype {value.dtype}")
     if "kept_indices" in outputs:

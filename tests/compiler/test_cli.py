@@ -45,7 +45,7 @@ def test_check_inspect_run_on_demo(demo_bundle, tmp_path):
     result = _run("check", bundle, "--batch", 3, "--report", tmp_path / "r.json")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["passed"] and {s["stage"] for s in report["stages"]} == {"export", "rewritten", "target"}
+    assert report["passed"] and {s["stage"] for s in report["stages"]} == {"export", "rewritten", "fused"}
     assert all(s["indices"]["agreement"] == 1.0 for s in report["stages"] if s["indices"])
     result = _run("inspect", bundle)
     assert result.exit_code == 0 and "after block 2/5" in result.output and "sha256" in result.output

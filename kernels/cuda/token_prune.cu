@@ -1,0 +1,396 @@
+// CUDA kernels of vlmprune: TopK selection, gather + summary, [CLS]-row scorer.
+// Same semantics as kernels/cpu (shared/DESIGN.md "Pruning semantics"). Every entry
+// point only enqueues on the caller's stream: no allocation, no host synchronisation.
+//
+// Portability: plain C++14/17 CUDA that CUDA 11.4 (Xavier, sm_72) accepts as well as
+// CUDA 12/13 (Orin sm_87, Hopper sm_90): no cooperative groups, clusters or cuda::std.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "vlmprune/kernels.h"
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kMaxN = 4096;           // patch tokens per image: TopK row and slot-table size
+constexpr int kMaxT = kMaxN + 1;      // plus [CLS]
+constexpr int kMaxHeadDim = 1024;     // scorer: q row kept in shared memory
+constexpr int kMaxGridY = 65535;      // batch runs over gridDim.y
+
+// ------------------------------------------------------------------ helpers
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <typename E>
+__device__ __forceinline__ E from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+// VEC consecutive elements moved as one aligned load/store (up to 16 bytes).
+template <typename E, int VEC>
+struct alignas(sizeof(E) * VEC) Pack {
+  E v[VEC];
+};
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Block-wide reductions; every thread gets the result. red: >= 32 floats of shared memory.
+template <bool kMax>
+__device__ float block_reduce(float v, float* red) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = (blockDim.x + kWarp - 1) / kWarp;
+  v = kMax ? warp_max(v) : warp_sum(v);
+  __syncthreads();  // red may still be read by the previous reduction
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float r = lane < warps ? red[lane] : (kMax ? -INFINITY : 0.0f);
+  r = kMax ? warp_max(r) : warp_sum(r);
+  return r;
+}
+
+vlmp_status launch_status() {
+  // Peek, not Get: the header promises that cudaGetLastError() still has the reason.
+  return cudaPeekAtLastError() == cudaSuccess ? VLMP_OK : VLMP_ERR_CUDA;
+}
+
+bool valid_dtype(vlmp_dtype dt) { return dt == VLMP_FLOAT32 || dt == VLMP_FLOAT16; }
+
+// ---------------------------------------------------------------- selection
+
+// Same total order as the CPU kernel: score descending (NaN above +inf, -0 == +0),
+// then index ascending, packed so that a larger 64-bit key ranks first.
+__device__ __forceinline__ unsigned long long rank_key(float s, int i) {
+  unsigned u = __float_as_uint(s);
+  if ((u & 0x7fffffffu) > 0x7f800000u) u = 0x7fc00000u;
+  if (u == 0x80000000u) u = 0u;
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - static_cast<unsigned>(i));
+}
+
+__host__ __device__ __forceinline__ int next_pow2(int n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+// Sorts keys[0, n) into descending order; n is a power of two.
+__device__ void bitonic_sort_desc(unsigned long long* keys, int n) {
+  for (int k = 2; k <= n; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int partner = i ^ j;
+        if (partner > i) {
+          const unsigned long long a = keys[i], b = keys[partner];
+          const bool descending = (i & k) == 0;
+          if (descending ? (a < b) : (a > b)) {
+            keys[i] = b;
+            keys[partner] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+constexpr int kTopkThreads = 1024;
+
+// One block per row. Padding keys are 0, below every real key (whose high word is > 0).
+__global__ void __launch_bounds__(kTopkThreads)
+    select_topk_kernel(const float* __restrict__ scores, int N, int K, int64_t* __restrict__ kept) {
+  __shared__ unsigned long long keys[kMaxN];
+  const float* row = scores + static_cast<int64_t>(blockIdx.x) * N;
+  const int padded = next_pow2(N);
+  for (int i = threadIdx.x; i < padded; i += blockDim.x) keys[i] = i < N ? rank_key(row[i], i) : 0ull;
+  __syncthreads();
+  bitonic_sort_desc(keys, padded);
+
+  // The K winners' low words are 0xffffffff - index: sorting those descending
+  // yields ascending indices.
+  const int padded_k = next_pow2(K);
+  for (int i = threadIdx.x; i < padded_k; i += blockDim.x) keys[i] = i < K ? (keys[i] & 0xffffffffull) : 0ull;
+  __syncthreads();
+  bitonic_sort_desc(keys, padded_k);
+  int64_t* out = kept + static_cast<int64_t>(blockIdx.x) * K;
+  for (int j = threadIdx.x; j < K; j += blockDim.x) out[j] = 0xffffffffu - static_cast<unsigned>(keys[j]);
+}
+
+// ------------------------------------------------------------ gather/summary
+
+constexpr int kGatherWarps = 16;  // warps per block, each walking every kGatherWarps-th token
+constexpr int kGatherUnroll = 16; // token rows each warp has in flight
+
+// Block (column slice x, image y). Each lane owns VEC columns; every input token is
+// read once: a kept token is stored to its output row, a pruned one is added to
+// the lane's fp32 running sum. The token -> output-row map is rebuilt per block in
+// shared memory from the ascending kept list (no global workspace).
+template <typename E, int VEC>
+__global__ void __launch_bounds__(kGatherWarps* kWarp)
+    gather_summary_kernel(const E* __restrict__ hidden, int T, int D, int has_cls, const int64_t* __restrict__ kept,
+                          int K, E* __restrict__ out) {
+  __shared__ short slot[kMaxT];  // output row of input token t, or -1 when pruned
+  __shared__ float partial[kGatherWarps][kWarp * VEC];
+  typedef Pack<E, VEC> P;
+  const int N = T - has_cls, lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t b = blockIdx.y;
+
+  for (int t = threadIdx.x; t < T; t += blockDim.x) slot[t] = (has_cls && t == 0) ? 0 : -1;
+  __syncthreads();
+  const int64_t* kb = kept + b * K;
+  for (int j = threadIdx.x; j < K; j += blockDim.x) {
+    const int64_t i = kb[j];
+    if (i >= 0 && i < N) slot[has_cls + i] = static_cast<short>(has_cls + j);  // out-of-range ids are ignored
+  }
+  __syncthreads();
+
+  const int col = (blockIdx.x * kWarp + lane) * VEC;
+  const bool active = col < D;  // the host picks VEC dividing D
+  const E* src = hidden + b * T * D + col;
+  E* dst = out + b * (has_cls + K + 1) * D + col;
+  float acc[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
+
+  if (active) {
+    for (int t0 = warp; t0 < T; t0 += kGatherWarps * kGatherUnroll) {
+      P v[kGatherUnroll];
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) {  // issue all loads first: memory-level parallelism
+        const int t = t0 + u * kGatherWarps;
+        if (t < T) v[u] = *reinterpret_cast<const P*>(src + static_cast<int64_t>(t) * D);
+      }
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) {
+        const int t = t0 + u * kGatherWarps;
+        if (t >= T) break;
+        const int s = slot[t];  // uniform across the warp: no divergence
+        if (s >= 0) {
+          *reinterpret_cast<P*>(dst + static_cast<int64_t>(s) * D) = v[u];
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[e] += to_f32(v[u].v[e]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) partial[warp][lane * VEC + e] = acc[e];
+  __syncthreads();
+  if (warp == 0 && active) {
+    const float count = static_cast<float>(N - K);
+    P r;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      float sum = 0.0f;
+      for (int w = 0; w < kGatherWarps; ++w) sum += partial[w][lane * VEC + e];
+      r.v[e] = from_f32<E>(sum / count);
+    }
+    *reinterpret_cast<P*>(dst + static_cast<int64_t>(has_cls + K) * D) = r;
+  }
+}
+
+// Widest lane width (16, 8, 4, 2 bytes...) that D and the pointers allow, narrowed
+// while the grid would leave SMs idle: more column slices = more blocks.
+int gather_vec(size_t es, int64_t B, int64_t D, const void* hidden, const void* out) {
+  int sms = 0, dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    sms = 80;
+  const uintptr_t align = reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(out);
+  int vec = static_cast<int>(16 / es);
+  while (vec > 1 && (D % vec != 0 || align % (vec * es) != 0)) vec >>= 1;
+  const int min_vec = es == 2 ? 2 : 1;  // keep >= 4-byte lanes
+  while (vec > min_vec && B * ((D + kWarp * vec - 1) / (kWarp * vec)) < 2 * sms) vec >>= 1;
+  return vec;
+}
+
+template <typename E>
+vlmp_status launch_gather(const void* hidden, int64_t B, int64_t T, int64_t D, int has_cls, const int64_t* kept,
+                          int64_t K, void* out, cudaStream_t stream) {
+  const int vec = gather_vec(sizeof(E), B, D, hidden, out);
+  const dim3 grid(static_cast<unsigned>((D + kWarp * vec - 1) / (kWarp * vec)), static_cast<unsigned>(B));
+  const dim3 block(kGatherWarps * kWarp);
+  const E* h = static_cast<const E*>(hidden);
+  E* o = static_cast<E*>(out);
+  const int t = static_cast<int>(T), d = static_cast<int>(D), k = static_cast<int>(K);
+  switch (vec) {
+    case 8: gather_summary_kernel<E, (sizeof(E) == 2 ? 8 : 4)><<<grid, block, 0, stream>>>(h, t, d, has_cls, kept, k, o); break;
+    case 4: gather_summary_kernel<E, 4><<<grid, block, 0, stream>>>(h, t, d, has_cls, kept, k, o); break;
+    case 2: gather_summary_kernel<E, 2><<<grid, block, 0, stream>>>(h, t, d, has_cls, kept, k, o); break;
+    default: gather_summary_kernel<E, 1><<<grid, block, 0, stream>>>(h, t, d, has_cls, kept, k, o); break;
+  }
+  return launch_status();
+}
+
+// ------------------------------------------------------------------ scorer
+
+constexpr int kScoreThreads = 1024;
+
+// Symmetric per-vector int8 quantisation, bit-identical to the CPU kernel.
+__device__ __forceinline__ float quant_scale(float max_abs) { return max_abs > 0.0f ? max_abs / 127.0f : 1.0f; }
+__device__ __forceinline__ int quantize(float x, float s) {
+  return static_cast<int>(fminf(127.0f, fmaxf(-127.0f, rintf(x / s))));
+}
+
+// logits[t] = scale * q . k_t for k laid out [dh, T]: one thread per key.
+template <typename E>
+__device__ void logits_transposed(const float* qf, const int* qi, float sq, const E* k, int T, int dh, float scale,
+                                  bool int8, float* logits) {
+  for (int t = threadIdx.x; t < T; t += blockDim.x) {
+    if (!int8) {
+      float s = 0.0f;
+      for (int d = 0; d < dh; ++d) s += qf[d] * to_f32(k[static_cast<int64_t>(d) * T + t]);
+      logits[t] = s * scale;
+    } else {
+      float m = 0.0f;
+      for (int d = 0; d < dh; ++d) m = fmaxf(m, fabsf(to_f32(k[static_cast<int64_t>(d) * T + t])));
+      const float sk = quant_scale(m);
+      int dot = 0;
+      for (int d = 0; d < dh; ++d) dot += qi[d] * quantize(to_f32(k[static_cast<int64_t>(d) * T + t]), sk);
+      logits[t] = scale * ((sq * sk) * static_cast<float>(dot));
+    }
+  }
+}
+
+// Same for k laid out [T, dh]: one warp per key, lanes across dh.
+template <typename E>
+__device__ void logits_rows(const float* qf, const int* qi, float sq, const E* k, int T, int dh, float scale,
+                            bool int8, float* logits) {
+  const int lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+  for (int t = threadIdx.x / kWarp; t < T; t += warps) {
+    const E* kt = k + static_cast<int64_t>(t) * dh;
+    if (!int8) {
+      float s = 0.0f;
+      for (int d = lane; d < dh; d += kWarp) s += qf[d] * to_f32(kt[d]);
+      s = warp_sum(s);
+      if (lane == 0) logits[t] = scale * s;
+    } else {
+      float m = 0.0f;
+      for (int d = lane; d < dh; d += kWarp) m = fmaxf(m, fabsf(to_f32(kt[d])));
+      const float sk = quant_scale(warp_max(m));
+      int dot = 0;
+      for (int d = lane; d < dh; d += kWarp) dot += qi[d] * quantize(to_f32(kt[d]), sk);
+      dot = warp_sum(dot);
+      if (lane == 0) logits[t] = scale * ((sq * sk) * static_cast<float>(dot));
+    }
+  }
+}
+
+// One block per image; heads in sequence so the mean over heads needs no atomics
+// (deterministic, and the same summation order on every run).
+template <typename E>
+__global__ void __launch_bounds__(kScoreThreads)
+    cls_scores_kernel(const E* __restrict__ q, const E* __restrict__ k, int H, int T, int dh, int k_transposed,
+                      float scale, int has_cls, int int8, float* __restrict__ scores) {
+  __shared__ float logits[kMaxT];
+  __shared__ float acc[kMaxT];
+  __shared__ float qf[kMaxHeadDim];
+  __shared__ int qi[kMaxHeadDim];
+  __shared__ float red[kWarp];
+  const int64_t b = blockIdx.x;
+  const int N = T - has_cls;
+  for (int i = threadIdx.x; i < N; i += blockDim.x) acc[i] = 0.0f;
+
+  for (int h = 0; h < H; ++h) {
+    const int64_t head = (b * H + h) * static_cast<int64_t>(T) * dh;
+    float q_max = 0.0f;
+    for (int d = threadIdx.x; d < dh; d += blockDim.x) {
+      qf[d] = to_f32(q[head + d]);  // row 0: the [CLS] query
+      q_max = fmaxf(q_max, fabsf(qf[d]));
+    }
+    const float sq = quant_scale(block_reduce<true>(q_max, red));
+    if (int8) {
+      for (int d = threadIdx.x; d < dh; d += blockDim.x) qi[d] = quantize(qf[d], sq);
+    }
+    __syncthreads();
+    if (k_transposed) {
+      logits_transposed(qf, qi, sq, k + head, T, dh, scale, int8 != 0, logits);
+    } else {
+      logits_rows(qf, qi, sq, k + head, T, dh, scale, int8 != 0, logits);
+    }
+    __syncthreads();
+
+    float m = -INFINITY;
+    for (int t = threadIdx.x; t < T; t += blockDim.x) m = fmaxf(m, logits[t]);
+    m = block_reduce<true>(m, red);
+    float sum = 0.0f;
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
+      logits[t] = expf(logits[t] - m);
+      sum += logits[t];
+    }
+    sum = block_reduce<false>(sum, red);
+    for (int i = threadIdx.x; i < N; i += blockDim.x) acc[i] += logits[has_cls + i] / sum;
+    __syncthreads();  // qf, qi and logits are rewritten by the next head
+  }
+  const float heads = static_cast<float>(H);
+  for (int i = threadIdx.x; i < N; i += blockDim.x) scores[b * N + i] = acc[i] / heads;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ C ABI
+
+extern "C" {
+
+vlmp_status vlmp_select_topk_cuda(const float* scores, int64_t B, int64_t N, int64_t K, int64_t* kept, void* stream) {
+  if (B < 0 || K < 1 || K >= N) return VLMP_ERR_INVALID_ARGUMENT;
+  if (B > 0 && (scores == nullptr || kept == nullptr)) return VLMP_ERR_INVALID_ARGUMENT;
+  if (N > kMaxN || B > 0x7fffffff) return VLMP_ERR_UNSUPPORTED;
+  if (B == 0) return VLMP_OK;
+  select_topk_kernel<<<static_cast<unsigned>(B), kTopkThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      scores, static_cast<int>(N), static_cast<int>(K), kept);
+  return launch_status();
+}
+
+vlmp_status vlmp_gather_summary_cuda(vlmp_dtype dt, const void* hidden, int64_t B, int64_t T, int64_t D, int has_cls,
+                                     const int64_t* kept, int64_t K, void* out, void* stream) {
+  if (!valid_dtype(dt)) return VLMP_ERR_UNSUPPORTED;
+  if (B < 0 || D < 1 || (has_cls != 0 && has_cls != 1)) return VLMP_ERR_INVALID_ARGUMENT;
+  const int64_t N = T - has_cls;
+  if (K < 1 || K >= N) return VLMP_ERR_INVALID_ARGUMENT;
+  if (B > 0 && (hidden == nullptr || kept == nullptr || out == nullptr)) return VLMP_ERR_INVALID_ARGUMENT;
+  if (N > kMaxN || B > kMaxGridY || D > 0x7fffffff) return VLMP_ERR_UNSUPPORTED;
+  if (B == 0) return VLMP_OK;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dt == VLMP_FLOAT16 ? launch_gather<__half>(hidden, B, T, D, has_cls, kept, K, out, s)
+                            : launch_gather<float>(hidden, B, T, D, has_cls, kept, K, out, s);
+}
+
+vlmp_status vlmp_cls_scores_cuda(vlmp_dtype dt, const void* q, const void* k, int64_t B, int64_t H, int64_t T,
+                                 int64_t dh, int k_transposed, float scale, int has_cls, int int8, float* scores,
+                                 void* stream) {
+  if (!valid_dtype(dt)) return VLMP_ERR_UNSUPPORTED;
+  if (B < 0 || H < 1 || dh < 1 || (has_cls != 0 && has_cls != 1) || T - has_cls < 1) return VLMP_ERR_INVALID_ARGUMENT;
+  if (B > 0 && (q == nullptr || k == nullptr || scores == nullptr)) return VLMP_ERR_INVALID_ARGUMENT;
+  if (T > kMaxT || dh > kMaxHeadDim || B > 0x7fffffff || H > 0x7fffffff) return VLMP_ERR_UNSUPPORTED;
+  if (B == 0) return VLMP_OK;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const unsigned grid = static_cast<unsigned>(B);
+  const int h = static_cast<int>(H), t = static_cast<int>(T), d = static_cast<int>(dh);
+  if (dt == VLMP_FLOAT16) {
+    cls_scores_kernel<__half><<<grid, kScoreThreads, 0, s>>>(static_cast<const __half*>(q),
+                                                             static_cast<const __half*>(k), h, t, d, k_transposed,
+                                                             scale, has_cls, int8, scores);
+  } else {
+    cls_scores_kernel<float><<<grid, kScoreThreads, 0, s>>>(static_cast<const float*>(q), static_cast<const float*>(k),
+                                                            h, t, d, k_transposed, scale, has_cls, int8, scores);
+  }
+  return launch_status();
+}
+
+}  // extern "C"

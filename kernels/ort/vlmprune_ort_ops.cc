@@ -1,0 +1,283 @@
+// ONNX Runtime custom-op library, domain "vlmprune":
+//   TokenPrune(hidden [B,T,D] f32|f16, scores [B,N] f32; keep, has_cls)
+//       -> tokens [B, has_cls+keep+1, D], kept_indices [B, keep] int64
+//   ClsAttentionScore(q [B,H,T|1,dh], k [B,H,dh,T] | [B,H,T,dh]; scale, has_cls, int8, k_transposed)
+//       -> scores [B, T-has_cls] f32
+// Both run the CPU kernels of kernels/cpu over ONNX Runtime's intra-op thread pool.
+// The library also exports the vlmp_* C functions (see the build's version script).
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include <algorithm>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "token_prune_cpu.h"
+#include "vlmprune/kernels.h"
+
+namespace {
+
+constexpr const char* kDomain = "vlmprune";
+// CreateKernelV2/KernelComputeV2 arrived with API 16, KernelContext_ParallelFor with 17.
+constexpr uint32_t kMinApiVersion = 17;
+
+// ------------------------------------------------------------------- errors
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << ']';
+  return os.str();
+}
+
+[[noreturn]] void fail(const char* op, const std::string& message) {
+  throw Ort::Exception(std::string("vlmprune.") + op + ": " + message, ORT_INVALID_ARGUMENT);
+}
+
+// Exceptions must not cross the C boundary into ONNX Runtime: turn them into statuses.
+template <typename F>
+OrtStatusPtr guarded(const char* op, F&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const Ort::Exception& e) {
+    return Ort::Status(e).release();
+  } catch (const std::exception& e) {
+    return Ort::Status((std::string("vlmprune.") + op + ": " + e.what()).c_str(), ORT_FAIL).release();
+  }
+}
+
+// ------------------------------------------------------------- attributes
+
+int64_t attr_int(const OrtApi& api, const OrtKernelInfo* info, const char* op, const char* name, bool required,
+                 int64_t fallback) {
+  int64_t value = 0;
+  if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, name, &value)) {
+    api.ReleaseStatus(st);
+    if (required) fail(op, std::string("attribute '") + name + "' (int) is required");
+    return fallback;
+  }
+  return value;
+}
+
+float attr_float(const OrtApi& api, const OrtKernelInfo* info, const char* name, float fallback) {
+  float value = 0.0f;
+  if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, name, &value)) {
+    api.ReleaseStatus(st);
+    return fallback;
+  }
+  return value;
+}
+
+int attr_flag(const OrtApi& api, const OrtKernelInfo* info, const char* op, const char* name, int64_t fallback) {
+  const int64_t v = attr_int(api, info, op, name, false, fallback);
+  if (v != 0 && v != 1) fail(op, std::string("attribute '") + name + "' must be 0 or 1, got " + std::to_string(v));
+  return static_cast<int>(v);
+}
+
+// ------------------------------------------------------------------ helpers
+
+vlmp_dtype dtype_of(ONNXTensorElementDataType t, const char* op, const char* input) {
+  if (t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return VLMP_FLOAT32;
+  if (t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) return VLMP_FLOAT16;
+  fail(op, std::string("input '") + input + "' must be float or float16, got ONNX element type " + std::to_string(t));
+}
+
+// Runs f(0..n-1) on ONNX Runtime's intra-op pool; f must not throw.
+template <typename F>
+void parallel_for(const Ort::KernelContext& ctx, size_t n, F& f) {
+  if (n == 1) {
+    f(0);
+    return;
+  }
+  ctx.ParallelFor([](void* user, size_t i) { (*static_cast<F*>(user))(i); }, n, 0, &f);
+}
+
+// Column blocks per image for the gather: enough tasks to feed a thread pool, but
+// blocks of >= 256 columns so each token row is still read in long contiguous runs.
+int64_t column_blocks(int64_t B, int64_t D) {
+  constexpr int64_t kTargetTasks = 64;
+  constexpr int64_t kMinColumns = 256;
+  const int64_t want = (kTargetTasks + B - 1) / B;
+  return std::max<int64_t>(1, std::min(want, D / kMinColumns));
+}
+
+// ---------------------------------------------------------------- TokenPrune
+
+constexpr const char* kTokenPrune = "TokenPrune";
+
+struct TokenPruneKernel {
+  TokenPruneKernel(const OrtApi& api, const OrtKernelInfo* info)
+      : keep_(attr_int(api, info, kTokenPrune, "keep", true, 0)),
+        has_cls_(attr_flag(api, info, kTokenPrune, "has_cls", 1)) {
+    if (keep_ < 1) fail(kTokenPrune, "attribute 'keep' must be >= 1, got " + std::to_string(keep_));
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return guarded(kTokenPrune, [&] { Compute(Ort::KernelContext(context)); });
+  }
+
+  void Compute(const Ort::KernelContext& ctx) const {
+    const Ort::ConstValue hidden = ctx.GetInput(0);
+    const Ort::ConstValue scores = ctx.GetInput(1);
+    const auto h_info = hidden.GetTensorTypeAndShapeInfo();
+    const std::vector<int64_t> hs = h_info.GetShape();
+    const std::vector<int64_t> ss = scores.GetTensorTypeAndShapeInfo().GetShape();
+    const vlmp_dtype dt = dtype_of(h_info.GetElementType(), kTokenPrune, "hidden");
+    if (hs.size() != 3) fail(kTokenPrune, "hidden must be [B, T, D], got " + shape_str(hs));
+    const int64_t B = hs[0], T = hs[1], D = hs[2], N = T - has_cls_, K = keep_;
+    if (ss.size() != 2 || ss[0] != B || ss[1] != N) {
+      fail(kTokenPrune, "scores must be [B, T - has_cls] = " + shape_str({B, N}) + " for hidden " + shape_str(hs) +
+                            " and has_cls=" + std::to_string(has_cls_) + ", got " + shape_str(ss));
+    }
+    if (K >= N) {
+      fail(kTokenPrune, "keep=" + std::to_string(K) + " must satisfy 1 <= keep < N, the " + std::to_string(N) +
+                            " patch tokens of hidden " + shape_str(hs));
+    }
+    Ort::UnownedValue tokens = ctx.GetOutput(0, {B, has_cls_ + K + 1, D});
+    Ort::UnownedValue kept_value = ctx.GetOutput(1, {B, K});
+    if (B == 0 || D == 0) return;
+
+    const float* s = scores.GetTensorData<float>();
+    int64_t* kept = kept_value.GetTensorMutableData<int64_t>();
+    auto select = [&](size_t b) { vlmp::cpu::select_topk_row(s + b * N, N, K, kept + b * K); };
+    parallel_for(ctx, static_cast<size_t>(B), select);
+
+    const size_t es = vlmp::cpu::dtype_size(dt);
+    const char* src = static_cast<const char*>(hidden.GetTensorRawData());
+    char* dst = static_cast<char*>(tokens.GetTensorMutableRawData());
+    const int64_t blocks = column_blocks(B, D);
+    const int64_t width = (D + blocks - 1) / blocks;
+    const int64_t out_rows = has_cls_ + K + 1;
+    const int has_cls = has_cls_;
+    auto gather = [&](size_t task) {
+      const int64_t b = static_cast<int64_t>(task) / blocks, c0 = (static_cast<int64_t>(task) % blocks) * width;
+      const int64_t c1 = std::min(D, c0 + width);
+      if (c0 >= c1) return;
+      vlmp::cpu::gather_summary_image(dt, src + static_cast<size_t>(b * T * D) * es, T, D, has_cls, kept + b * K, K,
+                                      dst + static_cast<size_t>(b * out_rows * D) * es, c0, c1);
+    };
+    parallel_for(ctx, static_cast<size_t>(B * blocks), gather);
+  }
+
+  int64_t keep_;
+  int has_cls_;
+};
+
+struct TokenPruneOp : Ort::CustomOpBase<TokenPruneOp, TokenPruneKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return guarded(kTokenPrune, [&] { *kernel = new TokenPruneKernel(api, info); });
+  }
+  const char* GetName() const { return kTokenPrune; }
+  size_t GetInputTypeCount() const { return 2; }
+  // hidden: float or float16 (UNDEFINED lets ONNX Runtime propagate its type to output 0).
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  }
+};
+
+// --------------------------------------------------------- ClsAttentionScore
+
+constexpr const char* kClsScore = "ClsAttentionScore";
+
+struct ClsAttentionScoreKernel {
+  ClsAttentionScoreKernel(const OrtApi& api, const OrtKernelInfo* info)
+      : scale_(attr_float(api, info, "scale", 1.0f)),
+        has_cls_(attr_flag(api, info, kClsScore, "has_cls", 1)),
+        int8_(attr_flag(api, info, kClsScore, "int8", 0)),
+        k_transposed_(attr_flag(api, info, kClsScore, "k_transposed", 1)) {}
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return guarded(kClsScore, [&] { Compute(Ort::KernelContext(context)); });
+  }
+
+  void Compute(const Ort::KernelContext& ctx) const {
+    const Ort::ConstValue q = ctx.GetInput(0);
+    const Ort::ConstValue k = ctx.GetInput(1);
+    const auto q_info = q.GetTensorTypeAndShapeInfo();
+    const auto k_info = k.GetTensorTypeAndShapeInfo();
+    const std::vector<int64_t> qs = q_info.GetShape(), ks = k_info.GetShape();
+    const vlmp_dtype dt = dtype_of(q_info.GetElementType(), kClsScore, "q");
+    if (k_info.GetElementType() != q_info.GetElementType()) fail(kClsScore, "q and k must have the same element type");
+    if (qs.size() != 4) fail(kClsScore, "q must be [B, H, T, dh] (or [B, H, 1, dh]), got " + shape_str(qs));
+    if (ks.size() != 4) fail(kClsScore, "k must be a rank-4 tensor, got " + shape_str(ks));
+    const int64_t B = qs[0], H = qs[1], q_rows = qs[2], dh = qs[3];
+    const int64_t T = k_transposed_ ? ks[3] : ks[2];
+    const std::vector<int64_t> expect_k = k_transposed_ ? std::vector<int64_t>{B, H, dh, T}
+                                                        : std::vector<int64_t>{B, H, T, dh};
+    if (ks != expect_k) {
+      fail(kClsScore, "k must be " + std::string(k_transposed_ ? "[B, H, dh, T]" : "[B, H, T, dh]") + " = " +
+                          shape_str(expect_k) + " for q " + shape_str(qs) + ", got " + shape_str(ks));
+    }
+    if (q_rows != T && q_rows != 1) fail(kClsScore, "q must have T=" + std::to_string(T) + " or 1 rows, got " + shape_str(qs));
+    if (T - has_cls_ < 1) fail(kClsScore, "k has no patch tokens (T=" + std::to_string(T) + ")");
+    const int64_t N = T - has_cls_;
+    Ort::UnownedValue out = ctx.GetOutput(0, {B, N});
+    if (B == 0 || H == 0 || dh == 0) return;
+
+    const size_t es = vlmp::cpu::dtype_size(dt);
+    const char* qp = static_cast<const char*>(q.GetTensorRawData());
+    const char* kp = static_cast<const char*>(k.GetTensorRawData());
+    float* scores = out.GetTensorMutableData<float>();
+    auto image = [&](size_t b) {
+      vlmp::cpu::cls_scores_image(dt, qp + b * static_cast<size_t>(H * q_rows * dh) * es, q_rows,
+                                  kp + b * static_cast<size_t>(H * T * dh) * es, H, T, dh, k_transposed_, scale_,
+                                  has_cls_, int8_, scores + b * N);
+    };
+    parallel_for(ctx, static_cast<size_t>(B), image);
+  }
+
+  float scale_;
+  int has_cls_, int8_, k_transposed_;
+};
+
+struct ClsAttentionScoreOp : Ort::CustomOpBase<ClsAttentionScoreOp, ClsAttentionScoreKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return guarded(kClsScore, [&] { *kernel = new ClsAttentionScoreKernel(api, info); });
+  }
+  const char* GetName() const { return kClsScore; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+const OrtApi* newest_api(const OrtApiBase* base) {
+  for (uint32_t v = ORT_API_VERSION; v >= kMinApiVersion; --v) {
+    if (const OrtApi* api = base->GetApi(v)) return api;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = newest_api(api_base);
+  if (api == nullptr) {
+    // API 1 always exists and can at least report why we refuse to load.
+    return api_base->GetApi(1)->CreateStatus(ORT_FAIL, "vlmprune custom ops need onnxruntime >= 1.17");
+  }
+  Ort::InitApi(api);
+  static const TokenPruneOp token_prune;
+  static const ClsAttentionScoreOp cls_score;
+  // Domains must outlive every session that uses them. They are kept until exit and
+  // deliberately never released: at exit ONNX Runtime may already be unloaded.
+  static std::mutex mutex;
+  static auto* domains = new std::vector<OrtCustomOpDomain*>();
+  return guarded("RegisterCustomOps", [&] {
+    Ort::CustomOpDomain domain{kDomain};
+    domain.Add(&token_prune);
+    domain.Add(&cls_score);
+    Ort::UnownedSessionOptions(options).Add(domain);
+    std::lock_guard<std::mutex> lock(mutex);
+    domains->push_back(domain.release());
+  });
+}
