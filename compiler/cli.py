@@ -53,12 +53,14 @@ def main():
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@click.option("--debug", is_flag=True, help="If a fusion does not fire, print why each near-match failed.")
 @_one_line_errors
-def compile(model, target, keep, layer, lam, no_prune, batch, opset, feature_layer, output, force, as_json, quiet):
+def compile(model, target, keep, layer, lam, no_prune, batch, opset, feature_layer, output, force, as_json, quiet,
+            debug):
     """Compile MODEL (a preset such as `demo`, a Hugging Face directory, or an .onnx tower) into a bundle."""
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
-    options = CompileOptions(target, keep, layer, lam, not no_prune, batch, opset, feature_layer, force)
+    options = CompileOptions(target, keep, layer, lam, not no_prune, batch, opset, feature_layer, force, debug)
     result = compile_model(model, output, options, _progress(quiet or as_json))
     manifest = result.manifest
     summary = {"bundle": str(result.bundle), "target": target, "method": manifest["method"],

@@ -40,6 +40,7 @@ class CompileOptions:
     opset: int = 18
     feature_layer: int | None = None
     force: bool = False
+    debug: bool = False  # on a failed fusion, report every near-match and why it failed
 
 
 @dataclasses.dataclass
@@ -81,7 +82,7 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
         decomposed, site = _run_pipeline(target, config, dense)
         ir.save(decomposed, tmp / "model.decomposed.onnx")
         timer.step(f"emit target {target.name}")
-        target_fields = target.emit(decomposed, tmp, {"site": site, "options": options})
+        target_fields = target.emit(decomposed, tmp, {"site": site, "options": options, "debug": options.debug})
         manifest = _manifest(source, options, target, site, decomposed, target_fields)
         timer.step("parity")
         report = _parity(source, dense_path, tmp, manifest, target, options.batch or 2, progress=timer.step)
@@ -105,7 +106,7 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
     source = load_source(source_spec, manifest["model"].get("feature_layer_override"))
     if source.content_hash != manifest["model"]["sha256"]:
         raise InputError(f"{source_spec} has changed since the bundle was compiled (content hash differs)")
-    options = CompileOptions(**manifest["compile_options"])
+    options = CompileOptions(**{**manifest["compile_options"], "debug": False})
     with tempfile.TemporaryDirectory(prefix="vlmprune-") as scratch:
         _dense_model(source, options, Path(scratch), timer)
         timer.step("parity")

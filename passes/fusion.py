@@ -127,3 +127,15 @@ class TokenPruneFusionPass(ir.passes.InPlacePass):
         if self.fired:
             model.opset_imports[DOMAIN] = 1
         return ir.passes.PassResult(model, modified=bool(self.fired))
+
+
+def fusion_failure(fusion: TokenPruneFusionPass, debug: bool) -> str:
+    """The one-line error for a fusion that did not fire; with debug, the tracer's whole report after it."""
+    reasons = [line.strip() for line in fusion.report.splitlines() if "fail" in line.lower() or "mismatch" in line.lower()]
+    line = "the TokenPrune fusion did not match the inserted subgraph"
+    line += f" (nearest miss: {reasons[-1]})" if reasons else ""
+    if debug and fusion.report:
+        line += "\n" + fusion.report.rstrip()
+    else:
+        line += "; rerun with --debug for every near-match"
+    return line

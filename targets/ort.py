@@ -14,7 +14,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from vlmprune.compiler.errors import StructureError, ToolchainError
-from vlmprune.passes.fusion import TokenPruneFusionPass
+from vlmprune.passes.fusion import TokenPruneFusionPass, fusion_failure
 from vlmprune.passes.token_prune import InsertTokenPrunePass, RetargetTokenCountPass
 from vlmprune.targets.base import StageSpec, Target
 
@@ -53,8 +53,7 @@ class OrtTarget(Target):
         fusion = TokenPruneFusionPass(debug=True)
         fusion(decomposed)
         if not fusion.fired:
-            raise StructureError("the TokenPrune fusion did not match the inserted subgraph: "
-                                 + (fusion.report.strip().splitlines() or ["no report"])[-1])
+            raise StructureError(fusion_failure(fusion, context.get("debug", False)))
         RemoveUnusedNodesPass()(decomposed)
         ir.save(decomposed, out_dir / "model.onnx")
         shutil.copy2(_library(), out_dir / LIBRARY)
