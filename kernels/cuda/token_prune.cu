@@ -249,8 +249,8 @@ __device__ __forceinline__ int quantize(float x, float s) {
 
 // logits[t] = scale * q . k_t for k laid out [dh, T]: one thread per key.
 template <typename E>
-__device__ void logits_transposed(const float* qf, const int* qi, float sq, const E* k, int T, int dh, float scale,
-                                  bool int8, float* logits) {
+__device__ void logits_transposed(const float* qf, const int* qi, float sq, const float* mu, const E* k, int T, int dh,
+                                  float scale, bool int8, float* logits) {
   for (int t = threadIdx.x; t < T; t += blockDim.x) {
     if (!int8) {
       float s = 0.0f;
@@ -258,10 +258,10 @@ __device__ void logits_transposed(const float* qf, const int* qi, float sq, cons
       logits[t] = s * scale;
     } else {
       float m = 0.0f;
-      for (int d = 0; d < dh; ++d) m = fmaxf(m, fabsf(to_f32(k[static_cast<int64_t>(d) * T + t])));
+      for (int d = 0; d < dh; ++d) m = fmaxf(m, fabsf(to_f32(k[static_cast<int64_t>(d) * T + t]) - mu[d]));
       const float sk = quant_scale(m);
       int dot = 0;
-      for (int d = 0; d < dh; ++d) dot += qi[d] * quantize(to_f32(k[static_cast<int64_t>(d) * T + t]), sk);
+      for (int d = 0; d < dh; ++d) dot += qi[d] * quantize(to_f32(k[static_cast<int64_t>(d) * T + t]) - mu[d], sk);
       logits[t] = scale * ((sq * sk) * static_cast<float>(dot));
     }
   }
@@ -269,8 +269,8 @@ __device__ void logits_transposed(const float* qf, const int* qi, float sq, cons
 
 // Same for k laid out [T, dh]: one warp per key, lanes across dh.
 template <typename E>
-__device__ void logits_rows(const float* qf, const int* qi, float sq, const E* k, int T, int dh, float scale,
-                            bool int8, float* logits) {
+__device__ void logits_rows(const float* qf, const int* qi, float sq, const float* mu, const E* k, int T, int dh,
+                            float scale, bool int8, float* logits) {
   const int lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
   for (int t = threadIdx.x / kWarp; t < T; t += warps) {
     const E* kt = k + static_cast<int64_t>(t) * dh;
@@ -281,10 +281,10 @@ __device__ void logits_rows(const float* qf, const int* qi, float sq, const E* k
       if (lane == 0) logits[t] = scale * s;
     } else {
       float m = 0.0f;
-      for (int d = lane; d < dh; d += kWarp) m = fmaxf(m, fabsf(to_f32(kt[d])));
+      for (int d = lane; d < dh; d += kWarp) m = fmaxf(m, fabsf(to_f32(kt[d]) - mu[d]));
       const float sk = quant_scale(warp_max(m));
       int dot = 0;
-      for (int d = lane; d < dh; d += kWarp) dot += qi[d] * quantize(to_f32(kt[d]), sk);
+      for (int d = lane; d < dh; d += kWarp) dot += qi[d] * quantize(to_f32(kt[d]) - mu[d], sk);
       dot = warp_sum(dot);
       if (lane == 0) logits[t] = scale * ((sq * sk) * static_cast<float>(dot));
     }
@@ -301,6 +301,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   __shared__ float acc[kMaxT];
   __shared__ float qf[kMaxHeadDim];
   __shared__ int qi[kMaxHeadDim];
+  __shared__ float mu[kMaxHeadDim];  // int8: the mean key, subtracted before quantising (exact for softmax)
   __shared__ float red[kWarp];
   const int64_t b = blockIdx.x;
   const int N = T - has_cls;
@@ -315,13 +316,20 @@ __global__ void __launch_bounds__(kScoreThreads)
     }
     const float sq = quant_scale(block_reduce<true>(q_max, red));
     if (int8) {
-      for (int d = threadIdx.x; d < dh; d += blockDim.x) qi[d] = quantize(qf[d], sq);
+      for (int d = threadIdx.x; d < dh; d += blockDim.x) {
+        qi[d] = quantize(qf[d], sq);
+        double s = 0.0;  // double, as on the CPU: both round the mean to the same float
+        for (int t = 0; t < T; ++t) {
+          s += to_f32(k[head + (k_transposed ? static_cast<int64_t>(d) * T + t : static_cast<int64_t>(t) * dh + d)]);
+        }
+        mu[d] = static_cast<float>(s / static_cast<double>(T));
+      }
     }
     __syncthreads();
     if (k_transposed) {
-      logits_transposed(qf, qi, sq, k + head, T, dh, scale, int8 != 0, logits);
+      logits_transposed(qf, qi, sq, mu, k + head, T, dh, scale, int8 != 0, logits);
     } else {
-      logits_rows(qf, qi, sq, k + head, T, dh, scale, int8 != 0, logits);
+      logits_rows(qf, qi, sq, mu, k + head, T, dh, scale, int8 != 0, logits);
     }
     __syncthreads();
 

@@ -99,7 +99,8 @@ def ref_cls_scores(q, k, *, k_transposed: bool, scale: float, has_cls: int, int8
     keys = (np.swapaxes(k, 2, 3) if k_transposed else k).astype(np.float32)  # [B, H, T, dh]
     if int8:
         q_s, q_i = quantize_per_vector(q_cls)
-        k_s, k_i = quantize_per_vector(keys)
+        mean = keys.astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32)  # centring: exact for softmax
+        k_s, k_i = quantize_per_vector(keys - mean)
         dot = np.einsum("bhd,bhtd->bht", q_i.astype(np.int64), k_i.astype(np.int64)).astype(np.float32)
         logits = np.float32(scale) * ((q_s[..., None] * k_s) * dot)
     else:

@@ -42,8 +42,11 @@ vlmp_status vlmp_gather_summary_cpu(vlmp_dtype dt, const void* hidden, int64_t B
  * k_transposed != 0 (the layout of the operand of the graph's Q·Kᵀ MatMul).
  * logits_h = scale * (q[b,h,0,:] · k[b,h,t,:]); a_h = softmax over all T keys;
  * scores[b, i] = mean_h a_h[has_cls + i] for i in [0, T - has_cls).
- * int8 != 0: q row and each key vector are quantized symmetric per vector to
- * int8, dot products accumulate in int32, softmax runs in fp32. */
+ * int8 != 0: the keys are first centred (their mean over the T keys, accumulated
+ * in double, is subtracted: exact for the softmax, and it removes the per-channel
+ * offsets that would otherwise set the int8 range); the q row and each centred key
+ * are quantized symmetric per vector to int8, dot products accumulate in int32,
+ * softmax runs in fp32. */
 vlmp_status vlmp_cls_scores_cpu(vlmp_dtype dt, const void* q, const void* k, int64_t B, int64_t H, int64_t T,
                                 int64_t dh, int k_transposed, float scale, int has_cls, int int8, float* scores);
 
