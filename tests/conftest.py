@@ -29,24 +29,26 @@ def tiny_llava_dir(tmp_path_factory):
     return path
 
 
+def _save_tower(factory, kind: str, seed: int):
+    from transformers import CLIPVisionModel, SiglipVisionModel
+
+    torch.manual_seed(seed)
+    path = factory.mktemp(f"tiny_{kind}")
+    model_cls = CLIPVisionModel if kind == "clip" else SiglipVisionModel
+    model_cls(_tiny_vision(kind)).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_clip_dir(tmp_path_factory):
-    from transformers import CLIPVisionModel
-
-    torch.manual_seed(2)
-    path = tmp_path_factory.mktemp("tiny_clip")
-    CLIPVisionModel(_tiny_vision("clip")).save_pretrained(path, safe_serialization=True)
-    return path
+    """A CLIPVisionModel checkpoint: 3 blocks with [CLS], 64 patches, no projector."""
+    return _save_tower(tmp_path_factory, "clip", 2)
 
 
 @pytest.fixture(scope="session")
 def tiny_siglip_dir(tmp_path_factory):
-    from transformers import SiglipVisionModel
-
-    torch.manual_seed(3)
-    path = tmp_path_factory.mktemp("tiny_siglip")
-    SiglipVisionModel(_tiny_vision("siglip")).save_pretrained(path, safe_serialization=True)
-    return path
+    """A SiglipVisionModel checkpoint: no [CLS] token."""
+    return _save_tower(tmp_path_factory, "siglip", 3)
 
 
 @pytest.fixture(scope="session")
