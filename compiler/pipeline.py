@@ -17,7 +17,7 @@ import torch
 from vlmprune.compiler import __version__, bundle, images, parity
 from vlmprune.compiler.errors import InputError, VlmpruneError
 from vlmprune.compiler.frontend import PruneSpec, Source, export_onnx, load_source
-from vlmprune.compiler.reference import combine_scores, patch_variance, select_topk
+from vlmprune.compiler.reference import cls_attention, combine_scores, patch_variance, select_topk
 from vlmprune.compiler.runtime import ort_session, run_session
 from vlmprune.passes.structure import find_tower_structure
 from vlmprune.passes.token_prune import InsertTokenPrunePass, PruneConfig
@@ -214,24 +214,24 @@ def _torch_reference(source: Source, method: dict, pixel: np.ndarray):
 
 
 def _onnx_reference(dense_path: Path, method: dict, pixel: np.ndarray):
-    """For an .onnx source: the reference selection from block L's own attention logits.
+    """For an .onnx source: the reference selection from block L's own Q and K.
 
-    The original graph is run with block L's Softmax input exposed; the reference
-    pruner's score and selection are applied to its [CLS] row.
+    The original graph is run with block L's Q and K exposed; the reference
+    pruner's score and selection are computed from them in torch (fp64).
     """
     model = ir.load(dense_path)
     structure = find_tower_structure(model.graph)
     block = structure.blocks[method["layer"] - 1]
-    logits = block.softmax.inputs[0]
-    model.graph.outputs.append(logits)
+    model.graph.outputs.extend([block.q, block.k])
     probe = dense_path.with_name(".probe.onnx")  # beside the weights it refers to
     ir.save(model, probe)
     try:
         outputs = run_session(ort_session(probe), pixel)
     finally:
         probe.unlink()
-    cls_row = torch.from_numpy(outputs[logits.name][:, :, 0, :]).double()
-    attn = cls_row.softmax(-1).mean(1)[:, 1:]
+    q = torch.from_numpy(outputs[block.q.name]).double()
+    k = torch.from_numpy(outputs[block.k.name]).double()
+    attn = cls_attention(q, k.transpose(-1, -2) if block.k_transposed else k, block.scale)
     variance = patch_variance(torch.from_numpy(pixel).double(), structure.patch_size) if method["lambda"] else None
     scores = combine_scores(attn, variance, method["lambda"])
     kept = select_topk(scores, method["keep"]).numpy()

@@ -30,13 +30,26 @@ _SCALE_OPS = ("Mul", "Div")
 
 @dataclasses.dataclass
 class AttentionBlock:
-    """One transformer block as the pruning pass needs it."""
+    """One transformer block as the pruning pass needs it.
+
+    Decomposed attention (Softmax over a Q·Kᵀ MatMul): q and k are that MatMul's
+    operands (k already transposed, [B, H, dh, T]) and scale_ops the elementwise
+    scaling between it and the Softmax. The ONNX `Attention` op (opset 23): q and k
+    are its [B, H, T, dh] inputs and `scale` its scale.
+    """
 
     index: int  # 1-based, in execution order
-    softmax: ir.Node
-    qk_matmul: ir.Node
-    scale_ops: list[ir.Node]  # from the MatMul to the Softmax, in order
+    attention: ir.Node  # the Softmax, or the Attention op
+    q: ir.Value
+    k: ir.Value
+    k_transposed: bool
+    scale_ops: list[ir.Node]
+    scale: float
     output: ir.Value  # residual stream after the block
+
+    @property
+    def softmax(self) -> ir.Node | None:
+        return self.attention if self.attention.op_type == "Softmax" else None
 
 
 @dataclasses.dataclass
@@ -92,6 +105,42 @@ def _attention_softmax(node: ir.Node) -> tuple[ir.Node, list[ir.Node]] | None:
     if _rank(q) not in (None, 4) or _rank(kt) not in (None, 4):
         return None
     return producer, scale_ops
+
+
+def _attention_op(node: ir.Node) -> tuple[ir.Value, ir.Value, float] | None:
+    """(q, k, scale) of an opset-23 Attention node that a [CLS]-row recompute can reproduce."""
+    if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return None
+    q, k = node.inputs[0], node.inputs[1]
+    if any(v is not None for v in node.inputs[3:]):
+        return None  # a mask or a KV cache: not a ViT encoder block
+    if node.attributes.get_int("is_causal", 0) or node.attributes.get_float("softcap", 0.0):
+        return None
+    if _rank(q) != 4 or _rank(k) != 4:
+        return None
+    scale = node.attributes.get_float("scale", None)
+    if scale is None:
+        dh = q.shape[-1]
+        if not isinstance(dh, int):
+            return None
+        scale = dh ** -0.5
+    return q, k, float(scale)
+
+
+def _scalar_value(value: ir.Value) -> float:
+    producer = value.producer()
+    if producer is not None and producer.op_type in ("Cast", "CastLike"):
+        return _scalar_value(producer.inputs[0])
+    return float(ir.convenience.get_const_tensor(value).numpy().reshape(-1)[0])
+
+
+def _scale_of(scale_ops: list[ir.Node]) -> float:
+    """The factor the elementwise ops between Q·Kᵀ and Softmax apply."""
+    factor = 1.0
+    for node in scale_ops:
+        c = _scalar_value(scale_operand(node))
+        factor = factor * c if node.op_type == "Mul" else factor / c
+    return factor
 
 
 def _downstream(start: Iterable[ir.Node]) -> set[ir.Node]:
@@ -175,20 +224,26 @@ def find_tower_structure(graph: ir.Graph) -> TowerStructure:
     blocks: list[AttentionBlock] = []
     for node in graph:
         found = _attention_softmax(node)
-        if found is None:
+        fused = None if found is not None else _attention_op(node)
+        if found is None and fused is None:
             continue
-        matmul, scale_ops = found
         output = _block_output(graph, node, order)
         if output is None:
             raise StructureError(
-                f"found attention block {len(blocks) + 1} (Softmax over a Q·Kᵀ MatMul) but not its "
-                "residual Adds: vlmprune handles pre-norm blocks x + Attn(LN(x)), then + MLP(LN(.))"
+                f"found attention block {len(blocks) + 1} ({node.op_type}) but not its residual Adds: "
+                "vlmprune handles pre-norm blocks x + Attn(LN(x)), then + MLP(LN(.))"
             )
-        blocks.append(AttentionBlock(len(blocks) + 1, node, matmul, scale_ops, output))
+        if found is not None:
+            matmul, scale_ops = found
+            q, kt = matmul.inputs
+            blocks.append(AttentionBlock(len(blocks) + 1, node, q, kt, True, scale_ops, _scale_of(scale_ops), output))
+        else:
+            q, k, scale = fused
+            blocks.append(AttentionBlock(len(blocks) + 1, node, q, k, False, [], scale, output))
     if not blocks:
         raise StructureError(
-            "no attention block found: looked for Softmax(MatMul(Q, Kᵀ)) over rank-4 runtime tensors "
-            "(fused Attention ops are not supported; export with decomposed attention)"
+            "no attention block found: looked for Softmax(MatMul(Q, Kᵀ)) over rank-4 runtime tensors and for "
+            "the ONNX Attention op without mask or cache (vendor-fused attention ops are not supported)"
         )
     pixel, patch, grid = _patch_conv(graph)
     return TowerStructure(blocks, pixel, patch, grid)

@@ -176,12 +176,14 @@ class InsertTokenPrunePass(ir.passes.InPlacePass):
 
     @staticmethod
     def _scores(b: _Builder, block, structure: TowerStructure, lam: float, n: int) -> ir.Value:
-        q, kt = block.qk_matmul.inputs
-        q_cls = b.slice(q, 0, 1, 2, "q_cls")  # [B, H, 1, dh]
+        q_cls = b.slice(block.q, 0, 1, 2, "q_cls")  # [B, H, 1, dh]
+        kt = block.k if block.k_transposed else b.op("Transpose", [block.k], "k_t", perm=[0, 1, 3, 2])
         logits = b.op("MatMul", [q_cls, kt], "cls_logits")  # [B, H, 1, 1+N]
-        for i, scale in enumerate(block.scale_ops):
+        for i, scale in enumerate(block.scale_ops):  # the block's own scaling ops, replayed
             operands = [logits, scale_operand(scale)]
             logits = b.op(scale.op_type, operands, f"cls_scale{i}")
+        if block.softmax is None:  # the Attention op's scale attribute
+            logits = b.op("Mul", [logits, b.const("scale", np.array(block.scale, dtype=np.float32))], "cls_scale")
         probs = b.op("Softmax", [logits], "cls_probs", axis=-1)
         attn = b.reduce("ReduceMean", probs, [1, 2], 0, "cls_attn")  # [B, 1+N]
         attn = b.slice(attn, 1, _INT64_MAX, 1, "patch_attn")  # [B, N]

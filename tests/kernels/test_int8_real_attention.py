@@ -69,8 +69,7 @@ def test_int8_scorer_on_pretrained_dinov2(cpu, block):
     model = ir.load(path)
     ShapeInferencePass()(model)
     structure = find_tower_structure(model.graph)
-    matmul = structure.blocks[block - 1].qk_matmul
-    q_value, kt_value = matmul.inputs
+    q_value, kt_value = structure.blocks[block - 1].q, structure.blocks[block - 1].k  # k is Kᵀ here
     model.graph.outputs.extend([q_value, kt_value])
     pixel, _ = parity_inputs(4, 224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     out = run_session(ort_session(ir.to_proto(model).SerializeToString()), pixel)

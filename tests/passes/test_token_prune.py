@@ -38,7 +38,9 @@ def test_structure_finds_every_block(tiny_dense_path, tiny_source):
     assert len(structure.blocks) == tiny_source.num_blocks == 3  # a bare tower's feature layer is its last
     assert structure.patch_size == 14 and structure.grid == (8, 8)
     assert [b.index for b in structure.blocks] == [1, 2, 3]
-    assert all(b.qk_matmul.op_type == "MatMul" and b.softmax.op_type == "Softmax" for b in structure.blocks)
+    assert all(b.softmax is not None and b.k_transposed for b in structure.blocks)
+    assert all(b.q.producer().op_type == "Mul" for b in structure.blocks)  # scaling sits on Q and K (SDPA export)
+    assert structure.blocks[0].scale == 1.0  # nothing between Q·Kᵀ and the Softmax
 
 
 def test_inserted_ops_and_checker(tiny_dense_path):
@@ -127,3 +129,21 @@ def test_negative_bad_config(tiny_dense_path, keep, layer, message):
 
 def test_retarget_is_noop_without_pruning(tiny_dense_path):
     assert not RetargetTokenCountPass()(ir.load(tiny_dense_path)).modified
+
+
+def test_onnx_attention_op_blocks(tiny_source, tmp_path):
+    """Opset 23 exports ONNX's Attention op: the pass reads Q, K and its scale attribute."""
+    from vlmprune.compiler.frontend import export_onnx
+
+    path = tmp_path / "attn23.onnx"
+    ir.save(export_onnx(tiny_source.pipeline, 112, None, 23), path)
+    structure = find_tower_structure(ir.load(path).graph)
+    assert [b.attention.op_type for b in structure.blocks] == ["Attention"] * 3
+    assert not structure.blocks[0].k_transposed and structure.blocks[0].scale == pytest.approx(16 ** -0.5)
+    result, _, _ = _prune(path, 20, 2, 0.5)
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((2, 3, 112, 112)).astype(np.float32))
+    out = run_session(ort_session(ir.to_proto(result.model).SerializeToString()), x.numpy())
+    with torch.no_grad():
+        feats, kept = tiny_source.pipeline.with_prune(PruneSpec(20, 2, 0.5))(x)
+    np.testing.assert_array_equal(out[KEPT_INDICES], kept.numpy())
+    np.testing.assert_allclose(out["image_features"], feats.numpy(), atol=1e-5, rtol=1e-4)
