@@ -54,13 +54,18 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option("--debug", is_flag=True, help="If a fusion does not fire, print why each near-match failed.")
+@click.option("--precision", default=None,
+              help="Target-specific precision; orin/xavier: fp16 (default) or int8 (explicit Q/DQ model); "
+                   "rk3588: fp16, int8 (hybrid) or fp16,int8 (default); qnn: int16 (default) or int8 activations.")
+@click.option("--soc", default=None, help="qnn: the Snapdragon SoC to compile for (default SM8650; see `vlmprune targets`).")
 @_one_line_errors
 def compile(model, target, keep, layer, lam, no_prune, batch, opset, feature_layer, output, force, as_json, quiet,
-            debug):
+            debug, precision, soc):
     """Compile MODEL (a preset such as `demo`, a Hugging Face directory, or an .onnx tower) into a bundle."""
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
-    options = CompileOptions(target, keep, layer, lam, not no_prune, batch, opset, feature_layer, force, debug)
+    options = CompileOptions(target, keep, layer, lam, not no_prune, batch, opset, feature_layer, force, debug,
+                             precision=precision, soc=soc)
     result = compile_model(model, output, options, _progress(quiet or as_json))
     manifest = result.manifest
     summary = {"bundle": str(result.bundle), "target": target, "method": manifest["method"],
@@ -91,7 +96,15 @@ def _print_summary(manifest: dict, result) -> None:
             figures.append(f"kept-index agreement {stage['index_agreement']:.4f}")
         status = "PASS" if stage["passed"] else "FAIL"
         click.echo(f"parity {name:<10} {status}  {', '.join(figures)}" + (f"  {stage['error']}" if "error" in stage else ""))
+    _print_placement_summary(manifest)
     click.echo(f"bundle: {result.bundle} ({result.seconds:.1f}s)")
+
+
+def _print_placement_summary(manifest: dict) -> None:
+    from vlmprune.targets.placement import summary_line
+
+    for name, summary in manifest["target"].get("placement_summary", {}).items():
+        click.echo(summary_line(name, summary))
 
 
 @main.command()
@@ -100,12 +113,19 @@ def _print_summary(manifest: dict, result) -> None:
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write the parity report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full parity report as JSON on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@click.option("--engine", is_flag=True, help="TensorRT bundles: require the engine stage (run on the device).")
 @_one_line_errors
-def check(bundle_dir, batch, report, as_json, quiet):
+def check(bundle_dir, batch, report, as_json, quiet, engine):
     """Re-run BUNDLE's parity against the PyTorch reference; exit 1 if any stage fails."""
     from vlmprune.compiler.pipeline import check_bundle
 
+    if engine:
+        from vlmprune.targets.tensorrt import require_engine
+
+        require_engine(bundle_dir)
     result = check_bundle(bundle_dir, batch, _progress(quiet or as_json))
+    if engine and "target" not in [s.stage for s in result.stages]:
+        raise VlmpruneError("the engine stage did not run (see the progress lines above)")
     data = result.to_json()
     if report:
         report.write_text(json.dumps(data, indent=2) + "\n")
@@ -141,6 +161,13 @@ def inspect(bundle_dir):
     click.echo("files:")
     for name, digest in m["files"].items():
         click.echo(f"  {name:<28} {digest[:16]}…")
+    from vlmprune.targets.placement import table
+
+    for name, rows in t.get("placement", {}).items():
+        click.echo(f"placement of {name} ({len(rows)} ops):")
+        for line in table(rows):
+            click.echo(line)
+    _print_placement_summary(m)
 
 
 @main.command()
@@ -154,6 +181,11 @@ def targets():
         click.echo(f"{name:<8} {'available' if ok else 'unavailable: ' + why:<40} {target.summary}")
     for name, summary in PLANNED.items():
         click.echo(f"{name:<8} {'planned (not in this version)':<40} {summary}")
+    from vlmprune.targets.qnn_tools import DEFAULT_SOC, SOCS
+
+    click.echo(f"qnn --soc values (default {DEFAULT_SOC}):")
+    for soc, (model, arch, product) in SOCS.items():
+        click.echo(f"  {soc:<9} soc_model {model:<3} HTP {arch}  {product}")
 
 
 @main.command()
@@ -161,26 +193,57 @@ def targets():
 @click.option("--image", required=True, type=click.Path(exists=True, dir_okay=False), help="An image file.")
 @_one_line_errors
 def run(bundle_dir, image):
-    """Run BUNDLE's model.onnx on IMAGE with ONNX Runtime and print the outputs' shapes and kept indices."""
+    """Run BUNDLE on IMAGE (ort: model.onnx; orin/xavier: the engine) and print the outputs' shapes and kept indices."""
     from vlmprune.compiler.bundle import load_manifest
     from vlmprune.compiler.images import load_image_file
     from vlmprune.compiler.runtime import ort_session, run_session
 
     m = load_manifest(bundle_dir, verify=True)
-    if m["target"]["name"] != "ort":
-        raise VlmpruneError(f"`vlmprune run` runs ort bundles here; this bundle targets {m['target']['name']}")
+    tensorrt = m["target"].get("runtime") == "tensorrt"
+    if m["target"]["name"] != "ort" and not tensorrt:
+        raise VlmpruneError(f"`vlmprune run` runs ort and TensorRT bundles; this bundle targets {m['target']['name']}")
+    if tensorrt:  # the engine, on the device; fails in one line where TensorRT is absent
+        from vlmprune.compiler.engine import EngineRunner
+
+        run_model = EngineRunner(bundle_dir)
     pre = m["preprocess"]
     try:
         pixel = load_image_file(image, pre["size"], pre["mean"], pre["std"])
     except Exception as exc:
         raise VlmpruneError(f"{image}: cannot read the image ({exc})") from None
-    library = m["target"].get("custom_op_library")
-    libs = (Path(bundle_dir) / library,) if library else ()
-    outputs = run_session(ort_session(Path(bundle_dir) / "model.onnx", libs), pixel)
+    if tensorrt:
+        outputs = run_model(pixel)
+    else:
+        library = m["target"].get("custom_op_library")
+        libs = (Path(bundle_dir) / library,) if library else ()
+        outputs = run_session(ort_session(Path(bundle_dir) / "model.onnx", libs), pixel)
     for name, value in outputs.items():
         click.echo(f"{name}: shape {list(value.shape)} dtype {value.dtype}")
     if "kept_indices" in outputs:
         click.echo("kept (image 0): " + " ".join(map(str, outputs["kept_indices"][0].tolist())))
+
+
+@main.command("build-engine")
+@click.argument("bundle_dir", type=click.Path(path_type=Path))
+@click.option("--precision", type=click.Choice(["fp16", "int8"]), default=None,
+              help="Default: the bundle's (fp16; int8 for a bundle compiled with --precision int8).")
+@click.option("--calibration-cache", type=click.Path(dir_okay=False), default=None,
+              help="A TensorRT INT8 calibration cache (implicit quantization).")
+@click.option("--decomposed", is_flag=True, help="Build model.decomposed.onnx (no plugin) instead of model.onnx.")
+@click.option("--workspace", type=int, default=None, help="Builder workspace limit in MiB.")
+@click.option("--output", default=None, help="Engine file name inside the bundle (default model.engine).")
+@click.option("--print-command", is_flag=True, help="Only print the equivalent trtexec command.")
+@_one_line_errors
+def build_engine(bundle_dir, precision, calibration_cache, decomposed, workspace, output, print_command):
+    """Build BUNDLE's TensorRT engine on this device (orin/xavier bundles) and print the trtexec equivalent."""
+    from vlmprune.compiler import engine
+
+    if print_command:
+        manifest = engine.load_bundle(bundle_dir)
+        cmd = engine.trtexec_command(manifest, precision, decomposed, output or engine.ENGINE, calibration_cache)
+        click.echo(engine.format_command(cmd))
+        return
+    engine.build_engine(bundle_dir, precision, decomposed, output, workspace, calibration_cache, log=click.echo)
 
 
 if __name__ == "__main__":

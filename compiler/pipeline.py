@@ -41,6 +41,8 @@ class CompileOptions:
     feature_layer: int | None = None
     force: bool = False
     debug: bool = False  # on a failed fusion, report every near-match and why it failed
+    precision: str | None = None  # target-specific, e.g. rk3588 "fp16,int8", qnn "int16"; None: the target's default
+    soc: str | None = None  # qnn: the SoC the EPContext binary is compiled for; None: the target's default
 
 
 @dataclasses.dataclass
@@ -82,7 +84,8 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
         decomposed, site = _run_pipeline(target, config, dense)
         ir.save(decomposed, tmp / "model.decomposed.onnx")
         timer.step(f"emit target {target.name}")
-        target_fields = target.emit(decomposed, tmp, {"site": site, "options": options, "debug": options.debug})
+        target_fields = target.emit(decomposed, tmp, {"site": site, "options": options, "debug": options.debug,
+                                                      "source": source})
         manifest = _manifest(source, options, target, site, decomposed, target_fields)
         timer.step("parity")
         report = _parity(source, dense_path, tmp, manifest, target, options.batch or 2, progress=timer.step)

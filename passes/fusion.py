@@ -1,4 +1,4 @@
-"""Fuse the inserted pruning subgraph into one `vlmprune.TokenPrune` node.
+"""Fuse the inserted pruning subgraph into one node: `vlmprune.TokenPrune`, or a target's spelling of it.
 
 Why: the decomposed selection (two TopKs, GatherND, a scatter-built mask and a
 mask·X MatMul for the summary) reads the hidden states several times and
@@ -15,9 +15,17 @@ The rule matches by structure only, checks every constant that fixes the
 semantics (K, the tie rule, raster order, the summary weight 1/(N-K)), and
 refuses to fuse when an intermediate has consumers outside the subgraph (the
 rewriter's own guard).
+
+Spelling: the node is `vlmprune.TokenPrune` for ONNX Runtime (ORT_OP); a target
+passes its own FusedOp, e.g. TensorRT's plugin convention (op_type = the plugin's
+name, attributes plugin_version / plugin_namespace). The sort of the kept indices
+is recognised in both forms the passes emit: TopK over the int64 indices, or
+Cast(float) -> TopK -> Cast(int64) (passes.tensorrt.SortIndicesAsFloatPass).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import onnx_ir as ir
@@ -25,6 +33,23 @@ from onnxscript.rewriter import MatchResult, MatchingTracer, RewriteRuleClassBas
 
 DOMAIN = "vlmprune"
 OP_TYPE = "TokenPrune"
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOp:
+    """How the fused node is written: op_type, domain (imported at `version`), extra constant attributes.
+
+    The node always has inputs (hidden, scores), outputs (tokens, kept_indices) and
+    the attributes keep and has_cls; `attributes` adds target-specific ones.
+    """
+
+    op_type: str = OP_TYPE
+    domain: str = DOMAIN
+    version: int = 1
+    attributes: tuple[tuple[str, int | float | str], ...] = ()
+
+
+ORT_OP = FusedOp()
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
@@ -45,10 +70,20 @@ def _attr(value: ir.Value, name: str, default=None):
 class TokenPruneFusion(RewriteRuleClassBase):
     """[CLS] ++ GatherND(X, sort(TopK(S, K))) ++ mean(X[pruned]) -> vlmprune.TokenPrune(X, S)."""
 
+    def __init__(self, spelling: FusedOp = ORT_OP, sort_via_float: bool = False):
+        super().__init__(name="TokenPruneFusion" + ("(float sort)" if sort_via_float else ""))
+        self.spelling = spelling
+        self.sort_via_float = sort_via_float
+
     def pattern(self, op, hidden, scores, k, unsq_kept, unsq_w, inv_pruned, p_start, p_end, p_axis,
                 c_start, c_end, c_axis):
         _, top = op.TopK(scores, k, _outputs=["top_values", "top"])
-        kept, _ = op.TopK(top, k, _outputs=["kept", "kept_values"])
+        if self.sort_via_float:
+            top_float = op.Cast(top, _outputs=["top_float"])
+            sorted_kept, _ = op.TopK(top_float, k, _outputs=["sorted_kept", "sorted_positions"])
+            kept = op.Cast(sorted_kept, _outputs=["kept"])
+        else:
+            kept, _ = op.TopK(top, k, _outputs=["kept", "kept_values"])
         patches = op.Slice(hidden, p_start, p_end, p_axis, _outputs=["patches"])
         gathered = op.GatherND(patches, op.Unsqueeze(kept, unsq_kept), _outputs=["gathered"])
         ones = op.ConstantOfShape(op.Shape(scores), _outputs=["ones"])
@@ -60,7 +95,8 @@ class TokenPruneFusion(RewriteRuleClassBase):
         return tokens, kept
 
     def check(self, context, hidden, scores, k, unsq_kept, unsq_w, inv_pruned, p_start, p_end, p_axis,
-              c_start, c_end, c_axis, top, kept, gathered, ones, zeros, mask, tokens, **_) -> MatchResult:
+              c_start, c_end, c_axis, top, kept, gathered, ones, zeros, mask, tokens, sorted_kept=None,
+              top_float=None, **_) -> MatchResult:
         result = MatchResult()
         keep = _const(k)
         if keep is None or keep.size != 1:
@@ -68,8 +104,15 @@ class TokenPruneFusion(RewriteRuleClassBase):
         keep = int(keep.reshape(-1)[0])
         if (_attr(top, "largest", 1), _attr(top, "sorted", 1), _attr(top, "axis", -1)) != (1, 1, -1):
             return result.fail("first TopK is not largest/sorted over the last axis")
-        if (_attr(kept, "largest", 1), _attr(kept, "sorted", 1)) != (0, 1):
+        sort = kept if sorted_kept is None else sorted_kept
+        if (_attr(sort, "largest", 1), _attr(sort, "sorted", 1)) != (0, 1):
             return result.fail("second TopK does not sort the indices ascending")
+        if sorted_kept is not None:
+            n_sorted = scores.shape[-1] if scores.shape is not None else None
+            if _attr(top_float, "to") != ir.DataType.FLOAT or _attr(kept, "to") != ir.DataType.INT64:
+                return result.fail("the float sort is not Cast(float) -> TopK -> Cast(int64)")
+            if not isinstance(n_sorted, int) or n_sorted >= 1 << 24:
+                return result.fail("the float sort is exact only for a static N < 2^24")
         if _attr(gathered, "batch_dims", 0) != 1 or not _is(unsq_kept, [-1]) and not _is(unsq_kept, [2]):
             return result.fail("GatherND is not a per-image gather of the kept rows")
         if _attr(mask, "axis", 0) not in (1, -1):
@@ -95,37 +138,41 @@ class TokenPruneFusion(RewriteRuleClassBase):
 
     def rewrite(self, op, hidden, scores, k, **_):
         keep = int(_const(k).reshape(-1)[0])
-        return op.TokenPrune(hidden, scores, keep=keep, has_cls=1, _domain=DOMAIN, _outputs=2)
+        spelling = self.spelling
+        make = getattr(op, spelling.op_type)
+        return make(hidden, scores, keep=keep, has_cls=1, **dict(spelling.attributes), _domain=spelling.domain,
+                    _outputs=2)
 
 
-def fuse_token_prune_rules() -> RewriteRuleSet:
-    return RewriteRuleSet([TokenPruneFusion.rule()])
+def fuse_token_prune_rules(spelling: FusedOp = ORT_OP) -> RewriteRuleSet:
+    return RewriteRuleSet([TokenPruneFusion.rule(spelling), TokenPruneFusion.rule(spelling, sort_via_float=True)])
 
 
 class TokenPruneFusionPass(ir.passes.InPlacePass):
     """Apply fuse_token_prune_rules; `fired` counts the fusions, `report` says why near-matches failed."""
 
-    def __init__(self, debug: bool = False):
+    def __init__(self, debug: bool = False, spelling: FusedOp = ORT_OP):
         super().__init__()
         self.debug = debug
+        self.spelling = spelling
         self.fired = 0
         self.report = ""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fired = fuse_token_prune_rules().apply_to_model(model)
+        self.fired = fuse_token_prune_rules(self.spelling).apply_to_model(model)
         if self.debug and not self.fired:
             # A tracing run only diagnoses; it is run when the real one fused nothing.
             import contextlib
             import io
 
             tracer = MatchingTracer()
-            fuse_token_prune_rules().apply_to_model(model, tracer=tracer)
+            fuse_token_prune_rules(self.spelling).apply_to_model(model, tracer=tracer)
             sink = io.StringIO()
             with contextlib.redirect_stdout(sink):
                 tracer.report()
             self.report = sink.getvalue()
         if self.fired:
-            model.opset_imports[DOMAIN] = 1
+            model.opset_imports[self.spelling.domain] = self.spelling.version
         return ir.passes.PassResult(model, modified=bool(self.fired))
 
 

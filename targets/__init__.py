@@ -8,15 +8,14 @@ from __future__ import annotations
 from vlmprune.compiler.errors import InputError
 from vlmprune.targets.base import Target
 from vlmprune.targets.ort import OrtTarget
+from vlmprune.targets.qnn import QnnTarget
+from vlmprune.targets.rk3588 import Rk3588Target
+from vlmprune.targets.tensorrt import OrinTarget, XavierTarget
 
-TARGETS: dict[str, type[Target]] = {"ort": OrtTarget}
+TARGETS: dict[str, type[Target]] = {"ort": OrtTarget, "orin": OrinTarget, "xavier": XavierTarget,
+                                  "rk3588": Rk3588Target, "qnn": QnnTarget}
 # Named in the design, not built yet: listed so that users get a precise answer.
-PLANNED = {
-    "orin": "Jetson Orin: TensorRT 10.3, CUDA 12.6, sm_87, IPluginV3",
-    "xavier": "Jetson Xavier: TensorRT 8.5.2, CUDA 11.4, sm_72, IPluginV2DynamicExt",
-    "rk3588": "Rockchip RK3588: rknn-toolkit2 2.5.0 (.rknn)",
-    "qnn": "Snapdragon HTP: ONNX Runtime QNN EP (QDQ + EPContext)",
-}
+PLANNED: dict[str, str] = {}
 
 
 def get_target(name: str) -> Target:

@@ -13,6 +13,7 @@ list, per execution provider, the nodes it was given.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import tempfile
@@ -20,10 +21,26 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 EP_NAME = "QNNExecutionProvider"
-DEFAULT_SOC_MODEL = "57"  # SM8550 (HTP v73); any soc_model the SDK knows works in the emulator
+# QNN SDK soc_model ids (QnnTypes.h QNN_SOC_MODEL_*), with the HTP architecture each runs.
+# The emulator (libQnnHtp.so on x86_64) accepts all of them; an EPContext binary is compiled
+# for the one named, so the bundle is built for the device's SoC.
+SOCS = {
+    "SM8350": ("30", "v68", "Snapdragon 888"),
+    "SM8450": ("36", "v69", "Snapdragon 8 Gen 1"),
+    "SM8475": ("42", "v69", "Snapdragon 8+ Gen 1"),
+    "SM8550": ("43", "v73", "Snapdragon 8 Gen 2"),
+    "SM8635": ("68", "v73", "Snapdragon 8s Gen 3"),
+    "SM8650": ("57", "v75", "Snapdragon 8 Gen 3"),
+    "SM8750": ("69", "v79", "Snapdragon 8 Elite"),
+    "SM8850": ("87", "v81", "Snapdragon 8 Elite Gen 5"),
+    "SC8280X": ("37", "v68", "Snapdragon 8cx Gen 3 (Windows on Arm)"),
+    "SC8380XP": ("60", "v73", "Snapdragon X Elite / X Plus (Windows on Arm)"),
+    "SA8295": ("39", "v68", "SA8295P (automotive)"),
+}
+DEFAULT_SOC = "SM8650"  # Snapdragon 8 Gen 3 (HTP v75): the most common current flagship HTP
+DEFAULT_SOC_MODEL = SOCS[DEFAULT_SOC][0]
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 WEIGHT_INPUTS = {"MatMul": (0, 1), "Gemm": (1,), "Conv": (1,)}
 
@@ -45,6 +62,19 @@ def available() -> tuple[bool, str]:
     import onnxruntime_qnn
 
     return True, f"onnxruntime-qnn {onnxruntime_qnn.__version__} (QNN {_qnn_sdk_version()})"
+
+
+def resolve_soc(soc: str | int | None) -> tuple[str, str]:
+    """(SoC name, soc_model id) from a name (SM8650, case-insensitive) or a soc_model id (57)."""
+    if soc is None:
+        return DEFAULT_SOC, DEFAULT_SOC_MODEL
+    key = str(soc).strip().upper()
+    if key in SOCS:
+        return key, SOCS[key][0]
+    for name, (model, _arch, _product) in SOCS.items():
+        if key == model:
+            return name, model
+    raise QnnError(f"unknown --soc {soc!r}; accepted: {', '.join(SOCS)} (or their soc_model ids)")
 
 
 def _qnn_sdk_version() -> str:
@@ -80,6 +110,7 @@ def htp_session(model_path, soc_model: str = DEFAULT_SOC_MODEL, *, cpu_fallback:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    options.log_severity_level = 3  # the EP warns about Windows-only features on every session
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "0" if cpu_fallback else "1")
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     for key, value in (config or {}).items():
@@ -113,7 +144,33 @@ def placement(model_path, soc_model: str = DEFAULT_SOC_MODEL, *, include_qdq: bo
     return rows
 
 
-def make_epcontext(qdq_path, out_dir, soc_model: str = DEFAULT_SOC_MODEL) -> tuple[Path, list[Path]]:
+def op_trace(model_path, inputs: dict[str, np.ndarray], soc_model: str = DEFAULT_SOC_MODEL) -> list[dict]:
+    """The HTP ops one inference ran, in order, with their emulated cycles (QNN 'detailed' profiling).
+
+    These are QNN's ops after its own lowering (fused, split, inserted reshapes); each name
+    starts with the ONNX node it came from where there is one.
+    """
+    import csv
+
+    with tempfile.TemporaryDirectory(prefix="vlmprune-qnn-trace-") as tmp:
+        path = Path(tmp) / "trace.csv"
+        session = htp_session(model_path, soc_model,
+                              provider_options={"profiling_level": "detailed", "profiling_file_path": str(path)})
+        session.run(None, inputs)
+        del session  # the EP writes the file when the session ends
+        if not path.is_file():
+            raise QnnError("QNN profiling wrote no op trace")
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("Message") == "NODE"]
+    trace = []
+    for r in rows:
+        name = r["Event Identifier"].removesuffix(" (cycles)").rsplit(":OpId_", 1)[0]
+        trace.append({"op": name, "cycles": int(r["Time"])})
+    return trace
+
+
+def make_epcontext(qdq_path, out_dir, soc_model: str = DEFAULT_SOC_MODEL,
+                   ctx_name: str | None = None) -> tuple[Path, list[Path]]:
     """Compile the QDQ model into an EPContext model plus its QNN context binary (not embedded).
 
     Creating the session writes both files; the binary is named in the EPContext node's
@@ -121,7 +178,7 @@ def make_epcontext(qdq_path, out_dir, soc_model: str = DEFAULT_SOC_MODEL) -> tup
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx_path = out_dir / f"{Path(qdq_path).stem}_ctx.onnx"
+    ctx_path = out_dir / (ctx_name or f"{Path(qdq_path).stem}_ctx.onnx")
     ctx_path.unlink(missing_ok=True)
     config = {"ep.context_enable": "1", "ep.context_file_path": str(ctx_path), "ep.context_embed_mode": "0"}
     session = htp_session(qdq_path, soc_model, config=config)
@@ -146,7 +203,8 @@ def _attr(node: onnx.NodeProto, name: str):
 # --- quantization -------------------------------------------------------------------------
 
 def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]], act_type: str = "uint16",
-                 weight_type: str = "uint8", *, score_path: str = "fp16", score_weight_type: str | None = None) -> Path:
+                 weight_type: str = "uint8", *, score_path: str = "fp16", score_weight_type: str | None = None,
+                 act_matmul: str = "uint8") -> Path:
     """QDQ model for QNN HTP via onnxruntime.quantization's QNN helpers.
 
     Steps: legalize (static input shapes, named nodes, non-negative constant Gather
@@ -160,6 +218,13 @@ def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]],
     - score_path="quantized": everything quantized; every Softmax feeding TopK gets its
       calibrated output range instead of the fixed [0, 1], and score_weight_type (e.g.
       "uint16") re-types the weights that feed the scores.
+
+    A MatMul of two activations (attention's q . k^T and probs . v) with both inputs 16-bit
+    is not an HTP kernel: the EP silently converts one side. act_matmul="uint8" (default)
+    makes that explicit and calibrated: input 1 is converted to 8-bit for that MatMul only
+    (a TensorQuantOverrides "convert"); "keep" leaves it to the EP (for comparison).
+    Excluding such a MatMul from quantization does not keep it float: its neighbours'
+    Q/DQ pairs still make it a quantized node unit. check_qdq verifies the result.
     """
     from onnxruntime.quantization import quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
@@ -168,23 +233,78 @@ def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]],
         raise ValueError("quantize_qdq needs at least one calibration sample")
     if score_path not in ("fp16", "quantized"):
         raise ValueError(f"score_path must be 'fp16' or 'quantized', not {score_path!r}")
+    if act_matmul not in ("uint8", "keep"):
+        raise ValueError(f"act_matmul must be 'uint8' or 'keep', not {act_matmul!r}")
     model = legalize_for_htp(onnx.load(str(onnx_path)))
-    with tempfile.TemporaryDirectory(prefix="vlmprune-qdq-") as tmp:
+    # The quantizer logs advice (opset 21, pre-processing) as root-logger warnings.
+    with tempfile.TemporaryDirectory(prefix="vlmprune-qdq-") as tmp, _quiet_root_logger():
         legal, pre = Path(tmp) / "legal.onnx", Path(tmp) / "pre.onnx"
         onnx.save(model, legal)
         source = pre if qnn_preprocess_model(legal, pre) else legal
         model = onnx.load(str(source))
-        overrides, exclude = {}, None
+        overrides, exclude = {}, []
         if score_path == "fp16":
             exclude = [n.name for n in score_only_nodes(model)]
         else:
             overrides = score_path_overrides(model, calib_inputs,
                                              _quant_type(score_weight_type) if score_weight_type else None)
+        if act_type in ("uint16", "int16") and act_matmul != "keep":
+            for node in activation_matmuls(model):
+                if node.name not in exclude:
+                    convert = overrides.setdefault(node.input[1], [{}])[0].setdefault(
+                        "convert", {"quant_type": _quant_type("uint8"), "recv_nodes": set()})
+                    convert["recv_nodes"].add(node.name)
         config = get_qnn_qdq_config(str(source), _Reader(calib_inputs), activation_type=_quant_type(act_type),
                                     weight_type=_quant_type(weight_type), init_overrides=overrides or None,
                                     nodes_to_exclude=exclude or None)
         quantize(str(source), str(out_path), config)
     return Path(out_path)
+
+
+@contextlib.contextmanager
+def _quiet_root_logger():
+    import logging
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def activation_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """MatMuls whose two inputs are both computed (no weight): attention's q . k^T, probs . v."""
+    constant = {i.name for i in model.graph.initializer}
+    constant |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    return [n for n in model.graph.node
+            if n.op_type == "MatMul" and n.input[0] not in constant and n.input[1] not in constant]
+
+
+def check_qdq(model: onnx.ModelProto) -> None:
+    """Raise QnnError if a MatMul reads two 16-bit activations (not an HTP kernel)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    producer = _producers(list(model.graph.node))
+
+    def sixteen_bit(tensor: str) -> bool:
+        dq = producer.get(tensor)
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] in inits or len(dq.input) < 3:
+            return False
+        zero_point = inits.get(dq.input[2])
+        return zero_point is not None and zero_point.data_type in (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)
+
+    consumers: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n.op_type)
+    # A MatMul is quantized when its output is re-quantized; an excluded one reads DQ outputs
+    # but runs in float (fp16 on HTP).
+    quantized = lambda n: consumers.get(n.output[0], []) == ["QuantizeLinear"]
+    bad = [n.name for n in model.graph.node
+           if n.op_type == "MatMul" and quantized(n) and all(sixteen_bit(i) for i in n.input[:2])]
+    if bad:
+        raise QnnError(f"{len(bad)} MatMul(s) read two 16-bit activations, which HTP cannot run as such: {bad[:3]}")
 
 
 def _quant_type(name: str):
@@ -212,52 +332,29 @@ class _Reader:
 
 def legalize_for_htp(model: onnx.ModelProto) -> onnx.ModelProto:
     """What QNN HTP needs before quantization: static input shapes, Gather indices >= 0,
-    and a name on every node.
+    and a name on every node (quantizer exclusions and placement rows go by node name).
 
-    Runtime (non-constant) Gather indices cannot be checked here; the pruning subgraph's
-    come from TopK and are non-negative by construction.
+    The rewrites are passes.qnn's (the adapter runs them on the whole tower); here they are
+    applied to a ModelProto for callers that quantize an ONNX file directly. Runtime
+    (non-constant) Gather indices cannot be checked; the pruning subgraph's come from TopK
+    and are non-negative by construction.
     """
-    graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    for value in graph.input:
+    import onnx_ir as ir
+    from onnx_ir.passes.common import NameFixPass, ShapeInferencePass
+
+    from vlmprune.passes.qnn import PositiveGatherIndicesPass
+
+    inits = {i.name for i in model.graph.initializer}
+    for value in model.graph.input:
         if value.name in inits:
             continue
         dims = value.type.tensor_type.shape.dim
         if any(not d.HasField("dim_value") for d in dims):
             raise QnnError(f"QNN HTP needs static shapes: input {value.name!r} has a dynamic dimension")
-    names = {n.name for n in graph.node if n.name}
-    for i, node in enumerate(graph.node):
-        if not node.name:  # quantizer exclusions and placement rows go by node name
-            node.name = _unique(f"{node.op_type}_{i}", names)
-    shapes = _static_shapes(model)
-    for node in graph.node:
-        if node.op_type == "Gather" and node.input[1] in inits:
-            _make_indices_positive(node, inits[node.input[1]], shapes)
-    return model
-
-
-def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
-    inferred = onnx.shape_inference.infer_shapes(model)
-    out = {}
-    for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        dims = v.type.tensor_type.shape.dim
-        if dims and all(d.HasField("dim_value") for d in dims):
-            out[v.name] = [d.dim_value for d in dims]
-    for init in model.graph.initializer:
-        out[init.name] = list(init.dims)
-    return out
-
-
-def _make_indices_positive(node: onnx.NodeProto, init: onnx.TensorProto, shapes: dict) -> None:
-    indices = numpy_helper.to_array(init)
-    if not (indices < 0).any():
-        return
-    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-    data_shape = shapes.get(node.input[0])
-    if data_shape is None:
-        raise QnnError(f"Gather {node.name!r} has negative indices on an axis of unknown size")
-    size = data_shape[axis]
-    init.CopyFrom(numpy_helper.from_array(np.where(indices < 0, indices + size, indices).astype(indices.dtype), init.name))
+    legal = ir.serde.deserialize_model(model)
+    for p in (ShapeInferencePass(), PositiveGatherIndicesPass(), NameFixPass()):
+        p(legal)
+    return ir.serde.serialize_model(legal)
 
 
 def _producers(nodes: list[onnx.NodeProto]) -> dict:
@@ -335,15 +432,6 @@ def _calibrated_max(model: onnx.ModelProto, tensors: list[str], calib_inputs: li
         for name, value in zip(tensors, session.run(tensors, sample)):
             maxima[name] = max(maxima[name], float(np.max(value)))
     return maxima
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    candidate, i = name, 0
-    while candidate in taken:
-        i += 1
-        candidate = f"{name}_{i}"
-    taken.add(candidate)
-    return candidate
 
 
 def _first_line(exc: BaseException) -> str:

@@ -94,6 +94,17 @@ def available() -> tuple[bool, str]:
     return True, f"rknn venv at {venv}"
 
 
+def creatable() -> tuple[bool, str]:
+    """Whether an rknn environment is ready or can be created here on first use; installs nothing."""
+    ok, reason = available()
+    if ok or os.environ.get(PYTHON_ENV):
+        return ok, reason
+    problem = _platform_problem()
+    if problem:
+        return False, problem
+    return True, f"rknn venv is created on first use at {venv_dir()} (~45 s, ~600 MB; torch linked, not downloaded)"
+
+
 def venv_info() -> dict:
     """The marker's record: toolkit version, install seconds, size, torch source."""
     marker = venv_dir() / MARKER
@@ -204,6 +215,8 @@ def run_worker(request: dict, timeout: float = 1800) -> dict:
     request = {**request, "onnx": str(Path(request["onnx"]).resolve())}
     if request.get("run_inputs"):
         request["run_inputs"] = absolute(request["run_inputs"])
+    if request.get("run_samples"):
+        request["run_samples"] = [absolute(sample) for sample in request["run_samples"]]
     if request.get("dataset"):
         request["dataset"] = [absolute(sample) for sample in request["dataset"]]
     out_dir = Path(request.setdefault("out_dir", tempfile.mkdtemp(prefix="vlmprune-rknn-"))).resolve()

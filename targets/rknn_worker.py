@@ -17,9 +17,12 @@ Request (JSON):
     float_scope      hybrid only: "ancestors" (everything feeding TopK, default) or "score"
                      (only the nodes that feed nothing but TopK: the attention-row recompute)
     run_inputs       optional .npy paths (one per input) to run in the simulator
+    run_samples      optional list of such lists: several samples, one simulator session
+    rknn_name        file name of the exported model in out_dir (default model.rknn)
 
-Response (JSON): ok, toolkit, rknn, outputs [{name, path}], placement [{op, type, device,
-dtype, source}], float16_tensors, log, seconds; or ok=false with a one-line error.
+Response (JSON): ok, toolkit, rknn, outputs [{name, path}] (the first sample's), runs (one
+outputs list per sample), placement [{op, type, device, dtype, source}], float16_tensors,
+log, seconds; or ok=false with a one-line error.
 The toolkit's C++ core prints to file descriptor 1, so both descriptors go to the log.
 """
 
@@ -281,28 +284,33 @@ def run(req: dict) -> dict:
         rknn_path = os.path.join(out_dir, req.get("rknn_name", "model.rknn"))
         with redirect_fds(log_path):
             check(rknn.export_rknn(rknn_path), "export_rknn")
-        outputs = []
-        if req.get("run_inputs"):
-            arrays = [np.load(p) for p in req["run_inputs"]]
-            formats = ["nchw" if a.ndim == 4 else None for a in arrays]
+        samples = req.get("run_samples") or ([req["run_inputs"]] if req.get("run_inputs") else [])
+        runs = []
+        if samples:
             t0 = time.perf_counter()
             with redirect_fds(log_path):
                 check(rknn.init_runtime(target=None), "init_runtime")
-                results = rknn.inference(inputs=arrays, data_format=formats if any(formats) else None)
+            for k, sample in enumerate(samples):
+                arrays = [np.load(p) for p in sample]
+                formats = ["nchw" if a.ndim == 4 else None for a in arrays]
+                with redirect_fds(log_path):
+                    results = rknn.inference(inputs=arrays, data_format=formats if any(formats) else None)
+                if results is None:
+                    raise StageError(f"inference returned no outputs for sample {k}")
+                outputs = []
+                for i, (name, arr) in enumerate(zip(output_names, results)):
+                    path = os.path.join(out_dir, f"output_{i}.npy" if k == 0 else f"output_{k}_{i}.npy")
+                    np.save(path, arr)
+                    outputs.append({"name": name, "path": path})
+                runs.append(outputs)
             seconds["simulate"] = time.perf_counter() - t0
-            if results is None:
-                raise StageError("inference returned no outputs")
-            for i, (name, arr) in enumerate(zip(output_names, results)):
-                path = os.path.join(out_dir, f"output_{i}.npy")
-                np.save(path, arr)
-                outputs.append({"name": name, "path": path})
     finally:
         with redirect_fds(log_path):
             rknn.release()
     with open(log_path, errors="replace") as f:
         placement = parse_placement(f.read(), onnx_nodes)
     return {"ok": True, "toolkit": _toolkit_version(), "rknn": rknn_path, "inputs": input_names,
-            "outputs": outputs, "placement": placement, "float16_tensors": kept_float,
+            "outputs": runs[0] if runs else [], "runs": runs, "placement": placement, "float16_tensors": kept_float,
             "log": log_path, "seconds": seconds}
 
 

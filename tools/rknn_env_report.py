@@ -3,16 +3,17 @@
     python tools/rknn_env_report.py                 # venv record + placement table (fp16, hybrid)
     python tools/rknn_env_report.py --matrix        # every selection/mask/sort formulation on
                                                     # RKNN (fp16, hybrid, int8) and QNN HTP (QDQ)
+    python tools/rknn_env_report.py --selection     # Gather vs one-hot MatMul on the demo tower: rk3588
+                                                    # (fp16, hybrid) and qnn, placement and parity
     python tools/rknn_env_report.py --json out.json # the same figures as data
 
 Creates the rknn venv if it is missing (VLMPRUNE_CACHE chooses where). The probe graph is
-the one tests/targets/test_rknn_toolchain.py builds.
+vlmprune.targets.probe_graph's.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
@@ -23,15 +24,13 @@ import onnx
 
 from vlmprune.targets import qnn_tools, rknn_env
 
-ROOT = Path(__file__).resolve().parents[1]
 CALIB_SEEDS = range(100, 116)
 
 
 def load_probe_lib():
-    spec = importlib.util.spec_from_file_location("_vlmprune_probe", ROOT / "tests/targets/test_rknn_toolchain.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from vlmprune.targets import probe_graph
+
+    return probe_graph
 
 
 def venv_report() -> dict:
@@ -111,10 +110,16 @@ def summary_line(label: str, case: dict, device_key: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--matrix", action="store_true", help="all formulations on both toolchains")
+    parser.add_argument("--selection", action="store_true", help="Gather vs one-hot on the demo tower")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     lib = load_probe_lib()
     report = {"venv": venv_report()}
+    if args.selection:
+        report["selection"] = selection_report()
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1, default=str))
+        return 0
     seeds = [(1, 2.0), (2, 2.0), (3, 0.0), (4, 0.0)]  # two with a score margin, two plain noise
     with tempfile.TemporaryDirectory(prefix="vlmprune-rknn-report-") as tmp:
         root = Path(tmp)
@@ -154,6 +159,47 @@ def run_matrix(lib, root: Path, seeds) -> dict:
     if not qnn_ok:
         print(f"  (QNN skipped: {qnn_reason})")
     return matrix
+
+
+def selection_report(layers=(2, None)) -> dict:
+    """Compile `demo` for rk3588 and qnn with each selection formulation; placement and parity per variant."""
+    import functools
+
+    from vlmprune import targets
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+    from vlmprune.targets.qnn import QnnTarget
+    from vlmprune.targets.rk3588 import Rk3588Target
+
+    adapters = {"rk3588": Rk3588Target, "qnn": QnnTarget}
+    results = {}
+    print("\nSelection formulation on the demo tower (keep 192; parity images: skimage astronaut, chelsea)")
+    with tempfile.TemporaryDirectory(prefix="vlmprune-selection-") as tmp:
+        for target, cls in adapters.items():
+            for layer in layers:
+                for selection in ("gather", "onehot"):
+                    saved = targets.TARGETS[target]
+                    targets.TARGETS[target] = functools.partial(cls, selection=selection)
+                    try:
+                        out = Path(tmp) / f"{target}-{selection}-{layer}"
+                        result = compile_model("demo", out, CompileOptions(target=target, keep=192, layer=layer,
+                                                                           lam=0.3 if layer else 0.0))
+                    finally:
+                        targets.TARGETS[target] = saved
+                    fields = result.manifest["target"]
+                    for variant, rows in fields["placement"].items():
+                        devices = [r["device"] for r in rows]
+                        islands = sum(1 for i, d in enumerate(devices) if d == "CPU" and (i == 0 or devices[i - 1] != "CPU"))
+                        stages = {s.stage: s for s in result.report.stages if s.stage.startswith(("rknn", "qnn"))}
+                        key = f"{target} {variant} layer={layer or 'last'} {selection}"
+                        figures = {name: {"agreement": s.indices["per_image"] if s.indices else None,
+                                          "cosine_min": s.outputs.get("image_features", {}).get("cosine_min"),
+                                          "passed": s.passed} for name, s in stages.items()}
+                        results[key] = {"layers": len(rows), "cpu_layers": devices.count("CPU"), "cpu_islands": islands,
+                                        "cycles": fields.get("op_trace", {}).get("cycles"), "parity": figures}
+                        print(f"  {key:34s} layers {len(rows):4d}  CPU {devices.count('CPU'):2d}  CPU islands {islands}  "
+                              + "  ".join(f"{n}: agreement {f['agreement']} cos {f['cosine_min']}" for n, f in figures.items()),
+                              flush=True)
+    return results
 
 
 if __name__ == "__main__":

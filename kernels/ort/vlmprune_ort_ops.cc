@@ -3,6 +3,10 @@
 //       -> tokens [B, has_cls+keep+1, D], kept_indices [B, keep] int64
 //   ClsAttentionScore(q [B,H,T|1,dh], k [B,H,dh,T] | [B,H,T,dh]; scale, has_cls, int8, k_transposed)
 //       -> scores [B, T-has_cls] f32
+// and, domain "trt.plugins", the TensorRT plugin node's host-side twin:
+//   VlmpTokenPrune(hidden, scores; keep, has_cls, plugin_version "1", plugin_namespace "vlmprune")
+//       the same kernel as TokenPrune, so the TensorRT targets' model.onnx runs here for parity
+//       (the plugin itself, kernels/trt, runs the CUDA twins of the same kernels).
 // Both run the CPU kernels of kernels/cpu over ONNX Runtime's intra-op thread pool.
 // The library also exports the vlmp_* C functions (see the build's version script).
 #define ORT_API_MANUAL_INIT
@@ -21,6 +25,13 @@
 namespace {
 
 constexpr const char* kDomain = "vlmprune";
+// The TensorRT plugin contract (kernels/trt/plugin_names.json; tests/targets/test_tensorrt.py
+// keeps these equal to it). Spelled out here rather than included so that the build
+// cache key (kernels/build.py: include/, cpu/, ort/) covers every source of this library.
+constexpr const char* kPluginDomain = "trt.plugins";
+constexpr const char* kPluginName = "VlmpTokenPrune";
+constexpr const char* kPluginVersion = "1";
+constexpr const char* kPluginNamespace = "vlmprune";
 // CreateKernelV2/KernelComputeV2 arrived with API 16, KernelContext_ParallelFor with 17.
 constexpr uint32_t kMinApiVersion = 17;
 
@@ -73,6 +84,25 @@ float attr_float(const OrtApi& api, const OrtKernelInfo* info, const char* name,
   return value;
 }
 
+// A string attribute, if present, must equal `expected` (absent: TensorRT's parser defaults apply).
+void expect_string(const OrtApi& api, const OrtKernelInfo* info, const char* op, const char* name,
+                   const char* expected) {
+  size_t size = 0;
+  if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, nullptr, &size)) {
+    api.ReleaseStatus(st);
+    return;
+  }
+  std::string value(size, '\0');
+  if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, &value[0], &size)) {
+    api.ReleaseStatus(st);
+    fail(op, std::string("cannot read attribute '") + name + "'");
+  }
+  value.resize(size > 0 ? size - 1 : 0);  // size counts the terminating NUL
+  if (value != expected) {
+    fail(op, std::string("attribute '") + name + "' is '" + value + "', this library implements '" + expected + "'");
+  }
+}
+
 int attr_flag(const OrtApi& api, const OrtKernelInfo* info, const char* op, const char* name, int64_t fallback) {
   const int64_t v = attr_int(api, info, op, name, false, fallback);
   if (v != 0 && v != 1) fail(op, std::string("attribute '") + name + "' must be 0 or 1, got " + std::to_string(v));
@@ -111,14 +141,15 @@ int64_t column_blocks(int64_t B, int64_t D) {
 constexpr const char* kTokenPrune = "TokenPrune";
 
 struct TokenPruneKernel {
-  TokenPruneKernel(const OrtApi& api, const OrtKernelInfo* info)
-      : keep_(attr_int(api, info, kTokenPrune, "keep", true, 0)),
-        has_cls_(attr_flag(api, info, kTokenPrune, "has_cls", 1)) {
-    if (keep_ < 1) fail(kTokenPrune, "attribute 'keep' must be >= 1, got " + std::to_string(keep_));
+  TokenPruneKernel(const OrtApi& api, const OrtKernelInfo* info, const char* op = kTokenPrune)
+      : op_(op),
+        keep_(attr_int(api, info, op, "keep", true, 0)),
+        has_cls_(attr_flag(api, info, op, "has_cls", 1)) {
+    if (keep_ < 1) fail(op_, "attribute 'keep' must be >= 1, got " + std::to_string(keep_));
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    return guarded(kTokenPrune, [&] { Compute(Ort::KernelContext(context)); });
+    return guarded(op_, [&] { Compute(Ort::KernelContext(context)); });
   }
 
   void Compute(const Ort::KernelContext& ctx) const {
@@ -127,15 +158,15 @@ struct TokenPruneKernel {
     const auto h_info = hidden.GetTensorTypeAndShapeInfo();
     const std::vector<int64_t> hs = h_info.GetShape();
     const std::vector<int64_t> ss = scores.GetTensorTypeAndShapeInfo().GetShape();
-    const vlmp_dtype dt = dtype_of(h_info.GetElementType(), kTokenPrune, "hidden");
-    if (hs.size() != 3) fail(kTokenPrune, "hidden must be [B, T, D], got " + shape_str(hs));
+    const vlmp_dtype dt = dtype_of(h_info.GetElementType(), op_, "hidden");
+    if (hs.size() != 3) fail(op_, "hidden must be [B, T, D], got " + shape_str(hs));
     const int64_t B = hs[0], T = hs[1], D = hs[2], N = T - has_cls_, K = keep_;
     if (ss.size() != 2 || ss[0] != B || ss[1] != N) {
-      fail(kTokenPrune, "scores must be [B, T - has_cls] = " + shape_str({B, N}) + " for hidden " + shape_str(hs) +
+      fail(op_, "scores must be [B, T - has_cls] = " + shape_str({B, N}) + " for hidden " + shape_str(hs) +
                             " and has_cls=" + std::to_string(has_cls_) + ", got " + shape_str(ss));
     }
     if (K >= N) {
-      fail(kTokenPrune, "keep=" + std::to_string(K) + " must satisfy 1 <= keep < N, the " + std::to_string(N) +
+      fail(op_, "keep=" + std::to_string(K) + " must satisfy 1 <= keep < N, the " + std::to_string(N) +
                             " patch tokens of hidden " + shape_str(hs));
     }
     Ort::UnownedValue tokens = ctx.GetOutput(0, {B, has_cls_ + K + 1, D});
@@ -164,6 +195,7 @@ struct TokenPruneKernel {
     parallel_for(ctx, static_cast<size_t>(B * blocks), gather);
   }
 
+  const char* op_;
   int64_t keep_;
   int has_cls_;
 };
@@ -175,6 +207,27 @@ struct TokenPruneOp : Ort::CustomOpBase<TokenPruneOp, TokenPruneKernel, true> {
   const char* GetName() const { return kTokenPrune; }
   size_t GetInputTypeCount() const { return 2; }
   // hidden: float or float16 (UNDEFINED lets ONNX Runtime propagate its type to output 0).
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  }
+};
+
+// The TensorRT plugin node (trt.plugins.VlmpTokenPrune) run by the same kernel; the plugin's
+// version and namespace attributes are checked so that a graph meant for another plugin fails here.
+struct PluginTwinOp : Ort::CustomOpBase<PluginTwinOp, TokenPruneKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return guarded(kPluginName, [&] {
+      expect_string(api, info, kPluginName, "plugin_version", kPluginVersion);
+      expect_string(api, info, kPluginName, "plugin_namespace", kPluginNamespace);
+      *kernel = new TokenPruneKernel(api, info, kPluginName);
+    });
+  }
+  const char* GetName() const { return kPluginName; }
+  size_t GetInputTypeCount() const { return 2; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
@@ -268,6 +321,7 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
   Ort::InitApi(api);
   static const TokenPruneOp token_prune;
   static const ClsAttentionScoreOp cls_score;
+  static const PluginTwinOp plugin_twin;
   // Domains must outlive every session that uses them. They are kept until exit and
   // deliberately never released: at exit ONNX Runtime may already be unloaded.
   static std::mutex mutex;
@@ -276,8 +330,12 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     Ort::CustomOpDomain domain{kDomain};
     domain.Add(&token_prune);
     domain.Add(&cls_score);
+    Ort::CustomOpDomain plugin_domain{kPluginDomain};
+    plugin_domain.Add(&plugin_twin);
     Ort::UnownedSessionOptions(options).Add(domain);
+    Ort::UnownedSessionOptions(options).Add(plugin_domain);
     std::lock_guard<std::mutex> lock(mutex);
     domains->push_back(domain.release());
+    domains->push_back(plugin_domain.release());
   });
 }

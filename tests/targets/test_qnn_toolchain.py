@@ -1,23 +1,13 @@
-"""QNN HTP emulator (onnxruntime-qnn) end to end on the probe pruning graph.
-
-The probe graph and metrics live in test_rknn_toolchain.py; they are loaded by path so this
-file does not depend on how the tests folder is packaged.
-"""
+"""QNN HTP emulator (onnxruntime-qnn) end to end on the probe graph (targets.probe_graph)."""
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
+from vlmprune.targets import probe_graph as probe_lib
 from vlmprune.targets import qnn_tools
-
-_spec = importlib.util.spec_from_file_location("_vlmprune_probe", Path(__file__).with_name("test_rknn_toolchain.py"))
-probe_lib = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe_lib)
 
 QNN_OK, QNN_REASON = qnn_tools.available()
 needs_qnn = pytest.mark.skipif(not QNN_OK, reason=f"QNN toolchain unavailable: {QNN_REASON}")

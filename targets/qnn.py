@@ -1,0 +1,245 @@
+"""Target `qnn`: Qualcomm HTP (Hexagon NPU) through ONNX Runtime's QNN execution provider.
+
+emit legalizes the decomposed graph for HTP (passes.qnn) into model.onnx (float, static
+shapes), quantizes it to QDQ with onnxruntime.quantization's QNN helpers (16-bit
+activations, 8-bit weights by default; the nodes that feed only the score TopK stay float
+and run on HTP in fp16; every MatMul of two activations reads one side as 8-bit, see
+targets.qnn_tools.quantize_qdq) into model.qdq.onnx, and compiles that for --soc into an
+EPContext model, model_ctx.onnx, whose QNN context binary (.bin) sits beside it.
+
+Parity runs both the QDQ model and the EPContext model in onnxruntime-qnn's HTP emulator
+(libQnnHtp on x86_64) with CPU fallback disabled, so a node HTP cannot take fails the
+stage instead of running on the CPU. Nothing here ran on a phone: the stages are labelled
+"(simulated)". Op placement comes from ONNX Runtime's assignment of nodes to execution
+providers (session.record_ep_graph_assignment_info), taken with fallback allowed so that
+it shows what would leave HTP.
+
+Precisions (--precision): int16 (default: uint16 activations, uint8 weights) or int8
+(uint8 activations and weights). On the demo tower int8 activations lose the features
+(cosine 0.42 on one of four real images) while int16 keeps >= 0.9996: 16-bit it is.
+
+Selection formulation: Gather, by measurement (demo tower, pruning after block 2 and after
+the last block, HTP emulator, SM8650): Gather and GatherElements run on HTP, the selection
+costs ~30k emulated cycles and the features keep cosine >= 0.9993; the one-hot MatMul also
+stays on HTP but costs ~5M cycles and, quantized, loses the features (cosine -0.14).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+from vlmprune.compiler.errors import InputError, ToolchainError
+from vlmprune.passes.qnn import TARGET, htp_legalization
+from vlmprune.passes.token_prune import InsertTokenPrunePass, RetargetTokenCountPass
+from vlmprune.targets import placement
+from vlmprune.targets.base import StageSpec, Target
+
+# precision -> (activation type, weight type)
+PRECISIONS = {"int16": ("uint16", "uint8"), "int8": ("uint8", "uint8")}
+DEFAULT_PRECISION = "int16"
+CALIBRATION_COUNT = 8
+QDQ, CTX = "model.qdq.onnx", "model_ctx.onnx"
+
+
+def parse_precision(value: str | None) -> str:
+    name = (value or DEFAULT_PRECISION).strip().lower()
+    if name not in PRECISIONS:
+        raise InputError(f"qnn --precision takes {' or '.join(PRECISIONS)} (activation bits), got {value!r}")
+    return name
+
+
+class QnnTarget(Target):
+    name = "qnn"
+    summary = "Qualcomm HTP: ONNX Runtime QNN EP (QDQ + EPContext for --soc), HTP emulator parity"
+
+    def __init__(self, selection: str = "gather"):
+        self.selection = selection
+
+    def available(self) -> tuple[bool, str]:
+        from vlmprune.targets import qnn_tools
+
+        return qnn_tools.available()
+
+    def toolchain(self) -> dict[str, str]:
+        import onnx
+        import onnxruntime
+
+        from vlmprune.targets import qnn_tools
+
+        versions = {"onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__}
+        try:
+            import onnxruntime_qnn
+
+            versions["onnxruntime-qnn"] = onnxruntime_qnn.__version__
+            versions["qnn sdk"] = qnn_tools._qnn_sdk_version()
+        except ImportError:
+            pass
+        return versions
+
+    def pipeline(self, config) -> list[ir.passes.PassBase]:
+        prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
+        return [*prune, RemoveUnusedNodesPass(), TopologicalSortPass()]
+
+    def supports(self, node: ir.Node) -> tuple[bool, str]:
+        if node.op_type == "GatherND" and node.attributes.get_int("batch_dims", 0):
+            return False, "GatherND with batch_dims has no HTP kernel (GatherNDToGatherPass rewrites it)"
+        return super().supports(node)
+
+    def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
+        """Legalize into model.onnx, quantize to model.qdq.onnx, compile model_ctx.onnx + .bin for the SoC."""
+        import onnx
+
+        from vlmprune.targets import calibration, qnn_tools
+
+        options, source = context["options"], context["source"]
+        precision = parse_precision(options.precision)
+        act, weight = PRECISIONS[precision]
+        try:
+            soc, soc_model = qnn_tools.resolve_soc(options.soc)
+        except qnn_tools.QnnError as exc:
+            raise InputError(str(exc)) from None
+        batch = options.batch or 1
+        legalization = [type(p).__name__ for p in htp_legalization(batch, self.selection)
+                        if p(decomposed).modified]
+        ir.save(decomposed, out_dir / "model.onnx")
+        calib, names = calibration.calibration_inputs(CALIBRATION_COUNT, source.image_size, source.mean, source.std)
+        input_name = decomposed.graph.inputs[0].name
+        samples = [{input_name: calib[[(i * batch + j) % len(calib) for j in range(batch)]]}
+                   for i in range(max(1, len(calib) // batch))]
+        try:
+            qnn_tools.quantize_qdq(out_dir / "model.onnx", out_dir / QDQ, samples, act_type=act, weight_type=weight)
+            qnn_tools.check_qdq(onnx.load(str(out_dir / QDQ)))
+            ctx, binaries = qnn_tools.make_epcontext(out_dir / QDQ, out_dir, soc_model, ctx_name=CTX)
+            rows = [{"op": r["op"], "type": r["type"],
+                     "device": "HTP" if r["provider"] == qnn_tools.EP_NAME else placement.CPU}
+                    for r in qnn_tools.placement(out_dir / QDQ, soc_model)]
+            trace = qnn_tools.op_trace(out_dir / QDQ, samples[0], soc_model)
+        except qnn_tools.QnnError as exc:
+            raise ToolchainError(f"{TARGET}: {exc}") from None
+        arch, product = qnn_tools.SOCS[soc][1:]
+        return {"runtime": "ONNX Runtime QNN EP on the Hexagon NPU (HTP)", "soc": soc, "soc_model": soc_model,
+                "htp_arch": arch, "device": product, "precision": precision,
+                "quantization": {"activations": act, "weights": weight,
+                                 "float_nodes": "the nodes that feed only the score TopK (fp16 on HTP)",
+                                 "activation_matmuls": "input 1 read as uint8" if act == "uint16" else "uint8"},
+                "calibration": {"images": names}, "legalization": legalization, "batch": batch,
+                "selection": self.selection,
+                "artifacts": {"qdq": QDQ, "epcontext": CTX, "context_binaries": [b.name for b in binaries]},
+                "placement": {"qdq": _with_cycles(rows, trace)}, "placement_summary": {"qdq": placement.summarize(rows)},
+                "placement_source": "onnxruntime EP graph assignment (session.record_ep_graph_assignment_info); "
+                                    "cycles from the HTP emulator's op trace (QNN profiling 'detailed', one image)",
+                "op_trace": {"ops": len(trace), "cycles": sum(r["cycles"] for r in trace), "rows": trace}}
+
+    def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
+        from vlmprune.compiler.runtime import ort_session, run_session
+        from vlmprune.targets import qnn_tools
+
+        bundle_dir = Path(bundle_dir)
+        fields = manifest["target"]
+        batch = fields.get("batch", 1)
+        soc, soc_model = fields.get("soc", qnn_tools.DEFAULT_SOC), fields.get("soc_model", qnn_tools.DEFAULT_SOC_MODEL)
+        precision = fields.get("precision", DEFAULT_PRECISION)
+        version = fields.get("toolchain", {}).get("onnxruntime-qnn", "")
+
+        def legalized(pixel):
+            session = ort_session(bundle_dir / "model.onnx")
+            return _in_batches(lambda x: run_session(session, x), pixel, batch)
+
+        def on_htp(name: str):
+            def run(pixel):
+                session = qnn_tools.htp_session(bundle_dir / name, soc_model)
+                return _in_batches(lambda x: run_session(session, x), pixel, batch)
+            return run
+
+        emulator = f"onnxruntime-qnn {version} HTP emulator, {soc} (soc_model {soc_model}), CPU fallback off"
+        return [StageSpec("legalized", "onnxruntime CPU (model.onnx, the float graph that is quantized)", "fp32",
+                          legalized),
+                StageSpec("qnn-qdq", f"{emulator} ({QDQ}) (simulated)", precision, on_htp(QDQ)),
+                StageSpec("qnn-ctx", f"{emulator} ({CTX} + context binary) (simulated)", precision, on_htp(CTX))]
+
+    def readme(self, manifest: dict) -> str:
+        return _readme(manifest)
+
+
+def _with_cycles(rows: list[dict], trace: list[dict]) -> list[dict]:
+    """Add to each ONNX node the emulated HTP cycles of the QNN ops it was lowered to.
+
+    QNN names its ops after the ONNX node (node, node/Fusion, node_suffix); a trace op is
+    credited to the longest node name it starts with.
+    """
+    names = sorted((r["op"] for r in rows), key=len, reverse=True)
+    cycles: dict[str, int] = {}
+    for t in trace:
+        owner = next((n for n in names if t["op"] == n or t["op"].startswith((n + "/", n + "_", n + ":"))), None)
+        if owner is not None:
+            cycles[owner] = cycles.get(owner, 0) + t["cycles"]
+    return [{**r, "cycles": cycles[r["op"]]} if r["op"] in cycles else r for r in rows]
+
+
+def _in_batches(run, pixel: np.ndarray, batch: int) -> dict[str, np.ndarray]:
+    """Run a static-batch model over the parity images, `batch` at a time."""
+    if len(pixel) % batch:
+        raise ValueError(f"{len(pixel)} images do not fill batches of {batch}")
+    outs = [run(pixel[i: i + batch]) for i in range(0, len(pixel), batch)]
+    return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
+
+
+def _readme(manifest: dict) -> str:
+    fields = manifest["target"]
+    inp = manifest["inputs"][0]
+    out_names = ", ".join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in manifest["outputs"])
+    binaries = ", ".join(f"`{b}`" for b in fields["artifacts"]["context_binaries"])
+    summary = placement.summary_line("qdq", fields["placement_summary"]["qdq"])
+    q = fields["quantization"]
+    return f"""# vlmprune bundle: target `qnn` (Qualcomm HTP via ONNX Runtime's QNN EP)
+
+Model: {manifest['model']['source']} — {manifest['method']['summary']}
+
+Built for {fields['soc']} ({fields['device']}, HTP {fields['htp_arch']}, soc_model {fields['soc_model']}).
+Input `{inp['name']}`: {inp['shape']} float32, NCHW, normalized pixels (mean {manifest['preprocess']['mean']},
+std {manifest['preprocess']['std']}). Outputs: {out_names}.
+
+Files:
+- `{CTX}` + {binaries}: the EPContext model and its QNN context binary, compiled for {fields['soc']};
+  keep them in one folder. Loads fastest; runs only on that SoC's HTP.
+- `{QDQ}`: the QDQ model ({q['activations']} activations, {q['weights']} weights; the score path's
+  float nodes run in fp16 on HTP). Runs on any HTP the QNN EP supports (compiled when the session starts).
+- `model.onnx`: the float graph that was quantized; `model.decomposed.onnx`: the portable pruned graph.
+
+Parity was measured in onnxruntime-qnn's HTP emulator on x86_64 with CPU fallback disabled (labelled
+"simulated" in `parity.json`); no phone was involved. {summary}.
+
+## Android (arm64-v8a)
+
+Use ONNX Runtime with the QNN EP (Maven `com.microsoft.onnxruntime:onnxruntime-android-qnn`, or a build with
+`--use_qnn`), and ship the QNN HTP libraries of the same QNN SDK (`libQnnHtp.so`, `libQnnHtpV{fields['htp_arch'][1:]}Stub.so`,
+`libQnnHtpV{fields['htp_arch'][1:]}Skel.so`, `libQnnHtpPrepare.so`, `libQnnSystem.so`) in the app's native library folder:
+
+    OrtSession.SessionOptions so = new OrtSession.SessionOptions();
+    so.addConfigEntry("session.disable_cpu_ep_fallback", "1");
+    so.addQnn(Map.of("backend_path", "libQnnHtp.so"));
+    OrtSession session = env.createSession(modelDir + "/{CTX}", so);
+
+## Windows on Arm (Snapdragon X) and Linux arm64
+
+    pip install onnxruntime-qnn        # Windows arm64 / Linux aarch64 wheels carry the QNN libraries
+    python - <<'PY'
+    import numpy as np, onnxruntime as ort
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    sess = ort.InferenceSession("{CTX}", so, providers=[("QNNExecutionProvider", {{"backend_path": "QnnHtp.dll"}})])
+    x = np.zeros({inp['shape']}, dtype=np.float32)   # preprocessed image(s)
+    features, kept = sess.run(None, {{"{inp['name']}": x}})
+    print(features.shape, kept[0][:10])
+    PY
+
+(`libQnnHtp.so` on Linux.) With onnxruntime-qnn 2.x (a plugin EP, as here) register it first:
+`ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())` and add it
+with `so.add_provider_for_devices(...)`. To compile for another SoC, recompile the bundle with `--soc` (`vlmprune
+targets` lists them); `{QDQ}` needs no recompile. Check every file's sha256 against `manifest.json` before loading
+it; `vlmprune check .` re-runs parity in the emulator.
+"""

@@ -1,0 +1,293 @@
+"""Target `rk3588`: the Rockchip RK3588 NPU through rknn-toolkit2 2.5.0.
+
+The toolkit lives in a virtual environment of its own (targets.rknn_env: its numpy/onnx
+pins clash with this one), created on first use and driven by a subprocess
+(targets.rknn_worker). emit legalizes the decomposed graph (passes.rknn), writes it as
+model.onnx, and per precision has the worker load it, build, export the .rknn and run the
+simulator on the parity images in that same process: the toolkit simulates only a model it
+has just built (a loaded .rknn needs a board), so these outputs are kept for the parity
+stage. `vlmprune check` rebuilds from model.onnx instead (the rebuilt .rknn is equivalent,
+not byte-identical: 2.5.0's output differs in a few kB between identical builds).
+
+Precisions (--precision, comma-separated; default both):
+- fp16: everything in float16 -> model.rknn.
+- int8: hybrid quantization -> model.hybrid.rknn: w8a8, with the score path (every tensor
+  that feeds the score TopK, and the index chain after it) kept float16. Calibration: real
+  photographs disjoint from the parity images (targets.calibration).
+
+Measured on `demo` (keep 192; parity images skimage astronaut and chelsea; 2.5.0 simulator):
+fp16 kept-index agreement 1.0 and cosine >= 0.999999 (pruning after the last block; after
+block 2 with lambda 0.3 one of chelsea's 192 indices swaps inside the 1e-3 tie band);
+int8 hybrid the same agreement, cosine 0.9961 (after block 2) and 0.9994 (last block).
+Keeping only the attention-row recompute in float16 (float_scope="score") instead of
+everything that feeds TopK drops hybrid agreement to 0.974 - 0.995: the blocks before the
+pruning point decide the scores, so they stay float16.
+
+Selection formulation: a one-hot MatMul rather than a Gather, chosen by measurement (see
+passes.rknn: one CPU layer and one NPU -> CPU -> NPU round trip fewer, same parity).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+from vlmprune.compiler.errors import InputError, ToolchainError
+from vlmprune.passes.rknn import TARGET, rknn_legalization
+from vlmprune.passes.token_prune import InsertTokenPrunePass, RetargetTokenCountPass
+from vlmprune.targets import placement
+from vlmprune.targets.base import StageSpec, Target
+
+# precision -> (worker mode, artifact, parity precision, what it is)
+PRECISIONS = {
+    "fp16": ("fp16", "model.rknn", "fp16", "float16 throughout"),
+    "int8": ("hybrid", "model.hybrid.rknn", "int8",
+             "hybrid: int8 weights and activations, the score path (everything feeding TopK) float16"),
+}
+DEFAULT_PRECISIONS = ("fp16", "int8")
+CALIBRATION_COUNT = 8
+PLATFORM = "rk3588"
+
+
+def parse_precisions(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return DEFAULT_PRECISIONS
+    names = [{"hybrid": "int8"}.get(p, p) for p in (x.strip().lower() for x in value.split(",")) if p]
+    unknown = [n for n in names if n not in PRECISIONS]
+    if unknown or not names:
+        raise InputError(f"rk3588 --precision takes fp16, int8 (hybrid) or both as fp16,int8; got {value!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha(path: Path) -> str:
+    return _sha(Path(path).read_bytes())
+
+
+class Rk3588Target(Target):
+    name = "rk3588"
+    summary = "Rockchip RK3588 NPU: rknn-toolkit2 2.5.0 .rknn (fp16, hybrid int8), simulator parity"
+
+    def __init__(self, selection: str = "onehot", float_scope: str = "ancestors"):
+        self.selection = selection
+        self.float_scope = float_scope
+        # (sha256 of the .rknn, sha256 of one image) -> the simulator's outputs at export time
+        self._simulated: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+
+    def available(self) -> tuple[bool, str]:
+        from vlmprune.targets import rknn_env
+
+        return rknn_env.creatable()
+
+    def toolchain(self) -> dict[str, str]:
+        import onnx
+
+        from vlmprune.targets import rknn_env
+
+        pins = ", ".join(r.replace("==", " ") for r in rknn_env.RUNTIME_REQUIREMENTS if "==" in r)
+        return {"rknn-toolkit2": rknn_env.RKNN_TOOLKIT_VERSION, "target_platform": PLATFORM,
+                "rknn venv": f"{pins} (torch linked from this environment)", "onnx": onnx.__version__}
+
+    def pipeline(self, config) -> list[ir.passes.PassBase]:
+        prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
+        return [*prune, RemoveUnusedNodesPass(), TopologicalSortPass()]
+
+    def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
+        """Legalize into model.onnx, then build, export and simulate each precision's .rknn."""
+        from vlmprune.compiler import images
+        from vlmprune.targets import calibration, rknn_env
+
+        options, source = context["options"], context["source"]
+        precisions = parse_precisions(options.precision)
+        legalization = [type(p).__name__ for p in rknn_legalization(self.selection) if p(decomposed).modified]
+        ir.save(decomposed, out_dir / "model.onnx")
+        pixel, _ = images.parity_inputs(options.batch or 2, source.image_size, source.mean, source.std)
+        fields: dict = {"runtime": "RKNN runtime (librknnrt / rknn-toolkit-lite2 2.5.0) on the RK3588 NPU",
+                        "target_platform": PLATFORM, "selection": self.selection, "legalization": legalization,
+                        "artifacts": {}, "precisions": {}, "placement": {}, "placement_summary": {},
+                        "build_seconds": {}}
+        calib_names: list[str] = []
+        with tempfile.TemporaryDirectory(prefix="vlmprune-rk3588-") as scratch:
+            root = Path(scratch)
+            samples = _save_samples(root / "image", pixel)
+            dataset = None
+            if "int8" in precisions:
+                calib, calib_names = calibration.calibration_inputs(CALIBRATION_COUNT, source.image_size,
+                                                                    source.mean, source.std)
+                dataset = _save_samples(root / "calib", calib)
+                fields["calibration"] = {"images": calib_names, "float_scope": self.float_scope}
+            for precision in precisions:
+                mode, artifact, _, what = PRECISIONS[precision]
+                response = self._worker(out_dir / "model.onnx", root / precision, mode, samples, dataset)
+                shutil.copy2(response["rknn"], out_dir / artifact)
+                rknn_sha = _file_sha(out_dir / artifact)
+                for image, outputs in zip(pixel, response["runs"]):
+                    self._simulated[(rknn_sha, _sha(image.tobytes()))] = {o["name"]: np.load(o["path"]) for o in outputs}
+                rows = [{k: r[k] for k in ("op", "type", "device", "dtype", "source") if r.get(k) is not None}
+                        for r in response["placement"]]
+                fields["artifacts"][precision] = artifact
+                fields["precisions"][precision] = what
+                fields["placement"][precision] = rows
+                fields["placement_summary"][precision] = placement.summarize(rows)
+                fields["build_seconds"][precision] = round(response["seconds"].get("build", 0.0), 1)
+                if mode == "hybrid":
+                    fields["float16_tensors"] = len(response["float16_tensors"])
+        fields["rknn_venv"] = {k: v for k, v in rknn_env.venv_info().items() if k in ("install_seconds", "size_bytes")}
+        return fields
+
+    def _worker(self, model: Path, out_dir: Path, mode: str, samples: list[list[str]],
+                dataset: list[list[str]] | None) -> dict:
+        from vlmprune.targets import rknn_env
+
+        request = {"onnx": str(model), "out_dir": str(out_dir), "mode": mode, "target_platform": PLATFORM,
+                   "run_samples": samples, "rknn_name": "model.rknn", "float_scope": self.float_scope}
+        if mode != "fp16":
+            request["dataset"] = dataset
+        try:
+            return rknn_env.run_worker(request)
+        except rknn_env.RknnError as exc:
+            raise ToolchainError(f"{TARGET}: {exc}") from None
+
+    def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
+        from vlmprune.compiler.runtime import ort_session, run_session
+
+        bundle_dir = Path(bundle_dir)
+        fields = manifest["target"]
+
+        def legalized(pixel):
+            session = ort_session(bundle_dir / "model.onnx")
+            return _per_image(lambda x: run_session(session, x), pixel)
+
+        specs = [StageSpec("legalized", "onnxruntime CPU (model.onnx, the graph rknn-toolkit2 converts)", "fp32",
+                           legalized)]
+        for precision, artifact in fields.get("artifacts", {}).items():
+            mode, _, tolerance, _ = PRECISIONS[precision]
+            sha = _file_sha(bundle_dir / artifact)
+            cached = any(key[0] == sha for key in self._simulated)
+            how = "built and simulated with the export" if cached else "rebuilt from model.onnx"
+            runtime = f"rknn-toolkit2 {fields.get('toolchain', {}).get('rknn-toolkit2', '2.5.0')} simulator, " \
+                      f"{PLATFORM} {precision} ({artifact}; {how}) (simulated)"
+            specs.append(StageSpec(f"rknn-{precision}", runtime, tolerance,
+                                   self._runner(bundle_dir, manifest, precision, sha)))
+        return specs
+
+    def _runner(self, bundle_dir: Path, manifest: dict, precision: str, rknn_sha: str):
+        def run(pixel: np.ndarray) -> dict[str, np.ndarray]:
+            keys = [(rknn_sha, _sha(image.tobytes())) for image in pixel]
+            missing = [i for i, key in enumerate(keys) if key not in self._simulated]
+            fresh = self._rebuild(bundle_dir, manifest, precision, pixel[missing]) if missing else []
+            results = dict(zip(missing, fresh))
+            per_image = [results[i] if i in results else self._simulated[key] for i, key in enumerate(keys)]
+            return {name: np.concatenate([r[name] for r in per_image]) for name in per_image[0]}
+        return run
+
+    def _rebuild(self, bundle_dir: Path, manifest: dict, precision: str, pixel: np.ndarray) -> list[dict]:
+        """Build model.onnx again at this precision and simulate pixel (the toolkit cannot simulate a loaded .rknn)."""
+        from vlmprune.targets import calibration
+
+        pre = manifest["preprocess"]
+        mode = PRECISIONS[precision][0]
+        with tempfile.TemporaryDirectory(prefix="vlmprune-rk3588-check-") as scratch:
+            root = Path(scratch)
+            samples = _save_samples(root / "image", pixel)
+            dataset = None
+            if mode != "fp16":
+                count = len(manifest["target"].get("calibration", {}).get("images", [])) or CALIBRATION_COUNT
+                calib, _ = calibration.calibration_inputs(count, pre["size"], pre["mean"], pre["std"])
+                dataset = _save_samples(root / "calib", calib)
+            # model.onnx refers to weights.bin beside it, so it is read in place.
+            response = self._worker(bundle_dir / "model.onnx", root / "build", mode, samples, dataset)
+            return [{o["name"]: np.load(o["path"]) for o in outputs} for outputs in response["runs"]]
+
+    def readme(self, manifest: dict) -> str:
+        return _readme(manifest)
+
+
+def _save_samples(stem: Path, pixel: np.ndarray) -> list[list[str]]:
+    """One .npy per image ([1, C, H, W]: the .rknn runs batch 1); returns worker samples."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, image in enumerate(pixel):
+        path = stem.parent / f"{stem.name}{i}.npy"
+        np.save(path, image[None])
+        paths.append([str(path)])
+    return paths
+
+
+def _per_image(run, pixel: np.ndarray) -> dict[str, np.ndarray]:
+    """Run a batch-1 model over a batch, one image at a time."""
+    outs = [run(pixel[i: i + 1]) for i in range(len(pixel))]
+    return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
+
+
+def _readme(manifest: dict) -> str:
+    fields = manifest["target"]
+    inp = manifest["inputs"][0]
+    outputs = manifest["outputs"]
+    artifacts = fields.get("artifacts", {})
+    lines = [f"- `{a}`: {fields['precisions'][p]}" for p, a in artifacts.items()]
+    first = next(iter(artifacts.values()), "model.rknn")
+    summaries = [placement.summary_line(p, s) for p, s in fields.get("placement_summary", {}).items()]
+    out_names = ", ".join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in outputs)
+    version = manifest["target"]["toolchain"].get("rknn-toolkit2", "2.5.0")
+    return f"""# vlmprune bundle: target `rk3588` (Rockchip RK3588 NPU, rknn-toolkit2 {version})
+
+Model: {manifest['model']['source']} — {manifest['method']['summary']}
+
+Input `{inp['name']}`: {inp['shape']} float32, NCHW, normalized pixels (mean {manifest['preprocess']['mean']},
+std {manifest['preprocess']['std']}, {manifest['preprocess']['size']}x{manifest['preprocess']['size']}); batch 1.
+Outputs: {out_names}.
+
+Artifacts:
+{chr(10).join(lines)}
+- `model.onnx`: the RKNN-legal graph they were built from (static batch 1, opset <= 19, one-hot selection);
+  `model.decomposed.onnx`: the portable pruned graph. Both read `weights.bin`.
+
+Parity was measured in the rknn-toolkit2 simulator (results labelled "simulated" in `parity.json`); the board
+itself was not run. Op placement (every layer in `manifest.json`, `target.placement`; `vlmprune inspect .`):
+{chr(10).join('- ' + s for s in summaries)}
+
+## Run on the board (Python: rknn-toolkit-lite2)
+
+On the RK3588 (Debian/Ubuntu aarch64, RKNPU driver >= 0.9.6), with the 2.5.0 runtime `librknnrt.so` in
+`/usr/lib` (from the rknn-toolkit2 2.5.0 release, `rknpu2/runtime/Linux/librknn_api/aarch64/`):
+
+    pip install rknn-toolkit-lite2=={version} numpy
+    python3 - <<'PY'
+    import numpy as np
+    from rknnlite.api import RKNNLite
+    rknn = RKNNLite()
+    assert rknn.load_rknn("{first}") == 0
+    assert rknn.init_runtime(core_mask=RKNNLite.NPU_CORE_AUTO) == 0
+    x = np.zeros({inp['shape']}, dtype=np.float32)  # preprocessed image, NCHW
+    features, kept = rknn.inference(inputs=[x], data_format=["nchw"])
+    print(features.shape, kept.astype(np.int64)[0][:10])
+    rknn.release()
+    PY
+
+## Run on the board (C: librknnrt)
+
+    rknn_context ctx;
+    rknn_init(&ctx, model_data, model_size, 0, NULL);          /* bytes of {first} */
+    rknn_input in = {{.index = 0, .type = RKNN_TENSOR_FLOAT32, .fmt = RKNN_TENSOR_NCHW,
+                     .size = {int(np.prod(inp['shape']))} * sizeof(float), .buf = pixels}};
+    rknn_inputs_set(ctx, 1, &in);
+    rknn_run(ctx, NULL);
+    rknn_output out[2] = {{{{.want_float = 1}}, {{.want_float = 1}}}};
+    rknn_outputs_get(ctx, 2, out, NULL);   /* features; kept indices (as floats, with want_float) */
+    rknn_outputs_release(ctx, 2, out);
+    rknn_destroy(ctx);
+
+Build with `-lrknnrt` against `rknn_api.h` of the same release. Check every file's sha256 against
+`manifest.json` before copying it to the board. `vlmprune check .` re-runs parity here (rebuilding from
+`model.onnx` in the simulator).
+"""

@@ -1,0 +1,504 @@
+"""Targets `orin` and `xavier`: TensorRT on NVIDIA Jetson, engine built on the device.
+
+One adapter, parametrised by a JetsonPlatform. The host writes what the device needs:
+
+- model.onnx: the fused node spelled as TensorRT's ONNX parser expects a plugin
+  node (op_type = the plugin's name, attributes plugin_version / plugin_namespace,
+  its fields keep / has_cls), over a graph legal for that TensorRT's parser;
+- model.decomposed.onnx: the same graph in standard ops only, legalized the same way
+  (passes.tensorrt: the op table of that TensorRT release, checked before writing);
+- plugins/: the plugin sources (kernels/include, kernels/cuda, kernels/trt/common and
+  the wrapper of the platform's plugin API) with a top CMakeLists.txt;
+- vlmprune_engine.py (compiler/engine.py): builds and runs the engine without vlmprune;
+- libvlmprune_ort.so: the plugin's host-side twin (ONNX Runtime op over the same
+  kernels), so that model.onnx is checked here.
+
+The engine is built on the device: engines are tied to a TensorRT version and GPU,
+and NVIDIA ships no x86 TensorRT for Jetson. With an engine (and TensorRT) at hand,
+stages() adds the engine as the `target` parity stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass, TopologicalSortPass
+
+from vlmprune.compiler import engine as engine_lib
+from vlmprune.compiler.errors import InputError, StructureError
+from vlmprune.passes import tensorrt as trt_passes
+from vlmprune.passes.fusion import FusedOp, TokenPruneFusionPass, fusion_failure
+from vlmprune.passes.token_prune import InsertTokenPrunePass, RetargetTokenCountPass
+from vlmprune.targets import ort as ort_target
+from vlmprune.targets.base import StageSpec, Target
+
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+HOST_TWIN = ort_target.LIBRARY  # libvlmprune_ort.so: registers trt.plugins.VlmpTokenPrune too
+PLUGIN_LIBRARY = "plugins/build/libvlmprune_trt.so"
+DEFAULT_MAX_BATCH = 4  # dynamic-batch bundles: profile 1..4 images, tuned for 1
+PRECISIONS = ("fp16", "int8")
+QDQ_MODEL, QDQ_WEIGHTS = "model.qdq.onnx", "weights.qdq.bin"
+CALIBRATION_IMAGES = 8
+QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
+PLUGIN_OP = FusedOp(
+    op_type=trt_passes.PLUGIN_CONTRACT["name"],
+    domain=trt_passes.PLUGIN_DOMAIN,
+    attributes=(("plugin_version", trt_passes.PLUGIN_CONTRACT["version"]),
+                ("plugin_namespace", trt_passes.PLUGIN_CONTRACT["namespace"])),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class JetsonPlatform:
+    """The device side of one target: its JetPack and what that JetPack ships."""
+
+    name: str
+    device: str
+    jetpack: str
+    l4t: str
+    tensorrt: str
+    cuda: str
+    sm: int
+    plugin_api: str  # folder under kernels/trt
+    plugin_interface: str
+    trtexec_flag: str  # how trtexec loads the plugin library
+    kept_dtype: str  # the plugin's kept_indices type in the engine
+    cmake_minimum: str
+    device_python: str
+
+    @property
+    def ops(self) -> trt_passes.TensorRTOps:
+        return trt_passes.tensorrt_ops(self.tensorrt)
+
+
+ORIN = JetsonPlatform(
+    name="orin", device="Jetson AGX Orin / Orin NX / Orin Nano", jetpack="6.1", l4t="r36.4",
+    tensorrt="10.3.0", cuda="12.6", sm=87, plugin_api="v3", plugin_interface="IPluginV3",
+    trtexec_flag="--dynamicPlugins", kept_dtype="int64", cmake_minimum="3.18", device_python="3.10",
+)
+XAVIER = JetsonPlatform(
+    name="xavier", device="Jetson AGX Xavier / Xavier NX", jetpack="5.1", l4t="r35",
+    tensorrt="8.5.2", cuda="11.4", sm=72, plugin_api="v2", plugin_interface="IPluginV2DynamicExt",
+    trtexec_flag="--plugins", kept_dtype="int32", cmake_minimum="3.16", device_python="3.8",
+)
+PLATFORMS = {p.name: p for p in (ORIN, XAVIER)}
+
+
+class TensorRTTarget(Target):
+    platform: JetsonPlatform
+
+    def __init__(self, platform: JetsonPlatform | None = None):
+        self.platform = platform or self.platform
+        p = self.platform
+        self.name = p.name
+        self.summary = (f"{p.device}: TensorRT {p.tensorrt}, CUDA {p.cuda}, sm_{p.sm}, JetPack {p.jetpack} "
+                        f"({p.plugin_interface} plugin; engine built on the device)")
+
+    # ------------------------------------------------------------------ contract
+
+    def available(self) -> tuple[bool, str]:
+        # Emitting and checking here needs what the ort target needs (the host twin library).
+        return ort_target.OrtTarget().available()
+
+    def toolchain(self) -> dict[str, str]:
+        import onnx
+        import onnxruntime
+
+        p = self.platform
+        return {"jetpack": p.jetpack, "l4t": p.l4t, "tensorrt": p.tensorrt, "cuda": p.cuda, "sm": f"sm_{p.sm}",
+                "onnx": onnx.__version__, "onnxruntime (host twin)": onnxruntime.__version__}
+
+    def pipeline(self, config) -> list[ir.passes.PassBase]:
+        prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
+        ops = self.platform.ops
+        return [*prune, *trt_passes.legalization_passes(ops), RemoveUnusedNodesPass(), TopologicalSortPass(),
+                trt_passes.TensorRTSupportCheckPass(ops)]
+
+    def supports(self, node: ir.Node) -> tuple[bool, str]:
+        if trt_passes.is_plugin_node(node):
+            return True, ""
+        if node.domain not in ("", "ai.onnx"):
+            return False, f"custom domain {node.domain!r} without a TensorRT plugin"
+        ops = self.platform.ops
+        if node.op_type not in ops.types:
+            return False, f"TensorRT {ops.version}'s ONNX parser has no {node.op_type}"
+        return True, ""
+
+    def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
+        """Fuse into the plugin node (in place: model.decomposed.onnx is written), bundle plugin and commands."""
+        p, options = self.platform, context["options"]
+        precision = getattr(options, "precision", None) or "fp16"
+        if precision not in PRECISIONS:
+            raise InputError(f"--precision for {p.name} is one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision == "int8" and context.get("site") is None:
+            raise InputError("--precision int8 quantizes around the pruning; it needs a pruned bundle")
+        fields = {"runtime": "tensorrt", "device": p.device, "precision": precision,
+                  "profile": _profile(decomposed, options.batch),
+                  "onnx_opset": decomposed.opset_imports.get(""), "op_table": p.ops.source,
+                  "engine": {"file": engine_lib.ENGINE, "record": engine_lib.ENGINE_RECORD,
+                             "built": "on the device: see README.md (vlmprune build-engine . or trtexec)"}}
+        if context.get("site") is None:
+            ir.save(decomposed, out_dir / "model.onnx")
+            shutil.copy2(engine_lib.__file__, out_dir / "vlmprune_engine.py")
+            return {**fields, "fused": False, "fp32_layers": []}
+        fusion = TokenPruneFusionPass(debug=True, spelling=PLUGIN_OP)
+        fusion(decomposed)
+        if not fusion.fired:
+            raise StructureError(fusion_failure(fusion, context.get("debug", False)))
+        RemoveUnusedNodesPass()(decomposed)
+        trt_passes.TensorRTSupportCheckPass(p.ops)(decomposed)
+        plugin_node = next(n for n in decomposed.graph if trt_passes.is_plugin_node(n))
+        fp32_layers = [n.name for n in trt_passes.score_path_nodes(decomposed, plugin_node) if n.name]
+        ir.save(decomposed, out_dir / "model.onnx")
+        shutil.copy2(ort_target._library(), out_dir / HOST_TWIN)
+        _copy_plugin_sources(p, out_dir / "plugins")
+        shutil.copy2(engine_lib.__file__, out_dir / "vlmprune_engine.py")
+        if precision == "int8":
+            fields["qdq_model"] = QDQ_MODEL
+            fields["quantization"] = write_qdq_model(out_dir, decomposed, plugin_node, p.ops, context["source"])
+        return {
+            **fields, "fused": True, "fp32_layers": fp32_layers,
+            "plugin": {"name": PLUGIN_OP.op_type, "version": trt_passes.PLUGIN_CONTRACT["version"],
+                       "namespace": trt_passes.PLUGIN_CONTRACT["namespace"], "onnx_domain": PLUGIN_OP.domain,
+                       "interface": p.plugin_interface, "sources": "plugins/", "library": PLUGIN_LIBRARY,
+                       "trtexec_flag": p.trtexec_flag, "kept_indices_dtype": p.kept_dtype},
+            "host_twin": {"library": HOST_TWIN, "runtime": "onnxruntime",
+                          "op": f"{PLUGIN_OP.domain}.{PLUGIN_OP.op_type}",
+                          "note": "the plugin's semantics over the same kernels (CPU), for parity off the device"},
+        }
+
+    def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
+        from vlmprune.compiler.runtime import ort_session, run_session
+
+        bundle_dir = Path(bundle_dir)
+        target = manifest["target"]
+        fused = target.get("fused", False)
+        libs = (bundle_dir / HOST_TWIN,) if fused else ()
+
+        def run_fused(pixel_values):
+            return run_session(ort_session(bundle_dir / "model.onnx", libs), pixel_values)
+
+        def run_qdq(pixel_values):
+            return run_session(ort_session(bundle_dir / QDQ_MODEL, libs), pixel_values)
+
+        stages = []
+        if fused:
+            stages.append(StageSpec("fused", f"onnxruntime CPU + {HOST_TWIN} (model.onnx, the plugin's host twin)",
+                                    "fp32", run_fused))
+        if target.get("qdq_model"):
+            stages.append(StageSpec("qdq", f"onnxruntime CPU + {HOST_TWIN} ({QDQ_MODEL}, explicit int8 Q/DQ)",
+                                    "int8", run_qdq))
+        if engine_available(bundle_dir):
+            runner = _LazyEngine(bundle_dir)
+            stages.append(StageSpec("target", f"TensorRT engine ({engine_lib.ENGINE})", runner.precision(), runner))
+        return stages
+
+    def readme(self, manifest: dict) -> str:
+        return _readme(self.platform, manifest)
+
+
+class OrinTarget(TensorRTTarget):
+    platform = ORIN
+
+
+class XavierTarget(TensorRTTarget):
+    platform = XAVIER
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def require_engine(bundle_dir: Path) -> None:
+    """For `check --engine`: a TensorRT bundle, TensorRT importable here, and an engine built by build-engine."""
+    bundle_dir = Path(bundle_dir)
+    engine_lib.load_bundle(bundle_dir)
+    engine_lib.import_tensorrt()
+    for name in (engine_lib.ENGINE, engine_lib.ENGINE_RECORD):
+        if not (bundle_dir / name).is_file():
+            raise engine_lib.EngineError(f"{bundle_dir / name} not found: build the engine on the device first "
+                                         f"(vlmprune build-engine {bundle_dir})")
+
+
+def engine_available(bundle_dir: Path) -> bool:
+    """An engine built by build-engine is in the bundle and TensorRT is importable here."""
+    bundle_dir = Path(bundle_dir)
+    if not ((bundle_dir / engine_lib.ENGINE).is_file() and (bundle_dir / engine_lib.ENGINE_RECORD).is_file()):
+        return False
+    try:
+        engine_lib.import_tensorrt()
+    except engine_lib.EngineError:
+        return False
+    return True
+
+
+class _LazyEngine:
+    """The engine runner, created on first use (parity runs it inside its own error handling)."""
+
+    def __init__(self, bundle_dir: Path):
+        self.bundle_dir = bundle_dir
+        self.runner = None
+
+    def precision(self) -> str:
+        import json
+
+        record = json.loads((self.bundle_dir / engine_lib.ENGINE_RECORD).read_text())
+        return record.get("precision", "fp16")
+
+    def __call__(self, pixel_values):
+        if self.runner is None:
+            self.runner = engine_lib.EngineRunner(self.bundle_dir)
+        return self.runner(pixel_values)
+
+
+def write_qdq_model(out_dir: Path, fused: ir.Model, plugin_node: ir.Node, ops, source) -> dict:
+    """model.qdq.onnx: the graph with explicit int8 Q/DQ (TensorRT's explicit quantization) and the plugin node.
+
+    ONNX Runtime's quantize_static on model.decomposed.onnx (its calibration cannot load
+    custom ops), then fused like model.onnx. int8 symmetric activations (per tensor,
+    MinMax over real calibration images disjoint from the parity images) and weights
+    (per output channel) on MatMul / Gemm / Conv. Everything that feeds the selection's
+    scores, and the selection itself, stays in floating point: the quantizer puts Q/DQ
+    on a tensor for all of its consumers, so the excluded nodes are rewired to the
+    float tensor afterwards, and the kept indices do not depend on int8 rounding.
+    """
+    import logging
+    import tempfile
+
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                          quantize_static)
+
+    from vlmprune.targets.calibration import calibration_inputs
+
+    decomposed = ir.load(out_dir / "model.decomposed.onnx")
+    feeding_scores = {n.name for n in _upstream(plugin_node.inputs[1])}
+    selection = {n.name for n in decomposed.graph} - {n.name for n in fused.graph}
+    exclude = sorted(feeding_scores | selection)
+    value = decomposed.graph.inputs[0]
+    batch = value.shape[0] if isinstance(value.shape[0], int) else 1
+    count = max(batch, CALIBRATION_IMAGES // batch * batch)
+    pixel, names = calibration_inputs(count, value.shape[-1], source.mean, source.std)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter(pixel[i: i + batch] for i in range(0, count, batch))
+
+        def get_next(self):
+            chunk = next(self.batches, None)
+            return None if chunk is None else {value.name: chunk}
+
+    with tempfile.TemporaryDirectory(prefix=".qdq-", dir=out_dir) as tmp:
+        raw = Path(tmp) / "q.onnx"
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)  # its "consider pre-processing" advice, printed on every call
+        try:
+            quantize_static(
+                str(out_dir / "model.decomposed.onnx"), str(raw), Reader(), quant_format=QuantFormat.QDQ,
+                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
+                op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=exclude,
+                calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,
+                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False,
+                               "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
+        finally:
+            logging.disable(previous)
+        model = ir.load(raw)
+        rewired = _float_inputs_for(model, set(exclude))
+        fusion = TokenPruneFusionPass(spelling=PLUGIN_OP)
+        fusion(model)
+        if not fusion.fired:
+            raise StructureError("the quantized graph no longer matches the TokenPrune fusion")
+        RemoveUnusedNodesPass()(model)
+        ShapeInferencePass()(model)  # types of the quantizer's new tensors, for the support check
+        trt_passes.TensorRTSupportCheckPass(ops)(model)
+        ir.save(model, out_dir / QDQ_MODEL, external_data=QDQ_WEIGHTS)
+    quantized = sorted({n.name for n in model.graph if n.op_type in QUANTIZED_OPS
+                        and any(i is not None and i.producer() is not None
+                                and i.producer().op_type == "DequantizeLinear" for i in n.inputs)})
+    return {"model": QDQ_MODEL, "weights_file": QDQ_WEIGHTS, "format": "QDQ (explicit quantization)",
+            "activations": "int8 symmetric, per tensor, MinMax calibration",
+            "weights": "int8 symmetric, per output channel", "calibration_images": names,
+            "quantized_nodes": len(quantized), "kept_float_nodes": len(exclude), "rewired_to_float": rewired,
+            "kept_float": "everything feeding the selection's scores, and the selection (the plugin)"}
+
+
+def _upstream(value: ir.Value) -> list[ir.Node]:
+    seen: dict[ir.Node, None] = {}
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        producer = v.producer() if v is not None else None
+        if producer is None or producer in seen:
+            continue
+        seen[producer] = None
+        stack.extend(producer.inputs)
+    return list(seen)
+
+
+def _float_inputs_for(model: ir.Model, names: set[str]) -> int:
+    """Give the named nodes back the float tensor where the quantizer fed them Q -> DQ of it."""
+    rewired = 0
+    for node in model.graph:
+        if node.name not in names:
+            continue
+        for i, value in enumerate(node.inputs):
+            dq = value.producer() if value is not None else None
+            q = dq.inputs[0].producer() if dq is not None and dq.op_type == "DequantizeLinear" else None
+            if q is not None and q.op_type == "QuantizeLinear":
+                node.replace_input_with(i, q.inputs[0])
+                rewired += 1
+    return rewired
+
+
+def _profile(model: ir.Model, batch: int | None) -> dict:
+    """The optimization profile of the pixel input: static batch -> min = opt = max."""
+    value = model.graph.inputs[0]
+    rest = [d if isinstance(d, int) else None for d in value.shape[1:]]
+    if any(d is None for d in rest):
+        raise StructureError(f"input {value.name} has dynamic dimensions besides the batch: {value.shape}")
+    fixed = value.shape[0] if isinstance(value.shape[0], int) else batch
+    lo, opt, hi = (fixed, fixed, fixed) if fixed else (1, 1, DEFAULT_MAX_BATCH)
+    return {"input": value.name, "min": [lo, *rest], "opt": [opt, *rest], "max": [hi, *rest],
+            "batch": "static" if fixed else "dynamic"}
+
+
+def _copy_plugin_sources(platform: JetsonPlatform, dest: Path) -> None:
+    """kernels/{include, cuda/token_prune.cu, trt/common, trt/<api>} + a top CMakeLists.txt."""
+    dest.mkdir()
+    shutil.copytree(KERNELS_DIR / "include", dest / "include")
+    (dest / "cuda").mkdir()
+    shutil.copy2(KERNELS_DIR / "cuda" / "token_prune.cu", dest / "cuda" / "token_prune.cu")
+    (dest / "trt").mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(KERNELS_DIR / "trt" / "common", dest / "trt" / "common", ignore=ignore)
+    shutil.copytree(KERNELS_DIR / "trt" / platform.plugin_api, dest / "trt" / platform.plugin_api, ignore=ignore)
+    shutil.copy2(KERNELS_DIR / "trt" / "plugin_names.json", dest / "trt" / "plugin_names.json")
+    (dest / "CMakeLists.txt").write_text(plugin_cmakelists(platform))
+
+
+def plugin_cmakelists(p: JetsonPlatform) -> str:
+    return f"""# libvlmprune_trt.so for this bundle: {p.device}, JetPack {p.jetpack}
+# (TensorRT {p.tensorrt}, CUDA {p.cuda}, sm_{p.sm}); the {p.plugin_interface} wrapper of trt/{p.plugin_api}.
+# On the device, from the bundle folder:
+#
+#   cmake -S plugins -B plugins/build && cmake --build plugins/build -j
+#
+# The library is written to plugins/build/libvlmprune_trt.so. Options (see
+# trt/{p.plugin_api}/CMakeLists.txt and trt/common/tensorrt.cmake): -DCMAKE_CUDA_ARCHITECTURES,
+# -DTENSORRT_ROOT / -DTENSORRT_INCLUDE_DIR / -DTENSORRT_LIB_DIR for a TensorRT outside JetPack's folders.
+cmake_minimum_required(VERSION {p.cmake_minimum}...3.28)
+
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES {p.sm})
+endif()
+# JetPack installs nvcc outside PATH.
+if(NOT DEFINED CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{{CUDACXX}} AND EXISTS /usr/local/cuda/bin/nvcc)
+  set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+endif()
+if(NOT CMAKE_BUILD_TYPE AND NOT CMAKE_CONFIGURATION_TYPES)
+  set(CMAKE_BUILD_TYPE Release)
+endif()
+
+project(vlmprune_bundle_plugin LANGUAGES CXX CUDA)
+
+set(CMAKE_LIBRARY_OUTPUT_DIRECTORY "${{CMAKE_BINARY_DIR}}")
+add_subdirectory(trt/{p.plugin_api})
+"""
+
+
+def _readme(p: JetsonPlatform, manifest: dict) -> str:
+    target = manifest["target"]
+    inp, outputs = manifest["inputs"][0], manifest["outputs"]
+    profile = target["profile"]
+    fused = target.get("fused", False)
+    cmd = engine_lib.format_command(engine_lib.trtexec_command(manifest))
+    decomposed_cmd = engine_lib.format_command(engine_lib.trtexec_command(manifest, decomposed=True,
+                                                                          engine="model.decomposed.engine"))
+    plugin_flag = f"{p.trtexec_flag}={PLUGIN_LIBRARY}"
+    batch = (f"static batch {profile['min'][0]}" if profile["batch"] == "static"
+             else f"dynamic batch: profile min {profile['min'][0]}, opt {profile['opt'][0]}, max {profile['max'][0]}")
+    plugin_step = f"""## 1. Build the plugin (once per JetPack install)
+
+    cmake -S plugins -B plugins/build && cmake --build plugins/build -j$(nproc)
+
+This compiles `plugins/` ({p.plugin_interface} over the CUDA kernels, sm_{p.sm}) into
+`{PLUGIN_LIBRARY}`. It needs CMake >= {p.cmake_minimum} and the CUDA {p.cuda} toolkit of
+JetPack (`/usr/local/cuda`); TensorRT is found in `/usr/include/aarch64-linux-gnu` and
+`/usr/lib/aarch64-linux-gnu` (override with `-DTENSORRT_ROOT=...`).
+""" if fused else "## 1. No plugin\n\nThis bundle is dense (no pruning): model.onnx has standard ops only.\n"
+    contract = trt_passes.PLUGIN_CONTRACT
+    precision = target.get("precision", "fp16")
+    quant = target.get("quantization")
+    qdq_files = (f"- `{QDQ_MODEL}` + `{QDQ_WEIGHTS}`: the int8 engine's graph, explicit Q/DQ on "
+                 f"{quant['quantized_nodes']} MatMul/Gemm/Conv (weights: {quant['weights']}; activations: "
+                 f"{quant['activations']} over {len(quant['calibration_images'])} images); everything that feeds "
+                 "the selection stays in floating point.\n" if quant else "")
+    model_note = (f"the pruning is one `{PLUGIN_OP.op_type}` node (plugin_version {contract['version']}, "
+                  f"plugin_namespace {contract['namespace']}), which TensorRT's ONNX parser maps to the plugin."
+                  if fused else "standard ops.")
+    plugin_files = (f"- `plugins/`: the plugin sources and CMakeLists.txt; `{HOST_TWIN}`: the plugin's host twin "
+                    "(ONNX Runtime op over the same kernels on the CPU), used for parity off the device."
+                    if fused else "")
+    fp32_note = ("The layers listed in --layerPrecisions compute the [CLS] score; they stay fp32 so that fp16 "
+                 "does not move the K-th boundary. " if target.get("fp32_layers") else "")
+    modern_python = tuple(map(int, p.device_python.split("."))) >= (3, 10)
+    with_vlmprune, standalone = "vlmprune build-engine .", "python3 vlmprune_engine.py build ."
+    build_first = with_vlmprune if modern_python else standalone
+    build_second = (f", without vlmprune installed:\n\n    {standalone}" if modern_python
+                    else f", with vlmprune installed (Python >= 3.10):\n\n    {with_vlmprune}")
+    python_note = (
+        "`vlmprune` needs Python >= 3.10 (JetPack 6 ships 3.10); `vlmprune_engine.py` needs only numpy, "
+        "TensorRT's Python bindings and cuda-python (or pycuda)."
+        if modern_python else
+        "JetPack 5.1 ships Python 3.8, which vlmprune itself does not support: use `python3 vlmprune_engine.py` "
+        "(numpy, TensorRT's Python bindings, cuda-python or pycuda) or trtexec there; `vlmprune build-engine` / "
+        "`run` / `check --engine` work from a Python >= 3.10 environment that has TensorRT 8.5's bindings."
+    )
+    return f"""# vlmprune bundle: target `{p.name}` ({p.device}, TensorRT {p.tensorrt})
+
+Model: {manifest['model']['source']} — {manifest['method']['summary']}
+
+Input `{inp['name']}`: {inp['shape']} {inp['dtype']} (normalized pixels); {batch}.
+Outputs: {', '.join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in outputs)}
+(the engine returns `kept_indices` as {p.kept_dtype}).
+
+Device: {p.device} with JetPack {p.jetpack} (L4T {p.l4t}: TensorRT {p.tensorrt}, CUDA {p.cuda}, sm_{p.sm}).
+The engine is built on the device, from this folder: an engine only runs on the TensorRT
+version and GPU it was built with. Copy the whole folder to the Jetson and run, inside it:
+
+{plugin_step}
+## 2. Build the engine ({precision})
+
+    {build_first}
+
+or{build_second}
+
+or with trtexec (the same engine; JetPack puts trtexec in /usr/src/tensorrt/bin):
+
+    {cmd}
+
+Either writes `model.engine`; the first two also write `model.engine.json` (its sha256, the
+TensorRT version, the command), which `vlmprune run` and `check --engine` verify before
+loading it. {fp32_note}{python_note}
+
+## 3. Run and check
+
+    vlmprune run . --image photo.jpg      # shapes and the kept indices of image 0
+    vlmprune check . --engine             # the engine against the PyTorch reference ({precision} tolerances)
+    /usr/src/tensorrt/bin/trtexec --loadEngine=model.engine {plugin_flag if fused else ""}   # timing
+
+`check --engine` loads the model source ({manifest['model']['source']}) with PyTorch to compute
+the reference, so it needs vlmprune's dependencies and that source on the device.
+
+## Files
+
+- `model.onnx`: the graph for TensorRT; {model_note}
+- `model.decomposed.onnx`: the same graph in standard ONNX ops that TensorRT {p.tensorrt}'s parser supports
+  (opset {target.get('onnx_opset')}); builds without the plugin: `{decomposed_cmd}`.
+- `weights.bin`: the weights both graphs read.
+{qdq_files}{plugin_files}
+- `vlmprune_engine.py`: builds (`build`) and smoke-runs (`run [--npy pixels.npy]`) the engine without vlmprune.
+- `parity.json`: every parity stage checked when the bundle was compiled; `manifest.json`: versions,
+  optimization profile, precision and every file's sha256.
+"""

@@ -1,0 +1,117 @@
+"""Target qnn end to end: `demo` -> HTP-legal ONNX -> QDQ -> EPContext + binary -> HTP emulator parity.
+
+No mocks: onnxruntime-qnn's HTP emulator (x86_64), CPU fallback disabled. Two compiles of
+`demo`: a static batch of 1 pruning early (after block 2, lambda 0.3) for the default SoC,
+and the default dynamic batch for another SoC, whose parity runs two real images through
+the batch-1 artifacts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from vlmprune.compiler.cli import main
+from vlmprune.compiler.errors import VlmpruneError
+from vlmprune.compiler.pipeline import CompileOptions, compile_model
+from vlmprune.targets import qnn_tools
+
+QNN_OK, QNN_REASON = qnn_tools.available()
+needs_qnn = pytest.mark.skipif(not QNN_OK, reason=f"QNN toolchain unavailable: {QNN_REASON}")
+
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory):
+    if not QNN_OK:
+        pytest.skip(QNN_REASON)
+    out = tmp_path_factory.mktemp("qnn") / "demo_l2"
+    return compile_model("demo", out, CompileOptions(target="qnn", keep=192, layer=2, lam=0.3, batch=1))
+
+
+@pytest.fixture(scope="module")
+def sm8550(tmp_path_factory):
+    if not QNN_OK:
+        pytest.skip(QNN_REASON)
+    out = tmp_path_factory.mktemp("qnn") / "demo_sm8550"
+    return compile_model("demo", out, CompileOptions(target="qnn", keep=192, soc="SM8550"))
+
+
+@needs_qnn
+def test_bundle_holds_qdq_epcontext_and_binary(early):
+    fields = early.manifest["target"]
+    binaries = fields["artifacts"]["context_binaries"]
+    assert {"model.onnx", "model.qdq.onnx", "model_ctx.onnx", *binaries} <= set(early.manifest["files"])
+    assert binaries and all((early.bundle / b).stat().st_size > 100_000 for b in binaries)
+    ctx = onnx.load(str(early.bundle / "model_ctx.onnx"))
+    assert [n.op_type for n in ctx.graph.node] == ["EPContext"]
+    qdq_ops = {n.op_type for n in onnx.load(str(early.bundle / "model.qdq.onnx")).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear", "TopK", "Gather"} <= qdq_ops and "GatherND" not in qdq_ops
+    qnn_tools.check_qdq(onnx.load(str(early.bundle / "model.qdq.onnx")))  # no MatMul of two 16-bit activations
+    assert fields["soc"] == "SM8650" and fields["soc_model"] == "57"
+    assert fields["quantization"]["activations"] == "uint16" and fields["quantization"]["weights"] == "uint8"
+
+
+@needs_qnn
+def test_every_node_is_placed_on_htp_with_its_cycles(early):
+    fields = early.manifest["target"]
+    rows = fields["placement"]["qdq"]
+    assert rows and {r["device"] for r in rows} == {"HTP"}
+    assert fields["placement_summary"]["qdq"]["cpu_ops"] == {}
+    topk = [r for r in rows if r["type"] == "TopK"]
+    assert len(topk) == 2 and all(r.get("cycles", 0) > 0 for r in topk)
+    assert fields["op_trace"]["cycles"] > 0 and fields["op_trace"]["ops"] >= len(rows) // 2
+
+
+@needs_qnn
+def test_parity_in_the_emulator(early, sm8550):
+    for result, images in ((early, 1), (sm8550, 2)):
+        stages = {s.stage: s for s in result.report.stages}
+        assert result.report.passed, result.manifest["parity"]
+        qdq, ctx = stages["qnn-qdq"], stages["qnn-ctx"]
+        for stage in (qdq, ctx):
+            assert stage.precision == "int16" and "(simulated)" in stage.runtime and "CPU fallback off" in stage.runtime
+            assert len(stage.indices["per_image"]) == images
+            assert stage.indices["agreement"] >= 0.99
+        # The EPContext binary is the QDQ model compiled: identical figures.
+        assert ctx.indices["per_image"] == qdq.indices["per_image"]
+        assert ctx.outputs == qdq.outputs
+    assert sm8550.manifest["target"]["soc_model"] == "43"
+    assert "SM8550" in {s.stage: s for s in sm8550.report.stages}["qnn-ctx"].runtime
+
+
+@needs_qnn
+def test_readme_has_the_device_commands(early):
+    readme = (early.bundle / "README.md").read_text()
+    for needle in ("Android", "Windows", "Linux arm64", "QNNExecutionProvider", "model_ctx.onnx", "simulated"):
+        assert needle in readme
+
+
+def test_soc_names_and_ids():
+    assert qnn_tools.resolve_soc(None) == ("SM8650", "57")
+    assert qnn_tools.resolve_soc("sm8550") == ("SM8550", "43")
+    assert qnn_tools.resolve_soc(69) == ("SM8750", "69")
+    with pytest.raises(qnn_tools.QnnError, match="accepted: SM8350"):
+        qnn_tools.resolve_soc("SM9999")
+
+
+def test_targets_lists_the_soc_values():
+    result = CliRunner().invoke(main, ["targets"])
+    assert result.exit_code == 0
+    assert "qnn --soc values (default SM8650)" in result.output and "SM8550    soc_model 43" in result.output
+
+
+def test_precision_option():
+    from vlmprune.targets.qnn import parse_precision
+
+    assert parse_precision(None) == "int16" and parse_precision("INT8") == "int8"
+    with pytest.raises(VlmpruneError, match="qnn --precision"):
+        parse_precision("fp16")
+
+
+def test_in_batches_splits_parity_images():
+    from vlmprune.targets.qnn import _in_batches
+
+    out = _in_batches(lambda x: {"y": x * 2}, np.arange(4.0).reshape(4, 1), 2)
+    np.testing.assert_array_equal(out["y"], np.arange(4.0).reshape(4, 1) * 2)
