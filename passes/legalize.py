@@ -16,19 +16,7 @@ from onnx_ir.passes.common import (LiftConstantsToInitializersPass, RemoveUnused
                                   TopologicalSortPass)
 
 from vlmprune.compiler.errors import StructureError
-
-
-def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    """A fresh initializer (unique name) holding array."""
-    base, i = name, 0
-    while name in graph.initializers:
-        i += 1
-        name = f"{base}_{i}"
-    value = ir.Value(name=name, const_value=ir.tensor(array))
-    value.type = ir.TensorType(ir.DataType.from_numpy(array.dtype))
-    value.shape = ir.Shape(array.shape)
-    graph.register_initializer(value)
-    return value
+from vlmprune.passes.dataflow import fresh_initializer
 
 
 def _node(op_type: str, inputs, name: str, **attrs) -> ir.Node:
@@ -175,12 +163,12 @@ class GatherNDToGatherPass(ir.passes.InPlacePass):
             out = node.outputs[0]
             keep = idx.shape[1]
             if data.shape[0] == 1 and isinstance(keep, int):
-                flat = _node("Reshape", [idx, _const(graph, f"{node.name}_flat_shape", np.array([keep], np.int64))],
+                flat = _node("Reshape", [idx, fresh_initializer(graph, f"{node.name}_flat_shape", np.array([keep], np.int64))],
                              f"{node.name}_flat")
                 new = _node("Gather", [data, flat.outputs[0]], f"{node.name}_gather", axis=1)
                 inserted = [flat, new]
             else:
-                wide = _node("Expand", [idx, _const(graph, f"{node.name}_wide_shape", np.array([1, 1, depth], np.int64))],
+                wide = _node("Expand", [idx, fresh_initializer(graph, f"{node.name}_wide_shape", np.array([1, 1, depth], np.int64))],
                              f"{node.name}_wide")
                 new = _node("GatherElements", [data, wide.outputs[0]], f"{node.name}_gather", axis=1)
                 inserted = [wide, new]
@@ -223,7 +211,7 @@ class OneHotSelectionPass(ir.passes.InPlacePass):
                 continue
             kept = unsq.inputs[0]
             dtype = patches.dtype or ir.DataType.FLOAT
-            positions = _const(graph, f"{node.name}_positions", np.arange(n, dtype=np.int64).reshape(1, 1, n))
+            positions = fresh_initializer(graph, f"{node.name}_positions", np.arange(n, dtype=np.int64).reshape(1, 1, n))
             equal = _node("Equal", [column, positions], f"{node.name}_equal")
             onehot = _node("Cast", [equal.outputs[0]], f"{node.name}_onehot", to=dtype)
             select = _node("MatMul", [onehot.outputs[0], patches], f"{node.name}_matmul")
@@ -245,9 +233,9 @@ class OneHotSelectionPass(ir.passes.InPlacePass):
     @staticmethod
     def _replace_mask(graph: ir.Graph, mask: ir.Node, onehot: ir.Value, dtype: ir.DataType) -> None:
         name = mask.name or "mask"
-        axes = _const(graph, f"{name}_axes", np.array([1], np.int64))
+        axes = fresh_initializer(graph, f"{name}_axes", np.array([1], np.int64))
         hits = _node("ReduceSum", [onehot, axes], f"{name}_hits", keepdims=0)
-        one = _const(graph, f"{name}_one", np.array(1, dtype=dtype.numpy()))
+        one = fresh_initializer(graph, f"{name}_one", np.array(1, dtype=dtype.numpy()))
         new = _node("Sub", [one, hits.outputs[0]], f"{name}_onehot")
         graph.insert_before(mask, [hits, new])
         _replace_all_uses(graph, mask.outputs[0], new.outputs[0])

@@ -16,12 +16,12 @@ nodes arbitrarily, so everything here is derived from the dataflow:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 
 import numpy as np
 import onnx_ir as ir
 
 from vlmprune.compiler.errors import StructureError
+from vlmprune.passes.dataflow import consumers_downstream, producers_upstream
 
 # Elementwise ops that may sit between the Q·Kᵀ MatMul and the Softmax with a
 # constant scalar operand (scaling by 1/sqrt(d), or a temperature).
@@ -143,34 +143,9 @@ def _scale_of(scale_ops: list[ir.Node]) -> float:
     return factor
 
 
-def _downstream(start: Iterable[ir.Node]) -> set[ir.Node]:
-    seen: set[ir.Node] = set()
-    stack = list(start)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for out in node.outputs:
-            stack.extend(use.node for use in out.uses())
-    return seen
-
-
-def _upstream(start: ir.Node) -> set[ir.Node]:
-    seen: set[ir.Node] = set()
-    stack = [start]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
-    return seen
-
-
 def _block_output(graph: ir.Graph, softmax: ir.Node, order: dict[ir.Node, int]) -> ir.Value | None:
-    down = _downstream([softmax])
-    up = _upstream(softmax)
+    down = {softmax, *consumers_downstream(*softmax.outputs)}
+    up = {softmax, *producers_upstream(*softmax.inputs)}
     first = None
     for node in sorted(down, key=order.__getitem__):
         if node.op_type != "Add" or len(node.inputs) != 2:
@@ -185,7 +160,7 @@ def _block_output(graph: ir.Graph, softmax: ir.Node, order: dict[ir.Node, int]) 
     if first is None:
         return None
     mid = first.outputs[0]
-    after_mid = _downstream(use.node for use in mid.uses())
+    after_mid = consumers_downstream(mid)
     for use in sorted(mid.uses(), key=lambda u: order[u.node]):
         node = use.node
         if node.op_type == "Add" and node is not first and len(node.inputs) == 2:

@@ -36,6 +36,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from vlmprune.compiler.errors import StructureError
+from vlmprune.passes.dataflow import fresh_initializer, producers_upstream
+from vlmprune.passes.legalize import FoldCastLikePass
 
 # --------------------------------------------------------------------- the tables
 
@@ -180,18 +182,6 @@ def _const_ints(value: ir.Value | None) -> list[int] | None:
     return None if tensor is None else [int(v) for v in tensor.numpy().reshape(-1)]
 
 
-def _new_const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    base, i = name, 0
-    while name in graph.initializers:
-        i += 1
-        name = f"{base}_{i}"
-    value = ir.Value(name=name, const_value=ir.tensor(array))
-    value.type = ir.TensorType(ir.DataType.from_numpy(array.dtype))
-    value.shape = ir.Shape(array.shape)
-    graph.register_initializer(value)
-    return value
-
-
 def _node(op_type: str, inputs, name: str, num_outputs: int = 1, types=(), **attrs) -> ir.Node:
     """A node with named outputs; types: (dtype, shape) per output, so later checks see every type."""
     node = ir.node(op_type, inputs, attributes=attrs or None, num_outputs=num_outputs, name=name)
@@ -304,7 +294,7 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
         inputs = list(node.inputs)
         if len(inputs) < 2 or inputs[1] is None:
             sizes = _split_sizes(node)
-            inputs = [inputs[0], _new_const(node.graph, f"{node.name}_split", np.asarray(sizes, dtype=np.int64))]
+            inputs = [inputs[0], fresh_initializer(node.graph, f"{node.name}_split", np.asarray(sizes, dtype=np.int64))]
         replacement = _node("Split", inputs, node.name or "Split", num_outputs=len(node.outputs),
                             axis=node.attributes.get_int("axis", 0))
         _replace(node, [replacement], list(replacement.outputs))
@@ -374,13 +364,13 @@ class DecomposeLayerNormalizationPass(ir.passes.InPlacePass):
 
             def mean(v, suffix):
                 if opset >= 18:
-                    return add("ReduceMean", [v, _new_const(graph, f"{name}/axes", np.asarray(axes, np.int64))],
+                    return add("ReduceMean", [v, fresh_initializer(graph, f"{name}/axes", np.asarray(axes, np.int64))],
                                suffix, keepdims=1)
                 return add("ReduceMean", [v], suffix, axes=axes, keepdims=1)
 
             centered = add("Sub", [x, mean(x, "mean")], "centered")
             var = mean(add("Mul", [centered, centered], "squared"), "var")
-            std = add("Sqrt", [add("Add", [var, _new_const(graph, f"{name}/eps", np.asarray(eps, np_dtype))],
+            std = add("Sqrt", [add("Add", [var, fresh_initializer(graph, f"{name}/eps", np.asarray(eps, np_dtype))],
                                    "var_eps")], "std")
             y = add("Mul", [add("Div", [centered, std], "normed"), scale], "scaled")
             if bias is not None:
@@ -388,24 +378,6 @@ class DecomposeLayerNormalizationPass(ir.passes.InPlacePass):
             _replace(node, nodes, [y])
             self.decomposed += 1
         return ir.passes.PassResult(model, modified=bool(self.decomposed))
-
-
-class CastLikeToCastPass(ir.passes.InPlacePass):
-    """CastLike(x, like) -> Cast(x, to=like's type): TensorRT 8.5's parser has no CastLike."""
-
-    def requires(self, model: ir.Model) -> None:
-        for node in model.graph.all_nodes():
-            if node.op_type == "CastLike" and _is_default_domain(node) and node.inputs[1].dtype is None:
-                raise StructureError(f"CastLike {node.name!r}: the target type is not known statically")
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        count = 0
-        for node in list(model.graph.all_nodes()):
-            if node.op_type == "CastLike" and _is_default_domain(node):
-                cast = _node("Cast", [node.inputs[0]], node.name or "CastLike", to=node.inputs[1].dtype)
-                _replace(node, [cast], list(cast.outputs))
-                count += 1
-        return ir.passes.PassResult(model, modified=bool(count))
 
 
 class SqueezeAxesPass(ir.passes.InPlacePass):
@@ -429,7 +401,7 @@ class SqueezeAxesPass(ir.passes.InPlacePass):
             axes = [i for i, d in enumerate(shape) if d == 1]
             if opset >= 13:
                 node.resize_inputs(2)
-                node.replace_input_with(1, _new_const(node.graph, f"{node.name}_axes", np.asarray(axes, np.int64)))
+                node.replace_input_with(1, fresh_initializer(node.graph, f"{node.name}_axes", np.asarray(axes, np.int64)))
             else:
                 node.attributes["axes"] = ir.AttrInt64s("axes", axes)
             count += 1
@@ -501,7 +473,7 @@ def legalization_passes(ops: TensorRTOps, model_opset: int | None = None) -> lis
     if "LayerNormalization" not in ops.types:
         passes.append(DecomposeLayerNormalizationPass())
     if "CastLike" not in ops.types:
-        passes.append(CastLikeToCastPass())
+        passes.append(FoldCastLikePass())
     passes.append(SqueezeAxesPass())
     if not ops.supports_type("TopK", ir.DataType.INT64):
         passes.append(SortIndicesAsFloatPass(ops))
@@ -599,18 +571,6 @@ def score_path_nodes(model: ir.Model, node: ir.Node) -> list[ir.Node]:
     This is the [CLS]-row scorer: kept in fp32 by the engine builder, so that fp16
     does not move the K-th boundary (the selection is discrete, the rest is not).
     """
-    def upstream(value: ir.Value) -> dict[ir.Node, None]:
-        seen: dict[ir.Node, None] = {}
-        stack = [value]
-        while stack:
-            v = stack.pop()
-            producer = v.producer() if v is not None else None
-            if producer is None or producer in seen:
-                continue
-            seen[producer] = None
-            stack.extend(producer.inputs)
-        return seen
-
-    hidden_side = upstream(node.inputs[0])
-    scorer = upstream(node.inputs[1])
+    hidden_side = producers_upstream(node.inputs[0])
+    scorer = producers_upstream(node.inputs[1])
     return [n for n in model.graph if n in scorer and n not in hidden_side]  # in graph order

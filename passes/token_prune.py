@@ -25,6 +25,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from vlmprune.compiler.errors import StructureError
 from vlmprune.compiler.reference import SCORE_EPS
+from vlmprune.passes.dataflow import consumers_downstream
 from vlmprune.passes.structure import TowerStructure, const_ints, find_tower_structure, scale_operand, static_dim
 
 KEPT_INDICES = "kept_indices"
@@ -264,7 +265,7 @@ class RetargetTokenCountPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         for value in sites:
             old, new = value.meta[TOKENS_META]
-            down = _downstream_nodes(value)
+            down = list(consumers_downstream(value))
             for node in down:
                 self._retarget_node(graph, node, old, new)
             for node in down:
@@ -312,19 +313,6 @@ class RetargetTokenCountPass(ir.passes.InPlacePass):
         concat.outputs[0].type = value.type
         graph.insert_before(consumer, concat)
         return concat.outputs[0]
-
-
-def _downstream_nodes(value: ir.Value) -> list[ir.Node]:
-    seen: dict[ir.Node, None] = {}
-    stack = [use.node for use in value.uses()]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen[node] = None
-        for out in node.outputs:
-            stack.extend(use.node for use in out.uses())
-    return list(seen)
 
 
 def selection_model(batch: int | str, n: int, d: int, keep: int, dtype=np.float32, opset: int = 18) -> ir.Model:

@@ -30,6 +30,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass, Top
 from vlmprune.compiler import engine as engine_lib
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes import tensorrt as trt_passes
+from vlmprune.passes.dataflow import producers_upstream
 from vlmprune.passes.fusion import FusedOp, TokenPruneFusionPass, fusion_failure
 from vlmprune.passes.token_prune import InsertTokenPrunePass, RetargetTokenCountPass
 from vlmprune.targets import ort as ort_target
@@ -273,7 +274,7 @@ def write_qdq_model(out_dir: Path, fused: ir.Model, plugin_node: ir.Node, ops, s
     from vlmprune.targets.calibration import calibration_inputs
 
     decomposed = ir.load(out_dir / "model.decomposed.onnx")
-    feeding_scores = {n.name for n in _upstream(plugin_node.inputs[1])}
+    feeding_scores = {n.name for n in producers_upstream(plugin_node.inputs[1])}
     selection = {n.name for n in decomposed.graph} - {n.name for n in fused.graph}
     exclude = sorted(feeding_scores | selection)
     value = decomposed.graph.inputs[0]
@@ -321,19 +322,6 @@ def write_qdq_model(out_dir: Path, fused: ir.Model, plugin_node: ir.Node, ops, s
             "weights": "int8 symmetric, per output channel", "calibration_images": names,
             "quantized_nodes": len(quantized), "kept_float_nodes": len(exclude), "rewired_to_float": rewired,
             "kept_float": "everything feeding the selection's scores, and the selection (the plugin)"}
-
-
-def _upstream(value: ir.Value) -> list[ir.Node]:
-    seen: dict[ir.Node, None] = {}
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        producer = v.producer() if v is not None else None
-        if producer is None or producer in seen:
-            continue
-        seen[producer] = None
-        stack.extend(producer.inputs)
-    return list(seen)
 
 
 def _float_inputs_for(model: ir.Model, names: set[str]) -> int:

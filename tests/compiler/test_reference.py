@@ -1,6 +1,5 @@
 """The reference pruner against hand-computed cases."""
 
-import numpy as np
 import pytest
 import torch
 

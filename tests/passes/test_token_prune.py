@@ -8,7 +8,6 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from vlmprune.compiler import reference
 from vlmprune.compiler.errors import StructureError
 from vlmprune.compiler.frontend import PruneSpec
 from vlmprune.compiler.runtime import ort_session, run_session
@@ -59,9 +58,9 @@ def test_no_stale_token_count_downstream(tiny_dense_path):
     result, _, _ = _prune(tiny_dense_path, keep=16, layer=1)
     graph = result.model.graph
     site = next(n for n in graph if n.op_type == "Concat" and n.name.endswith("/tokens"))
-    from vlmprune.passes.token_prune import _downstream_nodes
+    from vlmprune.passes.dataflow import consumers_downstream
 
-    for node in _downstream_nodes(site.outputs[0]):
+    for node in consumers_downstream(site.outputs[0]):
         for value in node.inputs:
             tensor = ir.convenience.get_const_tensor(value) if value is not None else None
             if tensor is not None and tensor.dtype == ir.DataType.INT64 and tensor.size <= 8:

@@ -614,7 +614,7 @@ def test_legalization_for_tensorrt_85_keeps_the_numbers(tiny_dense_path):
     ops = trt_passes.tensorrt_ops("8.5")
     names = [type(p).__name__ for p in trt_passes.legalization_passes(ops)]
     assert names == ["ShapeInferencePass", "DowngradeOpsetPass", "DecomposeLayerNormalizationPass",
-                     "CastLikeToCastPass", "SqueezeAxesPass", "SortIndicesAsFloatPass"]
+                     "FoldCastLikePass", "SqueezeAxesPass", "SortIndicesAsFloatPass"]
     for p in trt_passes.legalization_passes(ops):
         p(model)
     assert trt_passes.unsupported_nodes(model, ops) == []

@@ -1,0 +1,47 @@
+"""Dataflow queries and graph edits that every pass needs: reachability and fresh constants."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+
+def producers_upstream(*values: ir.Value | None) -> dict[ir.Node, None]:
+    """Every node that (transitively) computes one of values, as an insertion-ordered set."""
+    seen: dict[ir.Node, None] = {}
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        producer = value.producer() if value is not None else None
+        if producer is None or producer in seen:
+            continue
+        seen[producer] = None
+        stack.extend(producer.inputs)
+    return seen
+
+
+def consumers_downstream(*values: ir.Value) -> dict[ir.Node, None]:
+    """Every node that (transitively) reads one of values, as an insertion-ordered set."""
+    seen: dict[ir.Node, None] = {}
+    stack = [use.node for value in values for use in value.uses()]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen[node] = None
+        for out in node.outputs:
+            stack.extend(use.node for use in out.uses())
+    return seen
+
+
+def fresh_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """Register array as a new initializer; the name gets a suffix if it is taken."""
+    base, i = name, 0
+    while name in graph.initializers:
+        i += 1
+        name = f"{base}_{i}"
+    value = ir.Value(name=name, const_value=ir.tensor(array))
+    value.type = ir.TensorType(ir.DataType.from_numpy(array.dtype))
+    value.shape = ir.Shape(array.shape)
+    graph.register_initializer(value)
+    return value
