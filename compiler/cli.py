@@ -94,6 +94,9 @@ def _print_summary(manifest: dict, result) -> None:
             figures.append(f"max-abs {stage['max_abs']:.2e}")
         if "index_agreement" in stage:
             figures.append(f"kept-index agreement {stage['index_agreement']:.4f}")
+            if stage.get("tie_resolved_images"):
+                images = ", ".join(map(str, stage["tie_resolved_images"]))
+                figures.append(f"image {images}: every differing index lies in the K-th boundary tie band")
         status = "PASS" if stage["passed"] else "FAIL"
         click.echo(f"parity {name:<10} {status}  {', '.join(figures)}" + (f"  {stage['error']}" if "error" in stage else ""))
     _print_placement_summary(manifest)

@@ -161,6 +161,7 @@ def _stage_summary(s: StageResult) -> dict:
     if s.indices:
         out["index_agreement"] = s.indices["agreement"]
         out["boundary_ties"] = s.indices["boundary_ties"]
+        out["tie_resolved_images"] = s.indices["tie_resolved_images"]
     if s.error:
         out["error"] = s.error
     return out
