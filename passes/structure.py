@@ -172,24 +172,27 @@ def _block_output(graph: ir.Graph, softmax: ir.Node, order: dict[ir.Node, int]) 
 
 def _patch_conv(graph: ir.Graph) -> tuple[ir.Value | None, int | None, tuple[int, int] | None]:
     """The pixel input and patch size, from the Conv that embeds patches."""
-    for value in graph.inputs:
-        for use in value.uses():
-            node = use.node
-            if node.op_type != "Conv" or use.idx != 0:
-                continue
-            kernel = node.attributes.get_ints("kernel_shape")
-            strides = node.attributes.get_ints("strides")
-            if kernel is None:
-                weight = ir.convenience.get_const_tensor(node.inputs[1])
-                kernel = tuple(weight.shape[2:]) if weight is not None else None
-            if not kernel or len(kernel) != 2 or kernel[0] != kernel[1] or tuple(strides or ()) != tuple(kernel):
-                continue
-            patch = int(kernel[0])
-            grid = None
-            shape = value.shape
-            if shape is not None and len(shape) == 4 and all(isinstance(d, int) for d in shape[2:]):
-                grid = (shape[2] // patch, shape[3] // patch)
-            return value, patch, grid
+    # The pixels may pass through a Cast or Identity on the way to the patch Conv.
+    pixel_users = [(value, use) for value in graph.inputs for use in value.uses()]
+    pixel_users += [(value, inner) for value, use in list(pixel_users) if use.node.op_type in ("Cast", "Identity")
+                    for inner in use.node.outputs[0].uses()]
+    for value, use in pixel_users:
+        node = use.node
+        if node.op_type != "Conv" or use.idx != 0:
+            continue
+        kernel = node.attributes.get_ints("kernel_shape")
+        strides = node.attributes.get_ints("strides")
+        if kernel is None:
+            weight = ir.convenience.get_const_tensor(node.inputs[1])
+            kernel = tuple(weight.shape[2:]) if weight is not None else None
+        if not kernel or len(kernel) != 2 or kernel[0] != kernel[1] or tuple(strides or ()) != tuple(kernel):
+            continue
+        patch = int(kernel[0])
+        grid = None
+        shape = value.shape
+        if shape is not None and len(shape) == 4 and all(isinstance(d, int) for d in shape[2:]):
+            grid = (shape[2] // patch, shape[3] // patch)
+        return value, patch, grid
     return None, None, None
 
 

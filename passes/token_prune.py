@@ -127,7 +127,9 @@ class InsertTokenPrunePass(ir.passes.InPlacePass):
             raise StructureError(f"--layer {layer} is out of range: this tower has {n_blocks} blocks (1..{n_blocks})")
         tokens = static_dim(structure.blocks[layer - 1].output, 1)
         if tokens is None:
-            raise StructureError("block output has no static token count; export with a fixed image size")
+            raise StructureError(
+                "block output has no static token count (the graph computes it at run time, e.g. by "
+                "interpolating position embeddings); export the tower with static shapes")
         has_cls = cfg.has_cls
         if has_cls is None:
             if structure.num_patches is None:

@@ -69,6 +69,8 @@ def test_int8_scorer_on_pretrained_dinov2(cpu, block):
     model = ir.load(path)
     ShapeInferencePass()(model)
     structure = find_tower_structure(model.graph)
+    # A tower exported elsewhere (opset 14, decomposed LayerNorm, Cast before the patch Conv).
+    assert len(structure.blocks) == 12 and structure.patch_size == 14 and structure.grid == (16, 16)
     q_value, kt_value = structure.blocks[block - 1].q, structure.blocks[block - 1].k  # k is Kᵀ here
     model.graph.outputs.extend([q_value, kt_value])
     pixel, _ = parity_inputs(4, 224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
