@@ -196,15 +196,19 @@ def targets():
 @click.option("--image", required=True, type=click.Path(exists=True, dir_okay=False), help="An image file.")
 @_one_line_errors
 def run(bundle_dir, image):
-    """Run BUNDLE on IMAGE (ort: model.onnx; orin/xavier: the engine) and print the outputs' shapes and kept indices."""
+    """Run BUNDLE on IMAGE (ort: model.onnx; qnn: the EPContext model; orin/xavier: the engine) and print the results."""
     from vlmprune.compiler.bundle import load_manifest
     from vlmprune.compiler.images import load_image_file
     from vlmprune.compiler.runtime import ort_session, run_session
 
     m = load_manifest(bundle_dir, verify=True)
+    target = m["target"]["name"]
     tensorrt = m["target"].get("runtime") == "tensorrt"
-    if m["target"]["name"] != "ort" and not tensorrt:
-        raise VlmpruneError(f"`vlmprune run` runs ort and TensorRT bundles; this bundle targets {m['target']['name']}")
+    if target == "rk3588":
+        raise VlmpruneError("the RKNN simulator cannot load a .rknn file; run model.rknn on the board with "
+                            "rknn-toolkit-lite2 (see the bundle README)")
+    if target not in ("ort", "qnn") and not tensorrt:
+        raise VlmpruneError(f"`vlmprune run` runs ort, qnn and TensorRT bundles; this bundle targets {target}")
     if tensorrt:  # the engine, on the device; fails in one line where TensorRT is absent
         from vlmprune.compiler.engine import EngineRunner
 
@@ -216,6 +220,15 @@ def run(bundle_dir, image):
         raise VlmpruneError(f"{image}: cannot read the image ({exc})") from None
     if tensorrt:
         outputs = run_model(pixel)
+    elif target == "qnn":  # the EPContext model on the HTP emulator here, on the HTP on a device
+        from vlmprune.targets import qnn, qnn_tools
+
+        ok, why = qnn_tools.available()
+        if not ok:
+            raise VlmpruneError(f"cannot run a qnn bundle here: {why}")
+        click.echo(f"(simulated: onnxruntime-qnn HTP emulator, {m['target']['soc']})")
+        outputs = qnn_tools.run_qnn(Path(bundle_dir) / qnn.CTX, {m["inputs"][0]["name"]: pixel},
+                                    m["target"]["soc_model"])
     else:
         library = m["target"].get("custom_op_library")
         libs = (Path(bundle_dir) / library,) if library else ()

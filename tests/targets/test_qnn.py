@@ -115,3 +115,16 @@ def test_in_batches_splits_parity_images():
 
     out = _in_batches(lambda x: {"y": x * 2}, np.arange(4.0).reshape(4, 1), 2)
     np.testing.assert_array_equal(out["y"], np.arange(4.0).reshape(4, 1) * 2)
+
+
+@needs_qnn
+def test_run_on_the_emulator(early, tmp_path):
+    from PIL import Image
+    from skimage import data
+
+    image = tmp_path / "astronaut.png"
+    Image.fromarray(data.astronaut()).save(image)
+    result = CliRunner().invoke(main, ["run", str(early.bundle), "--image", str(image)])
+    assert result.exit_code == 0, result.output
+    assert "simulated" in result.output and "image_features: shape [1, 193, 256]" in result.output
+    assert len(result.output.split("kept (image 0): ")[1].split()) == 192

@@ -121,3 +121,13 @@ def test_precision_option():
     with pytest.raises(VlmpruneError, match="rk3588 --precision"):
         parse_precisions("int4")
     assert Rk3588Target().available()[0] in (True, False)
+
+
+def test_run_says_where_an_rknn_runs(early, tmp_path):
+    image = tmp_path / "x.png"
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(image)
+    result = CliRunner().invoke(main, ["run", str(early.bundle), "--image", str(image)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.strip().splitlines()[-1].startswith("error: the RKNN simulator cannot load a .rknn")
