@@ -141,7 +141,7 @@ class ParityReport:
 
     @property
     def passed(self) -> bool:
-        return all(s.passed for s in self.stages)
+        return bool(self.stages) and all(s.passed for s in self.stages)  # no stage checked is no pass
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "inputs": self.inputs,
@@ -149,10 +149,10 @@ class ParityReport:
                 "stages": [s.to_json() for s in self.stages]}
 
     def summary(self) -> dict:
-        return {s.stage: _stage_summary(s) for s in self.stages}
+        return {s.stage: stage_summary(s) for s in self.stages}
 
 
-def _stage_summary(s: StageResult) -> dict:
+def stage_summary(s: StageResult) -> dict:
     out = {"passed": s.passed, "runtime": s.runtime, "precision": s.precision}
     feats = s.outputs.get(FEATURES, {})
     for key in ("cosine_min", "max_abs"):

@@ -80,8 +80,9 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
     with bundle.staging(output, options.force) as tmp:
         dense = _dense_model(source, options, tmp, timer)
         dense_path = tmp / DENSE
-        timer.step("passes: " + ", ".join(type(p).__name__ for p in target.pipeline(config)))
-        decomposed, site = _run_pipeline(target, config, dense)
+        passes = target.pipeline(config)
+        timer.step("passes: " + ", ".join(type(p).__name__ for p in passes))
+        decomposed, site = _run_pipeline(passes, dense)
         ir.save(decomposed, tmp / "model.decomposed.onnx")
         timer.step(f"emit target {target.name}")
         target_fields = target.emit(decomposed, tmp, {"site": site, "options": options, "debug": options.debug,
@@ -162,9 +163,10 @@ def _dense_model(source: Source, options: CompileOptions, folder: Path, timer: _
     return model
 
 
-def _run_pipeline(target: Target, config: PruneConfig | None, model: ir.Model):
+def _run_pipeline(passes: list[ir.passes.PassBase], model: ir.Model):
+    """Run the target's passes in order; return the model and what the insertion pass resolved."""
     site = None
-    for p in target.pipeline(config):
+    for p in passes:
         result = p(model)
         model = result.model
         if isinstance(p, InsertTokenPrunePass):
@@ -256,21 +258,20 @@ def _parity(source: Source, dense_path: Path, bundle_dir: Path, manifest: dict, 
                                        pixel, dense_ref))
         progress(_line(stages[-1]))
         reference = dense_ref if pruned_ref is None else pruned_ref
-    elif method["name"] == "none":
-        reference, scores = None, None
+    elif method["name"] == "none":  # an .onnx source, dense: the original graph is the reference
+        reference, scores = ort_file(dense_path)(pixel), None
     else:
         reference, scores = _onnx_reference(dense_path, method, pixel)
-    if reference is not None:
-        stages.append(parity.run_stage("rewritten", "onnxruntime CPU (model.decomposed.onnx)", "fp32",
-                                       ort_file(bundle_dir / "model.decomposed.onnx"), pixel, reference, scores))
+    stages.append(parity.run_stage("rewritten", "onnxruntime CPU (model.decomposed.onnx)", "fp32",
+                                   ort_file(bundle_dir / "model.decomposed.onnx"), pixel, reference, scores))
+    progress(_line(stages[-1]))
+    for spec in target.stages(bundle_dir, manifest):
+        stages.append(parity.run_stage(spec.stage, spec.runtime, spec.precision, spec.run, pixel, reference, scores))
         progress(_line(stages[-1]))
-        for spec in target.stages(bundle_dir, manifest):
-            stages.append(parity.run_stage(spec.stage, spec.runtime, spec.precision, spec.run, pixel, reference, scores))
-            progress(_line(stages[-1]))
     return parity.ParityReport(described, stages)
 
 
 def _line(stage: parity.StageResult) -> str:
-    s = parity._stage_summary(stage)
+    s = parity.stage_summary(stage)
     figures = ", ".join(f"{k} {v:.6g}" for k, v in s.items() if isinstance(v, float))
     return f"  {stage.stage:<10} {'PASS' if stage.passed else 'FAIL'}  {figures}" + (f"  ({stage.error})" if stage.error else "")

@@ -75,6 +75,13 @@ def test_onnx_tower_source(tiny_dense_path, tmp_path):
     assert stages["rewritten"].passed and stages["rewritten"].indices["agreement"] == 1.0
 
 
+def test_onnx_tower_dense_is_checked_against_the_original(tiny_dense_path, tmp_path):
+    result = compile_model(str(tiny_dense_path), tmp_path / "b", CompileOptions(prune=False))
+    stages = {s.stage: s for s in result.report.stages}
+    assert set(stages) == {"rewritten", "target"} and result.report.passed
+    assert stages["target"].outputs["image_features"]["max_abs"] == 0.0
+
+
 def test_no_prune_baseline(tiny_llava_dir, tmp_path):
     result = compile_model(str(tiny_llava_dir), tmp_path / "b", CompileOptions(prune=False))
     assert result.report.passed
