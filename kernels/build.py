@@ -28,6 +28,7 @@ INCLUDE_DIR = PACKAGE_DIR / "include"
 CPU_DIR = PACKAGE_DIR / "cpu"
 CUDA_DIR = PACKAGE_DIR / "cuda"
 ORT_DIR = PACKAGE_DIR / "ort"
+TRT_COMMON_DIR = PACKAGE_DIR / "trt" / "common"  # plugin_names.h: the plugin contract the ORT twin registers
 
 ORT_NPM_PACKAGE = "com.github.asus4.onnxruntime"
 ORT_NPM_VERSION = "0.4.9"  # ONNX Runtime C API version 29 headers; fine for onnxruntime >= 1.20 at run time
@@ -166,7 +167,8 @@ def build_ort_library(force: bool = False) -> Path:
     cxx = _which("CXX", "g++", "a C++17 compiler is needed to build the ONNX Runtime custom-op library")
     version = _run([cxx, "--version"], f"{cxx} --version").splitlines()[0]
     flags = _cpu_flags()
-    headers = sorted(INCLUDE_DIR.rglob("*.h")) + sorted(CPU_DIR.glob("*.h")) + sorted(ORT_DIR.glob("*.h"))
+    headers = (sorted(INCLUDE_DIR.rglob("*.h")) + sorted(CPU_DIR.glob("*.h")) + sorted(ORT_DIR.glob("*.h"))
+               + [TRT_COMMON_DIR / "plugin_names.h"])
     sources = library_sources()
     ort_source = os.environ.get("VLMPRUNE_ORT_INCLUDE") or ORT_NPM_VERSION
     key = _source_hash(sources + headers, [version, " ".join(flags), ort_source, EXPORTS_MAP])
@@ -179,7 +181,7 @@ def build_ort_library(force: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
         (tmp / "exports.map").write_text(EXPORTS_MAP)
-        cmd = [cxx, *flags, f"-I{INCLUDE_DIR}", f"-I{CPU_DIR}", f"-I{ort_include}", *map(str, sources),
+        cmd = [cxx, *flags, f"-I{INCLUDE_DIR}", f"-I{CPU_DIR}", f"-I{TRT_COMMON_DIR.parent}", f"-I{ort_include}", *map(str, sources),
                "-shared", f"-Wl,--version-script={tmp / 'exports.map'}", "-o", str(tmp / LIBRARY_NAME)]
         _run(cmd, f"building {LIBRARY_NAME}")
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared

@@ -20,19 +20,18 @@
 #include <thread>
 #include <vector>
 
+#include "common/plugin_names.h"
 #include "token_prune_cpu.h"
 #include "vlmprune/kernels.h"
 
 namespace {
 
 constexpr const char* kDomain = "vlmprune";
-// The TensorRT plugin contract (kernels/trt/plugin_names.json; tests/targets/test_tensorrt.py
-// keeps these equal to it). Spelled out here rather than included so that the build
-// cache key (kernels/build.py: include/, cpu/, ort/) covers every source of this library.
+// The TensorRT plugin contract, from the header the plugins themselves use.
 constexpr const char* kPluginDomain = "trt.plugins";
-constexpr const char* kPluginName = "VlmpTokenPrune";
-constexpr const char* kPluginVersion = "1";
-constexpr const char* kPluginNamespace = "vlmprune";
+constexpr const char* kPluginName = vlmprune::trt::kTokenPruneName;
+constexpr const char* kPluginVersion = vlmprune::trt::kTokenPruneVersion;
+constexpr const char* kPluginNamespace = vlmprune::trt::kTokenPruneNamespace;
 // CreateKernelV2/KernelComputeV2 arrived with API 16, KernelContext_ParallelFor with 17.
 constexpr uint32_t kMinApiVersion = 17;
 
@@ -203,11 +202,9 @@ struct TokenPruneKernel {
   int has_cls_;
 };
 
-struct TokenPruneOp : Ort::CustomOpBase<TokenPruneOp, TokenPruneKernel, true> {
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    return guarded(kTokenPrune, [&] { *kernel = new TokenPruneKernel(api, info); });
-  }
-  const char* GetName() const { return kTokenPrune; }
+// The TokenPrune signature, shared by its two spellings.
+template <typename Op>
+struct TokenPruneSignature : Ort::CustomOpBase<Op, TokenPruneKernel, true> {
   size_t GetInputTypeCount() const { return 2; }
   // hidden: float or float16 (UNDEFINED lets ONNX Runtime propagate its type to output 0).
   ONNXTensorElementDataType GetInputType(size_t i) const {
@@ -219,9 +216,16 @@ struct TokenPruneOp : Ort::CustomOpBase<TokenPruneOp, TokenPruneKernel, true> {
   }
 };
 
+struct TokenPruneOp : TokenPruneSignature<TokenPruneOp> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return guarded(kTokenPrune, [&] { *kernel = new TokenPruneKernel(api, info); });
+  }
+  const char* GetName() const { return kTokenPrune; }
+};
+
 // The TensorRT plugin node (trt.plugins.VlmpTokenPrune) run by the same kernel; the plugin's
 // version and namespace attributes are checked so that a graph meant for another plugin fails here.
-struct PluginTwinOp : Ort::CustomOpBase<PluginTwinOp, TokenPruneKernel, true> {
+struct PluginTwinOp : TokenPruneSignature<PluginTwinOp> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     return guarded(kPluginName, [&] {
       expect_string(api, info, kPluginName, "plugin_version", kPluginVersion);
@@ -230,14 +234,6 @@ struct PluginTwinOp : Ort::CustomOpBase<PluginTwinOp, TokenPruneKernel, true> {
     });
   }
   const char* GetName() const { return kPluginName; }
-  size_t GetInputTypeCount() const { return 2; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
-  size_t GetOutputTypeCount() const { return 2; }
-  ONNXTensorElementDataType GetOutputType(size_t i) const {
-    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-  }
 };
 
 // --------------------------------------------------------- ClsAttentionScore

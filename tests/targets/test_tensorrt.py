@@ -532,9 +532,14 @@ def test_bundled_plugin_builds_with_cmake(bundles, tmp_path, name, env_var):
 
 def test_host_twin_contract_matches_the_plugin(ort_library):
     source = (REPO / "kernels" / "ort" / "vlmprune_ort_ops.cc").read_text()
-    for const, value in (("kPluginName", PLUGIN["name"]), ("kPluginVersion", PLUGIN["version"]),
-                         ("kPluginNamespace", PLUGIN["namespace"]), ("kPluginDomain", trt_passes.PLUGIN_DOMAIN)):
-        assert f'constexpr const char* {const} = "{value}";' in source
+    header = (REPO / "kernels" / "trt" / "common" / "plugin_names.h").read_text()
+    assert '#include "common/plugin_names.h"' in source  # the twin reads the plugins' own contract
+    for const, plugin_const, value in (("kPluginName", "kTokenPruneName", PLUGIN["name"]),
+                                       ("kPluginVersion", "kTokenPruneVersion", PLUGIN["version"]),
+                                       ("kPluginNamespace", "kTokenPruneNamespace", PLUGIN["namespace"])):
+        assert f"constexpr const char* {const} = vlmprune::trt::{plugin_const};" in source
+        assert f'constexpr char const* {plugin_const} = "{value}";' in header
+    assert f'constexpr const char* kPluginDomain = "{trt_passes.PLUGIN_DOMAIN}";' in source
     # A node meant for another plugin version is refused, not run.
     model = selection_model(2, 64, 16, 20)
     TokenPruneFusionPass(spelling=trt_target.PLUGIN_OP)(model)
