@@ -1,14 +1,23 @@
-"""Bundles: one directory per compile, written atomically, verified before use.
+"""Bundles: one directory per compile, claimed once, published atomically, verified before use.
 
-The directory is assembled in a temporary sibling and renamed into place at the
-end, so an interrupted or failed compile never leaves a half-written bundle. Every
-file's sha256 is recorded in manifest.json and checked before anything from the
-bundle is loaded (models, custom-op libraries).
+A compile claims its output by creating the staging directory `.NAME.partial` beside
+it (mkdir is atomic: exactly one writer wins) and holds an exclusive lock on a file
+inside it while it writes. A second writer finds the staging directory, tries the
+lock, and refuses in one line while the first is alive; a staging directory whose
+lock is free was left by a writer that died, and is reclaimed. The finished bundle
+is renamed into place, so an interrupted or failed compile never leaves a half-written
+bundle, and `--force` replaces only a complete bundle (one with a manifest), never a
+directory that is something else.
+
+Every file's sha256 is recorded in manifest.json, and the manifest records the digest
+of its own content, so an edited manifest (keep changed by hand, a file list trimmed)
+is caught like an edited model: nothing is loaded from a bundle that does not match.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -19,6 +28,8 @@ from pathlib import Path
 from vlmprune.compiler.errors import InputError
 
 MANIFEST = "manifest.json"
+DIGEST_KEY = "manifest_sha256"
+_LOCK = ".vlmprune-writing"
 
 
 def sha256_file(path: Path) -> str:
@@ -29,13 +40,24 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _parent(output: Path) -> Path:
+    return output.parent if str(output.parent) else Path(".")
+
+
+def _is_bundle(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
 def prepare_output(output: Path, force: bool) -> None:
     """Fail early, with one line, if the bundle cannot be written where asked."""
-    if output.exists() and not force:
-        raise InputError(f"{output} already exists (use --force to replace it)")
+    output = Path(output)
     if output.exists() and not output.is_dir():
         raise InputError(f"{output} exists and is not a directory")
-    parent = output.parent if str(output.parent) else Path(".")
+    if output.exists() and not force:
+        raise InputError(f"{output} already exists (use --force to replace it)")
+    if output.exists() and not _is_bundle(output):
+        raise InputError(f"{output} exists and is not a vlmprune bundle (no {MANIFEST}); refusing to replace it")
+    parent = _parent(output)
     if not parent.exists():
         raise InputError(f"{parent}: parent directory does not exist")
     if not parent.is_dir():
@@ -47,44 +69,119 @@ def prepare_output(output: Path, force: bool) -> None:
         raise InputError(f"{parent}: directory is not writable ({exc.strerror})") from None
 
 
-@contextlib.contextmanager
-def staging(output: Path, force: bool):
-    """Yield a temporary directory beside output; rename it into place on success."""
-    prepare_output(output, force)
-    parent = output.parent if str(output.parent) else Path(".")
+def _claim(staging: Path, output: Path) -> int:
+    """Make staging exist, locked by us; return the lock's descriptor. One line if another writer holds it.
+
+    The directory is assembled privately with its lock held, then renamed to the staging
+    name: a rename onto a non-empty directory fails, so exactly one writer gets the name,
+    and nobody ever sees the staging directory unlocked while its writer is alive.
+    """
+    parent = _parent(output)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=parent))
+        private = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".claim", dir=parent))
     except OSError as exc:
         raise InputError(f"{parent}: cannot create a directory there ({exc.strerror})") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is not what a bundle should end up with
+    fd = os.open(private / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        yield tmp
-        if output.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=parent))
-            os.replace(output, old / output.name)
-            os.replace(tmp, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, output)
+        for _attempt in range(3):
+            try:
+                os.rename(private, staging)
+                return fd
+            except OSError:
+                if not staging.exists():
+                    continue
+            if not _reclaim_if_dead(staging):
+                raise InputError(f"{output} is being written by another vlmprune compile; "
+                                 "wait for it to finish or choose another --output")
+        raise InputError(f"{output} is being written by another vlmprune compile")
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+
+
+def _reclaim_if_dead(staging: Path) -> bool:
+    """True if staging was left by a writer that died (its lock is free); it is then moved away and removed."""
+    try:
+        fd = os.open(staging / _LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        return not staging.exists()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:  # still holding its lock, so no other prober can decide the same
+        stale = Path(tempfile.mkdtemp(prefix=f"{staging.name}.", suffix=".stale", dir=staging.parent))
+        os.replace(staging, stale / "bundle")
+        shutil.rmtree(stale, ignore_errors=True)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+    return True
+
+
+@contextlib.contextmanager
+def staging(output: Path, force: bool):
+    """Claim output, yield its staging directory, and publish it in place on success.
+
+    The claim is made on entry, before any work, so a second writer fails at once;
+    on an exception nothing is published and the staging directory is removed (while
+    its lock is still held, so no other writer can be reclaiming it at the same time).
+    """
+    output = Path(output)
+    prepare_output(output, force)
+    tmp = _parent(output) / f".{output.name}.partial"
+    fd = _claim(tmp, output)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is not what a bundle should end up with
+        yield tmp
+        _publish(tmp, output, force)
+        (output / _LOCK).unlink(missing_ok=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, output: Path, force: bool) -> None:
+    if not output.exists():
+        os.rename(tmp, output)
+        return
+    # Only this writer holds the claim, but the directory may have changed since the start.
+    if not force:
+        raise InputError(f"{output} appeared while compiling (use --force to replace it)")
+    if not _is_bundle(output):
+        raise InputError(f"{output} exists and is not a vlmprune bundle; refusing to replace it")
+    old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=_parent(output)))
+    os.replace(output, old / output.name)
+    os.rename(tmp, output)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON, its own digest field left out."""
+    body = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def write_manifest(bundle_dir: Path, manifest: dict) -> dict:
-    """Record every file's sha256 (the manifest itself excepted) and write manifest.json."""
+    """Record every file's sha256 (the manifest itself excepted), then the manifest's own digest."""
     files = {}
-    for path in sorted(p for p in bundle_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+    for path in sorted(p for p in bundle_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, _LOCK)):
         files[str(path.relative_to(bundle_dir))] = sha256_file(path)
-    manifest = {**manifest, "files": files}
+    manifest = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
+    manifest["files"] = files
+    manifest[DIGEST_KEY] = manifest_digest(manifest)
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
 def load_manifest(bundle_dir: Path, verify: bool = True) -> dict:
-    """Read manifest.json; with verify, refuse a bundle whose files do not match it."""
+    """Read manifest.json; with verify, refuse a bundle whose manifest or files were modified."""
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST
     if not bundle_dir.is_dir():
@@ -93,13 +190,19 @@ def load_manifest(bundle_dir: Path, verify: bool = True) -> dict:
         raise InputError(f"{bundle_dir}: not a vlmprune bundle (no {MANIFEST})")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc.msg})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({getattr(exc, 'msg', exc)}); the bundle was modified") from None
+    if not isinstance(manifest, dict):
+        raise InputError(f"{path}: not a vlmprune manifest; the bundle was modified")
     if verify:
+        if manifest.get(DIGEST_KEY) != manifest_digest(manifest):
+            raise InputError(f"{bundle_dir}: {MANIFEST} does not match its recorded digest: the bundle was "
+                             "modified after it was compiled; recompile it")
         for name, expected in manifest.get("files", {}).items():
             file = bundle_dir / name
             if not file.is_file():
                 raise InputError(f"{bundle_dir}: {name} is listed in the manifest but missing")
             if sha256_file(file) != expected:
-                raise InputError(f"{bundle_dir}: {name} does not match its sha256 in the manifest; refusing to load it")
+                raise InputError(f"{bundle_dir}: {name} does not match its sha256 in the manifest; "
+                                 "the bundle was modified; refusing to load it")
     return manifest

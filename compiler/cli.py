@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +16,11 @@ from vlmprune.compiler.errors import VlmpruneError
 
 
 def _one_line_errors(fn):
-    """User errors become one line on stderr and exit code 2; never a traceback."""
+    """The CLI's one error boundary: a user error is one line on stderr and exit code 2, never a traceback.
+
+    Anything else is a bug in vlmprune: it is reported in one line too, with exit
+    code 1 and how to see the traceback (VLMPRUNE_DEBUG=1 re-raises it).
+    """
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -25,7 +31,45 @@ def _one_line_errors(fn):
         except KeyboardInterrupt:
             click.echo("interrupted; nothing was written", err=True)
             sys.exit(130)
+        except (SystemExit, click.exceptions.Exit, click.ClickException):
+            raise
+        except Exception as exc:
+            if os.environ.get("VLMPRUNE_DEBUG"):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0]
+            click.echo(f"error: internal error ({type(exc).__name__}: {first}); this is a vlmprune bug: "
+                       "rerun with VLMPRUNE_DEBUG=1 for the traceback and report it", err=True)
+            sys.exit(1)
     return wrapper
+
+
+@contextlib.contextmanager
+def _stdout_for_data(enabled: bool):
+    """While enabled, everything but the data goes to stderr: file descriptor 1 is pointed at stderr
+    (native libraries, e.g. QNN's `# LIBNATIVE:` line) and so is sys.stdout (stray prints).
+    Yields the writer for the data itself, the one thing that reaches the real stdout."""
+    if not enabled:
+        yield click.echo
+        return
+    original = sys.stdout
+    original.flush()
+    try:
+        real = original.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # a captured stream (click's test runner)
+        real = False
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    data = os.fdopen(os.dup(saved), "w") if real else original
+    sys.stdout = sys.stderr
+    try:
+        yield lambda text: (data.write(text + "\n"), data.flush())
+    finally:
+        sys.stderr.flush()
+        sys.stdout = original
+        os.dup2(saved, 1)
+        os.close(saved)
+        if real:
+            data.close()
 
 
 def _progress(quiet: bool):
@@ -58,25 +102,36 @@ def main():
               help="Target-specific precision; orin/xavier: fp16 (default) or int8 (explicit Q/DQ model); "
                    "rk3588: fp16, int8 (hybrid) or fp16,int8 (default); qnn: int16 (default) or int8 activations.")
 @click.option("--soc", default=None, help="qnn: the Snapdragon SoC to compile for (default SM8650; see `vlmprune targets`).")
+@click.option("--cls", "cls_token", type=click.Choice(["drop", "keep"]), default=None,
+              help="Drop or keep the [CLS] token in image_features. Default: the model's select strategy "
+                   "(LLaVA's vision_feature_select_strategy; towers without one drop it, like LLaVA's default).")
 @_one_line_errors
 def compile(model, target, keep, layer, lam, no_prune, batch, opset, feature_layer, output, force, as_json, quiet,
-            debug, precision, soc):
+            debug, precision, soc, cls_token):
     """Compile MODEL (a preset such as `demo`, a Hugging Face directory, or an .onnx tower) into a bundle."""
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
-    options = CompileOptions(target, keep, layer, lam, not no_prune, batch, opset, feature_layer, force, debug,
-                             precision=precision, soc=soc)
-    result = compile_model(model, output, options, _progress(quiet or as_json))
-    manifest = result.manifest
-    summary = {"bundle": str(result.bundle), "target": target, "method": manifest["method"],
-               "outputs": manifest["outputs"], "parity": manifest["parity"], "seconds": round(result.seconds, 2)}
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
-    else:
+    options = CompileOptions(target=target, keep=keep, layer=layer, lam=lam, prune=not no_prune, batch=batch,
+                             opset=opset, feature_layer=feature_layer, force=force, debug=debug,
+                             precision=precision, soc=soc, cls=cls_token)
+    with _stdout_for_data(as_json) as emit:
+        result = compile_model(model, output, options, _progress(quiet or as_json))
+        manifest = result.manifest
+        summary = {"bundle": str(result.bundle), "target": target, "method": manifest["method"],
+                   "outputs": manifest["outputs"], "parity": manifest["parity"], "seconds": round(result.seconds, 2)}
+        if as_json:
+            emit(json.dumps(summary, indent=2))
+    if not as_json:
         _print_summary(manifest, result)
     if not result.report.passed:
         click.echo(f"error: parity failed (see {result.bundle / 'parity.json'})", err=True)
         sys.exit(1)
+
+
+def _later(method: dict) -> str:
+    n = method["num_blocks"] - method["layer"]
+    return (f"the {n} later blocks run on {method['tokens_out']} tokens" if n > 1 else
+            f"the last block runs on {method['tokens_out']} tokens")
 
 
 def _print_summary(manifest: dict, result) -> None:
@@ -84,8 +139,10 @@ def _print_summary(manifest: dict, result) -> None:
     if method["name"] == "none":
         click.echo("tokens: dense (no pruning)")
     else:
-        click.echo(f"tokens: {method['num_patches']} patch tokens -> {method['keep']} kept + 1 summary "
-                   f"(after block {method['layer']}/{method['num_blocks']}; later blocks run on {method['tokens_out']} tokens)")
+        where = (f"at the tower's end (after block {method['layer']}/{method['num_blocks']})"
+                 if method["layer"] == method["num_blocks"] else
+                 f"after block {method['layer']}/{method['num_blocks']}; " + _later(method))
+        click.echo(f"tokens: {method['num_patches']} patch tokens -> {method['keep']} kept + 1 summary ({where})")
     for name, stage in manifest["parity"]["stages"].items():
         figures = []
         if "cosine_min" in stage:
@@ -126,15 +183,16 @@ def check(bundle_dir, batch, report, as_json, quiet, engine):
         from vlmprune.targets.tensorrt import require_engine
 
         require_engine(bundle_dir)
-    result = check_bundle(bundle_dir, batch, _progress(quiet or as_json))
-    if engine and "target" not in [s.stage for s in result.stages]:
-        raise VlmpruneError("the engine stage did not run (see the progress lines above)")
-    data = result.to_json()
-    if report:
-        report.write_text(json.dumps(data, indent=2) + "\n")
-    if as_json:
-        click.echo(json.dumps(data, indent=2))
-    else:
+    with _stdout_for_data(as_json) as emit:
+        result = check_bundle(bundle_dir, batch, _progress(quiet or as_json))
+        if engine and "target" not in [s.stage for s in result.stages]:
+            raise VlmpruneError("the engine stage did not run (see the progress lines above)")
+        data = result.to_json()
+        if report:
+            report.write_text(json.dumps(data, indent=2) + "\n")
+        if as_json:
+            emit(json.dumps(data, indent=2))
+    if not as_json:
         for stage in result.stages:
             click.echo(f"{stage.stage:<10} {'PASS' if stage.passed else 'FAIL'}")
     if not result.passed:
@@ -193,12 +251,15 @@ def targets():
 
 @main.command()
 @click.argument("bundle_dir", type=click.Path(path_type=Path))
-@click.option("--image", required=True, type=click.Path(exists=True, dir_okay=False), help="An image file.")
+@click.option("--image", "image_files", required=True, multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image file; repeat it to fill a static batch (one image per batch slot).")
 @_one_line_errors
-def run(bundle_dir, image):
+def run(bundle_dir, image_files):
     """Run BUNDLE on IMAGE (ort: model.onnx; qnn: the EPContext model; orin/xavier: the engine) and print the results."""
+    import numpy as np
+
     from vlmprune.compiler.bundle import load_manifest
-    from vlmprune.compiler.images import load_image_file
+    from vlmprune.compiler.images import UPSCALE_WARNING, load_image_file
     from vlmprune.compiler.runtime import ort_session, run_session
 
     m = load_manifest(bundle_dir, verify=True)
@@ -209,15 +270,27 @@ def run(bundle_dir, image):
                             "rknn-toolkit-lite2 (see the bundle README)")
     if target not in ("ort", "qnn") and not tensorrt:
         raise VlmpruneError(f"`vlmprune run` runs ort, qnn and TensorRT bundles; this bundle targets {target}")
+    static = m["target"].get("batch") if target == "qnn" else m["inputs"][0]["shape"][0]
+    if isinstance(static, int) and static != len(image_files):
+        raise VlmpruneError(f"this bundle has a static batch of {static}: pass --image {static} times "
+                            f"(got {len(image_files)}), or recompile with --batch {len(image_files)}")
     if tensorrt:  # the engine, on the device; fails in one line where TensorRT is absent
         from vlmprune.compiler.engine import EngineRunner
 
         run_model = EngineRunner(bundle_dir)
     pre = m["preprocess"]
-    try:
-        pixel = load_image_file(image, pre["size"], pre["mean"], pre["std"])
-    except Exception as exc:
-        raise VlmpruneError(f"{image}: cannot read the image ({exc})") from None
+    batch = []
+    for image in image_files:
+        try:
+            pixel, described, scale = load_image_file(image, pre["size"], pre["mean"], pre["std"])
+        except Exception as exc:
+            raise VlmpruneError(f"{image}: cannot read the image ({exc})") from None
+        click.echo(f"{image}: {described}", err=True)
+        if scale > UPSCALE_WARNING:
+            click.echo(f"warning: {image} is upscaled x{scale:.3g}: the model sees mostly interpolated pixels, "
+                       "and the kept patches say little about the picture", err=True)
+        batch.append(pixel)
+    pixel = np.concatenate(batch)
     if tensorrt:
         outputs = run_model(pixel)
     elif target == "qnn":  # the EPContext model on the HTP emulator here, on the HTP on a device

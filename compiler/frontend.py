@@ -244,22 +244,35 @@ def _seeded_init(module: nn.Module, seed: int, std: float = 0.02) -> None:
 
 
 def _read_safetensors(files: list[Path], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Tensors whose key starts with one of prefixes, the prefix stripped; never unpickles."""
-    from safetensors import safe_open
+    """Tensors whose key starts with one of prefixes, the prefix stripped; never unpickles.
+
+    A truncated or corrupt file is refused in one line naming it.
+    """
+    from safetensors import SafetensorError, safe_open
 
     out: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                for prefix in prefixes:
-                    if key.startswith(prefix):
-                        out[key[len(prefix):]] = f.get_tensor(key)
-                        break
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    for prefix in prefixes:
+                        if key.startswith(prefix):
+                            out[key[len(prefix):]] = f.get_tensor(key)
+                            break
+        except (SafetensorError, OSError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InputError(f"{path}: not a readable safetensors file ({reason}); truncated or corrupt?") from None
     return out
 
 
 def _load_state(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    """Load weights by name; a missing weight or a shape that disagrees with config.json is one line."""
+    expected = module.state_dict()
+    for key, tensor in state.items():
+        if key in expected and tuple(expected[key].shape) != tuple(tensor.shape):
+            raise InputError(f"{what}: weight {key} has shape {list(tensor.shape)} in the checkpoint but "
+                             f"{list(expected[key].shape)} from config.json; the checkpoint and config disagree")
+    missing, _unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("position_ids")]
     if missing:
         raise InputError(f"{what}: {len(missing)} weights missing from the checkpoint, e.g. {missing[0]}")
@@ -372,11 +385,36 @@ def _onnx_file(path: Path) -> Source:
         raise InputError(f"{path}: not a readable ONNX model") from None
     if not proto.graph.input:
         raise InputError(f"{path}: the ONNX graph has no inputs")
+    external = _check_external_data(path, proto)
     dims = [d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim]
     image_size = dims[2] if len(dims) == 4 and dims[2] > 0 else 0
     if image_size == 0:
         raise InputError(f"{path}: the first input should be pixels [B, C, H, W] with static H and W")
-    return Source(str(path.resolve()), "onnx", _sha256_files([path]), image_size, None, None, onnx_path=path)
+    return Source(str(path.resolve()), "onnx", _sha256_files([path, *external]), image_size, None, None,
+                  onnx_path=path, details={"static_batch": dims[0] if dims[0] > 0 else None})
+
+
+def _check_external_data(path: Path, proto) -> list[Path]:
+    """The external-data files the model names, each checked to exist and to hold the bytes it points at."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    files: dict[Path, int] = {}
+    for tensor in proto.graph.initializer:
+        if not uses_external_data(tensor):
+            continue
+        info = ExternalDataInfo(tensor)
+        location = (path.parent / info.location).resolve()
+        if path.parent.resolve() not in location.parents:
+            raise InputError(f"{path}: initializer {tensor.name} points outside the model's folder ({info.location})")
+        end = (info.offset or 0) + (info.length or 0)
+        files[location] = max(files.get(location, 0), end)
+    for location, end in files.items():
+        if not location.is_file():
+            raise InputError(f"{path}: its external data file {location.name} is missing (expected beside the model)")
+        if location.stat().st_size < end:
+            raise InputError(f"{path}: external data file {location.name} is truncated "
+                             f"({location.stat().st_size} bytes, the model reads up to {end})")
+    return sorted(files)
 
 
 def load_source(spec: str, feature_layer: int | None = None) -> Source:

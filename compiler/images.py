@@ -53,8 +53,27 @@ def parity_inputs(batch: int, size: int, mean, std, seed: int = 0) -> tuple[np.n
     return np.stack(images), {"images": names, "seed": seed, "size": size, "mean": list(mean), "std": list(std)}
 
 
-def load_image_file(path: str, size: int, mean, std) -> np.ndarray:
+UPSCALE_WARNING = 4.0  # a short side upscaled more than this is mostly interpolation, not picture
+
+
+def describe_preprocess(width: int, height: int, size: int, mean, std) -> tuple[str, float]:
+    """What preprocess() does to a width x height image, in words, and the factor it scales the short side by."""
+    scale = size / min(width, height)
+    resized = (max(size, round(width * scale)), max(size, round(height * scale)))
+    mean_s = ", ".join(f"{m:.3f}" for m in mean)
+    std_s = ", ".join(f"{s:.3f}" for s in std)
+    verb = "upscaled" if scale > 1 else "downscaled" if scale < 1 else "kept at"
+    text = (f"{width}x{height} image: short side {verb} x{scale:.3g} to {resized[0]}x{resized[1]} "
+            f"(bilinear, antialiased), centre crop {size}x{size}, scaled to [0, 1], "
+            f"normalised with mean ({mean_s}) and std ({std_s})")
+    return text, scale
+
+
+def load_image_file(path: str, size: int, mean, std) -> tuple[np.ndarray, str, float]:
+    """An image file -> ([1, 3, size, size] float32, a description of the preprocessing, the upscale factor)."""
     from PIL import Image
 
     with Image.open(path) as img:
-        return preprocess(np.asarray(img.convert("RGB")), size, mean, std)[None]
+        rgb = np.asarray(img.convert("RGB"))
+    text, scale = describe_preprocess(rgb.shape[1], rgb.shape[0], size, mean, std)
+    return preprocess(rgb, size, mean, std)[None], text, scale

@@ -169,8 +169,11 @@ class InsertTokenPrunePass(ir.passes.InPlacePass):
 
         for use in consumers:
             use.node.replace_input_with(use.idx, pruned)
-        if hidden.is_graph_output():
+        if hidden.is_graph_output():  # the output keeps its name: consumers go by it
+            name = hidden.name
+            hidden.name = f"{name}.dense"
             graph.outputs[graph.outputs.index(hidden)] = pruned
+            pruned.name = name
         pruned.meta[TOKENS_META] = (site.tokens_in, site.tokens_out)
         kept.name = KEPT_INDICES
         kept.type = ir.TensorType(ir.DataType.INT64)

@@ -45,6 +45,18 @@ class Target(abc.ABC):
     def pipeline(self, config) -> list[ir.passes.PassBase]:
         """The passes from the dense export to this target's decomposed graph, in order."""
 
+    def check_options(self, options) -> None:
+        """Refuse, in one line and before any work, options this target does not take or values it cannot use.
+
+        The default takes neither --precision nor --soc; targets that do override this.
+        """
+        from vlmprune.compiler.errors import InputError
+
+        if getattr(options, "precision", None) is not None:
+            raise InputError(f"target {self.name} has no --precision (it runs fp32)")
+        if getattr(options, "soc", None) is not None:
+            raise InputError(f"--soc is a qnn option; target {self.name} has no SoC to choose")
+
     def supports(self, node: ir.Node) -> tuple[bool, str]:
         """Whether the target runtime can run node; standard ONNX by default."""
         if node.domain in ("", "ai.onnx"):

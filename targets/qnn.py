@@ -80,6 +80,15 @@ class QnnTarget(Target):
             pass
         return versions
 
+    def check_options(self, options) -> None:
+        from vlmprune.targets import qnn_tools
+
+        parse_precision(options.precision)
+        try:
+            qnn_tools.resolve_soc(options.soc)
+        except qnn_tools.QnnError as exc:
+            raise InputError(str(exc)) from None
+
     def pipeline(self, config) -> list[ir.passes.PassBase]:
         prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
         return [*prune, RemoveUnusedNodesPass(), TopologicalSortPass()]

@@ -97,20 +97,26 @@ class Rk3588Target(Target):
         return {"rknn-toolkit2": rknn_env.RKNN_TOOLKIT_VERSION, "target_platform": PLATFORM,
                 "rknn venv": f"{pins} (torch linked from this environment)", "onnx": onnx.__version__}
 
+    def check_options(self, options) -> None:
+        parse_precisions(options.precision)
+        if options.soc is not None:
+            raise InputError("--soc is a qnn option; rk3588 has no SoC to choose")
+        if options.batch not in (None, 1):
+            raise InputError(f"rk3588 runs batch 1: compile with --batch 1 or without --batch, not --batch {options.batch}")
+
     def pipeline(self, config) -> list[ir.passes.PassBase]:
         prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
         return [*prune, RemoveUnusedNodesPass(), TopologicalSortPass()]
 
     def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
         """Legalize into model.onnx, then build, export and simulate each precision's .rknn."""
-        from vlmprune.compiler import images
         from vlmprune.targets import calibration, rknn_env
 
         options, source = context["options"], context["source"]
         precisions = parse_precisions(options.precision)
         legalization = [type(p).__name__ for p in rknn_legalization(self.selection) if p(decomposed).modified]
         ir.save(decomposed, out_dir / "model.onnx")
-        pixel, _ = images.parity_inputs(options.batch or 2, source.image_size, source.mean, source.std)
+        pixel = context["parity_inputs"]  # the images parity will feed: simulated now, while the build is live
         fields: dict = {"runtime": "RKNN runtime (librknnrt / rknn-toolkit-lite2 2.5.0) on the RK3588 NPU",
                         "target_platform": PLATFORM, "selection": self.selection, "legalization": legalization,
                         "artifacts": {}, "precisions": {}, "placement": {}, "placement_summary": {},

@@ -105,6 +105,24 @@ def creatable() -> tuple[bool, str]:
     return True, f"rknn venv is created on first use at {venv_dir()} (~45 s, ~600 MB; torch linked, not downloaded)"
 
 
+def index_reachable(timeout: float = 60) -> tuple[bool, str]:
+    """Whether pip's package index (as this machine configures it) serves rknn-toolkit2 2.5.0; installs nothing.
+
+    Creating the venv downloads ~600 MB; on a machine without the registry that fails
+    after minutes of retries, so callers that may skip (the tests) ask this first.
+    """
+    cmd = [sys.executable, "-m", "pip", "index", "versions", "rknn-toolkit2", "--timeout", "10", "--retries", "1",
+           "--disable-pip-version-check"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_clean_env())
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"pip index versions rknn-toolkit2 did not answer ({type(exc).__name__})"
+    if RKNN_TOOLKIT_VERSION in proc.stdout:
+        return True, "the package index serves rknn-toolkit2 " + RKNN_TOOLKIT_VERSION
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no answer"]
+    return False, f"the package index does not serve rknn-toolkit2 {RKNN_TOOLKIT_VERSION} here ({tail[0]})"
+
+
 def venv_info() -> dict:
     """The marker's record: toolkit version, install seconds, size, torch source."""
     marker = venv_dir() / MARKER
@@ -219,7 +237,9 @@ def run_worker(request: dict, timeout: float = 1800) -> dict:
         request["run_samples"] = [absolute(sample) for sample in request["run_samples"]]
     if request.get("dataset"):
         request["dataset"] = [absolute(sample) for sample in request["dataset"]]
-    out_dir = Path(request.setdefault("out_dir", tempfile.mkdtemp(prefix="vlmprune-rknn-"))).resolve()
+    if not request.get("out_dir"):  # the caller owns out_dir; only a folder made here is this call's to make
+        request["out_dir"] = tempfile.mkdtemp(prefix="vlmprune-rknn-")
+    out_dir = Path(request["out_dir"]).resolve()
     request["out_dir"] = str(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     req_path, resp_path = out_dir / "request.json", out_dir / "response.json"

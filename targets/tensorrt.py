@@ -118,6 +118,15 @@ class TensorRTTarget(Target):
         return [*prune, *trt_passes.legalization_passes(ops), RemoveUnusedNodesPass(), TopologicalSortPass(),
                 trt_passes.TensorRTSupportCheckPass(ops)]
 
+    def check_options(self, options) -> None:
+        precision = options.precision or "fp16"
+        if precision not in PRECISIONS:
+            raise InputError(f"--precision for {self.name} is one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision == "int8" and not options.prune:
+            raise InputError("--precision int8 quantizes around the pruning; it needs a pruned bundle")
+        if options.soc is not None:
+            raise InputError(f"--soc is a qnn option; target {self.name} has no SoC to choose")
+
     def supports(self, node: ir.Node) -> tuple[bool, str]:
         if trt_passes.is_plugin_node(node):
             return True, ""

@@ -77,3 +77,24 @@ def demo_bundle(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("bundles") / "demo_l2"
     return compile_model("demo", out, CompileOptions(keep=192, layer=2, lam=0.3))
+
+
+@pytest.fixture(scope="session")
+def elsewhere_onnx(tmp_path_factory):
+    """A tiny CLIP tower exported the way edge users export one: Hugging Face's CLIPVisionModel through
+    torch.onnx's TorchScript exporter, static batch 1, outputs last_hidden_state and pooler_output,
+    [CLS] kept, token positions computed with Shape ops at run time."""
+    import warnings
+
+    from transformers import CLIPVisionModel
+
+    torch.manual_seed(4)
+    config = _tiny_vision("clip")
+    config._attn_implementation = "eager"
+    model = CLIPVisionModel(config).eval()
+    path = tmp_path_factory.mktemp("elsewhere") / "clip_ts.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.zeros(1, 3, 112, 112),), str(path), dynamo=False, opset_version=17,
+                          input_names=["pixel_values"], output_names=["last_hidden_state", "pooler_output"])
+    return path

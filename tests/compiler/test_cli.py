@@ -71,9 +71,16 @@ def test_check_refuses_tampered_bundle(demo_bundle, tmp_path):
 
 
 def test_targets_lists_availability():
+    from vlmprune.targets import TARGETS
+
     result = _run("targets")
     assert result.exit_code == 0
-    assert result.output.splitlines()[0].startswith("ort") and "available" in result.output
+    lines = {line.split()[0]: line for line in result.output.splitlines()[: len(TARGETS)]}
+    assert list(lines) == list(TARGETS)
+    for name, cls in TARGETS.items():
+        ok, why = cls().available()
+        status = lines[name].split(None, 1)[1]
+        assert status.startswith("available ") if ok else status.startswith(f"unavailable: {why[:20]}"), lines[name]
 
 
 @pytest.mark.parametrize("args,needle", [

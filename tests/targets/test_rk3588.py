@@ -9,7 +9,6 @@ whose parity runs two real images through the batch-1 artifacts one at a time.
 from __future__ import annotations
 
 import json
-import os
 
 import onnx
 import pytest
@@ -18,17 +17,6 @@ from click.testing import CliRunner
 from vlmprune.compiler.cli import main
 from vlmprune.compiler.errors import VlmpruneError
 from vlmprune.compiler.pipeline import CompileOptions, check_bundle, compile_model
-from vlmprune.targets import rknn_env
-from vlmprune.targets.rk3588 import Rk3588Target
-
-
-@pytest.fixture(scope="module")
-def rknn_ready():
-    ok, reason = rknn_env.creatable()
-    if not ok:
-        pytest.skip(f"rk3588 toolchain unavailable: {reason}")
-    if not rknn_env.available()[0] and os.environ.get("VLMPRUNE_RKNN_CREATE", "1") == "0":
-        pytest.skip("rknn venv not created and VLMPRUNE_RKNN_CREATE=0")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +60,7 @@ def test_manifest_records_every_op_placement(early):
 
 
 def test_parity_per_design(early, dynamic):
-    for result, images in ((early, 1), (dynamic, 2)):
+    for result, images in ((early, 2), (dynamic, 2)):  # a static batch of 1 is fed two images, one at a time
         stages = {s.stage: s for s in result.report.stages}
         assert result.report.passed, result.manifest["parity"]
         assert {"export", "rewritten", "legalized", "rknn-fp16", "rknn-int8"} <= set(stages)
@@ -80,7 +68,10 @@ def test_parity_per_design(early, dynamic):
         assert fp16.precision == "fp16" and int8.precision == "int8"
         assert "(simulated)" in fp16.runtime and "(simulated)" in int8.runtime
         assert len(fp16.indices["per_image"]) == images
-        assert fp16.indices["agreement"] == 1.0
+        # Each image agrees exactly, or differs only inside the K-th boundary's tie band (chelsea after
+        # block 2 with lambda 0.3: one of 192 indices, see targets/rk3588.py).
+        for i, agreement in enumerate(fp16.indices["per_image"]):
+            assert agreement == 1.0 or i in fp16.indices["tie_resolved_images"], fp16.indices
         assert int8.indices["agreement"] >= 0.99
         assert stages["legalized"].outputs["image_features"]["max_abs"] <= 1e-5
 
@@ -106,7 +97,7 @@ def test_check_rebuilds_from_model_onnx(early):
     assert json.loads((early.bundle / "parity.json").read_text())["passed"]
 
 
-def test_other_static_batches_are_refused_in_one_line(rknn_ready, tmp_path):
+def test_other_static_batches_are_refused_in_one_line(tmp_path):
     with pytest.raises(VlmpruneError, match="runs batch 1") as info:
         compile_model("demo", tmp_path / "b2", CompileOptions(target="rk3588", keep=192, batch=2))
     assert "\n" not in str(info.value)
@@ -120,7 +111,6 @@ def test_precision_option():
     assert parse_precisions("hybrid") == ("int8",)
     with pytest.raises(VlmpruneError, match="rk3588 --precision"):
         parse_precisions("int4")
-    assert Rk3588Target().available()[0] in (True, False)
 
 
 def test_run_says_where_an_rknn_runs(early, tmp_path):
@@ -131,3 +121,17 @@ def test_run_says_where_an_rknn_runs(early, tmp_path):
     result = CliRunner().invoke(main, ["run", str(early.bundle), "--image", str(image)])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.output.strip().splitlines()[-1].startswith("error: the RKNN simulator cannot load a .rknn")
+
+
+def test_compile_leaves_no_temporary_directories(rknn_ready, tiny_llava_dir, tmp_path):
+    import tempfile
+    from pathlib import Path
+
+    def ours():
+        return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith("vlmprune-")}
+
+    before = ours()
+    result = compile_model(str(tiny_llava_dir), tmp_path / "b",
+                           CompileOptions(target="rk3588", keep=16, precision="fp16"))
+    assert result.report.passed
+    assert ours() - before == set()

@@ -17,19 +17,6 @@ from vlmprune.targets.probe_graph import (SORTS, build_probe_model, kept_agreeme
                                           token_cosines)
 
 
-@pytest.fixture(scope="session")
-def rknn_ready():
-    ok, reason = rknn_env.available()
-    if not ok:
-        if os.environ.get("VLMPRUNE_RKNN_CREATE", "1") == "0":
-            pytest.skip(f"rknn toolchain unavailable: {reason}")
-        try:
-            rknn_env.rknn_python()
-        except rknn_env.RknnError as exc:
-            pytest.skip(f"rknn venv could not be created: {exc}")
-    return rknn_env.rknn_python()
-
-
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     root = tmp_path_factory.mktemp("rknn_probe")
