@@ -82,12 +82,44 @@ def main():
     """Compile LLaVA-style vision towers into edge artifacts with visual-token pruning in the graph."""
 
 
+def _extra_options(fn):
+    """--OPTION flags for every method option and target option the tables declare, so a new method or
+    target needs no CLI edit. Their values reach the library as method_options / target_options."""
+    from vlmprune.passes.methods import METHODS
+    from vlmprune.targets import TARGETS
+
+    declared: dict[str, tuple[type, list[str]]] = {}
+    for cls in METHODS.values():
+        for name, (kind, text) in cls.options.items():
+            declared.setdefault(name, (kind, []))[1].append(text)
+    for cls in TARGETS.values():
+        for name, text in cls.options.items():
+            declared.setdefault(name, (str, []))[1].append(text)
+    for name, (kind, texts) in sorted(declared.items(), reverse=True):
+        fn = click.option(f"--{name}", f"opt_{name}", type=kind, default=None,
+                          help="; ".join(dict.fromkeys(texts)))(fn)
+    return fn
+
+
+def _split_options(extra: dict) -> tuple[dict, dict]:
+    from vlmprune.passes.methods import METHODS
+    from vlmprune.targets import TARGETS
+
+    given = {k.removeprefix("opt_"): v for k, v in extra.items() if v is not None}
+    target_names = {n for cls in TARGETS.values() for n in cls.options}
+    method_names = {n for cls in METHODS.values() for n in cls.options}
+    method = {k: v for k, v in given.items() if k in method_names and k not in target_names}
+    target = {k: v for k, v in given.items() if k in target_names}
+    return method, target
+
+
 @main.command()
 @click.argument("model")
 @click.option("--target", "-t", default="ort", show_default=True, help="Deployment target (see `vlmprune targets`).")
-@click.option("--keep", "-k", type=int, default=192, show_default=True, help="Patch tokens to keep (K).")
-@click.option("--layer", "-l", type=int, default=None, help="Prune after this block (from 1). Default: the feature layer.")
-@click.option("--lambda", "lam", type=float, default=0.0, show_default=True, help="Weight of the pixel-variance term.")
+@click.option("--method", "-m", default="cls", show_default=True, help="Pruning method (see `vlmprune methods`).")
+@click.option("--keep", "-k", type=int, default=192, show_default=True, help="Tokens to keep (K).")
+@click.option("--layer", "-l", type=int, default=None,
+              help="Prune after this block (from 1), for methods that prune inside the tower. Default: the feature layer.")
 @click.option("--no-prune", is_flag=True, help="Dense baseline in the same bundle format.")
 @click.option("--batch", type=int, default=None, help="Static batch size. Default: dynamic batch.")
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset of the export.")
@@ -98,22 +130,20 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option("--debug", is_flag=True, help="If a fusion does not fire, print why each near-match failed.")
-@click.option("--precision", default=None,
-              help="Target-specific precision; orin/xavier: fp16 (default) or int8 (explicit Q/DQ model); "
-                   "rk3588: fp16, int8 (hybrid) or fp16,int8 (default); qnn: int16 (default) or int8 activations.")
-@click.option("--soc", default=None, help="qnn: the Snapdragon SoC to compile for (default SM8650; see `vlmprune targets`).")
 @click.option("--cls", "cls_token", type=click.Choice(["drop", "keep"]), default=None,
               help="Drop or keep the [CLS] token in image_features. Default: the model's select strategy "
                    "(LLaVA's vision_feature_select_strategy; towers without one drop it, like LLaVA's default).")
+@_extra_options
 @_one_line_errors
-def compile(model, target, keep, layer, lam, no_prune, batch, opset, feature_layer, output, force, as_json, quiet,
-            debug, precision, soc, cls_token):
+def compile(model, target, method, keep, layer, no_prune, batch, opset, feature_layer, output, force, as_json, quiet,
+            debug, cls_token, **extra):
     """Compile MODEL (a preset such as `demo`, a Hugging Face directory, or an .onnx tower) into a bundle."""
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
-    options = CompileOptions(target=target, keep=keep, layer=layer, lam=lam, prune=not no_prune, batch=batch,
-                             opset=opset, feature_layer=feature_layer, force=force, debug=debug,
-                             precision=precision, soc=soc, cls=cls_token)
+    method_options, target_options = _split_options(extra)
+    options = CompileOptions(target=target, method=method, keep=keep, layer=layer, prune=not no_prune, batch=batch,
+                             opset=opset, feature_layer=feature_layer, force=force, debug=debug, cls=cls_token,
+                             method_options=method_options, target_options=target_options)
     with _stdout_for_data(as_json) as emit:
         result = compile_model(model, output, options, _progress(quiet or as_json))
         manifest = result.manifest
@@ -138,11 +168,14 @@ def _print_summary(manifest: dict, result) -> None:
     method = manifest["method"]
     if method["name"] == "none":
         click.echo("tokens: dense (no pruning)")
-    else:
+    elif method["site"] == "block":
         where = (f"at the tower's end (after block {method['layer']}/{method['num_blocks']})"
                  if method["layer"] == method["num_blocks"] else
                  f"after block {method['layer']}/{method['num_blocks']}; " + _later(method))
-        click.echo(f"tokens: {method['num_patches']} patch tokens -> {method['keep']} kept + 1 summary ({where})")
+        click.echo(f"tokens: {method['num_patches']} patch tokens -> {method['summary'].split(' (')[0]} ({where})")
+    else:
+        click.echo(f"tokens: {method['num_patches']} tokens -> {method['summary'].split(' (')[0]} "
+                   "(on the projector output)")
     for name, stage in manifest["parity"]["stages"].items():
         figures = []
         if "cosine_min" in stage:
@@ -153,7 +186,9 @@ def _print_summary(manifest: dict, result) -> None:
             figures.append(f"kept-index agreement {stage['index_agreement']:.4f}")
             if stage.get("tie_resolved_images"):
                 images = ", ".join(map(str, stage["tie_resolved_images"]))
-                figures.append(f"image {images}: every differing index lies in the K-th boundary tie band")
+                why = ("it diverges at a greedy step whose two best candidates tie" if "first_divergent_step" in stage
+                       else "every differing index lies in the K-th boundary tie band")
+                figures.append(f"image {images}: {why}")
         status = "PASS" if stage["passed"] else "FAIL"
         click.echo(f"parity {name:<10} {status}  {', '.join(figures)}" + (f"  {stage['error']}" if "error" in stage else ""))
     _print_placement_summary(manifest)
@@ -185,7 +220,7 @@ def check(bundle_dir, batch, report, as_json, quiet, engine):
         require_engine(bundle_dir)
     with _stdout_for_data(as_json) as emit:
         result = check_bundle(bundle_dir, batch, _progress(quiet or as_json))
-        if engine and "target" not in [s.stage for s in result.stages]:
+        if engine and "engine" not in [s.stage for s in result.stages]:
             raise VlmpruneError("the engine stage did not run (see the progress lines above)")
         data = result.to_json()
         if report:
@@ -255,29 +290,19 @@ def targets():
               help="An image file; repeat it to fill a static batch (one image per batch slot).")
 @_one_line_errors
 def run(bundle_dir, image_files):
-    """Run BUNDLE on IMAGE (ort: model.onnx; qnn: the EPContext model; orin/xavier: the engine) and print the results."""
+    """Run BUNDLE on IMAGE with its target's runtime here (ort, the qnn emulator, an engine on a Jetson)."""
     import numpy as np
 
     from vlmprune.compiler.bundle import load_manifest
-    from vlmprune.compiler.images import UPSCALE_WARNING, load_image_file
-    from vlmprune.compiler.runtime import ort_session, run_session
+    from vlmprune.compiler.frontend.images import UPSCALE_WARNING, load_image_file
+    from vlmprune.targets import get_target
 
     m = load_manifest(bundle_dir, verify=True)
-    target = m["target"]["name"]
-    tensorrt = m["target"].get("runtime") == "tensorrt"
-    if target == "rk3588":
-        raise VlmpruneError("the RKNN simulator cannot load a .rknn file; run model.rknn on the board with "
-                            "rknn-toolkit-lite2 (see the bundle README)")
-    if target not in ("ort", "qnn") and not tensorrt:
-        raise VlmpruneError(f"`vlmprune run` runs ort, qnn and TensorRT bundles; this bundle targets {target}")
-    static = m["target"].get("batch") if target == "qnn" else m["inputs"][0]["shape"][0]
+    static = m["target"].get("batch") or m["inputs"][0]["shape"][0]
     if isinstance(static, int) and static != len(image_files):
         raise VlmpruneError(f"this bundle has a static batch of {static}: pass --image {static} times "
                             f"(got {len(image_files)}), or recompile with --batch {len(image_files)}")
-    if tensorrt:  # the engine, on the device; fails in one line where TensorRT is absent
-        from vlmprune.compiler.engine import EngineRunner
-
-        run_model = EngineRunner(bundle_dir)
+    runner, runtime = get_target(m["target"]["name"]).runner(Path(bundle_dir), m)
     pre = m["preprocess"]
     batch = []
     for image in image_files:
@@ -290,26 +315,41 @@ def run(bundle_dir, image_files):
             click.echo(f"warning: {image} is upscaled x{scale:.3g}: the model sees mostly interpolated pixels, "
                        "and the kept patches say little about the picture", err=True)
         batch.append(pixel)
-    pixel = np.concatenate(batch)
-    if tensorrt:
-        outputs = run_model(pixel)
-    elif target == "qnn":  # the EPContext model on the HTP emulator here, on the HTP on a device
-        from vlmprune.targets import qnn, qnn_tools
-
-        ok, why = qnn_tools.available()
-        if not ok:
-            raise VlmpruneError(f"cannot run a qnn bundle here: {why}")
-        click.echo(f"(simulated: onnxruntime-qnn HTP emulator, {m['target']['soc']})")
-        outputs = qnn_tools.run_qnn(Path(bundle_dir) / qnn.CTX, {m["inputs"][0]["name"]: pixel},
-                                    m["target"]["soc_model"])
-    else:
-        library = m["target"].get("custom_op_library")
-        libs = (Path(bundle_dir) / library,) if library else ()
-        outputs = run_session(ort_session(Path(bundle_dir) / "model.onnx", libs), pixel)
+    click.echo(f"({runtime})")
+    outputs = runner(np.concatenate(batch))
     for name, value in outputs.items():
         click.echo(f"{name}: shape {list(value.shape)} dtype {value.dtype}")
     if "kept_indices" in outputs:
         click.echo("kept (image 0): " + " ".join(map(str, outputs["kept_indices"][0].tolist())))
+
+
+@main.command()
+def methods():
+    """List the pruning methods: what each needs from the model, its options, and how each target runs it."""
+    from vlmprune.passes.methods import METHODS
+    from vlmprune.targets import TARGETS
+
+    for name, cls in METHODS.items():
+        method = cls()
+        params = method.parse(64, {})
+        click.echo(f"{name}: {method.summary}")
+        click.echo(f"  needs:    {method.needs(params).describe()}")
+        for option, (_kind, text) in method.options.items():
+            click.echo(f"  --{option}: {text.split(': ', 1)[-1]}")
+        rows = []
+        for target_name, target_cls in TARGETS.items():
+            target = target_cls()
+            refused = target.refusal(method)
+            if refused:
+                rows.append(f"{target_name} refuses it ({refused})")
+                continue
+            fused = [op for op, spelling in target.spellings.items() if method.fusion_rules({op: spelling})]
+            parts = [] if target.formulation(method) == "standard" else [target.formulation(method)]
+            parts += [f"fused into {', '.join(fused)}"] if fused else []
+            rows.append(f"{target_name} ({', '.join(parts) or 'standard ops'})")
+        click.echo("  targets:  " + ", ".join(rows))
+        if method.official:
+            click.echo(f"  official: {method.official}")
 
 
 @main.command("build-engine")
@@ -325,7 +365,7 @@ def run(bundle_dir, image_files):
 @_one_line_errors
 def build_engine(bundle_dir, precision, calibration_cache, decomposed, workspace, output, print_command):
     """Build BUNDLE's TensorRT engine on this device (orin/xavier bundles) and print the trtexec equivalent."""
-    from vlmprune.compiler import engine
+    from vlmprune.targets import trt_engine as engine
 
     if print_command:
         manifest = engine.load_bundle(bundle_dir)

@@ -1,10 +1,16 @@
-"""compile_model and check_bundle: the library functions behind `vlmprune compile` and `check`."""
+"""compile_model and check_bundle: the library functions behind `vlmprune compile` and `check`.
+
+The data flow, each step asked of the module that owns it: the frontend loads the model
+(one adapter per family), the method parses its options, the target checks its own and
+builds its pass pipeline (insert the method, retarget, legalize, check support) and its
+fusion pipeline, the target emits its artifacts, and parity runs every stage against the
+reference. Nothing here branches on a model family, a method or a target by name.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import platform
 import tempfile
 import time
@@ -15,17 +21,20 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler import __version__, bundle, images, parity
-from vlmprune.compiler.errors import InputError, VlmpruneError
-from vlmprune.compiler.frontend import PruneSpec, Source, export_onnx, load_source
-from vlmprune.compiler.reference import cls_attention, combine_scores, patch_variance, select_topk
-from vlmprune.compiler.runtime import ort_session, run_session
+from vlmprune.compiler import __version__, bundle, parity, reference
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend import Source, export_onnx, load_source
+from vlmprune.compiler.frontend.images import parity_inputs
 from vlmprune.passes.legalize import StaticBatchPass
+from vlmprune.passes.methods import DEFAULT as DEFAULT_METHOD
+from vlmprune.passes.methods import get_method
+from vlmprune.passes.methods.base import BLOCK, SiteSpec
 from vlmprune.passes.outputs import BatchDimNamePass, FeatureOutputPass
+from vlmprune.passes.prune import prune_record
 from vlmprune.passes.structure import find_tower_structure
-from vlmprune.passes.token_prune import InsertTokenPrunePass, PruneConfig
 from vlmprune.targets import get_target
-from vlmprune.targets.base import Target
+from vlmprune.targets.base import PruneConfig, Target
+from vlmprune.targets.runtime import ort_session, run_session
 
 Progress = Callable[[str], None]
 WEIGHTS = "weights.bin"  # shared by every graph in a bundle
@@ -35,9 +44,9 @@ DENSE = ".dense.onnx"  # the unpruned export, kept only while parity runs
 @dataclasses.dataclass
 class CompileOptions:
     target: str = "ort"
+    method: str = DEFAULT_METHOD
     keep: int = 192
-    layer: int | None = None  # None: the feature layer (end of the tower)
-    lam: float = 0.0
+    layer: int | None = None  # BLOCK methods: prune after this block; None: the feature layer (tower's end)
     prune: bool = True
     batch: int | None = None  # None: dynamic batch
     opset: int = 18
@@ -45,8 +54,8 @@ class CompileOptions:
     cls: str | None = None  # "drop" | "keep" the [CLS] token in image_features; None: the model's select strategy
     force: bool = False
     debug: bool = False  # on a failed fusion, report every near-match and why it failed
-    precision: str | None = None  # target-specific, e.g. rk3588 "fp16,int8", qnn "int16"; None: the target's default
-    soc: str | None = None  # qnn: the SoC the EPContext binary is compiled for; None: the target's default
+    method_options: dict = dataclasses.field(default_factory=dict)  # e.g. {"lambda": 0.3}, {"contextual": 30}
+    target_options: dict = dataclasses.field(default_factory=dict)  # e.g. {"precision": "int8"}, {"soc": "SM8550"}
 
 
 @dataclasses.dataclass
@@ -65,6 +74,15 @@ class _Timer:
         self.progress(f"[{time.perf_counter() - self.start:6.1f}s] {message}")
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What validation resolved: the target, the method with its parameters, the target's options."""
+
+    target: Target
+    config: PruneConfig | None
+    target_options: dict
+
+
 def compile_model(model: str, output: Path, options: CompileOptions, progress: Progress = lambda _m: None) -> CompileResult:
     """Load MODEL, export it, insert pruning, emit the target's bundle at output, and check parity.
 
@@ -73,31 +91,36 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
     """
     timer = _Timer(progress)
     output = Path(output)
-    validate_options(options)
-    target = get_target(options.target)
+    plan = validate_options(options)
+    target = plan.target
     ok, why = target.available()
     if not ok:
-        raise VlmpruneError(f"target {target.name} is not available here: {why}")
+        raise InputError(f"target {target.name} is not available here: {why}")
     with bundle.staging(output, options.force) as tmp:
         timer.step(f"load {model}")
         source = _load(model, options)
-        if options.prune and source.pipeline is not None:
-            _validate_against(source, options)
+        if plan.config is not None and source.pipeline is not None:
+            _check_against(source, plan.config)
         if source.kind == "onnx" and options.batch is not None:
             raise InputError("--batch cannot change an .onnx source; re-export it with the batch you need")
-        config = PruneConfig(options.keep, options.layer, options.lam, source.has_cls) if options.prune else None
         dense = _dense_model(source, options, tmp, timer)
         dense_path = tmp / DENSE
-        passes = target.pipeline(config)
-        timer.step("passes: " + ", ".join(type(p).__name__ for p in passes))
-        decomposed, site = _run_pipeline(passes, dense)
+        pipeline = target.pipeline(plan.config, options)
+        timer.step("passes: " + ", ".join(pipeline.names))
+        decomposed = pipeline(dense).model
         ir.save(decomposed, tmp / "model.decomposed.onnx")
-        timer.step(f"emit target {target.name}")
+        record = prune_record(decomposed)
+        fusion = target.fusion(plan.config, options)
+        if fusion is not None:
+            timer.step("fusion: " + ", ".join(fusion.names))
+            fusion(decomposed)
         batch = _parity_batch({"inputs": _io(decomposed.graph.inputs)}, options.batch)
-        pixel, _ = images.parity_inputs(batch.images, source.image_size, source.mean, source.std)
-        target_fields = target.emit(decomposed, tmp, {"site": site, "options": options, "debug": options.debug,
-                                                      "source": source, "parity_inputs": pixel})
-        manifest = _manifest(source, options, target, site, decomposed, target_fields)
+        pixel, _ = parity_inputs(batch.images, source.image_size, source.mean, source.std)
+        timer.step(f"emit target {target.name}")
+        target_fields = target.emit(decomposed, tmp, {
+            "config": plan.config, "options": options, "target_options": plan.target_options, "source": source,
+            "parity_inputs": pixel, "debug": options.debug})
+        manifest = _manifest(source, options, plan, record, decomposed, target_fields)
         timer.step("parity")
         report = _parity(source, dense_path, tmp, manifest, target, batch, progress=timer.step)
         dense_path.unlink()
@@ -114,7 +137,7 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
     timer = _Timer(progress)
     bundle_dir = Path(bundle_dir)
     manifest = bundle.load_manifest(bundle_dir, verify=True)
-    if batch is not None and batch < 1:
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise InputError(f"--batch must be >= 1, got {batch}")
     parity_batch = _parity_batch(manifest, batch)  # refuses a batch the bundle cannot take, before any work
     target = get_target(manifest["target"]["name"])
@@ -130,12 +153,53 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
         return _parity(source, Path(scratch) / DENSE, bundle_dir, manifest, target, parity_batch, progress=timer.step)
 
 
-@dataclasses.dataclass(frozen=True)
-class ParityBatch:
-    """How parity feeds the graphs: `images` parity images, `chunk` at a time (a static batch takes only its own)."""
+# ---------------------------------------------------------------------- validation
 
-    images: int
-    chunk: int
+
+def validate_options(options: CompileOptions) -> _Plan:
+    """The one validation layer: every option, before any work (export, load, even the output claim)."""
+    def integer(name: str, value, minimum: int | None = None) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(f"{name} must be an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise InputError(f"{name} must be >= {minimum}, got {value}")
+
+    if options.layer is not None:
+        integer("--layer", options.layer)
+        if options.layer < 1:
+            raise InputError(f"--layer counts blocks from 1, got {options.layer}")
+    if options.batch is not None:
+        integer("--batch", options.batch, 1)
+    integer("--opset", options.opset)
+    if not 17 <= options.opset <= 23:
+        raise InputError(f"--opset must be between 17 and 23, got {options.opset}")
+    if options.feature_layer is not None:
+        integer("--feature-layer", options.feature_layer)
+    if options.cls not in (None, "drop", "keep"):
+        raise InputError(f"--cls is drop or keep, got {options.cls!r}")
+    target = get_target(options.target)
+    config = None
+    if options.prune:
+        method = get_method(options.method)
+        params = method.parse(options.keep, options.method_options or {})
+        if options.layer is not None and method.needs(params).site != BLOCK:
+            raise InputError(f"method {method.name} prunes the projector output (the tower's end); "
+                             "--layer does not apply to it")
+        config = PruneConfig(method, params, options.layer)
+    elif options.method_options:
+        raise InputError("--no-prune takes no method options")
+    return _Plan(target, config, target.check_options(options))
+
+
+def _check_against(source: Source, config: PruneConfig) -> None:
+    """Catch what the insertion would reject before spending time on the export."""
+    method, params = config.method, config.params
+    blocks = source.num_blocks
+    if config.layer is not None and not 1 <= config.layer <= blocks:
+        raise InputError(f"--layer {config.layer} is out of range: this tower runs {blocks} blocks (1..{blocks})")
+    block_site = method.needs(params).site == BLOCK
+    has_cls = source.has_cls if block_site else source.has_cls and not source.pipeline.drop_cls
+    method.check(params, SiteSpec(source.num_patches, bool(has_cls), config.layer or blocks, blocks))
 
 
 def _parity_batch(manifest: dict, batch: int | None) -> ParityBatch:
@@ -150,87 +214,16 @@ def _parity_batch(manifest: dict, batch: int | None) -> ParityBatch:
     return ParityBatch(chunk, chunk)
 
 
-def validate_options(options: CompileOptions) -> None:
-    """The one validation layer: every option, before any work (export, load, even the output claim)."""
-    def integer(name: str, value, minimum: int | None = None) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InputError(f"{name} must be an integer, got {value!r}")
-        if minimum is not None and value < minimum:
-            raise InputError(f"{name} must be >= {minimum}, got {value}")
+@dataclasses.dataclass(frozen=True)
+class ParityBatch:
+    """How parity feeds the graphs: `images` parity images, `chunk` at a time (a static batch takes only its own)."""
 
-    if options.prune:
-        integer("--keep", options.keep, 1)
-    if options.layer is not None:
-        integer("--layer", options.layer)
-        if options.layer < 1:
-            raise InputError(f"--layer counts blocks from 1, got {options.layer}")
-    if options.batch is not None:
-        integer("--batch", options.batch, 1)
-    integer("--opset", options.opset)
-    if not 17 <= options.opset <= 23:
-        raise InputError(f"--opset must be between 17 and 23, got {options.opset}")
-    if options.feature_layer is not None:
-        integer("--feature-layer", options.feature_layer)
-    finite("--lambda", options.lam, minimum=0.0)
-    if options.cls not in (None, "drop", "keep"):
-        raise InputError(f"--cls is drop or keep, got {options.cls!r}")
-    get_target(options.target).check_options(options)
+    images: int
+    chunk: int
 
 
-def finite(name: str, value, minimum: float | None = None, maximum: float | None = None) -> float:
-    """A float option: a finite number inside [minimum, maximum], else one line naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InputError(f"{name} must be a finite number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise InputError(f"{name} must be >= {minimum:g}, got {value:g}")
-    if maximum is not None and value > maximum:
-        raise InputError(f"{name} must be <= {maximum:g}, got {value:g}")
-    return float(value)
 
-
-def _validate_against(source: Source, options: CompileOptions) -> None:
-    """Catch what the pass would reject before spending time on the export."""
-    blocks = source.num_blocks
-    if options.layer is not None and not 1 <= options.layer <= blocks:
-        raise InputError(f"--layer {options.layer} is out of range: this tower runs {blocks} blocks (1..{blocks})")
-    if not source.has_cls:
-        raise InputError("the tower has no [CLS] token, and the [CLS]-attention method needs one")
-    n = (source.image_size // source.patch_size) ** 2
-    if not 1 <= options.keep < n:
-        raise InputError(f"--keep must satisfy 1 <= keep < {n} (the tower has {n} patch tokens), got {options.keep}")
-
-
-def _dense_model(source: Source, options: CompileOptions, folder: Path, timer: _Timer) -> ir.Model:
-    """Export (or load) the dense tower; its weights go to folder/WEIGHTS once, the graph to folder/DENSE.
-
-    Every graph written later into the same folder (decomposed, target) refers to
-    that one weights file instead of copying gigabytes per graph. An .onnx source is
-    given the bundle's output contract first (passes.outputs).
-    """
-    if source.kind == "onnx":
-        timer.step(f"load {source.onnx_path.name} (ONNX, opset {_opset_of(source.onnx_path)})")
-        try:
-            model = ir.load(source.onnx_path)
-        except Exception as exc:  # external data that ONNX cannot read, after the frontend's checks
-            raise InputError(f"{source.onnx_path}: cannot be loaded ({str(exc).splitlines()[0]})") from None
-        static = [v.shape[0] for v in model.graph.inputs if v.shape is not None and
-                  all(isinstance(d, int) for d in v.shape)]
-        if static and len(static) == len(model.graph.inputs):
-            # A static-shape export (the usual edge form) computes its token count with Shape ops
-            # at run time; fold them for that shape first, so every block has a static token count.
-            StaticBatchPass(static[0], "the .onnx tower")(model)
-        structure = find_tower_structure(model.graph)
-        FeatureOutputPass(drop_cls=_drop_cls(source, options), num_patches=structure.num_patches)(model)
-        BatchDimNamePass()(model)
-    else:
-        timer.step(f"export (torch.onnx dynamo, opset {options.opset}, batch {options.batch or 'dynamic'})")
-        try:
-            model = export_onnx(source.pipeline, source.image_size, options.batch, options.opset)
-        except Exception as exc:  # the exporter's failure is the user's to act on, in one line
-            raise VlmpruneError(f"torch.onnx export failed: {str(exc).splitlines()[0]}") from exc
-    ir.external_data.unload_from_model(model, folder, WEIGHTS, size_threshold_bytes=1024)
-    ir.save(model, folder / DENSE)
-    return model
+# --------------------------------------------------------------------- the model
 
 
 def _load(spec: str, options: CompileOptions) -> Source:
@@ -239,6 +232,35 @@ def _load(spec: str, options: CompileOptions) -> Source:
         source.pipeline.drop_cls = options.cls == "drop"
         source.details["select_strategy"] = f"{source.details.get('select_strategy')} (--cls {options.cls})"
     return source
+
+
+def _dense_model(source: Source, options: CompileOptions, folder: Path, timer: _Timer) -> ir.Model:
+    """Export (or load) the dense tower; its weights go to folder/WEIGHTS once, the graph to folder/DENSE.
+
+    Every graph written later into the same folder (decomposed, target) refers to that
+    one weights file instead of copying gigabytes per graph. An .onnx source is given
+    the bundle's output contract first (passes.outputs); one exported with static shapes
+    has its run-time shape computations folded for that shape.
+    """
+    if source.kind == "onnx":
+        timer.step(f"load {source.onnx_path.name} (ONNX, opset {_opset_of(source.onnx_path)})")
+        try:
+            model = ir.load(source.onnx_path)
+        except Exception as exc:  # external data that ONNX cannot read, after the frontend's checks
+            raise InputError(f"{source.onnx_path}: cannot be loaded ({str(exc).splitlines()[0]})") from None
+        static = [v.shape[0] for v in model.graph.inputs
+                  if v.shape is not None and all(isinstance(d, int) for d in v.shape)]
+        if static and len(static) == len(model.graph.inputs):
+            StaticBatchPass(static[0], "the .onnx tower")(model)
+        structure = find_tower_structure(model.graph)
+        FeatureOutputPass(drop_cls=_drop_cls(source, options), num_patches=structure.num_patches)(model)
+        BatchDimNamePass()(model)
+    else:
+        timer.step(f"export (torch.onnx dynamo, opset {options.opset}, batch {options.batch or 'dynamic'})")
+        model = export_onnx(source.pipeline, source.image_size, options.batch, options.opset)
+    ir.external_data.unload_from_model(model, folder, WEIGHTS, size_threshold_bytes=1024)
+    ir.save(model, folder / DENSE)
+    return model
 
 
 def _opset_of(path: Path) -> int:
@@ -255,16 +277,7 @@ def _drop_cls(source: Source, options: CompileOptions) -> bool:
     return source.pipeline.drop_cls if source.pipeline is not None else True
 
 
-def _run_pipeline(passes: list[ir.passes.PassBase], model: ir.Model):
-    """Run the target's passes in order; return the model and what the insertion pass resolved."""
-    site = None
-    for p in passes:
-        result = p(model)
-        model = result.model
-        if isinstance(p, InsertTokenPrunePass):
-            site = p.site
-    BatchDimNamePass()(model)
-    return model, site
+# ---------------------------------------------------------------------- manifest
 
 
 def _io(values) -> list[dict]:
@@ -275,23 +288,31 @@ def _io(values) -> list[dict]:
     return out
 
 
-def _manifest(source: Source, options: CompileOptions, target: Target, site, model: ir.Model, target_fields: dict) -> dict:
-    if site is None:
+def _manifest(source: Source, options: CompileOptions, plan: _Plan, record: dict | None, model: ir.Model,
+              target_fields: dict) -> dict:
+    target = plan.target
+    if record is None:
         method = {"name": "none", "summary": "dense (no pruning)"}
     else:
-        method = {"name": "cls-attention", "keep": options.keep, "layer": site.layer, "lambda": options.lam,
-                  "num_blocks": site.num_blocks, "tokens_in": site.tokens_in, "tokens_out": site.tokens_out,
-                  "num_patches": site.num_patches, "has_cls": site.has_cls,
-                  "summary": f"[CLS]-attention pruning after block {site.layer}/{site.num_blocks}: "
-                             f"{site.num_patches} -> {options.keep} patch tokens + 1 summary (lambda {options.lam})"}
+        where = (f"after block {record['layer']}/{record['num_blocks']}" if record["site"] == BLOCK
+                 else "on the projector output")
+        method = {"name": record["method"], "params": record["params"], "keep": record["params"]["keep"],
+                  "site": record["site"], "layer": record["layer"], "num_blocks": record["num_blocks"],
+                  "formulation": record["formulation"], "tokens_in": record["tokens_in"],
+                  "tokens_out": record["tokens_out"], "num_patches": record["num_patches"],
+                  "has_cls": record["has_cls"], "kept_count": record["kept_count"],
+                  "summary": f"{record['summary']} ({where}, {record['num_patches']} patch tokens)"}
     return {
         "vlmprune_version": __version__,
-        "target": {"name": target.name, "summary": target.summary, "toolchain": target.toolchain(), **target_fields},
+        "target": {"name": target.name, "summary": target.summary, "toolchain": target.toolchain(),
+                   "options": plan.target_options, **target_fields},
         "host": {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()},
-        "model": {"source": source.spec, "kind": source.kind, "sha256": source.content_hash,
-                  "image_size": source.image_size, "patch_size": source.patch_size,
+        "model": {"source": source.spec, "kind": source.kind, "family": source.family, "sha256": source.content_hash,
+                  "image_size": source.image_size, "patch_size": source.patch_size, "positions": source.positions,
                   "feature_layer_override": options.feature_layer, **source.details},
         "method": method,
+        "cls": {"in_features": _features_keep_cls(model, record), "option": options.cls,
+                "default": "the model's select strategy (drop for towers without one)"},
         "compile_options": dataclasses.asdict(options),
         "inputs": _io(model.graph.inputs),
         "outputs": _io(model.graph.outputs),
@@ -299,91 +320,16 @@ def _manifest(source: Source, options: CompileOptions, target: Target, site, mod
     }
 
 
-def _torch_reference(source: Source, method: dict, pixel: np.ndarray):
-    x = torch.from_numpy(pixel)
-    with torch.no_grad():
-        dense = {parity.FEATURES: source.pipeline(x).numpy()}
-        if method["name"] == "none":
-            return dense, None, None
-        pruned_pipe = source.pipeline.with_prune(PruneSpec(method["keep"], method["layer"], method["lambda"]))
-        feats, kept = pruned_pipe(x)
-        pruned = {parity.FEATURES: feats.numpy(), parity.KEPT: kept.numpy()}
-        return dense, pruned, pruned_pipe.last_scores.numpy()
+def _features_keep_cls(model: ir.Model, record: dict | None) -> bool | None:
+    """Whether image_features starts with the [CLS] token."""
+    features = next((v for v in model.graph.outputs if v.name == reference.FEATURES), None)
+    if record is None or features is None or features.shape is None:
+        return None
+    tokens = features.shape[1]
+    return isinstance(tokens, int) and record["has_cls"] and tokens == record["tokens_out"]
 
 
-def _onnx_reference(dense_path: Path, method: dict, pixel: np.ndarray, chunk: int):
-    """For an .onnx source: the reference selection from block L's own Q and K, and values at the tower's end.
-
-    The original graph is run with block L's Q and K exposed; the reference
-    pruner's score and selection are computed from them in torch (fp64). When the
-    pruning is after the last block and only per-token ops lie between that block and
-    `image_features`, the reference features are the original output's kept rows (and
-    [CLS] if kept); the summary row is its pruned rows' mean where nothing but slicing
-    lies in between, and undefined (not compared) otherwise: a LayerNorm of a mean is
-    not the mean of LayerNorms.
-    """
-    model = ir.load(dense_path)
-    structure = find_tower_structure(model.graph)
-    block = structure.blocks[method["layer"] - 1]
-    features = model.graph.outputs[0]
-    path = token_path(block.output, features) if method["layer"] == len(structure.blocks) else None
-    model.graph.outputs.extend([block.q, block.k])
-    probe = dense_path.with_name(".probe.onnx")  # beside the weights it refers to
-    ir.save(model, probe)
-    try:
-        outputs = in_chunks(lambda x: run_session(ort_session(probe), x), chunk)(pixel)
-    finally:
-        probe.unlink()
-    q = torch.from_numpy(outputs[block.q.name]).double()
-    k = torch.from_numpy(outputs[block.k.name]).double()
-    attn = cls_attention(q, k.transpose(-1, -2) if block.k_transposed else k, block.scale)
-    variance = patch_variance(torch.from_numpy(pixel).double(), structure.patch_size) if method["lambda"] else None
-    scores = combine_scores(attn, variance, method["lambda"])
-    kept = select_topk(scores, method["keep"]).numpy()
-    reference = {parity.KEPT: kept}
-    if path is not None:
-        dense = outputs[features.name]
-        has_cls = dense.shape[1] == structure.num_patches + 1
-        reference[parity.FEATURES] = _kept_rows(dense, kept, has_cls, summary=path == "slice")
-    return reference, scores.numpy()
-
-
-def _kept_rows(dense: np.ndarray, kept: np.ndarray, has_cls: bool, summary: bool) -> np.ndarray:
-    """[CLS?] + the kept rows + the pruned rows' mean (NaN where the reference does not define it)."""
-    patches = dense[:, 1:] if has_cls else dense
-    rows = np.take_along_axis(patches, kept[..., None], axis=1)
-    mask = np.ones(patches.shape[:2], dtype=bool)
-    np.put_along_axis(mask, kept, False, axis=1)
-    if summary:
-        mean = (patches * mask[..., None]).sum(1, keepdims=True) / mask.sum(1)[:, None, None]
-    else:
-        mean = np.full((dense.shape[0], 1, dense.shape[2]), np.nan, dtype=dense.dtype)
-    return np.concatenate(([dense[:, :1]] if has_cls else []) + [rows, mean.astype(dense.dtype)], axis=1)
-
-
-# Ops that act on each token alone, with at most one runtime input: gathering rows commutes with them.
-_PER_TOKEN = {"LayerNormalization", "Add", "Sub", "Mul", "Div", "MatMul", "Gemm", "Gelu", "Erf", "Tanh", "Sigmoid",
-              "Relu", "Cast", "Identity", "Slice"}
-
-
-def token_path(start: ir.Value, end: ir.Value) -> str | None:
-    """How `end` follows from `start`: "slice" (Slice/Identity only), "per-token", or None (anything else)."""
-    kind, value = "slice", end
-    while value is not start:
-        node = value.producer()
-        if node is None or node.op_type not in _PER_TOKEN:
-            return None
-        runtime = [v for v in node.inputs if v is not None and ir.convenience.get_const_tensor(v) is None]
-        if len(runtime) != 1:
-            return None
-        if node.op_type == "Slice":
-            axes = ir.convenience.get_const_tensor(node.inputs[3]) if len(node.inputs) > 3 else None
-            if axes is None or axes.numpy().reshape(-1).tolist() not in ([1], [-2]):
-                return None
-        elif node.op_type != "Identity":
-            kind = "per-token"
-        value = runtime[0]
-    return kind
+# ------------------------------------------------------------------------ parity
 
 
 def in_chunks(run, chunk: int):
@@ -396,32 +342,38 @@ def in_chunks(run, chunk: int):
     return chunked
 
 
+def _record_of(manifest: dict) -> dict | None:
+    method = manifest["method"]
+    if method["name"] == "none":
+        return None
+    return {"method": method["name"], "params": method["params"], "site": method["site"], "layer": method["layer"],
+            "has_cls": method["has_cls"], "num_patches": method["num_patches"]}
+
+
 def _parity(source: Source, dense_path: Path, bundle_dir: Path, manifest: dict, target: Target, batch: ParityBatch,
             progress: Progress) -> parity.ParityReport:
-    pixel, described = images.parity_inputs(batch.images, source.image_size, source.mean, source.std)
+    pixel, described = parity_inputs(batch.images, source.image_size, source.mean, source.std)
     described["chunk"] = batch.chunk
-    method = manifest["method"]
+    record = _record_of(manifest)
     stages: list[parity.StageResult] = []
 
     def ort_file(path: Path):
         return in_chunks(lambda x: run_session(ort_session(path), x), batch.chunk)
 
     if source.pipeline is not None:
-        dense_ref, pruned_ref, scores = _torch_reference(source, method, pixel)
+        dense_ref, pruned_ref = reference.torch_reference(source, record, pixel)
         stages.append(parity.run_stage("export", "onnxruntime CPU (dense export)", "fp32", ort_file(dense_path),
                                        pixel, dense_ref))
         progress(_line(stages[-1]))
-        reference = dense_ref if pruned_ref is None else pruned_ref
-    elif method["name"] == "none":  # an .onnx source, dense: the original graph is the reference
-        reference, scores = ort_file(dense_path)(pixel), None
-    else:
-        reference, scores = _onnx_reference(dense_path, method, pixel, batch.chunk)
+        expected = dense_ref if pruned_ref is None else pruned_ref
+    else:  # an .onnx source: the original graph is the reference
+        expected = reference.onnx_reference(dense_path, record, pixel, lambda run: in_chunks(run, batch.chunk))
     stages.append(parity.run_stage("rewritten", "onnxruntime CPU (model.decomposed.onnx)", "fp32",
-                                   ort_file(bundle_dir / "model.decomposed.onnx"), pixel, reference, scores))
+                                   ort_file(bundle_dir / "model.decomposed.onnx"), pixel, expected))
     progress(_line(stages[-1]))
     for spec in target.stages(bundle_dir, manifest):
         stages.append(parity.run_stage(spec.stage, spec.runtime, spec.precision, in_chunks(spec.run, batch.chunk),
-                                       pixel, reference, scores))
+                                       pixel, expected))
         progress(_line(stages[-1]))
     return parity.ParityReport(described, stages)
 

@@ -1,102 +1,173 @@
-"""The reference pruner: shared/DESIGN.md's pruning semantics in plain torch.
+"""The parity references: what every stage of a bundle is compared against.
 
-Every other implementation (the inserted ONNX subgraph, the fused custom op, the
-CUDA kernels, target artifacts) is checked against these functions. They are
-batched, never synchronise with the host and never loop over the batch.
+- A source with a torch model (presets, Hugging Face directories): PyTorch eager in fp32,
+  the family adapter's dense pipeline with the method's plain-torch reference at its site
+  (MethodPruner). Its dense output is the model's own image-feature path.
+- An .onnx source has no torch model. The original graph is run with what the method
+  needs exposed (block L's output, Q and K; or the token output), and the method's
+  reference runs on those tensors, in fp64. Where only per-token ops lie between the
+  pruning site and `image_features` (the site is the tower's end), that gives value
+  references too: the whole output where nothing but slicing lies in between, and the
+  rows the method copies (kept tokens) where a per-token op such as a LayerNorm does;
+  merged rows are then left undefined (NaN, not compared).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
 import torch
 
-# Floor for the per-image maxima that normalise the two score terms: a constant
-# image has zero pixel variance everywhere.
-SCORE_EPS = 1e-6
+from vlmprune.compiler.frontend import Source
+from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
+from vlmprune.passes.methods import get_method
+from vlmprune.passes.methods.base import Method
+from vlmprune.passes.structure import find_tower_structure
+from vlmprune.targets.runtime import ort_session, run_session
+
+FEATURES = "image_features"
+KEPT = "kept_indices"
 
 
-def cls_attention(q: torch.Tensor, k: torch.Tensor, scale: float, has_cls: bool = True) -> torch.Tensor:
-    """Mean over heads of the [CLS] row of softmax(q kᵀ · scale).
+@dataclasses.dataclass
+class MethodPruner:
+    """A method bound to its parameters, as the frontend's pipeline calls it at its site."""
 
-    q, k: [B, H, T, dh] after the block's projections. Returns [B, N] for the
-    patch keys (the [CLS] key is part of the softmax but not returned).
-    """
-    logits = torch.einsum("bhd,bhtd->bht", q[:, :, 0], k) * scale
-    attn = logits.softmax(dim=-1).mean(dim=1)
-    return attn[:, 1:] if has_cls else attn
+    method: Method
+    params: dict
+    site: str
+    layer: int | None
 
-
-def patch_variance(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
-    """Variance over the pixels and channels of each patch: [B, C, H, W] -> [B, N] (raster order)."""
-    b, c, h, w = pixel_values.shape
-    x = pixel_values.reshape(b, c, h // patch, patch, w // patch, patch)
-    x = x.permute(0, 2, 4, 1, 3, 5).reshape(b, (h // patch) * (w // patch), c * patch * patch)
-    return x.var(dim=-1, unbiased=False)
+    def __call__(self, tensors: SiteTensors):
+        result = self.method.reference(self.params, tensors)
+        return result.tokens, result.kept, result.trace
 
 
-def combine_scores(attn: torch.Tensor, variance: torch.Tensor | None = None, lam: float = 0.0) -> torch.Tensor:
-    """S = A / max(A) + λ · V / max(V), maxima per image and floored at SCORE_EPS."""
-    scores = attn / attn.amax(dim=-1, keepdim=True).clamp_min(SCORE_EPS)
-    if lam:
-        if variance is None:
-            raise ValueError("lambda > 0 needs the pixel variance")
-        scores = scores + lam * (variance / variance.amax(dim=-1, keepdim=True).clamp_min(SCORE_EPS))
-    return scores
+@dataclasses.dataclass
+class Reference:
+    """Reference outputs by name, the method's trace (scores or greedy steps), and which method made them."""
+
+    outputs: dict[str, np.ndarray]
+    trace: dict | None = None
+    method: Method | None = None
+    params: dict | None = None
 
 
-def select_topk(scores: torch.Tensor, keep: int) -> torch.Tensor:
-    """TopK with ties broken towards the lower index, returned in ascending (raster) order."""
-    n = scores.shape[-1]
-    if not 1 <= keep < n:
-        raise ValueError(f"keep must satisfy 1 <= keep < {n}, got {keep}")
-    # A stable descending sort keeps equal scores in index order: the tie rule.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
-    return order.sort(dim=-1).values
+def pruner_for(record: dict) -> MethodPruner:
+    method = get_method(record["method"])
+    return MethodPruner(method, record["params"], record["site"], record["layer"])
 
 
-def gather_summary(hidden: torch.Tensor, kept: torch.Tensor, has_cls: bool = True) -> torch.Tensor:
-    """[CLS] (if any) + kept tokens + the unweighted mean of the pruned ones: [B, T, D] -> [B, (1)+K+1, D]."""
-    patches = hidden[:, 1:] if has_cls else hidden
-    b, n, d = patches.shape
-    k = kept.shape[-1]
-    kept_tokens = torch.gather(patches, 1, kept.unsqueeze(-1).expand(b, k, d))
-    pruned = torch.ones(b, n, dtype=patches.dtype, device=patches.device).scatter(1, kept, 0.0)
-    summary = (pruned / (n - k)).unsqueeze(1) @ patches
-    parts = [hidden[:, :1]] if has_cls else []
-    return torch.cat(parts + [kept_tokens, summary], dim=1)
+def torch_reference(source: Source, record: dict | None, pixel: np.ndarray) -> tuple[Reference, Reference | None]:
+    """(dense reference, pruned reference or None for a dense bundle) from the torch model."""
+    x = torch.from_numpy(pixel)
+    with torch.inference_mode():
+        dense = Reference({FEATURES: source.pipeline(x).numpy()})
+        if record is None:
+            return dense, None
+        pruner = pruner_for(record)
+        pipeline = source.pipeline.with_pruner(pruner)
+        feats, kept = pipeline(x)
+        return dense, Reference({FEATURES: feats.numpy(), KEPT: kept.numpy()}, _numpy(pipeline.last_trace),
+                                pruner.method, record["params"])
 
 
-def prune_tokens(
-    hidden: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    scale: float,
-    keep: int,
-    *,
-    has_cls: bool = True,
-    lam: float = 0.0,
-    pixel_values: torch.Tensor | None = None,
-    patch: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole method: returns (pruned hidden states, kept indices, scores)."""
-    if not has_cls:
-        raise ValueError("the [CLS]-attention method needs a [CLS] token")
-    attn = cls_attention(q, k, scale, has_cls=has_cls)
-    variance = patch_variance(pixel_values, patch) if lam else None
-    scores = combine_scores(attn, variance, lam)
-    kept = select_topk(scores, keep)
-    return gather_summary(hidden, kept, has_cls), kept, scores
+def onnx_reference(dense_path: Path, record: dict | None, pixel: np.ndarray, run_chunked) -> Reference:
+    """The reference of an .onnx source, from its own (dense, output-normalised) graph; see the module docstring."""
+    model = ir.load(dense_path)
+    features = model.graph.outputs[0]
+    if record is None:
+        return Reference(run_chunked(lambda x: run_session(ort_session(dense_path), x))(pixel))
+    pruner = pruner_for(record)
+    structure = find_tower_structure(model.graph)
+    exposed = [features]
+    block = None
+    if record["site"] == BLOCK:
+        block = structure.blocks[record["layer"] - 1]
+        exposed += [block.output, block.q, block.k]
+    model.graph.outputs.extend(v for v in exposed if not v.is_graph_output())
+    probe = dense_path.with_name(".probe.onnx")  # beside the weights it refers to
+    ir.save(model, probe)
+    try:
+        out = run_chunked(lambda x: run_session(ort_session(probe), x))(pixel)
+    finally:
+        probe.unlink()
+    dense = out[features.name]
+    double = lambda name: torch.from_numpy(out[name]).double()  # noqa: E731
+    if block is None:
+        tensors = SiteTensors(double(features.name), record["has_cls"])
+    else:
+        k = double(block.k.name)
+        tensors = SiteTensors(double(block.output.name), record["has_cls"], double(block.q.name),
+                              k.transpose(-1, -2) if block.k_transposed else k, block.scale,
+                              torch.from_numpy(pixel).double(), structure.patch_size)
+    with torch.inference_mode():
+        result = pruner.method.reference(record["params"], tensors)
+    outputs = {KEPT: result.kept.numpy()}
+    if block is None:
+        outputs[FEATURES] = result.tokens.numpy().astype(dense.dtype)
+    elif record["layer"] == len(structure.blocks):
+        values = _end_of_tower(model, block, features, dense, result, pruner, record)
+        if values is not None:
+            outputs[FEATURES] = values
+    return Reference(outputs, _numpy(result.trace), pruner.method, record["params"])
 
 
-def boundary_ties(scores: torch.Tensor, keep: int, rel_tol: float) -> torch.Tensor:
-    """Per image, how many scores lie within rel_tol · max|S| of the K-th/(K+1)-th boundary.
+def _end_of_tower(model, block, features, dense, result, pruner: MethodPruner, record) -> np.ndarray | None:
+    """Value reference for a BLOCK site after the last block (see the module docstring)."""
+    path = token_path(block.output, features)
+    if path is None:
+        return None
+    kept_cls = dense.shape[1] == record["num_patches"] + 1
+    if path == "slice":  # image_features is the block output, [CLS] perhaps sliced off
+        tokens = result.tokens.numpy().astype(dense.dtype)
+        return tokens if kept_cls or not record["has_cls"] else tokens[:, 1:]
+    copies = pruner.method.copied_rows(record["params"])
+    patches = dense[:, 1:] if kept_cls else dense
+    rows = np.take_along_axis(patches, result.kept.numpy()[:, :copies, None], axis=1)
+    merged = pruner.method.output_tokens(record["params"]) - copies
+    undefined = np.full((dense.shape[0], merged, dense.shape[2]), np.nan, dtype=dense.dtype)
+    return np.concatenate(([dense[:, :1]] if kept_cls else []) + [rows, undefined], axis=1)
 
-    Zero means the selection is unambiguous at that precision; a positive count
-    means a lower precision may legitimately keep a different set.
-    """
-    top = torch.sort(scores, dim=-1, descending=True, stable=True).values
-    cut = 0.5 * (top[:, keep - 1] + top[:, keep])
-    band = rel_tol * scores.abs().amax(dim=-1).clamp_min(SCORE_EPS)
-    gap = (top[:, keep - 1] - top[:, keep]).abs()
-    near = (scores - cut.unsqueeze(-1)).abs() <= band.unsqueeze(-1)
-    # Only a boundary whose gap is inside the band is a tie at all.
-    return torch.where(gap <= 2 * band, near.sum(dim=-1), torch.zeros_like(gap, dtype=torch.long))
+
+# Ops that act on each token alone, with one runtime input: gathering rows commutes with them.
+_PER_TOKEN = {"LayerNormalization", "Add", "Sub", "Mul", "Div", "MatMul", "Gemm", "Gelu", "Erf", "Tanh", "Sigmoid",
+              "Relu", "Cast", "Identity", "Slice"}
+
+
+def token_path(start: ir.Value, end: ir.Value) -> str | None:
+    """How `end` follows from `start`: "slice" (Slice/Identity only), "per-token", or None (anything else)."""
+    kind, value = "slice", end
+    while value is not start:
+        node = value.producer()
+        if node is None or node.op_type not in _PER_TOKEN:
+            return None
+        runtime = [v for v in node.inputs if v is not None and ir.convenience.get_const_tensor(v) is None]
+        if len(runtime) != 1:
+            return None
+        if node.op_type == "Slice":
+            axes = ir.convenience.get_const_tensor(node.inputs[3]) if len(node.inputs) > 3 else None
+            if axes is None or axes.numpy().reshape(-1).tolist() not in ([1], [-2]):
+                return None
+        elif node.op_type != "Identity":
+            kind = "per-token"
+        value = runtime[0]
+    return kind
+
+
+def _numpy(trace: dict | None) -> dict | None:
+    """The trace with tensors as numpy arrays (parity works in numpy)."""
+    if trace is None:
+        return None
+    out = {}
+    for key, value in trace.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value.double().numpy()
+        elif key == "steps":
+            out[key] = [(pick.numpy(), gap.double().numpy()) for pick, gap in value]
+        else:
+            out[key] = value
+    return out

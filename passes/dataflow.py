@@ -36,6 +36,7 @@ def consumers_downstream(*values: ir.Value) -> dict[ir.Node, None]:
 
 def fresh_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     """Register array as a new initializer; the name gets a suffix if it is taken."""
+    array = np.asarray(array)
     base, i = name, 0
     while name in graph.initializers:
         i += 1
@@ -45,3 +46,26 @@ def fresh_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value
     value.shape = ir.Shape(array.shape)
     graph.register_initializer(value)
     return value
+
+
+def opset(model: ir.Model) -> int:
+    """The model's default-domain opset."""
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The constant a value holds (initializer or Constant), else None."""
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if tensor is None else tensor.numpy()
+
+
+def const_ints(value: ir.Value | None) -> list[int] | None:
+    """A constant integer tensor as a flat list, else None."""
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    if tensor is None or tensor.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+        return None
+    return [int(v) for v in tensor.numpy().reshape(-1)]
+
+
+def is_default_domain(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")

@@ -91,13 +91,9 @@ class FoldCastLikePass(ir.passes.InPlacePass):
     block, measured on the demo tower); opset 15's CastLike is also absent from its op table.
     """
 
-    def __init__(self):
-        super().__init__()
-        self.folded = 0
-
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.folded = 0
+        folded = 0
         for node in list(graph):
             if node.op_type != "CastLike" or node.domain not in ("", "ai.onnx"):
                 continue
@@ -114,8 +110,8 @@ class FoldCastLikePass(ir.passes.InPlacePass):
                 replacement = cast.outputs[0]
             _replace_all_uses(graph, out, replacement)
             graph.remove(node, safe=True)
-            self.folded += 1
-        return ir.passes.PassResult(model, modified=self.folded > 0)
+            folded += 1
+        return ir.passes.PassResult(model, modified=folded > 0)
 
 
 def _replace_all_uses(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
@@ -142,13 +138,9 @@ class GatherNDToGatherPass(ir.passes.InPlacePass):
     Expand(idx, [1, 1, D]), axis=1), which broadcasts the index over D for any batch.
     """
 
-    def __init__(self):
-        super().__init__()
-        self.rewritten = 0
-
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.rewritten = 0
+        rewritten = 0
         for node in list(graph):
             if node.op_type != "GatherND" or node.domain not in ("", "ai.onnx"):
                 continue
@@ -176,10 +168,10 @@ class GatherNDToGatherPass(ir.passes.InPlacePass):
             graph.insert_before(node, inserted)
             _replace_all_uses(graph, out, new.outputs[0])
             graph.remove(node, safe=True)
-            self.rewritten += 1
-        if self.rewritten:
+            rewritten += 1
+        if rewritten:
             ShapeInferencePass()(model)
-        return ir.passes.PassResult(model, modified=self.rewritten > 0)
+        return ir.passes.PassResult(model, modified=rewritten > 0)
 
 
 class OneHotSelectionPass(ir.passes.InPlacePass):
@@ -194,13 +186,9 @@ class OneHotSelectionPass(ir.passes.InPlacePass):
     OneHot is not in rknn-toolkit2's op table. Numerically exact (0/1 weights).
     """
 
-    def __init__(self):
-        super().__init__()
-        self.rewritten = 0
-
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.rewritten = 0
+        rewritten = 0
         for node in list(graph):
             if node.op_type != "GatherND" or node.attributes.get_int("batch_dims", 0) != 1:
                 continue
@@ -223,12 +211,12 @@ class OneHotSelectionPass(ir.passes.InPlacePass):
                 if mask.op_type == "ScatterElements" and use.idx == 1 and _is_fill(mask.inputs[0], 1.0) \
                         and _is_fill(mask.inputs[2], 0.0) and mask.attributes.get_int("axis", 0) in (1, -1):
                     self._replace_mask(graph, mask, onehot.outputs[0], dtype)
-            self.rewritten += 1
-        if self.rewritten:
+            rewritten += 1
+        if rewritten:
             RemoveUnusedNodesPass()(model)
             TopologicalSortPass()(model)
             ShapeInferencePass()(model)
-        return ir.passes.PassResult(model, modified=self.rewritten > 0)
+        return ir.passes.PassResult(model, modified=rewritten > 0)
 
     @staticmethod
     def _replace_mask(graph: ir.Graph, mask: ir.Node, onehot: ir.Value, dtype: ir.DataType) -> None:

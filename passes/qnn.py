@@ -23,6 +23,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import NameFixPass, RemoveUnusedNodesPass, TopologicalSortPass
 
 from vlmprune.compiler.errors import StructureError
+from vlmprune.passes.dataflow import fresh_initializer, is_default_domain
 from vlmprune.passes.legalize import FoldCastLikePass, GatherNDToGatherPass, OneHotSelectionPass, StaticBatchPass
 
 TARGET = "qnn (QNN HTP)"
@@ -36,12 +37,8 @@ class PositiveGatherIndicesPass(ir.passes.InPlacePass):
     non-negative by construction).
     """
 
-    def __init__(self):
-        super().__init__()
-        self.rewritten = 0
-
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.rewritten = 0
+        rewritten = 0
         for node in model.graph:
             if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
                 continue
@@ -60,34 +57,27 @@ class PositiveGatherIndicesPass(ir.passes.InPlacePass):
             if idx.is_initializer() and len(idx.uses()) == 1:
                 idx.const_value = ir.tensor(fixed, name=idx.name)
             else:  # shared with other consumers: this Gather gets its own copy
-                name = f"{idx.name or node.name}_positive"
-                if name not in model.graph.initializers:
-                    value = ir.Value(name=name, const_value=ir.tensor(fixed))
-                    value.type, value.shape = ir.TensorType(ir.DataType.from_numpy(fixed.dtype)), ir.Shape(fixed.shape)
-                    model.graph.register_initializer(value)
-                node.replace_input_with(1, model.graph.initializers[name])
-            self.rewritten += 1
-        return ir.passes.PassResult(model, modified=self.rewritten > 0)
+                node.replace_input_with(1, fresh_initializer(model.graph, f"{idx.name or node.name}_positive", fixed))
+            rewritten += 1
+        return ir.passes.PassResult(model, modified=rewritten > 0)
 
 
-class HtpSupportCheckPass(ir.passes.InPlacePass):
-    """Refuse, in one line, what HTP cannot compile: dynamic shapes, custom-domain nodes,
-    GatherND with batch_dims (QNN error 3110). Changes nothing.
-    """
+def htp_support(node: ir.Node) -> tuple[bool, str]:
+    """What HTP cannot compile: custom-domain nodes, GatherND with batch_dims (QNN error 3110)."""
+    if not is_default_domain(node):
+        return False, f"{TARGET} runs standard ONNX ops only"
+    if node.op_type == "GatherND" and node.attributes.get_int("batch_dims", 0):
+        return False, "GatherND with batch_dims has no HTP kernel (GatherNDToGatherPass rewrites it)"
+    if node.op_type == "Loop":
+        return False, "HTP compiles no control flow (a Loop): use a formulation without it"
+    return True, ""
 
-    def requires(self, model: ir.Model) -> None:
-        for value in [*model.graph.inputs, *model.graph.outputs]:
-            if value.shape is None or not all(isinstance(d, int) for d in value.shape):
-                raise StructureError(f"{TARGET} needs static shapes: {value.name!r} is "
-                                     f"{None if value.shape is None else list(value.shape)}")
-        for node in model.graph:
-            if node.domain not in ("", "ai.onnx"):
-                raise StructureError(f"{TARGET} runs standard ONNX ops only; the graph holds {node.domain}.{node.op_type}")
-            if node.op_type == "GatherND" and node.attributes.get_int("batch_dims", 0):
-                raise StructureError(f"{TARGET}: GatherND {node.name!r} with batch_dims does not run on HTP")
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        return ir.passes.PassResult(model, modified=False)
+def htp_model_support(model: ir.Model) -> list[str]:
+    """A QNN context binary is compiled for one shape: every input and output static."""
+    return [f"it needs static shapes: {v.name!r} is {None if v.shape is None else list(v.shape)}"
+            for v in [*model.graph.inputs, *model.graph.outputs]
+            if v.shape is None or not all(isinstance(d, int) for d in v.shape)]
 
 
 def htp_legalization(batch: int = 1, selection: str = "gather") -> list[ir.passes.PassBase]:
@@ -96,4 +86,4 @@ def htp_legalization(batch: int = 1, selection: str = "gather") -> list[ir.passe
         raise ValueError(f"selection must be 'gather' or 'onehot', not {selection!r}")
     select = GatherNDToGatherPass() if selection == "gather" else OneHotSelectionPass()
     return [StaticBatchPass(batch, TARGET), FoldCastLikePass(), select, PositiveGatherIndicesPass(),
-            RemoveUnusedNodesPass(), TopologicalSortPass(), NameFixPass(), HtpSupportCheckPass()]
+            RemoveUnusedNodesPass(), TopologicalSortPass(), NameFixPass()]

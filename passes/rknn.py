@@ -5,7 +5,7 @@ the demo tower; parity figures in targets/rk3588.py):
 
 - ONNX opset <= 19: the toolkit's ONNX frontend reads opsets 12 to 19. Down-converting
   is not offered: opset 20+ exports hold Gelu (20) and Attention (23), which have no
-  previous version; RknnSupportCheckPass refuses them in one line.
+  previous version; the target's support check (rknn_model_support) refuses them in one line.
 - static shapes, batch 1: .rknn models are compiled for one shape; the op table limits
   Softmax, Slice and Tile to batch 1 (passes.legalize.StaticBatchPass).
 - CastLike: not in the op table; 2.5.0 keeps each one as a CPU layer
@@ -31,40 +31,34 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmprune.compiler.errors import StructureError
+from vlmprune.passes.dataflow import is_default_domain, opset
 from vlmprune.passes.legalize import FoldCastLikePass, GatherNDToGatherPass, OneHotSelectionPass, StaticBatchPass
 
 RKNN_MAX_OPSET = 19
 TARGET = "rk3588 (rknn-toolkit2 2.5.0)"
 
 
-def _opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+def rknn_support(node: ir.Node) -> tuple[bool, str]:
+    """rknn-toolkit2 converts standard ONNX ops only (what its NPU lacks runs on its CPU)."""
+    if is_default_domain(node):
+        return True, ""
+    return False, f"{TARGET} runs standard ONNX ops only"
 
 
-class RknnSupportCheckPass(ir.passes.InPlacePass):
-    """Refuse, in one line, a graph rknn-toolkit2 2.5.0 cannot load: opset > 19, dynamic
-    shapes, a batch other than 1, or a custom-domain node. Changes nothing.
-    """
-
-    def requires(self, model: ir.Model) -> None:
-        opset = _opset(model)
-        if opset > RKNN_MAX_OPSET:
-            raise StructureError(f"{TARGET} reads ONNX opset <= {RKNN_MAX_OPSET}, and this graph is opset {opset}: "
-                                 f"compile with --opset {RKNN_MAX_OPSET} or lower (the default, 18, works)")
-        for value in [*model.graph.inputs, *model.graph.outputs]:
-            shape = value.shape
-            if shape is None or not all(isinstance(d, int) for d in shape):
-                raise StructureError(f"{TARGET} needs static shapes: {value.name!r} is "
-                                     f"{None if shape is None else list(shape)}")
-            if len(shape) and shape[0] != 1:
-                raise StructureError(f"{TARGET} runs batch 1, but {value.name!r} has batch {shape[0]}")
-        custom = sorted({f"{n.domain}.{n.op_type}" for n in model.graph if n.domain not in ("", "ai.onnx")})
-        if custom:
-            raise StructureError(f"{TARGET} runs standard ONNX ops only; the graph holds {', '.join(custom)}")
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        return ir.passes.PassResult(model, modified=False)
+def rknn_model_support(model: ir.Model) -> list[str]:
+    """What rknn-toolkit2 2.5.0 needs of the whole graph: opset <= 19, static shapes, batch 1."""
+    reasons = []
+    version = opset(model)
+    if version > RKNN_MAX_OPSET:
+        reasons.append(f"it reads ONNX opset <= {RKNN_MAX_OPSET}, and this graph is opset {version}: compile with "
+                       f"--opset {RKNN_MAX_OPSET} or lower (the default, 18, works)")
+    for value in [*model.graph.inputs, *model.graph.outputs]:
+        shape = value.shape
+        if shape is None or not all(isinstance(d, int) for d in shape):
+            reasons.append(f"it needs static shapes: {value.name!r} is {None if shape is None else list(shape)}")
+        elif len(shape) and shape[0] != 1:
+            reasons.append(f"it runs batch 1, but {value.name!r} has batch {shape[0]}")
+    return reasons
 
 
 def rknn_legalization(selection: str = "onehot") -> list[ir.passes.PassBase]:
@@ -72,5 +66,4 @@ def rknn_legalization(selection: str = "onehot") -> list[ir.passes.PassBase]:
     if selection not in ("gather", "onehot"):
         raise ValueError(f"selection must be 'gather' or 'onehot', not {selection!r}")
     select = [GatherNDToGatherPass()] if selection == "gather" else [OneHotSelectionPass()]
-    return [StaticBatchPass(1, TARGET), FoldCastLikePass(), *select, RemoveUnusedNodesPass(),
-            TopologicalSortPass(), RknnSupportCheckPass()]
+    return [StaticBatchPass(1, TARGET), FoldCastLikePass(), *select, RemoveUnusedNodesPass(), TopologicalSortPass()]

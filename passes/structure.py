@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import onnx_ir as ir
 
 from vlmprune.compiler.errors import StructureError
@@ -233,13 +232,6 @@ def static_dim(value: ir.Value, axis: int) -> int | None:
         return None
     dim = shape[axis]
     return dim if isinstance(dim, int) else None
-
-
-def const_ints(value: ir.Value | None) -> np.ndarray | None:
-    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
-    if tensor is None or tensor.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
-        return None
-    return tensor.numpy()
 
 
 def scale_operand(node: ir.Node) -> ir.Value:

@@ -4,7 +4,7 @@ Why: a Jetson runs one TensorRT release (JetPack 6.1+: 10.3; JetPack 5.1: 8.5.2)
 and its ONNX parser (onnx-tensorrt) accepts a fixed set of ops, types and opsets.
 What it refuses only shows on the device, at `trtexec` time; so the supported-op
 table of each release is data here, the passes rewrite what the table lacks into
-what it has, and TensorRTSupportCheckPass refuses, in one line, a graph that still
+what it has, and the target's support check (node_support) refuses, in one line, a graph that still
 holds anything else.
 
 Sources of the tables (onnx/onnx-tensorrt, docs/operators.md, "Operator Support
@@ -36,7 +36,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.dataflow import fresh_initializer, producers_upstream
+from vlmprune.passes.dataflow import const_ints, fresh_initializer, is_default_domain, opset
 from vlmprune.passes.legalize import FoldCastLikePass
 
 # --------------------------------------------------------------------- the tables
@@ -173,15 +173,6 @@ def tensorrt_ops(version: str) -> TensorRTOps:
 # ----------------------------------------------------------------------- helpers
 
 
-def _opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-
-
-def _const_ints(value: ir.Value | None) -> list[int] | None:
-    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
-    return None if tensor is None else [int(v) for v in tensor.numpy().reshape(-1)]
-
-
 def _node(op_type: str, inputs, name: str, num_outputs: int = 1, types=(), **attrs) -> ir.Node:
     """A node with named outputs; types: (dtype, shape) per output, so later checks see every type."""
     node = ir.node(op_type, inputs, attributes=attrs or None, num_outputs=num_outputs, name=name)
@@ -205,10 +196,6 @@ def _replace(node: ir.Node, new_nodes: list[ir.Node], outputs: list[ir.Value]) -
     graph.remove(node, safe=True)
 
 
-def _is_default_domain(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx")
-
-
 # ------------------------------------------------------------------- legalization
 
 
@@ -225,13 +212,12 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
     def __init__(self, target: int):
         super().__init__()
         self.target = target
-        self.converted: Counter[str] = Counter()
 
     def requires(self, model: ir.Model) -> None:
-        source = _opset(model)
+        source = opset(model)
         problems = Counter()
         for node in model.graph.all_nodes():
-            if _is_default_domain(node) and source > self.target:
+            if is_default_domain(node) and source > self.target:
                 why = self._obstacle(node, source)
                 if why:
                     problems[why] += 1
@@ -249,7 +235,7 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
             return None
         if node.op_type in _REDUCE_OPS and new.since_version == 18:
             axes = node.inputs[1] if len(node.inputs) > 1 else None
-            if axes is not None and _const_ints(axes) is None:
+            if axes is not None and const_ints(axes) is None:
                 return f"{node.op_type} with runtime axes"
             if axes is None and node.attributes.get_int("noop_with_empty_axes", 0):
                 return f"{node.op_type} with noop_with_empty_axes"
@@ -261,11 +247,11 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
         return f"{node.op_type}-{new.since_version} has no opset-{self.target} form here"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        source = _opset(model)
+        source = opset(model)
         if source <= self.target:
             return ir.passes.PassResult(model, modified=False)
         for node in list(model.graph.all_nodes()):
-            if not _is_default_domain(node):
+            if not is_default_domain(node):
                 continue
             new = onnx.defs.get_schema(node.op_type, source)
             old = onnx.defs.get_schema(node.op_type, self.target)
@@ -275,14 +261,13 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
                 self._reduce(node)
             elif node.op_type == "Split":
                 self._split(node)
-            self.converted[node.op_type] += 1
         model.opset_imports[""] = self.target
         model.opset_imports.pop("ai.onnx", None)
         return ir.passes.PassResult(model, modified=True)
 
     @staticmethod
     def _reduce(node: ir.Node) -> None:
-        axes = _const_ints(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+        axes = const_ints(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
         attrs = {"keepdims": node.attributes.get_int("keepdims", 1)}
         if axes:
             attrs["axes"] = axes
@@ -328,22 +313,18 @@ class DecomposeLayerNormalizationPass(ir.passes.InPlacePass):
     graph computes anyway, and fp16 placement is the engine builder's choice.
     """
 
-    def __init__(self):
-        super().__init__()
-        self.decomposed = 0
-
     def requires(self, model: ir.Model) -> None:
         for node in model.graph.all_nodes():
-            if node.op_type == "LayerNormalization" and _is_default_domain(node):
+            if node.op_type == "LayerNormalization" and is_default_domain(node):
                 if node.inputs[0].shape is None:
                     raise StructureError(f"LayerNormalization {node.name!r}: input rank unknown, cannot decompose")
                 if any(out.uses() or out.is_graph_output() for out in node.outputs[1:]):
                     raise StructureError(f"LayerNormalization {node.name!r}: Mean/InvStdDev outputs are used")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        opset = _opset(model)
+        version, decomposed = opset(model), 0
         for node in list(model.graph.all_nodes()):
-            if node.op_type != "LayerNormalization" or not _is_default_domain(node):
+            if node.op_type != "LayerNormalization" or not is_default_domain(node):
                 continue
             x, scale = node.inputs[0], node.inputs[1]
             bias = node.inputs[2] if len(node.inputs) > 2 else None
@@ -363,7 +344,7 @@ class DecomposeLayerNormalizationPass(ir.passes.InPlacePass):
                 return n.outputs[0]
 
             def mean(v, suffix):
-                if opset >= 18:
+                if version >= 18:
                     return add("ReduceMean", [v, fresh_initializer(graph, f"{name}/axes", np.asarray(axes, np.int64))],
                                suffix, keepdims=1)
                 return add("ReduceMean", [v], suffix, axes=axes, keepdims=1)
@@ -376,8 +357,8 @@ class DecomposeLayerNormalizationPass(ir.passes.InPlacePass):
             if bias is not None:
                 y = add("Add", [y, bias], "shifted")
             _replace(node, nodes, [y])
-            self.decomposed += 1
-        return ir.passes.PassResult(model, modified=bool(self.decomposed))
+            decomposed += 1
+        return ir.passes.PassResult(model, modified=bool(decomposed))
 
 
 class SqueezeAxesPass(ir.passes.InPlacePass):
@@ -389,9 +370,9 @@ class SqueezeAxesPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         count = 0
-        opset = _opset(model)
+        version = opset(model)
         for node in list(model.graph.all_nodes()):
-            if node.op_type != "Squeeze" or not _is_default_domain(node):
+            if node.op_type != "Squeeze" or not is_default_domain(node):
                 continue
             if (len(node.inputs) > 1 and node.inputs[1] is not None) or node.attributes.get("axes") is not None:
                 continue
@@ -399,7 +380,7 @@ class SqueezeAxesPass(ir.passes.InPlacePass):
             if shape is None or not all(isinstance(d, int) for d in shape):
                 continue  # left for the support check to report
             axes = [i for i, d in enumerate(shape) if d == 1]
-            if opset >= 13:
+            if version >= 13:
                 node.resize_inputs(2)
                 node.replace_input_with(1, fresh_initializer(node.graph, f"{node.name}_axes", np.asarray(axes, np.int64)))
             else:
@@ -422,12 +403,11 @@ class SortIndicesAsFloatPass(ir.passes.InPlacePass):
     def __init__(self, ops: TensorRTOps):
         super().__init__()
         self.ops = ops
-        self.rewritten = 0
 
     def _targets(self, model: ir.Model) -> list[ir.Node]:
         integers = (ir.DataType.INT64, ir.DataType.INT32)
         return [n for n in model.graph.all_nodes()
-                if n.op_type == "TopK" and _is_default_domain(n) and n.inputs[0].dtype in integers
+                if n.op_type == "TopK" and is_default_domain(n) and n.inputs[0].dtype in integers
                 and not self.ops.supports_type("TopK", n.inputs[0].dtype)]
 
     def requires(self, model: ir.Model) -> None:
@@ -437,6 +417,7 @@ class SortIndicesAsFloatPass(ir.passes.InPlacePass):
                                      f"float32 exactly; TensorRT {self.ops.version} sorts only FP32/FP16")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        rewritten = 0
         for node in self._targets(model):
             name, dtype = node.name or "TopK", node.inputs[0].dtype
             values, indices = node.outputs
@@ -447,21 +428,35 @@ class SortIndicesAsFloatPass(ir.passes.InPlacePass):
                          **{k: v.value for k, v in node.attributes.items()})
             back = _node("Cast", [topk.outputs[0]], f"{name}/to_int", to=dtype, types=[(dtype, values.shape)])
             _replace(node, [as_float, topk, back], [back.outputs[0], topk.outputs[1]])
-            self.rewritten += 1
-        return ir.passes.PassResult(model, modified=bool(self.rewritten))
+            rewritten += 1
+        return ir.passes.PassResult(model, modified=bool(rewritten))
 
 
 def _index_bound(value: ir.Value) -> int | None:
-    """An exclusive upper bound of value's entries when it is TopK's indices output over a static axis < 2^24."""
+    """An exclusive upper bound of value's entries, where the graph proves one below 2^24, else None.
+
+    Indices come out of TopK (over a static axis) or ArgMax, and reach the sort through
+    Concat, Gather, Slice and shape-only ops; the bound is the largest of what feeds them.
+    """
     producer = value.producer()
-    if producer is None or producer.op_type != "TopK" or value is not producer.outputs[1]:
+    if producer is None:
         return None
-    shape = producer.inputs[0].shape
-    axis = producer.attributes.get_int("axis", -1)
-    if shape is None or not -len(shape) <= axis < len(shape):
-        return None
-    n = shape[axis]
-    return n if isinstance(n, int) and n < SortIndicesAsFloatPass.EXACT else None
+    op = producer.op_type
+    if op in ("TopK", "ArgMax", "ArgMin"):
+        if op == "TopK" and value is not producer.outputs[1]:
+            return None
+        shape = producer.inputs[0].shape
+        axis = producer.attributes.get_int("axis", -1 if op == "TopK" else 0)
+        if shape is None or not -len(shape) <= axis < len(shape):
+            return None
+        n = shape[axis]
+        return n if isinstance(n, int) and n < SortIndicesAsFloatPass.EXACT else None
+    if op == "Concat":
+        bounds = [_index_bound(v) for v in producer.inputs]
+        return None if any(b is None for b in bounds) else max(bounds)
+    if op in ("Gather", "GatherElements", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Transpose", "Identity"):
+        return _index_bound(producer.inputs[0])
+    return None
 
 
 def legalization_passes(ops: TensorRTOps, model_opset: int | None = None) -> list[ir.passes.PassBase]:
@@ -483,13 +478,6 @@ def legalization_passes(ops: TensorRTOps, model_opset: int | None = None) -> lis
 # -------------------------------------------------------------------------- check
 
 
-@dataclasses.dataclass(frozen=True)
-class Unsupported:
-    op_type: str
-    reason: str
-    count: int
-
-
 def _typed_value(node: ir.Node) -> ir.Value | None:
     """The value whose element type the table's Supported Types column is about."""
     if node.op_type == "ConstantOfShape":
@@ -507,70 +495,42 @@ def is_plugin_node(node: ir.Node) -> bool:
             and attrs.get_string("plugin_namespace", "") == PLUGIN_CONTRACT["namespace"])
 
 
-def unsupported_nodes(model: ir.Model, ops: TensorRTOps) -> list[Unsupported]:
-    """Every reason ops's parser would refuse a node of model, grouped by op and reason."""
-    found: Counter[tuple[str, str]] = Counter()
-    opset = _opset(model)
-    if not ops.opsets[0] <= opset <= ops.opsets[1]:
-        found[("<model>", f"opset {opset} (TensorRT {ops.version} parses {ops.opsets[0]}..{ops.opsets[1]})")] += 1
-    for node in model.graph.all_nodes():
-        if not _is_default_domain(node):
-            if not is_plugin_node(node):
-                found[(f"{node.domain}.{node.op_type}", "custom op without a TensorRT plugin")] += 1
-            continue
-        op = node.op_type
-        if op not in ops.types:
-            found[(op, "not in the table")] += 1
-            continue
-        typed = _typed_value(node)
-        if typed is not None and not ops.supports_type(op, typed.dtype):
-            found[(op, f"{typed.dtype.name} input (supports {', '.join(sorted(ops.types[op]))})")] += 1
-        for idx in ops.constant_inputs.get(op, ()):
-            if idx < len(node.inputs) and node.inputs[idx] is not None and _const_ints(node.inputs[idx]) is None:
-                found[(op, f"input {idx} must be an initializer")] += 1
-        if op == "TopK":
-            k = _const_ints(node.inputs[1])
-            if k is not None and k[0] > ops.max_topk:
-                found[(op, f"K={k[0]} > {ops.max_topk}")] += 1
-            if node.attributes.get_int("sorted", 1) != 1:
-                found[(op, "sorted=0")] += 1
-        if op == "Squeeze" and len(node.inputs) < 2 and node.attributes.get("axes") is None:
-            shape = node.inputs[0].shape
-            if shape is None or not all(isinstance(d, int) for d in shape):
-                found[(op, "no axes on a dynamic shape")] += 1
-    return [Unsupported(op, why, n) for (op, why), n in found.items()]
+def node_support(node: ir.Node, ops: TensorRTOps) -> tuple[bool, str]:
+    """Whether ops's parser takes node, and why not: the table's op, type and constant-input columns."""
+    if not is_default_domain(node):
+        return (True, "") if is_plugin_node(node) else (False, "custom op without a TensorRT plugin")
+    op = node.op_type
+    if op not in ops.types:
+        return False, f"not in TensorRT {ops.version}'s ONNX parser table"
+    typed = _typed_value(node)
+    if typed is not None and not ops.supports_type(op, typed.dtype):
+        return False, f"{typed.dtype.name} input (supports {', '.join(sorted(ops.types[op]))})"
+    for idx in ops.constant_inputs.get(op, ()):
+        if idx < len(node.inputs) and node.inputs[idx] is not None and const_ints(node.inputs[idx]) is None:
+            return False, f"input {idx} must be an initializer"
+    if op == "TopK":
+        k = const_ints(node.inputs[1])
+        if k is not None and k[0] > ops.max_topk:
+            return False, f"K={k[0]} > {ops.max_topk}"
+        if node.attributes.get_int("sorted", 1) != 1:
+            return False, "sorted=0"
+    if op == "Squeeze" and len(node.inputs) < 2 and node.attributes.get("axes") is None:
+        shape = node.inputs[0].shape
+        if shape is None or not all(isinstance(d, int) for d in shape):
+            return False, "no axes on a dynamic shape"
+    return True, ""
 
 
-def describe_unsupported(problems: list[Unsupported], ops: TensorRTOps) -> str:
-    items = "; ".join(f"{p.op_type}: {p.reason} ({p.count} node{'s' * (p.count > 1)})" for p in problems)
-    return f"TensorRT {ops.version}'s ONNX parser would refuse this graph: {items}"
+def model_support(model: ir.Model, ops: TensorRTOps) -> list[str]:
+    """Model-level reasons ops's parser would refuse model (the opset)."""
+    version = opset(model)
+    if not ops.opsets[0] <= version <= ops.opsets[1]:
+        return [f"opset {version} (TensorRT {ops.version} parses {ops.opsets[0]}..{ops.opsets[1]})"]
+    return []
 
 
-class TensorRTSupportCheckPass(ir.passes.InPlacePass):
-    """Refuse, with every reason in one line, a graph that ops's parser would not take. Changes nothing."""
+def unsupported(model: ir.Model, ops: TensorRTOps) -> list[str]:
+    """Every reason ops's parser would refuse model, one string each (empty: it parses)."""
+    from vlmprune.passes.support import unsupported as reasons
 
-    def __init__(self, ops: TensorRTOps):
-        super().__init__()
-        self.ops = ops
-
-    def requires(self, model: ir.Model) -> None:
-        problems = unsupported_nodes(model, self.ops)
-        if problems:
-            raise StructureError(describe_unsupported(problems, self.ops))
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        return ir.passes.PassResult(model, modified=False)
-
-
-# ---------------------------------------------------------------- score path
-
-
-def score_path_nodes(model: ir.Model, node: ir.Node) -> list[ir.Node]:
-    """Nodes that only feed node's scores input (input 1) and not its hidden states (input 0).
-
-    This is the [CLS]-row scorer: kept in fp32 by the engine builder, so that fp16
-    does not move the K-th boundary (the selection is discrete, the rest is not).
-    """
-    hidden_side = producers_upstream(node.inputs[0])
-    scorer = producers_upstream(node.inputs[1])
-    return [n for n in model.graph if n in scorer and n not in hidden_side]  # in graph order
+    return reasons(model, lambda node: node_support(node, ops), lambda m: model_support(m, ops))

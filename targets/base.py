@@ -1,9 +1,13 @@
 """The target adapter contract.
 
-A target says which passes legalize a graph for it (an explicit list, in order),
-which nodes it can run, how it writes its artifacts into a bundle, and how a
-bundle's artifact is run for parity. Vendor SDKs are imported inside methods only,
-so one missing SDK never breaks the CLI or the other targets.
+A target says which passes legalize a graph for it (one explicit pipeline, the same
+shape for every target: insert, retarget, the target's own legalization, the support
+check), how the method's fusion rules are spelled for its runtime, which nodes it can
+run (supports: the one support check, asked of every node by passes.support), how it
+writes its artifacts into a bundle, and how a bundle is run (runner) and checked
+(stages). model.decomposed.onnx is, for every target, the graph its pipeline produced:
+target-legal, standard ops only. Vendor SDKs are imported inside methods only, so one
+missing SDK never breaks the CLI or the other targets.
 """
 
 from __future__ import annotations
@@ -12,11 +16,43 @@ import abc
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.passes.fusion import FusionPass
+from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
+from vlmprune.passes.outputs import BatchDimNamePass
+from vlmprune.passes.prune import InsertPruningPass
+from vlmprune.passes.retarget import RetargetTokenCountPass
+from vlmprune.passes.support import SupportCheckPass, TargetPipeline
 
 Runner = Callable[[np.ndarray], dict[str, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneConfig:
+    """What to insert: a method with its parameters, after block `layer` (BLOCK sites; None: the feature layer)."""
+
+    method: Method
+    params: dict
+    layer: int | None = None
+
+
+def reads_projector_output(options) -> bool:
+    """Whether the method compiled by options selects on the projector output (a FEATURES site).
+
+    Quantizing a graph around such a selection would have to leave everything before it in
+    floating point to keep the kept set: the int8 modes refuse these methods.
+    """
+    from vlmprune.passes.methods import get_method
+    from vlmprune.passes.methods.base import FEATURES
+
+    method = get_method(options.method)
+    return options.prune and method.needs(method.parse(options.keep, options.method_options or {})).site == FEATURES
 
 
 @dataclasses.dataclass
@@ -32,6 +68,11 @@ class StageSpec:
 class Target(abc.ABC):
     name: str
     summary: str
+    # The fused ops this target runs, by vlmprune name ("TokenPrune", ...), spelled for its runtime.
+    spellings: ClassVar[dict[str, FusedOp]] = {}
+    # Per method, the graph form of its selection on this target (chosen by measurement; see each target).
+    formulations: ClassVar[dict[str, str]] = {}
+    options: ClassVar[dict[str, str]] = {}  # target options (--precision, --soc) -> help
 
     @abc.abstractmethod
     def available(self) -> tuple[bool, str]:
@@ -41,35 +82,88 @@ class Target(abc.ABC):
     def toolchain(self) -> dict[str, str]:
         """Versions recorded in the manifest (the device toolchain and the host tools used)."""
 
-    @abc.abstractmethod
-    def pipeline(self, config) -> list[ir.passes.PassBase]:
-        """The passes from the dense export to this target's decomposed graph, in order."""
+    def check_options(self, options) -> dict:
+        """Parse and check the target options before any work; one line for a bad or foreign one.
 
-    def check_options(self, options) -> None:
-        """Refuse, in one line and before any work, options this target does not take or values it cannot use.
-
-        The default takes neither --precision nor --soc; targets that do override this.
+        Returns the parsed options (stored in the manifest). The default takes none.
         """
-        from vlmprune.compiler.errors import InputError
+        if options.prune:
+            from vlmprune.passes.methods import get_method
 
-        if getattr(options, "precision", None) is not None:
-            raise InputError(f"target {self.name} has no --precision (it runs fp32)")
-        if getattr(options, "soc", None) is not None:
-            raise InputError(f"--soc is a qnn option; target {self.name} has no SoC to choose")
+            refused = self.refusal(get_method(options.method))
+            if refused:
+                raise InputError(f"target {self.name} cannot run method {options.method}: {refused}")
+        given = {k: v for k, v in (options.target_options or {}).items() if v is not None}
+        foreign = sorted(set(given) - set(self.options))
+        if foreign:
+            flag = f"--{foreign[0]}"
+            takes = f" (it takes {', '.join('--' + o for o in self.options)})" if self.options else ""
+            raise InputError(f"target {self.name} has no {flag}{takes}")
+        return given
+
+    # ------------------------------------------------------------------ passes
+
+    # Methods this target cannot run, with the reason (measured, and named in one line).
+    refusals: ClassVar[dict[str, str]] = {}
+
+    def formulation(self, method: Method) -> str:
+        return self.formulations.get(method.name, method.formulations[0])
+
+    def refusal(self, method: Method) -> str | None:
+        """Why this target cannot run method, or None."""
+        return self.refusals.get(method.name)
+
+    def legalization(self, config: PruneConfig | None, options) -> list[ir.passes.PassBase]:
+        """This target's own passes, after insertion (the default has none)."""
+        return []
+
+    def pipeline(self, config: PruneConfig | None, options) -> TargetPipeline:
+        """Dense export -> this target's decomposed graph (model.decomposed.onnx), in order."""
+        passes: list[ir.passes.PassBase] = []
+        if config is not None:
+            passes.append(InsertPruningPass(config.method, config.params, config.layer,
+                                            self.formulation(config.method)))
+            if config.method.needs(config.params).site == BLOCK:
+                passes.append(RetargetTokenCountPass())
+        passes += [*self.legalization(config, options), RemoveUnusedNodesPass(), TopologicalSortPass(),
+                   BatchDimNamePass(), SupportCheckPass(self.name, self.supports, self.check_model)]
+        return TargetPipeline(self.name, *passes)
+
+    def fusion(self, config: PruneConfig | None, options) -> TargetPipeline | None:
+        """Decomposed graph -> model.onnx with the method's fused ops, or None where no rule applies here."""
+        rules = config.method.fusion_rules(self.spellings) if config is not None else []
+        if not rules:
+            return None
+        domains = {s.domain: s.version for s in self.spellings.values()}
+        return TargetPipeline(self.name, FusionPass(rules, domains, debug=getattr(options, "debug", False)),
+                              RemoveUnusedNodesPass(), TopologicalSortPass(),
+                              SupportCheckPass(self.name, self.supports, self.check_model))
 
     def supports(self, node: ir.Node) -> tuple[bool, str]:
-        """Whether the target runtime can run node; standard ONNX by default."""
+        """Whether this target's runtime runs node: standard ONNX, and the custom ops it spells."""
         if node.domain in ("", "ai.onnx"):
             return True, ""
-        return False, f"custom domain {node.domain!r}"
+        if any(s.domain == node.domain and s.op_type == node.op_type for s in self.spellings.values()):
+            return True, ""
+        return False, f"custom op of domain {node.domain!r} that {self.name} does not run"
+
+    def check_model(self, model: ir.Model) -> list[str]:
+        """Model-level reasons this target cannot run the graph (opset, shapes); none by default."""
+        return []
+
+    # ------------------------------------------------------------------ artifacts
 
     @abc.abstractmethod
-    def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
-        """Write model.onnx and the target's extras into out_dir; return manifest fields."""
+    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+        """Write model.onnx (model: the fused graph, or the decomposed one) and the extras; return manifest fields."""
 
     @abc.abstractmethod
     def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
         """Parity stages over the bundle's own files (after the shared export/rewritten stages)."""
+
+    @abc.abstractmethod
+    def runner(self, bundle_dir: Path, manifest: dict) -> tuple[Runner, str]:
+        """How `vlmprune run` runs the bundle here: (runner, a line saying on what); one line if it cannot."""
 
     @abc.abstractmethod
     def readme(self, manifest: dict) -> str:

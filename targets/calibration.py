@@ -1,7 +1,7 @@
 """Calibration images for the quantized targets (rk3588 hybrid int8, qnn QDQ).
 
 Real photographs from scikit-image, preprocessed like the model's image processor, and
-disjoint from the parity images (compiler.images.REAL_IMAGES): a quantizer calibrated on
+disjoint from the parity images (compiler.frontend.images.REAL_IMAGES): a quantizer calibrated on
 the images it is then checked on would flatter its own parity figures. Without
 scikit-image, seeded synthetic images stand in (their names say so).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlmprune.compiler import images
+from vlmprune.compiler.frontend import images
 
 # skimage.data images stored in the wheel (no download): photographs and micrographs
 # with the edges and textures a ViT's [CLS] attention reacts to.

@@ -1,8 +1,17 @@
 """Target `ort`: ONNX Runtime (CPU here; the CUDA EP where present).
 
-model.onnx holds the fused `vlmprune.TokenPrune` node, run by the bundled
-custom-op library (kernels/ort over the CPU kernels); model.decomposed.onnx is
-the same graph in standard ops.
+model.onnx holds the method's fused ops where it has any (`vlmprune.TokenPrune`,
+`vlmprune.DivPruneSelect`), run by the bundled custom-op library (kernels/ort over the
+CPU kernels); model.decomposed.onnx is the same graph in standard ops.
+
+Formulations, by measurement (ONNX Runtime 1.32 CPU, 2 threads, N = 576, K = 192):
+divprune's greedy loop is written as an ONNX Loop, which the DivPruneSelect op replaces in
+model.onnx: the Loop and the unrolled chain cost 7.7 - 11.7 ms per image (D = 256), the
+fused op 0.23 ms (the distance matrix before it stays a standard MatMul); the Loop is one
+node the fusion rule can match, the unrolled chain ~1900. dart's per-pivot steps are a short
+chain of TopKs with constant K, and visionzip's merge a few MatMuls: fast in standard ops
+(tools/bench_methods.py, clip-l-336: every method's selection is under 2% of the dense
+tower), so they have no custom op.
 """
 
 from __future__ import annotations
@@ -11,25 +20,26 @@ import shutil
 from pathlib import Path
 
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmprune.compiler.errors import StructureError, ToolchainError
-from vlmprune.passes.fusion import TokenPruneFusionPass, fusion_failure
-from vlmprune.passes.token_prune import InsertTokenPrunePass, RetargetTokenCountPass
+from vlmprune.compiler.errors import ToolchainError
+from vlmprune.passes.methods.base import FusedOp
 from vlmprune.targets.base import StageSpec, Target
 
 LIBRARY = "libvlmprune_ort.so"
+ORT_OPS = {name: FusedOp(name) for name in ("TokenPrune", "DivPruneSelect")}
 
 
 class OrtTarget(Target):
     name = "ort"
     summary = "ONNX Runtime (CPU; CUDA EP where present) + vlmprune custom-op library"
+    spellings = ORT_OPS
+    formulations = {"divprune": "loop"}
 
     def available(self) -> tuple[bool, str]:
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError as exc:
-            return False, f"onnxruntime is not importable ({exc})"
+        import importlib.util
+
+        if importlib.util.find_spec("onnxruntime") is None:
+            return False, "onnxruntime is not installed"
         for tool in ("g++", "npm"):
             if shutil.which(tool) is None:
                 return False, f"{tool} is needed to build the custom-op library"
@@ -41,42 +51,42 @@ class OrtTarget(Target):
 
         return {"onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__}
 
-    def pipeline(self, config) -> list[ir.passes.PassBase]:
-        prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
-        return [*prune, RemoveUnusedNodesPass(), TopologicalSortPass()]
-
-    def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
-        """Fuse (in place: model.decomposed.onnx is already written) and bundle the op library."""
-        if context.get("site") is None:
-            ir.save(decomposed, out_dir / "model.onnx")
+    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+        """model.onnx, and the op library when the graph holds fused ops."""
+        ir.save(model, out_dir / "model.onnx")
+        if not fused_ops(model):
             return {"runtime": "onnxruntime", "fused": False}
-        fusion = TokenPruneFusionPass(debug=True)
-        fusion(decomposed)
-        if not fusion.fired:
-            raise StructureError(fusion_failure(fusion, context.get("debug", False)))
-        RemoveUnusedNodesPass()(decomposed)
-        ir.save(decomposed, out_dir / "model.onnx")
-        shutil.copy2(_library(), out_dir / LIBRARY)
-        return {"runtime": "onnxruntime", "fused": True, "custom_op_library": LIBRARY, "custom_domain": "vlmprune"}
+        shutil.copy2(library(), out_dir / LIBRARY)
+        return {"runtime": "onnxruntime", "fused": True, "custom_op_library": LIBRARY, "custom_domain": "vlmprune",
+                "fused_ops": fused_ops(model)}
 
     def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
-        from vlmprune.compiler.runtime import ort_session, run_session
-
+        run, runtime = self.runner(bundle_dir, manifest)
         fused = manifest["target"].get("fused", False)
-        libs = (bundle_dir / LIBRARY,) if fused else ()
+        return [StageSpec("fused" if fused else "target", runtime, "fp32", run)]
+
+    def runner(self, bundle_dir: Path, manifest: dict):
+        from vlmprune.targets.runtime import ort_session, run_session
+
+        bundle_dir = Path(bundle_dir)
+        library_name = manifest["target"].get("custom_op_library")
+        libs = (bundle_dir / library_name,) if library_name else ()
+        session = None
 
         def run(pixel_values):
-            return run_session(ort_session(bundle_dir / "model.onnx", libs), pixel_values)
+            nonlocal session
+            session = session or ort_session(bundle_dir / "model.onnx", libs)
+            return run_session(session, pixel_values)
 
-        name, runtime = ("fused", f"onnxruntime CPU + {LIBRARY} (model.onnx)") if fused else (
-            "target", "onnxruntime CPU (model.onnx)")
-        return [StageSpec(name, runtime, "fp32", run)]
+        runtime = "onnxruntime CPU" + (f" + {LIBRARY}" if libs else "") + " (model.onnx)"
+        return run, runtime
 
     def readme(self, manifest: dict) -> str:
         inp = manifest["inputs"][0]
         fused = manifest["target"].get("fused", False)
         register = f'\n    so.register_custom_ops_library("{LIBRARY}")' if fused else ""
         shape = [1 if isinstance(d, str) else d for d in inp["shape"]]
+        ops = ", ".join(f"`{op}`" for op in manifest["target"].get("fused_ops", []))
         return f"""# vlmprune bundle: target `ort` (ONNX Runtime)
 
 Model: {manifest['model']['source']} — {manifest['method']['summary']}
@@ -98,11 +108,15 @@ Outputs: {', '.join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in manifest
 With vlmprune installed: `vlmprune run . --image photo.jpg`; `vlmprune check .` re-runs parity.
 `model.decomposed.onnx` holds only standard ONNX ops (opens in Netron, runs under
 `polygraphy run --onnxrt`); both graphs read their weights from `weights.bin`.
-{"`" + LIBRARY + "` implements the `vlmprune.TokenPrune` node; check its sha256 against manifest.json before loading it." if fused else ""}
+{"`" + LIBRARY + "` implements " + ops + "; check its sha256 against manifest.json before loading it." if fused else ""}
 """
 
 
-def _library() -> Path:
+def fused_ops(model: ir.Model) -> list[str]:
+    return sorted({f"{n.domain}.{n.op_type}" for n in model.graph.all_nodes() if n.domain == "vlmprune"})
+
+
+def library() -> Path:
     from vlmprune.kernels import build
 
     try:

@@ -21,6 +21,7 @@ from onnx import helper as oh
 from onnx import numpy_helper as onh
 
 N, D, K = 576, 64, 192
+ROLE = "vlmprune.role"
 SELECTIONS = ("gather", "gather_elements", "gathernd", "onehot", "onehot_equal")
 MASKS = ("scatter_elements", "scatter_nd", "onehot_sum")
 SORTS = ("int", "cast")  # TopK straight on int64 indices, or Cast to float then TopK
@@ -29,10 +30,20 @@ SORTS = ("int", "cast")  # TopK straight on int64 indices, or Cast to float then
 # --- probe graph ----------------------------------------------------------------------------
 
 class _Graph:
-    """Collects nodes and initializers; node names are unique (rknn and QNN report by name)."""
+    """Collects nodes and initializers; node names are unique (rknn and QNN report by name).
+
+    Nodes created under role("score" | "select" | "tokens") carry it in their metadata_props, as
+    vlmprune's insertion marks the nodes it emits (passes.methods.builder): the toolchain layers
+    find the selection by role, here as in a compiled tower.
+    """
 
     def __init__(self):
         self.nodes, self.inits = [], []
+        self.current_role = None
+
+    def role(self, name):
+        self.current_role = name
+        return self
 
     def const(self, name, value):
         if all(i.name != name for i in self.inits):
@@ -40,7 +51,10 @@ class _Graph:
         return name
 
     def op(self, op_type, inputs, outputs, **attrs):
-        self.nodes.append(oh.make_node(op_type, inputs, outputs, name=f"{op_type}_{len(self.nodes)}", **attrs))
+        node = oh.make_node(op_type, inputs, outputs, name=f"{op_type}_{len(self.nodes)}", **attrs)
+        if self.current_role:
+            node.metadata_props.add(key=ROLE, value=self.current_role)
+        self.nodes.append(node)
         return outputs[0] if len(outputs) == 1 else outputs
 
 
@@ -67,6 +81,7 @@ def build_probe_model(select: str = "gather", mask: str = "scatter_elements", so
 
     h0 = g.op("LayerNormalization", ["x", "ln1_g", "ln1_b"], ["h0"], axis=-1, epsilon=1e-5)
     hidden = g.op("Add", ["x", g.op("MatMul", [h0, "w1"], ["m"])], ["hidden"])
+    g.role("score")
     h1 = g.op("LayerNormalization", [hidden, "ln2_g", "ln2_b"], ["h1"], axis=-1, epsilon=1e-5)
     q = g.op("MatMul", [g.op("Slice", [h1, "i0", "i1", "i1"], ["cls_h"]), "wq"], ["q"])
     kt = g.op("Transpose", [g.op("MatMul", [h1, "wk"], ["k"])], ["kt"], perm=[0, 2, 1])
@@ -77,6 +92,7 @@ def build_probe_model(select: str = "gather", mask: str = "scatter_elements", so
     a_max = g.op("Add", [g.op("ReduceMax", [a], ["a_max"], axes=[1], keepdims=1), g.const("eps", np.float32(1e-6))],
                  ["a_max_e"])
     score = g.op("Div", [a, a_max], ["score"])
+    g.role("select")
     _, top_i = g.op("TopK", [score, "K"], ["top_v", "top_i"], axis=-1, largest=1, sorted=1)
     if sort == "cast":
         sorted_f, _ = g.op("TopK", [g.op("Cast", [top_i], ["idx_f"], to=TensorProto.FLOAT), "K"],
@@ -85,6 +101,7 @@ def build_probe_model(select: str = "gather", mask: str = "scatter_elements", so
     else:
         kept_idx, _ = g.op("TopK", [top_i, "K"], ["kept_idx", "kept_idx_i"], axis=-1, largest=0, sorted=1)
 
+    g.role("tokens")
     patches = g.op("Slice", [hidden, "i1", "iend", "i1"], ["patches"])
     cls_tok = g.op("Slice", [hidden, "i0", "i1", "i1"], ["cls_tok"])
     kept, onehot = _select(g, select, kept_idx, patches, n, d, k)

@@ -1,11 +1,13 @@
 """Target `qnn`: Qualcomm HTP (Hexagon NPU) through ONNX Runtime's QNN execution provider.
 
-emit legalizes the decomposed graph for HTP (passes.qnn) into model.onnx (float, static
-shapes), quantizes it to QDQ with onnxruntime.quantization's QNN helpers (16-bit
-activations, 8-bit weights by default; the nodes that feed only the score TopK stay float
-and run on HTP in fp16; every MatMul of two activations reads one side as 8-bit, see
+The pipeline legalizes the graph for HTP (passes.qnn: static shapes, Gather selection), so
+model.decomposed.onnx and model.onnx are the float graph that is quantized. emit quantizes it
+to QDQ with onnxruntime.quantization's QNN helpers (16-bit activations, 8-bit weights by
+default; the method's selection, found by the roles the insertion recorded, stays float and
+runs on HTP in fp16; every MatMul of two activations reads one side as 8-bit, see
 targets.qnn_tools.quantize_qdq) into model.qdq.onnx, and compiles that for --soc into an
-EPContext model, model_ctx.onnx, whose QNN context binary (.bin) sits beside it.
+EPContext model, model_ctx.onnx, whose QNN context binary (.bin) sits beside it. HTP compiles
+no control flow, so divprune's greedy loop is unrolled here.
 
 Parity runs both the QDQ model and the EPContext model in onnxruntime-qnn's HTP emulator
 (libQnnHtp on x86_64) with CPU fallback disabled, so a node HTP cannot take fails the
@@ -30,11 +32,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from vlmprune.compiler.errors import InputError, ToolchainError
-from vlmprune.passes.qnn import TARGET, htp_legalization
-from vlmprune.passes.token_prune import InsertTokenPrunePass, RetargetTokenCountPass
+from vlmprune.passes.methods.builder import selection_nodes
+from vlmprune.passes.qnn import TARGET, htp_legalization, htp_model_support, htp_support
 from vlmprune.targets import placement
 from vlmprune.targets.base import StageSpec, Target
 
@@ -55,6 +56,9 @@ def parse_precision(value: str | None) -> str:
 class QnnTarget(Target):
     name = "qnn"
     summary = "Qualcomm HTP: ONNX Runtime QNN EP (QDQ + EPContext for --soc), HTP emulator parity"
+    options = {"precision": "qnn: int16 (default) or int8 activations",
+               "soc": "qnn: the Snapdragon SoC to compile for (default SM8650; see `vlmprune targets`)"}
+    formulations = {"divprune": "unrolled"}  # HTP compiles no control flow
 
     def __init__(self, selection: str = "gather"):
         self.selection = selection
@@ -80,47 +84,46 @@ class QnnTarget(Target):
             pass
         return versions
 
-    def check_options(self, options) -> None:
+    def check_options(self, options) -> dict:
         from vlmprune.targets import qnn_tools
 
-        parse_precision(options.precision)
+        given = super().check_options(options)
+        precision = parse_precision(given.get("precision"))
         try:
-            qnn_tools.resolve_soc(options.soc)
+            soc, soc_model = qnn_tools.resolve_soc(given.get("soc"))
         except qnn_tools.QnnError as exc:
             raise InputError(str(exc)) from None
+        return {"precision": precision, "soc": soc, "soc_model": soc_model}
 
-    def pipeline(self, config) -> list[ir.passes.PassBase]:
-        prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
-        return [*prune, RemoveUnusedNodesPass(), TopologicalSortPass()]
+    def legalization(self, config, options) -> list[ir.passes.PassBase]:
+        return htp_legalization(options.batch or 1, self.selection)
 
     def supports(self, node: ir.Node) -> tuple[bool, str]:
-        if node.op_type == "GatherND" and node.attributes.get_int("batch_dims", 0):
-            return False, "GatherND with batch_dims has no HTP kernel (GatherNDToGatherPass rewrites it)"
-        return super().supports(node)
+        return htp_support(node)
 
-    def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
-        """Legalize into model.onnx, quantize to model.qdq.onnx, compile model_ctx.onnx + .bin for the SoC."""
+    def check_model(self, model: ir.Model) -> list[str]:
+        return htp_model_support(model)
+
+    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+        """model.onnx (the decomposed graph: HTP-legal already), QDQ model.qdq.onnx, model_ctx.onnx + .bin for the SoC."""
         import onnx
 
         from vlmprune.targets import calibration, qnn_tools
 
-        options, source = context["options"], context["source"]
-        precision = parse_precision(options.precision)
+        options, source, chosen = context["options"], context["source"], context["target_options"]
+        precision, soc, soc_model = chosen["precision"], chosen["soc"], chosen["soc_model"]
         act, weight = PRECISIONS[precision]
-        try:
-            soc, soc_model = qnn_tools.resolve_soc(options.soc)
-        except qnn_tools.QnnError as exc:
-            raise InputError(str(exc)) from None
         batch = options.batch or 1
-        legalization = [type(p).__name__ for p in htp_legalization(batch, self.selection)
-                        if p(decomposed).modified]
-        ir.save(decomposed, out_dir / "model.onnx")
+        ir.save(model, out_dir / "model.onnx")
+        # The selection stays float (fp16 on HTP), found by the roles the insertion recorded.
+        float_nodes = [n.name for n in selection_nodes(model.graph)]
         calib, names = calibration.calibration_inputs(CALIBRATION_COUNT, source.image_size, source.mean, source.std)
-        input_name = decomposed.graph.inputs[0].name
+        input_name = model.graph.inputs[0].name
         samples = [{input_name: calib[[(i * batch + j) % len(calib) for j in range(batch)]]}
                    for i in range(max(1, len(calib) // batch))]
         try:
-            qnn_tools.quantize_qdq(out_dir / "model.onnx", out_dir / QDQ, samples, act_type=act, weight_type=weight)
+            qnn_tools.quantize_qdq(out_dir / "model.onnx", out_dir / QDQ, samples, act_type=act, weight_type=weight,
+                                   float_nodes=float_nodes)
             qnn_tools.check_qdq(onnx.load(str(out_dir / QDQ)))
             ctx, binaries = qnn_tools.make_epcontext(out_dir / QDQ, out_dir, soc_model, ctx_name=CTX)
             rows = [{"op": r["op"], "type": r["type"],
@@ -133,10 +136,9 @@ class QnnTarget(Target):
         return {"runtime": "ONNX Runtime QNN EP on the Hexagon NPU (HTP)", "soc": soc, "soc_model": soc_model,
                 "htp_arch": arch, "device": product, "precision": precision,
                 "quantization": {"activations": act, "weights": weight,
-                                 "float_nodes": "the nodes that feed only the score TopK (fp16 on HTP)",
+                                 "float_nodes": f"{len(float_nodes)} nodes of the selection (fp16 on HTP)",
                                  "activation_matmuls": "input 1 read as uint8" if act == "uint16" else "uint8"},
-                "calibration": {"images": names}, "legalization": legalization, "batch": batch,
-                "selection": self.selection,
+                "calibration": {"images": names}, "batch": batch, "selection": self.selection,
                 "artifacts": {"qdq": QDQ, "epcontext": CTX, "context_binaries": [b.name for b in binaries]},
                 "placement": {"qdq": _with_cycles(rows, trace)}, "placement_summary": {"qdq": placement.summarize(rows)},
                 "placement_source": "onnxruntime EP graph assignment (session.record_ep_graph_assignment_info); "
@@ -144,7 +146,7 @@ class QnnTarget(Target):
                 "op_trace": {"ops": len(trace), "cycles": sum(r["cycles"] for r in trace), "rows": trace}}
 
     def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
-        from vlmprune.compiler.runtime import ort_session, run_session
+        from vlmprune.targets.runtime import run_session
         from vlmprune.targets import qnn_tools
 
         bundle_dir = Path(bundle_dir)
@@ -154,10 +156,6 @@ class QnnTarget(Target):
         precision = fields.get("precision", DEFAULT_PRECISION)
         version = fields.get("toolchain", {}).get("onnxruntime-qnn", "")
 
-        def legalized(pixel):
-            session = ort_session(bundle_dir / "model.onnx")
-            return _in_batches(lambda x: run_session(session, x), pixel, batch)
-
         def on_htp(name: str):
             def run(pixel):
                 session = qnn_tools.htp_session(bundle_dir / name, soc_model)
@@ -165,10 +163,20 @@ class QnnTarget(Target):
             return run
 
         emulator = f"onnxruntime-qnn {version} HTP emulator, {soc} (soc_model {soc_model}), CPU fallback off"
-        return [StageSpec("legalized", "onnxruntime CPU (model.onnx, the float graph that is quantized)", "fp32",
-                          legalized),
-                StageSpec("qnn-qdq", f"{emulator} ({QDQ}) (simulated)", precision, on_htp(QDQ)),
+        return [StageSpec("qnn-qdq", f"{emulator} ({QDQ}) (simulated)", precision, on_htp(QDQ)),
                 StageSpec("qnn-ctx", f"{emulator} ({CTX} + context binary) (simulated)", precision, on_htp(CTX))]
+
+    def runner(self, bundle_dir: Path, manifest: dict):
+        """The EPContext model on the HTP emulator here (on the HTP of a device there)."""
+        from vlmprune.targets import qnn_tools
+        from vlmprune.targets.runtime import run_session
+
+        ok, why = qnn_tools.available()
+        if not ok:
+            raise ToolchainError(f"cannot run a qnn bundle here: {why}")
+        fields = manifest["target"]
+        session = qnn_tools.htp_session(Path(bundle_dir) / CTX, fields["soc_model"])
+        return (lambda pixel: run_session(session, pixel)), f"simulated: onnxruntime-qnn HTP emulator, {fields['soc']}"
 
     def readme(self, manifest: dict) -> str:
         return _readme(manifest)

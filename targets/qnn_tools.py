@@ -42,6 +42,7 @@ SOCS = {
 DEFAULT_SOC = "SM8650"  # Snapdragon 8 Gen 3 (HTP v75): the most common current flagship HTP
 DEFAULT_SOC_MODEL = SOCS[DEFAULT_SOC][0]
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
+ROLE_KEY = "vlmprune.role"  # passes.methods.builder.ROLE: how the insertion marks the selection's nodes
 WEIGHT_INPUTS = {"MatMul": (0, 1), "Gemm": (1,), "Conv": (1,)}
 
 
@@ -204,20 +205,21 @@ def _attr(node: onnx.NodeProto, name: str):
 
 def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]], act_type: str = "uint16",
                  weight_type: str = "uint8", *, score_path: str = "fp16", score_weight_type: str | None = None,
-                 act_matmul: str = "uint8") -> Path:
+                 act_matmul: str = "uint8", float_nodes: list[str] | None = None) -> Path:
     """QDQ model for QNN HTP via onnxruntime.quantization's QNN helpers.
 
     Steps: legalize (static input shapes, named nodes, non-negative constant Gather
-    indices), qnn_preprocess_model, get_qnn_qdq_config, quantize. The TopK score path:
+    indices), qnn_preprocess_model, get_qnn_qdq_config, quantize. The selection (the nodes
+    vlmprune's insertion marked with the roles "score" and "select", or float_nodes):
 
-    - score_path="fp16" (default): the nodes that feed only TopK's scores (the attention-row
-      recompute) stay float and run on HTP in fp16 (mixed precision, still no CPU fallback).
+    - score_path="fp16" (default): the selection stays float and runs on HTP in fp16 (mixed
+      precision, still no CPU fallback).
       16-bit activations alone lose near-boundary ranks: Softmax probabilities over ~577
       keys share one per-tensor scale with the largest probability, and on v73 the EP
       converts input 1 of a uint16 x uint16 MatMul (q . k^T) to lower precision.
-    - score_path="quantized": everything quantized; every Softmax feeding TopK gets its
-      calibrated output range instead of the fixed [0, 1], and score_weight_type (e.g.
-      "uint16") re-types the weights that feed the scores.
+    - score_path="quantized": everything quantized; every Softmax feeding the selection gets
+      its calibrated output range instead of the fixed [0, 1], and score_weight_type (e.g.
+      "uint16") re-types the weights that feed it.
 
     A MatMul of two activations (attention's q . k^T and probs . v) with both inputs 16-bit
     is not an HTP kernel: the EP silently converts one side. act_matmul="uint8" (default)
@@ -236,6 +238,9 @@ def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]],
     if act_matmul not in ("uint8", "keep"):
         raise ValueError(f"act_matmul must be 'uint8' or 'keep', not {act_matmul!r}")
     model = legalize_for_htp(onnx.load(str(onnx_path)))
+    # onnxruntime 1.32's qnn_preprocess_model fails on model-level metadata_props (it merges them as a dict);
+    # the QDQ model does not need vlmprune's record, which lives in model.onnx and the manifest.
+    del model.metadata_props[:]
     # The quantizer logs advice (opset 21, pre-processing) as root-logger warnings.
     with tempfile.TemporaryDirectory(prefix="vlmprune-qdq-") as tmp, _quiet_root_logger():
         legal, pre = Path(tmp) / "legal.onnx", Path(tmp) / "pre.onnx"
@@ -244,7 +249,7 @@ def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]],
         model = onnx.load(str(source))
         overrides, exclude = {}, []
         if score_path == "fp16":
-            exclude = [n.name for n in score_only_nodes(model)]
+            exclude = list(float_nodes) if float_nodes is not None else [n.name for n in role_nodes(model)]
         else:
             overrides = score_path_overrides(model, calib_inputs,
                                              _quant_type(score_weight_type) if score_weight_type else None)
@@ -377,35 +382,26 @@ def _ancestors(tensors, producer, skip=None) -> dict[int, onnx.NodeProto]:
     return seen
 
 
-def _score_topks(nodes: list[onnx.NodeProto], producer) -> list[onnx.NodeProto]:
-    """TopKs over scores; a TopK downstream of another TopK only sorts indices."""
-    topks = [n for n in nodes if n.op_type == "TopK"]
-    ids = {id(t) for t in topks}
-    return [t for t in topks if not (_ancestors([t.input[0]], producer).keys() & ids)]
+def role_nodes(model: onnx.ModelProto, roles: tuple[str, ...] = ("score", "select")) -> list[onnx.NodeProto]:
+    """The nodes vlmprune's insertion marked with one of roles (node metadata_props `vlmprune.role`)."""
+    def role(node):
+        return next((p.value for p in node.metadata_props if p.key == ROLE_KEY), None)
+    return [n for n in model.graph.node if role(n) in roles]
 
 
-def score_path_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """Every node that feeds a TopK's scores (in a tower: all blocks up to the pruning layer)."""
+def feeding_selection_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The selection and every node upstream of it (in a tower: all blocks up to the pruning layer)."""
     nodes = list(model.graph.node)
     producer = _producers(nodes)
-    return list(_ancestors([t.input[0] for t in _score_topks(nodes, producer)], producer).values())
-
-
-def score_only_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """Nodes whose results reach the graph outputs only through TopK's scores."""
-    nodes = list(model.graph.node)
-    producer = _producers(nodes)
-    topks = _score_topks(nodes, producer)
-    score = _ancestors([t.input[0] for t in topks], producer)
-    topk_ids = {id(t) for t in topks}
-    rest = _ancestors([o.name for o in model.graph.output], producer,
-                      skip=lambda node, i: id(node) in topk_ids and i == 0)
-    return [n for key, n in score.items() if key not in rest]
+    chosen = role_nodes(model)
+    upstream = _ancestors([i for n in chosen for i in n.input], producer)
+    ids = {id(n) for n in chosen} | set(upstream)
+    return [n for n in nodes if id(n) in ids]
 
 
 def score_path_overrides(model: onnx.ModelProto, calib_inputs: list[dict], score_weight_qtype=None) -> dict:
-    """TensorQuantOverrides for the score path: calibrated Softmax ranges, score weight type."""
-    nodes = score_path_nodes(model)
+    """TensorQuantOverrides for what feeds the selection: calibrated Softmax ranges, its weight type."""
+    nodes = feeding_selection_nodes(model)
     inits = {i.name for i in model.graph.initializer}
     overrides: dict[str, list[dict]] = {}
     softmax_outputs = [n.output[0] for n in nodes if n.op_type == "Softmax"]

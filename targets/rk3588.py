@@ -2,18 +2,21 @@
 
 The toolkit lives in a virtual environment of its own (targets.rknn_env: its numpy/onnx
 pins clash with this one), created on first use and driven by a subprocess
-(targets.rknn_worker). emit legalizes the decomposed graph (passes.rknn), writes it as
-model.onnx, and per precision has the worker load it, build, export the .rknn and run the
-simulator on the parity images in that same process: the toolkit simulates only a model it
+(targets.rknn_worker). The pipeline legalizes the graph (passes.rknn), so model.decomposed.onnx
+is the graph the toolkit converts; emit writes it as model.onnx too, and per precision has the
+worker load it, build, export the .rknn and run the simulator on the parity images in that
+same process: the toolkit simulates only a model it
 has just built (a loaded .rknn needs a board), so these outputs are kept for the parity
 stage. `vlmprune check` rebuilds from model.onnx instead (the rebuilt .rknn is equivalent,
 not byte-identical: 2.5.0's output differs in a few kB between identical builds).
 
 Precisions (--precision, comma-separated; default both):
 - fp16: everything in float16 -> model.rknn.
-- int8: hybrid quantization -> model.hybrid.rknn: w8a8, with the score path (every tensor
-  that feeds the score TopK, and the index chain after it) kept float16. Calibration: real
-  photographs disjoint from the parity images (targets.calibration).
+- int8: hybrid quantization -> model.hybrid.rknn: w8a8, with everything the kept indices
+  depend on (the graph output the insertion's record names, and what feeds it) and the index
+  chain after them kept float16. Calibration: real photographs disjoint from the parity
+  images (targets.calibration). Methods that select on the projector output (divprune, dart)
+  depend on the whole tower, so they are fp16 only here.
 
 Measured on `demo` (keep 192; parity images skimage astronaut and chelsea; 2.5.0 simulator):
 fp16 kept-index agreement 1.0 and cosine >= 0.999999 (pruning after the last block; after
@@ -25,6 +28,9 @@ pruning point decide the scores, so they stay float16.
 
 Selection formulation: a one-hot MatMul rather than a Gather, chosen by measurement (see
 passes.rknn: one CPU layer and one NPU -> CPU -> NPU round trip fewer, same parity).
+divprune's greedy loop is unrolled: the toolkit runs ArgMax, GatherElements and
+ScatterElements with runtime indices on its CPU, so each step is a CPU island (measured on
+demo: 1343 of 2195 ops on the CPU, parity within the fp16 tie band).
 """
 
 from __future__ import annotations
@@ -36,13 +42,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from vlmprune.compiler.errors import InputError, ToolchainError
-from vlmprune.passes.rknn import TARGET, rknn_legalization
-from vlmprune.passes.token_prune import InsertTokenPrunePass, RetargetTokenCountPass
+from vlmprune.passes.prune import prune_record
+from vlmprune.passes.rknn import TARGET, rknn_legalization, rknn_model_support, rknn_support
 from vlmprune.targets import placement
-from vlmprune.targets.base import StageSpec, Target
+from vlmprune.targets.base import StageSpec, Target, reads_projector_output
 
 # precision -> (worker mode, artifact, parity precision, what it is)
 PRECISIONS = {
@@ -76,6 +81,8 @@ def _file_sha(path: Path) -> str:
 class Rk3588Target(Target):
     name = "rk3588"
     summary = "Rockchip RK3588 NPU: rknn-toolkit2 2.5.0 .rknn (fp16, hybrid int8), simulator parity"
+    options = {"precision": "rk3588: fp16, int8 (hybrid) or fp16,int8 (default)"}
+    formulations = {"divprune": "unrolled"}
 
     def __init__(self, selection: str = "onehot", float_scope: str = "ancestors"):
         self.selection = selection
@@ -97,30 +104,39 @@ class Rk3588Target(Target):
         return {"rknn-toolkit2": rknn_env.RKNN_TOOLKIT_VERSION, "target_platform": PLATFORM,
                 "rknn venv": f"{pins} (torch linked from this environment)", "onnx": onnx.__version__}
 
-    def check_options(self, options) -> None:
-        parse_precisions(options.precision)
-        if options.soc is not None:
-            raise InputError("--soc is a qnn option; rk3588 has no SoC to choose")
+    def check_options(self, options) -> dict:
+        given = super().check_options(options)
         if options.batch not in (None, 1):
             raise InputError(f"rk3588 runs batch 1: compile with --batch 1 or without --batch, not --batch {options.batch}")
+        precisions = parse_precisions(given.get("precision"))
+        if "int8" in precisions and reads_projector_output(options):
+            if given.get("precision"):
+                raise InputError(f"rk3588 --precision int8 with {options.method}: its selection reads the projector "
+                                 "output, so hybrid int8 would keep everything before it in float16; use fp16")
+            precisions = tuple(p for p in precisions if p != "int8")  # the default: what can run
+        return {"precision": ",".join(precisions)}
 
-    def pipeline(self, config) -> list[ir.passes.PassBase]:
-        prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
-        return [*prune, RemoveUnusedNodesPass(), TopologicalSortPass()]
+    def legalization(self, config, options) -> list[ir.passes.PassBase]:
+        return rknn_legalization(self.selection)
 
-    def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
-        """Legalize into model.onnx, then build, export and simulate each precision's .rknn."""
+    def supports(self, node: ir.Node) -> tuple[bool, str]:
+        return rknn_support(node)
+
+    def check_model(self, model: ir.Model) -> list[str]:
+        return rknn_model_support(model)
+
+    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+        """model.onnx (the decomposed graph: RKNN-legal already), then build, export and simulate each .rknn."""
         from vlmprune.targets import calibration, rknn_env
 
-        options, source = context["options"], context["source"]
-        precisions = parse_precisions(options.precision)
-        legalization = [type(p).__name__ for p in rknn_legalization(self.selection) if p(decomposed).modified]
-        ir.save(decomposed, out_dir / "model.onnx")
+        source = context["source"]
+        precisions = parse_precisions(context["target_options"]["precision"])
+        ir.save(model, out_dir / "model.onnx")
         pixel = context["parity_inputs"]  # the images parity will feed: simulated now, while the build is live
         fields: dict = {"runtime": "RKNN runtime (librknnrt / rknn-toolkit-lite2 2.5.0) on the RK3588 NPU",
-                        "target_platform": PLATFORM, "selection": self.selection, "legalization": legalization,
+                        "target_platform": PLATFORM, "selection": self.selection,
                         "artifacts": {}, "precisions": {}, "placement": {}, "placement_summary": {},
-                        "build_seconds": {}}
+                        "build_seconds": {}, "kept_outputs": [prune_record(model)["kept"]] if prune_record(model) else []}
         calib_names: list[str] = []
         with tempfile.TemporaryDirectory(prefix="vlmprune-rk3588-") as scratch:
             root = Path(scratch)
@@ -133,7 +149,7 @@ class Rk3588Target(Target):
                 fields["calibration"] = {"images": calib_names, "float_scope": self.float_scope}
             for precision in precisions:
                 mode, artifact, _, what = PRECISIONS[precision]
-                response = self._worker(out_dir / "model.onnx", root / precision, mode, samples, dataset)
+                response = self._worker(out_dir / "model.onnx", root / precision, mode, samples, dataset, fields)
                 shutil.copy2(response["rknn"], out_dir / artifact)
                 rknn_sha = _file_sha(out_dir / artifact)
                 for image, outputs in zip(pixel, response["runs"]):
@@ -151,11 +167,12 @@ class Rk3588Target(Target):
         return fields
 
     def _worker(self, model: Path, out_dir: Path, mode: str, samples: list[list[str]],
-                dataset: list[list[str]] | None) -> dict:
+                dataset: list[list[str]] | None, fields: dict) -> dict:
         from vlmprune.targets import rknn_env
 
         request = {"onnx": str(model), "out_dir": str(out_dir), "mode": mode, "target_platform": PLATFORM,
-                   "run_samples": samples, "rknn_name": "model.rknn", "float_scope": self.float_scope}
+                   "run_samples": samples, "rknn_name": "model.rknn", "float_scope": self.float_scope,
+                   "kept_outputs": fields.get("kept_outputs", [])}
         if mode != "fp16":
             request["dataset"] = dataset
         try:
@@ -164,17 +181,9 @@ class Rk3588Target(Target):
             raise ToolchainError(f"{TARGET}: {exc}") from None
 
     def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
-        from vlmprune.compiler.runtime import ort_session, run_session
-
         bundle_dir = Path(bundle_dir)
         fields = manifest["target"]
-
-        def legalized(pixel):
-            session = ort_session(bundle_dir / "model.onnx")
-            return _per_image(lambda x: run_session(session, x), pixel)
-
-        specs = [StageSpec("legalized", "onnxruntime CPU (model.onnx, the graph rknn-toolkit2 converts)", "fp32",
-                           legalized)]
+        specs = []
         for precision, artifact in fields.get("artifacts", {}).items():
             mode, _, tolerance, _ = PRECISIONS[precision]
             sha = _file_sha(bundle_dir / artifact)
@@ -211,8 +220,13 @@ class Rk3588Target(Target):
                 calib, _ = calibration.calibration_inputs(count, pre["size"], pre["mean"], pre["std"])
                 dataset = _save_samples(root / "calib", calib)
             # model.onnx refers to weights.bin beside it, so it is read in place.
-            response = self._worker(bundle_dir / "model.onnx", root / "build", mode, samples, dataset)
+            response = self._worker(bundle_dir / "model.onnx", root / "build", mode, samples, dataset,
+                                    manifest["target"])
             return [{o["name"]: np.load(o["path"]) for o in outputs} for outputs in response["runs"]]
+
+    def runner(self, bundle_dir: Path, manifest: dict):
+        raise InputError("the RKNN simulator cannot load a .rknn file; run model.rknn on the board with "
+                         "rknn-toolkit-lite2 (see the bundle README)")
 
     def readme(self, manifest: dict) -> str:
         return _readme(manifest)
@@ -227,12 +241,6 @@ def _save_samples(stem: Path, pixel: np.ndarray) -> list[list[str]]:
         np.save(path, image[None])
         paths.append([str(path)])
     return paths
-
-
-def _per_image(run, pixel: np.ndarray) -> dict[str, np.ndarray]:
-    """Run a batch-1 model over a batch, one image at a time."""
-    outs = [run(pixel[i: i + 1]) for i in range(len(pixel))]
-    return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
 
 
 def _readme(manifest: dict) -> str:
@@ -255,8 +263,8 @@ Outputs: {out_names}.
 
 Artifacts:
 {chr(10).join(lines)}
-- `model.onnx`: the RKNN-legal graph they were built from (static batch 1, opset <= 19, one-hot selection);
-  `model.decomposed.onnx`: the portable pruned graph. Both read `weights.bin`.
+- `model.onnx` (= `model.decomposed.onnx`): the RKNN-legal graph they were built from (static batch 1,
+  opset <= 19, one-hot selection), standard ops only; it reads `weights.bin`.
 
 Parity was measured in the rknn-toolkit2 simulator (results labelled "simulated" in `parity.json`); the board
 itself was not run. Op placement (every layer in `manifest.json`, `target.placement`; `vlmprune inspect .`):

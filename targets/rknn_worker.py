@@ -14,8 +14,10 @@ Request (JSON):
                      or "int8" (plain w8a8, for comparison: it breaks TopK agreement)
     inputs           optional input names; input_shapes: optional shapes (both or neither)
     dataset          hybrid/int8: calibration samples, each a list of .npy paths (one per input)
-    float_scope      hybrid only: "ancestors" (everything feeding TopK, default) or "score"
-                     (only the nodes that feed nothing but TopK: the attention-row recompute)
+    kept_outputs     hybrid only: the graph outputs holding the kept indices (what feeds them stays
+                     float16, see float_tensors)
+    float_scope      hybrid only: "ancestors" (everything feeding the kept indices, default) or "score"
+                     (only what feeds nothing else)
     run_inputs       optional .npy paths (one per input) to run in the simulator
     run_samples      optional list of such lists: several samples, one simulator session
     rknn_name        file name of the exported model in out_dir (default model.rknn)
@@ -148,35 +150,34 @@ def _descendants(tensors, consumers) -> set[int]:
     return seen
 
 
-def float_tensors(graph, scope: str) -> list[str]:
+def float_tensors(graph, kept_outputs: list[str], scope: str) -> list[str]:
     """Tensor names of the rknn-optimized graph to keep in float16 under hybrid quantization.
 
-    Score: TopK's data input and what feeds it ("ancestors": all of it; "score": only the
-    nodes whose results reach nothing but TopK), plus TopK's own outputs, since a layer's
-    precision follows its outputs. Indices: the chain from a TopK's indices to the index
-    inputs of TopK/Gather*/Scatter*/OneHot, which int8 would corrupt. Limit (2.5.0): a
-    Cast from a float index copy back to int64 still reads int8, because the cfg rejects
-    non-quantizable names; so sort the int64 indices with TopK directly, not via Cast.
+    kept_outputs: the graph outputs that hold the kept indices (the host names them from the
+    record vlmprune's insertion writes; output names survive the toolkit's optimisation,
+    inner tensor names do not). Everything those indices depend on decides which tokens are
+    kept ("ancestors", the default: in a tower, blocks 1..L and the score); "score" keeps
+    only the part that feeds nothing but the indices (the score recompute and the TopKs),
+    found by cutting the index inputs through which the tokens output reads the indices.
+    The chain from the indices to the index inputs of Gather*/Scatter*/OneHot/Equal/TopK
+    stays float16 too: int8 cannot represent patch indices up to N. A layer's precision
+    follows its outputs, so the producers of those tensors are what stays float16. Limit
+    (2.5.0): a Cast from a float index copy back to int64 still reads int8, because the cfg
+    rejects non-quantizable names; so sort the int64 indices with TopK directly, not via Cast.
     """
     nodes = list(graph.node)  # one list, so the id()-keyed sets below see stable objects
     producer, consumers = _graph_maps(nodes)
-    topks = [n for n in nodes if n.op_type == "TopK"]
-    index_sorts = {id(t) for t in topks if _ancestors([t.input[0]], producer) & {id(u) for u in topks}}
-    score_inputs = [t.input[0] for t in topks if id(t) not in index_sorts]
-    keep = _ancestors(score_inputs, producer)
+    keep = _ancestors(kept_outputs, producer)
+    index_edge = lambda node, i: i in INDEX_INPUTS.get(node.op_type, ())  # noqa: E731
     if scope == "score":
-        is_score_edge = lambda node, i: node.op_type == "TopK" and id(node) not in index_sorts and i == 0
-        rest = _ancestors([o.name for o in graph.output], producer, stop_edge=is_score_edge)
-        keep -= rest
+        others = [o.name for o in graph.output if o.name not in kept_outputs]
+        keep -= _ancestors(others, producer, stop_edge=index_edge)
     elif scope != "ancestors":
         raise ValueError(f"float_scope must be 'ancestors' or 'score', not {scope!r}")
-    index_sinks = [n.input[i] for n in nodes for i in INDEX_INPUTS.get(n.op_type, ())
-                   if i < len(n.input) and (n.op_type != "TopK" or id(n) in index_sorts)]
-    index_chain = _descendants([t.output[1] for t in topks], consumers) & _ancestors(index_sinks, producer)
-    keep |= index_chain
-    keep |= {id(t) for t in topks}  # a layer's precision follows its outputs: TopK itself stays float
-    names = [o for n in nodes if id(n) in keep for o in n.output]
-    return names + [t for t in score_inputs if t not in names]
+    index_sinks = [n.input[i] for n in nodes for i in INDEX_INPUTS.get(n.op_type, ()) if i < len(n.input)]
+    sources = [o for n in nodes if id(n) in keep for o in n.output]
+    keep |= _descendants(sources, consumers) & _ancestors(index_sinks, producer)
+    return [o for n in nodes if id(n) in keep for o in n.output]
 
 
 def set_custom_layers(cfg_text: str, names: list[str]) -> str:
@@ -223,7 +224,8 @@ def hybrid_build(rknn, req: dict, out_dir: str, log_path: str):
         with open(cfg) as f:
             text = f.read()
         quantizable = set(YAML(typ="safe").load(text).get("quantize_parameters") or {})
-        names = [n for n in float_tensors(graph, req.get("float_scope", "ancestors")) if n in quantizable]
+        names = [n for n in float_tensors(graph, req["kept_outputs"], req.get("float_scope", "ancestors"))
+                 if n in quantizable]
         with open(cfg, "w") as f:
             f.write(set_custom_layers(text, names))
         with redirect_fds(log_path):

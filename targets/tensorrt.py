@@ -9,7 +9,7 @@ One adapter, parametrised by a JetsonPlatform. The host writes what the device n
   (passes.tensorrt: the op table of that TensorRT release, checked before writing);
 - plugins/: the plugin sources (kernels/include, kernels/cuda, kernels/trt/common and
   the wrapper of the platform's plugin API) with a top CMakeLists.txt;
-- vlmprune_engine.py (compiler/engine.py): builds and runs the engine without vlmprune;
+- vlmprune_engine.py (targets/trt_engine.py): builds and runs the engine without vlmprune;
 - libvlmprune_ort.so: the plugin's host-side twin (ONNX Runtime op over the same
   kernels), so that model.onnx is checked here.
 
@@ -25,16 +25,15 @@ import shutil
 from pathlib import Path
 
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass, TopologicalSortPass
+from onnx_ir.passes.common import ShapeInferencePass
 
-from vlmprune.compiler import engine as engine_lib
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes import tensorrt as trt_passes
-from vlmprune.passes.dataflow import producers_upstream
-from vlmprune.passes.fusion import FusedOp, TokenPruneFusionPass, fusion_failure
-from vlmprune.passes.token_prune import InsertTokenPrunePass, RetargetTokenCountPass
+from vlmprune.passes.methods.base import FusedOp
+from vlmprune.passes.methods.builder import feeding_selection, role_of, selection_nodes
 from vlmprune.targets import ort as ort_target
-from vlmprune.targets.base import StageSpec, Target
+from vlmprune.targets import trt_engine as engine_lib
+from vlmprune.targets.base import StageSpec, Target, reads_projector_output
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 HOST_TWIN = ort_target.LIBRARY  # libvlmprune_ort.so: registers trt.plugins.VlmpTokenPrune too
@@ -89,7 +88,15 @@ PLATFORMS = {p.name: p for p in (ORIN, XAVIER)}
 
 
 class TensorRTTarget(Target):
+    """One Jetson target. Formulations: cls fuses select + gather + summary into the VlmpTokenPrune plugin;
+    divprune's greedy loop is unrolled into a chain of standard layers (the parser's Loop import adds a
+    loop per pick and nothing here can measure either on a Jetson; a plugin for it is left to a device
+    session); visionzip and dart are TopK chains with constant K, standard layers as they are."""
+
     platform: JetsonPlatform
+    spellings = {"TokenPrune": PLUGIN_OP}
+    formulations = {"divprune": "unrolled"}
+    options = {"precision": "orin/xavier: fp16 (default) or int8 (explicit Q/DQ model)"}
 
     def __init__(self, platform: JetsonPlatform | None = None):
         self.platform = platform or self.platform
@@ -112,65 +119,50 @@ class TensorRTTarget(Target):
         return {"jetpack": p.jetpack, "l4t": p.l4t, "tensorrt": p.tensorrt, "cuda": p.cuda, "sm": f"sm_{p.sm}",
                 "onnx": onnx.__version__, "onnxruntime (host twin)": onnxruntime.__version__}
 
-    def pipeline(self, config) -> list[ir.passes.PassBase]:
-        prune = [] if config is None else [InsertTokenPrunePass(config), RetargetTokenCountPass()]
-        ops = self.platform.ops
-        return [*prune, *trt_passes.legalization_passes(ops), RemoveUnusedNodesPass(), TopologicalSortPass(),
-                trt_passes.TensorRTSupportCheckPass(ops)]
-
-    def check_options(self, options) -> None:
-        precision = options.precision or "fp16"
+    def check_options(self, options) -> dict:
+        given = super().check_options(options)
+        precision = given.get("precision") or "fp16"
         if precision not in PRECISIONS:
             raise InputError(f"--precision for {self.name} is one of {', '.join(PRECISIONS)}, got {precision!r}")
         if precision == "int8" and not options.prune:
             raise InputError("--precision int8 quantizes around the pruning; it needs a pruned bundle")
-        if options.soc is not None:
-            raise InputError(f"--soc is a qnn option; target {self.name} has no SoC to choose")
+        if precision == "int8" and reads_projector_output(options):
+            raise InputError(f"--precision int8 with {options.method}: its selection reads the projector output, "
+                             "so everything before it must stay in floating point to keep the kept set; use fp16")
+        return {"precision": precision}
+
+    def legalization(self, config, options) -> list[ir.passes.PassBase]:
+        return trt_passes.legalization_passes(self.platform.ops)
 
     def supports(self, node: ir.Node) -> tuple[bool, str]:
-        if trt_passes.is_plugin_node(node):
-            return True, ""
-        if node.domain not in ("", "ai.onnx"):
-            return False, f"custom domain {node.domain!r} without a TensorRT plugin"
-        ops = self.platform.ops
-        if node.op_type not in ops.types:
-            return False, f"TensorRT {ops.version}'s ONNX parser has no {node.op_type}"
-        return True, ""
+        return trt_passes.node_support(node, self.platform.ops)
 
-    def emit(self, decomposed: ir.Model, out_dir: Path, context: dict) -> dict:
-        """Fuse into the plugin node (in place: model.decomposed.onnx is written), bundle plugin and commands."""
+    def check_model(self, model: ir.Model) -> list[str]:
+        return trt_passes.model_support(model, self.platform.ops)
+
+    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+        """model.onnx (the plugin node where the method fuses), plugin sources, engine script, commands."""
         p, options = self.platform, context["options"]
-        precision = getattr(options, "precision", None) or "fp16"
-        if precision not in PRECISIONS:
-            raise InputError(f"--precision for {p.name} is one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if precision == "int8" and context.get("site") is None:
-            raise InputError("--precision int8 quantizes around the pruning; it needs a pruned bundle")
+        precision = context["target_options"].get("precision", "fp16")
+        fused = any(trt_passes.is_plugin_node(n) for n in model.graph)
         fields = {"runtime": "tensorrt", "device": p.device, "precision": precision,
-                  "profile": _profile(decomposed, options.batch),
-                  "onnx_opset": decomposed.opset_imports.get(""), "op_table": p.ops.source,
+                  "profile": _profile(model, options.batch),
+                  "onnx_opset": model.opset_imports.get(""), "op_table": p.ops.source,
+                  "fp32_layers": [n.name for n in selection_nodes(model.graph) if n.name],
                   "engine": {"file": engine_lib.ENGINE, "record": engine_lib.ENGINE_RECORD,
                              "built": "on the device: see README.md (vlmprune build-engine . or trtexec)"}}
-        if context.get("site") is None:
-            ir.save(decomposed, out_dir / "model.onnx")
-            shutil.copy2(engine_lib.__file__, out_dir / "vlmprune_engine.py")
-            return {**fields, "fused": False, "fp32_layers": []}
-        fusion = TokenPruneFusionPass(debug=True, spelling=PLUGIN_OP)
-        fusion(decomposed)
-        if not fusion.fired:
-            raise StructureError(fusion_failure(fusion, context.get("debug", False)))
-        RemoveUnusedNodesPass()(decomposed)
-        trt_passes.TensorRTSupportCheckPass(p.ops)(decomposed)
-        plugin_node = next(n for n in decomposed.graph if trt_passes.is_plugin_node(n))
-        fp32_layers = [n.name for n in trt_passes.score_path_nodes(decomposed, plugin_node) if n.name]
-        ir.save(decomposed, out_dir / "model.onnx")
-        shutil.copy2(ort_target._library(), out_dir / HOST_TWIN)
-        _copy_plugin_sources(p, out_dir / "plugins")
+        ir.save(model, out_dir / "model.onnx")
         shutil.copy2(engine_lib.__file__, out_dir / "vlmprune_engine.py")
         if precision == "int8":
             fields["qdq_model"] = QDQ_MODEL
-            fields["quantization"] = write_qdq_model(out_dir, decomposed, plugin_node, p.ops, context["source"])
+            fields["quantization"] = write_qdq_model(out_dir, self.fusion(context["config"], options), p.ops,
+                                                     context["source"])
+        if not fused:
+            return {**fields, "fused": False}
+        shutil.copy2(ort_target.library(), out_dir / HOST_TWIN)
+        _copy_plugin_sources(p, out_dir / "plugins")
         return {
-            **fields, "fused": True, "fp32_layers": fp32_layers,
+            **fields, "fused": True,
             "plugin": {"name": PLUGIN_OP.op_type, "version": trt_passes.PLUGIN_CONTRACT["version"],
                        "namespace": trt_passes.PLUGIN_CONTRACT["namespace"], "onnx_domain": PLUGIN_OP.domain,
                        "interface": p.plugin_interface, "sources": "plugins/", "library": PLUGIN_LIBRARY,
@@ -181,30 +173,32 @@ class TensorRTTarget(Target):
         }
 
     def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
-        from vlmprune.compiler.runtime import ort_session, run_session
+        from vlmprune.targets.runtime import ort_session, run_session
 
         bundle_dir = Path(bundle_dir)
         target = manifest["target"]
         fused = target.get("fused", False)
         libs = (bundle_dir / HOST_TWIN,) if fused else ()
 
-        def run_fused(pixel_values):
-            return run_session(ort_session(bundle_dir / "model.onnx", libs), pixel_values)
+        def on_cpu(name: str):
+            return lambda pixel_values: run_session(ort_session(bundle_dir / name, libs), pixel_values)
 
-        def run_qdq(pixel_values):
-            return run_session(ort_session(bundle_dir / QDQ_MODEL, libs), pixel_values)
-
-        stages = []
-        if fused:
-            stages.append(StageSpec("fused", f"onnxruntime CPU + {HOST_TWIN} (model.onnx, the plugin's host twin)",
-                                    "fp32", run_fused))
+        what = "the plugin's host twin" if fused else "standard ops"
+        stages = [StageSpec("fused" if fused else "target",
+                            f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} (model.onnx, {what})", "fp32",
+                            on_cpu("model.onnx"))]
         if target.get("qdq_model"):
-            stages.append(StageSpec("qdq", f"onnxruntime CPU + {HOST_TWIN} ({QDQ_MODEL}, explicit int8 Q/DQ)",
-                                    "int8", run_qdq))
+            stages.append(StageSpec("qdq", f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} ({QDQ_MODEL}, "
+                                    "explicit int8 Q/DQ)", "int8", on_cpu(QDQ_MODEL)))
         if engine_available(bundle_dir):
             runner = _LazyEngine(bundle_dir)
-            stages.append(StageSpec("target", f"TensorRT engine ({engine_lib.ENGINE})", runner.precision(), runner))
+            stages.append(StageSpec("engine", f"TensorRT engine ({engine_lib.ENGINE})", runner.precision(), runner))
         return stages
+
+    def runner(self, bundle_dir: Path, manifest: dict):
+        """The engine, on the device; one line where TensorRT or the engine is absent."""
+        runner = engine_lib.EngineRunner(bundle_dir)
+        return runner, f"TensorRT {runner.trt.__version__} engine ({engine_lib.ENGINE}, {runner.precision})"
 
     def readme(self, manifest: dict) -> str:
         return _readme(self.platform, manifest)
@@ -263,16 +257,17 @@ class _LazyEngine:
         return self.runner(pixel_values)
 
 
-def write_qdq_model(out_dir: Path, fused: ir.Model, plugin_node: ir.Node, ops, source) -> dict:
-    """model.qdq.onnx: the graph with explicit int8 Q/DQ (TensorRT's explicit quantization) and the plugin node.
+def write_qdq_model(out_dir: Path, fusion, ops, source) -> dict:
+    """model.qdq.onnx: the graph with explicit int8 Q/DQ (TensorRT's explicit quantization), fused like model.onnx.
 
     ONNX Runtime's quantize_static on model.decomposed.onnx (its calibration cannot load
-    custom ops), then fused like model.onnx. int8 symmetric activations (per tensor,
-    MinMax over real calibration images disjoint from the parity images) and weights
-    (per output channel) on MatMul / Gemm / Conv. Everything that feeds the selection's
-    scores, and the selection itself, stays in floating point: the quantizer puts Q/DQ
-    on a tensor for all of its consumers, so the excluded nodes are rewired to the
-    float tensor afterwards, and the kept indices do not depend on int8 rounding.
+    custom ops), then the target's fusion pipeline where the method fuses. int8 symmetric
+    activations (per tensor, MinMax over real calibration images disjoint from the parity
+    images) and weights (per output channel) on MatMul / Gemm / Conv. Everything that
+    feeds the selection, and the selection itself, stays in floating point (found by the
+    roles the insertion recorded): the quantizer puts Q/DQ on a tensor for all of its
+    consumers, so the excluded nodes are rewired to the float tensor afterwards, and the
+    kept indices do not depend on int8 rounding.
     """
     import logging
     import tempfile
@@ -283,9 +278,8 @@ def write_qdq_model(out_dir: Path, fused: ir.Model, plugin_node: ir.Node, ops, s
     from vlmprune.targets.calibration import calibration_inputs
 
     decomposed = ir.load(out_dir / "model.decomposed.onnx")
-    feeding_scores = {n.name for n in producers_upstream(plugin_node.inputs[1])}
-    selection = {n.name for n in decomposed.graph} - {n.name for n in fused.graph}
-    exclude = sorted(feeding_scores | selection)
+    exclude = sorted({n.name for n in feeding_selection(decomposed.graph)} |
+                     {n.name for n in decomposed.graph if role_of(n) is not None})  # and the emitted gathers
     value = decomposed.graph.inputs[0]
     batch = value.shape[0] if isinstance(value.shape[0], int) else 1
     count = max(batch, CALIBRATION_IMAGES // batch * batch)
@@ -314,14 +308,11 @@ def write_qdq_model(out_dir: Path, fused: ir.Model, plugin_node: ir.Node, ops, s
         finally:
             logging.disable(previous)
         model = ir.load(raw)
+        model.metadata_props.clear()  # the quantizer's copy: fused afresh below
         rewired = _float_inputs_for(model, set(exclude))
-        fusion = TokenPruneFusionPass(spelling=PLUGIN_OP)
-        fusion(model)
-        if not fusion.fired:
-            raise StructureError("the quantized graph no longer matches the TokenPrune fusion")
-        RemoveUnusedNodesPass()(model)
         ShapeInferencePass()(model)  # types of the quantizer's new tensors, for the support check
-        trt_passes.TensorRTSupportCheckPass(ops)(model)
+        if fusion is not None:
+            fusion(model)
         ir.save(model, out_dir / QDQ_MODEL, external_data=QDQ_WEIGHTS)
     quantized = sorted({n.name for n in model.graph if n.op_type in QUANTIZED_OPS
                         and any(i is not None and i.producer() is not None
@@ -330,7 +321,7 @@ def write_qdq_model(out_dir: Path, fused: ir.Model, plugin_node: ir.Node, ops, s
             "activations": "int8 symmetric, per tensor, MinMax calibration",
             "weights": "int8 symmetric, per output channel", "calibration_images": names,
             "quantized_nodes": len(quantized), "kept_float_nodes": len(exclude), "rewired_to_float": rewired,
-            "kept_float": "everything feeding the selection's scores, and the selection (the plugin)"}
+            "kept_float": "everything feeding the selection, the selection, and the method's gathers"}
 
 
 def _float_inputs_for(model: ir.Model, names: set[str]) -> int:
@@ -404,14 +395,24 @@ add_subdirectory(trt/{p.plugin_api})
 """
 
 
+def _shown(cmd: list) -> str:
+    """A trtexec command for the README; a --layerPrecisions list of hundreds of layers is abbreviated."""
+    shown = []
+    for arg in cmd:
+        if arg.startswith("--layerPrecisions=") and len(arg) > 2000:
+            count = arg.count(":fp32")
+            arg = f"--layerPrecisions=<{count} layers from manifest.json target.fp32_layers, each :fp32>"
+        shown.append(arg)
+    return engine_lib.format_command(shown)
+
+
 def _readme(p: JetsonPlatform, manifest: dict) -> str:
     target = manifest["target"]
     inp, outputs = manifest["inputs"][0], manifest["outputs"]
     profile = target["profile"]
     fused = target.get("fused", False)
-    cmd = engine_lib.format_command(engine_lib.trtexec_command(manifest))
-    decomposed_cmd = engine_lib.format_command(engine_lib.trtexec_command(manifest, decomposed=True,
-                                                                          engine="model.decomposed.engine"))
+    cmd = _shown(engine_lib.trtexec_command(manifest))
+    decomposed_cmd = _shown(engine_lib.trtexec_command(manifest, decomposed=True, engine="model.decomposed.engine"))
     plugin_flag = f"{p.trtexec_flag}={PLUGIN_LIBRARY}"
     batch = (f"static batch {profile['min'][0]}" if profile["batch"] == "static"
              else f"dynamic batch: profile min {profile['min'][0]}, opt {profile['opt'][0]}, max {profile['max'][0]}")
@@ -423,7 +424,9 @@ This compiles `plugins/` ({p.plugin_interface} over the CUDA kernels, sm_{p.sm})
 `{PLUGIN_LIBRARY}`. It needs CMake >= {p.cmake_minimum} and the CUDA {p.cuda} toolkit of
 JetPack (`/usr/local/cuda`); TensorRT is found in `/usr/include/aarch64-linux-gnu` and
 `/usr/lib/aarch64-linux-gnu` (override with `-DTENSORRT_ROOT=...`).
-""" if fused else "## 1. No plugin\n\nThis bundle is dense (no pruning): model.onnx has standard ops only.\n"
+""" if fused else ("## 1. No plugin\n\nmodel.onnx has standard ops only: "
+                  + ("this bundle is dense (no pruning).\n" if manifest["method"]["name"] == "none" else
+                     f"the {manifest['method']['name']} selection runs as standard TensorRT layers.\n"))
     contract = trt_passes.PLUGIN_CONTRACT
     precision = target.get("precision", "fp16")
     quant = target.get("quantization")
@@ -437,8 +440,8 @@ JetPack (`/usr/local/cuda`); TensorRT is found in `/usr/include/aarch64-linux-gn
     plugin_files = (f"- `plugins/`: the plugin sources and CMakeLists.txt; `{HOST_TWIN}`: the plugin's host twin "
                     "(ONNX Runtime op over the same kernels on the CPU), used for parity off the device."
                     if fused else "")
-    fp32_note = ("The layers listed in --layerPrecisions compute the [CLS] score; they stay fp32 so that fp16 "
-                 "does not move the K-th boundary. " if target.get("fp32_layers") else "")
+    fp32_note = ("The layers listed in --layerPrecisions compute the selection (its scores and indices); they "
+                 "stay fp32 so that fp16 does not move the K-th boundary. " if target.get("fp32_layers") else "")
     modern_python = tuple(map(int, p.device_python.split("."))) >= (3, 10)
     with_vlmprune, standalone = "vlmprune build-engine .", "python3 vlmprune_engine.py build ."
     build_first = with_vlmprune if modern_python else standalone

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -76,7 +78,7 @@ def demo_bundle(tmp_path_factory):
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("bundles") / "demo_l2"
-    return compile_model("demo", out, CompileOptions(keep=192, layer=2, lam=0.3))
+    return compile_model("demo", out, CompileOptions(keep=192, layer=2, method_options={"lambda": 0.3}))
 
 
 @pytest.fixture(scope="session")
@@ -98,3 +100,33 @@ def elsewhere_onnx(tmp_path_factory):
         torch.onnx.export(model, (torch.zeros(1, 3, 112, 112),), str(path), dynamo=False, opset_version=17,
                           input_names=["pixel_values"], output_names=["last_hidden_state", "pooler_output"])
     return path
+
+
+@pytest.fixture(scope="session")
+def rknn_ready():
+    """rknn-toolkit2 2.5.0's venv: reused if ready, else created (~45 s, ~600 MB from the package index).
+
+    Skips, saying why, when the platform has no toolkit wheel, when VLMPRUNE_RKNN_CREATE=0,
+    or when the package index cannot be reached (an offline machine).
+    """
+    ok, reason = _rknn_env().available()
+    if ok:
+        return _rknn_env().rknn_python()
+    ok, reason = _rknn_env().creatable()
+    if not ok:
+        pytest.skip(f"rk3588 toolchain unavailable: {reason}")
+    if os.environ.get("VLMPRUNE_RKNN_CREATE", "1") == "0":
+        pytest.skip("rknn venv not created and VLMPRUNE_RKNN_CREATE=0")
+    reachable, why = _rknn_env().index_reachable()
+    if not reachable:
+        pytest.skip(f"rknn venv not created and cannot be: {why}")
+    try:
+        return _rknn_env().rknn_python()
+    except _rknn_env().RknnError as exc:
+        pytest.skip(f"rknn venv could not be created: {exc}")
+
+
+def _rknn_env():
+    from vlmprune.targets import rknn_env
+
+    return rknn_env

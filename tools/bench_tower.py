@@ -1,51 +1,151 @@
 #!/usr/bin/env python
-"""Latency of the vision tower, dense vs pruned, PyTorch eager vs ONNX Runtime, side by side in one run.
+"""Latency of the vision tower, dense vs pruned, PyTorch (eager, torch.compile) vs ONNX Runtime, side by side in one run.
 
-    python tools/bench_tower.py [--model clip-l-336] [--keep 192] [--layer 2] [--repeats 5]
+    python tools/bench_tower.py [--model clip-l-336] [--keep 192] [--layer 2] [--repeats 5] [--no-compile]
 
-Measures at batch 1 on this machine's CPU, one process, interleaving nothing else:
-dense PyTorch eager, pruned PyTorch eager (the reference pruner), dense ONNX
-Runtime, and pruned ONNX Runtime with pruning after --layer and at the tower's end.
-Prints medians and ratios; the last line is the headline ratio.
+Batch 1 on this machine's CPU, one process. Each peer runs as its users would run it at its
+fastest: PyTorch with SDPA attention, torch.inference_mode, contiguous fp32 weights and one
+intra-op thread per physical core; torch.compile (inductor, CPU, weights frozen) as rows of
+its own; ONNX Runtime through the product's session (targets.runtime.ort_session) with as
+many intra-op threads, on the graphs `vlmprune compile` emits before fusion.
+
+The pruned torch rows compute the product's reference pruner (the cls method's reference,
+after block L from that block's own Q and K): eager runs VisionPipeline.with_pruner itself,
+and torch.compile compiles that same module (its block L is written without forward hooks
+so that dynamo can trace it); both are checked against eager in the run, as ONNX Runtime is.
+
+Why the rows are interleaved: on a small machine a neighbour (a test suite) that starts
+half-way through a run slows every op, the many small ones of a pruned tower most, so
+rows timed one after another can even rank pruned below dense. Every round therefore runs
+each row once, starting one row later each round, and the run reports how much CPU other
+processes took meanwhile. Warm-up runs (and torch.compile's compilation) are not timed.
+Prints medians, spread and ratios; the last line is the headline ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.frontend import PruneSpec, export_onnx, load_source
-from vlmprune.compiler.images import parity_inputs
-from vlmprune.compiler.runtime import ort_session, run_session
-from vlmprune.passes.token_prune import PruneConfig
+from machine_load import CpuMeter, busy_line, physical_cores
+from vlmprune.compiler.frontend import export_onnx, load_source
+from vlmprune.compiler.frontend.images import parity_inputs
+from vlmprune.compiler.frontend.tower import BLOCK
+from vlmprune.compiler.pipeline import CompileOptions
+from vlmprune.compiler.reference import MethodPruner
+from vlmprune.passes.methods import get_method
+from vlmprune.targets.base import PruneConfig
 from vlmprune.targets.ort import OrtTarget
+from vlmprune.targets.runtime import ort_session, run_session
+
+CLS = get_method("cls")
+
+SETTLE_S = 0.2  # pause before each timed run, for the previous row's spinning threads to park
 
 
-def _median_ms(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
+@contextlib.contextmanager
+def _stderr_to_devnull():
+    """The profiler's C++ side logs its start and stop on fd 2; keep the table readable."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _torch_attention(fn, blocks: int) -> str:
+    """Which attention kernels one run of fn executed, read from the profiler (not from the config)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    counts = Counter(e.name for e in prof.events())
+    sdpa = {name: n for name, n in counts.items() if name.startswith("aten::_scaled_dot_product")}
+    if sdpa:
+        return ", ".join(f"SDPA {name.removeprefix('aten::_scaled_dot_product_')} x{n}" for name, n in sdpa.items())
+    softmax = sum(n for name, n in counts.items() if "softmax" in name.lower())
+    return f"eager (matmul + softmax x{softmax})" if softmax >= blocks else "unknown"
+
+
+def _ort_attention(session, path: Path, x: np.ndarray, folder: Path) -> str:
+    """The ops ONNX Runtime executed for attention in one profiled run of the same graph with the same options."""
+    import onnxruntime as ort
+
+    options = session.get_session_options()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(folder / "ort_profile")
+    probe = ort.InferenceSession(str(path), options, providers=session.get_providers())
+    probe.run(None, {probe.get_inputs()[0].name: x})
+    events = json.loads(Path(probe.end_profiling()).read_text())
+    del probe
+    ops = Counter(e["args"]["op_name"] for e in events
+                  if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and "op_name" in e.get("args", {}))
+    fused = {op: n for op, n in ops.items() if "Attention" in op}
+    if fused:
+        return ", ".join(f"ORT {op} x{n}" for op, n in sorted(fused.items()))
+    return (f"ORT CPU, no fused attention op: MatMul x{ops.get('MatMul', 0)}, FusedMatMul x{ops.get('FusedMatMul', 0)}, "
+            f"Softmax x{ops.get('Softmax', 0)}")
+
+
+def _pruner(keep: int, layer: int) -> MethodPruner:
+    """The product's reference pruner: the cls method after block `layer`."""
+    return MethodPruner(CLS, CLS.parse(keep, {}), BLOCK, layer)
 
 
 def _pruned_onnx(dense_path: Path, folder: Path, keep: int, layer: int | None, name: str) -> Path:
-    model = ir.load(dense_path)
-    for p in OrtTarget().pipeline(PruneConfig(keep, layer)):
-        model = p(model).model
+    """The graph `vlmprune compile` emits for ort, before fusion (the fused op is timed by bench_fused_op.py)."""
+    config = PruneConfig(CLS, CLS.parse(keep, {}), layer)
+    model = OrtTarget().pipeline(config, CompileOptions(keep=keep, layer=layer))(ir.load(dense_path)).model
     path = folder / name
     ir.save(model, path)
     return path
+
+
+def _round_robin(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """ms per run of every fn; each round runs all of them once, starting one later each round.
+
+    A pause precedes every run: ONNX Runtime's pool threads spin after a run (torch's OpenMP
+    threads too) and, on a small machine, would take the next row's cores (measured: a torch
+    run right after an ORT run of the demo tower takes twice as long).
+    """
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            time.sleep(SETTLE_S)
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _agreement(ref, other) -> str:
+    """max |Δ| of the features and whether the kept indices are identical, against the eager reference."""
+    ref_h, ref_k = (ref, None) if isinstance(ref, torch.Tensor) else ref
+    h, k = (other, None) if isinstance(other, (torch.Tensor, np.ndarray)) else other
+    h = torch.as_tensor(np.asarray(h))
+    diff = (h - ref_h).abs().max().item()
+    if ref_k is None:
+        return f"max|d|={diff:.1e}"
+    same = bool((torch.as_tensor(np.asarray(k)) == ref_k).all())
+    return f"max|d|={diff:.1e}, kept {'identical' if same else 'DIFFER'}"
 
 
 def main() -> int:
@@ -54,47 +154,96 @@ def main() -> int:
     parser.add_argument("--keep", type=int, default=192)
     parser.add_argument("--layer", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (minutes to compile)")
     args = parser.parse_args()
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cores = physical_cores()
+    torch.set_num_threads(cores)
+    os.environ.setdefault("VLMPRUNE_ORT_THREADS", str(cores))  # ort_session's intra-op threads
     source = load_source(args.model)
+    pipeline = source.pipeline
+    params = list(pipeline.parameters())
+    if not all(p.is_contiguous() and p.dtype == torch.float32 for p in params):
+        raise SystemExit("the tower's weights are not contiguous fp32")
+    attn_impl = getattr(pipeline.vision_model.config, "_attn_implementation", "?")
     x_np, _ = parity_inputs(1, source.image_size, source.mean, source.std)
+    x_np = np.ascontiguousarray(x_np)
     x = torch.from_numpy(x_np)
     end = source.num_blocks
+    pruned = {"dense": None, f"pruned L{args.layer}": _pruner(args.keep, args.layer),
+              f"pruned L{end} (end)": _pruner(args.keep, end)}
+
+    fns, labels, outputs, checks = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        dense = export_onnx(source.pipeline, source.image_size, 1, 18)
+        dense = export_onnx(pipeline, source.image_size, 1, 18)
         ir.external_data.unload_from_model(dense, folder, "weights.bin", size_threshold_bytes=1024)
         ir.save(dense, folder / "dense.onnx")
-        paths = {
-            "dense": folder / "dense.onnx",
-            f"pruned L{args.layer}": _pruned_onnx(folder / "dense.onnx", folder, args.keep, args.layer, "l.onnx"),
-            f"pruned L{end} (end)": _pruned_onnx(folder / "dense.onnx", folder, args.keep, None, "e.onnx"),
-        }
-        eager = {
-            "dense": source.pipeline,
-            f"pruned L{args.layer}": source.pipeline.with_prune(PruneSpec(args.keep, args.layer)),
-            f"pruned L{end} (end)": source.pipeline.with_prune(PruneSpec(args.keep, end)),
-        }
-        rows = {}
-        with torch.inference_mode():
-            for name, module in eager.items():
-                rows[f"torch eager, {name}"] = _median_ms(lambda m=module: m(x), args.repeats)
-        for name, path in paths.items():
-            session = ort_session(path)
-            rows[f"onnxruntime, {name}"] = _median_ms(lambda s=session: run_session(s, x_np), args.repeats)
-            del session
+        del dense
+        paths = {"dense": folder / "dense.onnx",
+                 f"pruned L{args.layer}": _pruned_onnx(folder / "dense.onnx", folder, args.keep, args.layer, "l.onnx"),
+                 f"pruned L{end} (end)": _pruned_onnx(folder / "dense.onnx", folder, args.keep, None, "e.onnx")}
 
+        torch._inductor.config.freezing = True  # the documented CPU inference setting: weights folded, prepacked
+        with torch.inference_mode():
+            for name, prune in pruned.items():
+                eager = pipeline.with_pruner(prune)
+                fns[f"torch eager, {name}"] = lambda m=eager: m(x)
+                outputs[name] = eager(x)  # warm-up
+                labels[f"torch eager, {name}"] = (f"attn_implementation={attn_impl}: "
+                                                   + _torch_attention(lambda m=eager: m(x), end))
+            if not args.no_compile:
+                for name, prune in pruned.items():
+                    row = f"torch.compile, {name}"
+                    compiled = torch.compile(pipeline.with_pruner(prune), backend="inductor")
+                    start = time.perf_counter()
+                    checks[row] = _agreement(outputs[name], compiled(x))  # warm-up, compiles
+                    labels[row] = "inductor, freezing: " + _torch_attention(lambda m=compiled: m(x), end)
+                    labels[row] += f" (compiled in {time.perf_counter() - start:.0f} s)"
+                    fns[row] = lambda m=compiled: m(x)
+        for name, path in paths.items():
+            row = f"onnxruntime, {name}"
+            session = ort_session(path)
+            result = run_session(session, x_np)  # warm-up
+            out = result["image_features"] if name == "dense" else (result["image_features"], result["kept_indices"])
+            checks[row] = _agreement(outputs[name], out)
+            labels[row] = _ort_attention(session, path, x_np, folder)
+            ort_threads = session.get_session_options().intra_op_num_threads
+            fns[row] = lambda s=session: run_session(s, x_np)
+
+        meter = CpuMeter()
+        with torch.inference_mode():
+            times = _round_robin(fns, args.repeats)
+        load = meter.report()
+
+    rows = {row: statistics.median(t) for row, t in times.items()}
     base = rows["torch eager, dense"]
-    print(f"{args.model}, batch 1, keep {args.keep} of {(source.image_size // source.patch_size) ** 2}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'configuration':<40} {'ms':>10} {'speedup vs torch dense':>24}")
-    for name, ms in rows.items():
-        print(f"{name:<40} {ms:>10.1f} {base / ms:>23.2f}x")
-    ort_l = rows[f"onnxruntime, pruned L{args.layer}"]
-    print(f"ort_pruned_L{args.layer}_vs_torch_pruned_L{args.layer}: {rows[f'torch eager, pruned L{args.layer}'] / ort_l:.2f}")
-    print(f"ort_pruned_L{args.layer}_vs_torch_dense: {base / ort_l:.2f}")
-    return 0
+    n_patches = (source.image_size // source.patch_size) ** 2
+    print(f"{args.model}, batch 1, keep {args.keep} of {n_patches}, {torch.get_num_threads()} torch threads, "
+          f"{ort_threads} ORT intra-op threads ({cores} physical cores), median of {args.repeats}, rows interleaved")
+    print(f"{'configuration':<34} {'ms':>9} {'min-max ms':>15} {'vs torch dense':>15}  attention")
+    for row, ms in rows.items():
+        spread = f"{min(times[row]):.0f}-{max(times[row]):.0f}"
+        print(f"{row:<34} {ms:>9.1f} {spread:>15} {base / ms:>14.2f}x  {labels[row]}")
+    print("agreement with torch eager: " + "; ".join(f"{row}: {c}" for row, c in checks.items()))
+    if busy_line(load):
+        print(busy_line(load))
+    if any("DIFFER" in c for c in checks.values()):
+        print("a peer kept different tokens than the eager reference: its row does not compute the same thing")
+    layer = args.layer
+    eager_l = rows[f"torch eager, pruned L{layer}"]
+    ort_l = rows[f"onnxruntime, pruned L{layer}"]
+    print(f"torch_eager_pruned_L{layer}_vs_torch_eager_dense: {base / eager_l:.2f}")
+    print(f"ort_dense_vs_torch_dense: {base / rows['onnxruntime, dense']:.2f}")
+    if not args.no_compile:
+        compile_l = rows[f"torch.compile, pruned L{layer}"]
+        print(f"torch_compile_dense_vs_torch_eager_dense: {base / rows['torch.compile, dense']:.2f}")
+        print(f"torch_compile_pruned_L{layer}_vs_torch_eager_pruned_L{layer}: {eager_l / compile_l:.2f}")
+        print(f"ort_pruned_L{layer}_vs_torch_compile_pruned_L{layer}: {compile_l / ort_l:.2f}")
+        print(f"ort_pruned_L{layer}_vs_best_torch_pruned_L{layer}: {min(eager_l, compile_l) / ort_l:.2f}")
+    print(f"ort_pruned_L{layer}_vs_torch_pruned_L{layer}: {eager_l / ort_l:.2f}")
+    print(f"ort_pruned_L{layer}_vs_torch_dense: {base / ort_l:.2f}")
+    return 1 if any("DIFFER" in c for c in checks.values()) else 0
 
 
 if __name__ == "__main__":

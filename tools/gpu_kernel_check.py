@@ -4,8 +4,10 @@
 Builds kernels/cuda/check_main.cu (CUDA kernels + CPU kernels) with nvcc for the
 local GPU and runs it: every CUDA result is compared with the CPU kernels on the
 same inputs (B in {1, 8}, N in {576, 1024}, D = 1024, fp32 and fp16, tied scores,
-plus edge shapes), then gather + summary is timed against a device-to-device
-cudaMemcpy of the same traffic. With PyTorch + CUDA present, an eager composite
+plus edge shapes; DivPrune's greedy picks on 1 - cosine, random, tied and +-inf
+distances for N from 1 to 4096, which must match exactly), then gather + summary is
+timed against a device-to-device cudaMemcpy of the same traffic, and DivPrune against
+one single-threaded CPU call. With PyTorch + CUDA present, an eager composite
 (torch.gather + masked mean) is timed at B=8, N=1024, D=1024 in fp16 and bf16.
 
     python tools/gpu_kernel_check.py [--arch sm_90] [--reps 200] [--json out.json]
@@ -141,6 +143,13 @@ def print_report(result: dict, torch_rows: list[dict] | None) -> None:
             layout = "k[dh,T]" if t["k_transposed"] else "k[T,dh]"
             print(f"  {t['dtype']} {layout:8} {'int8' if t['int8'] else 'float':5} {t['ms']:.4f} ms  "
                   f"({t['k_gbps']:.0f} GB/s of K)")
+
+    divprune = [t for t in result["timings"] if t["op"] == "divprune_select"]
+    if divprune:
+        print("\nDivPrune greedy selection (dist [B, N, N] -> K picks; one block per image)")
+        for t in divprune:
+            print(f"  B={t['B']:<2} N={t['N']:<5} K={t['K']:<5} {t['ms']:.4f} ms  "
+                  f"(CPU, 1 thread: {t['cpu_1thread_ms']:.3f} ms)")
 
     if torch_rows is None:
         print("\nPyTorch with CUDA not available: eager composite not timed")

@@ -182,7 +182,7 @@ def selection_report(layers=(2, None)) -> dict:
                     try:
                         out = Path(tmp) / f"{target}-{selection}-{layer}"
                         result = compile_model("demo", out, CompileOptions(target=target, keep=192, layer=layer,
-                                                                           lam=0.3 if layer else 0.0))
+                                                                           method_options={"lambda": 0.3} if layer else 0.0))
                     finally:
                         targets.TARGETS[target] = saved
                     fields = result.manifest["target"]

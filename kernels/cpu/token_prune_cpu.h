@@ -20,6 +20,11 @@ vlmp_status check_gather_args(vlmp_dtype dt, const void* hidden, int64_t B, int6
 vlmp_status check_scores_args(vlmp_dtype dt, const void* q, const void* k, int64_t B, int64_t H, int64_t T,
                               int64_t dh, int has_cls, const float* scores);
 
+// DivPrune (cpu/divprune.cc): checks of the C ABI's arguments, and the greedy picks of
+// one image: dist [N, N] -> picks [K] in pick order (1 <= K <= N, validated).
+vlmp_status check_divprune_args(const float* dist, int64_t B, int64_t N, int64_t K, const int64_t* picks);
+void divprune_select_image(const float* dist, int64_t N, int64_t K, int64_t* picks);
+
 // TopK of one row of N scores, ties to the lower index, written ascending to kept[0..K).
 void select_topk_row(const float* scores, int64_t N, int64_t K, int64_t* kept);
 

@@ -1,13 +1,14 @@
 // GPU check of the vlmprune kernels: the CUDA twins against the CPU kernels on the
 // same inputs, then timings. Built and driven by tools/gpu_kernel_check.py:
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Iinclude -Icpu cuda/check_main.cu cuda/token_prune.cu cpu/token_prune.cc
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Iinclude -Icpu cuda/check_main.cu cuda/token_prune.cu cpu/*.cc
 //   ./a.out [--reps 200] [--quick]
 //
 // Prints one JSON object on stdout; exits 1 when any correctness check fails.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -239,6 +240,90 @@ void check_scores(Report& rep, const ScoreCase& c, uint64_t seed) {
   rep.check(name, ok, "\"max_rel\": " + fmt("%.3g", max_rel));
 }
 
+// DivPrune distance matrices [B, N, N]. kCosine: 1 - cosine of random tokens (what the
+// graph feeds the op); kRandom: asymmetric uniform values; kTied: a few levels, so every
+// argmax meets ties; kEqual: all 0.5 (picks must be 0, 1, 2, ...); kInf: random with some
+// off-diagonal +-inf (every candidate -inf after a -inf row: ties to index 0).
+enum DistKind { kCosine, kRandom, kTied, kEqual, kInf };
+const char* dist_kind_name(DistKind k) {
+  static const char* names[] = {"cosine", "random", "tied", "equal", "inf"};
+  return names[k];
+}
+
+std::vector<float> divprune_dist(DistKind kind, int64_t B, int64_t N, uint64_t seed) {
+  const size_t nn = static_cast<size_t>(N * N);
+  std::vector<float> d(static_cast<size_t>(B) * nn);
+  Rng rng(seed);
+  if (kind == kCosine) {
+    const int64_t D = 32;
+    std::vector<float> unit(static_cast<size_t>(N * D));
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < N; ++i) {
+        float norm = 0.0f;
+        for (int64_t e = 0; e < D; ++e) {
+          unit[i * D + e] = rng.normal();
+          norm += unit[i * D + e] * unit[i * D + e];
+        }
+        norm = std::max(std::sqrt(norm), 1e-12f);
+        for (int64_t e = 0; e < D; ++e) unit[i * D + e] /= norm;
+      }
+      for (int64_t r = 0; r < N; ++r) {
+        for (int64_t c = 0; c < N; ++c) {
+          float dot = 0.0f;
+          for (int64_t e = 0; e < D; ++e) dot += unit[r * D + e] * unit[c * D + e];
+          d[b * nn + r * N + c] = 1.0f - dot;
+        }
+      }
+    }
+    return d;
+  }
+  for (size_t i = 0; i < d.size(); ++i) {
+    const uint64_t u = rng.next();
+    switch (kind) {
+      case kTied: d[i] = static_cast<float>(u % 4) / 4.0f; break;
+      case kEqual: d[i] = 0.5f; break;
+      case kInf: d[i] = u % 20 == 0 ? -INFINITY : u % 20 == 1 ? INFINITY : rng.uniform(); break;
+      default: d[i] = rng.uniform(); break;
+    }
+  }
+  return d;
+}
+
+struct DivPruneCase {
+  int64_t B, N, K;
+  DistKind kind;
+};
+
+void check_divprune(Report& rep, const DivPruneCase& c, uint64_t seed) {
+  const std::vector<float> dist = divprune_dist(c.kind, c.B, c.N, seed);
+  std::vector<int64_t> cpu(static_cast<size_t>(c.B * c.K)), gpu(cpu.size(), -1);
+  const vlmp_status s = vlmp_divprune_select_cpu(dist.data(), c.B, c.N, c.K, cpu.data());
+  DeviceMem d_dist(dist.size() * 4), d_picks(gpu.size() * 8);
+  d_dist.upload(dist.data(), dist.size() * 4);
+  CUDA_CHECK(cudaMemset(d_picks.ptr, 0xff, d_picks.bytes));  // -1: unwritten picks cannot pass
+  const vlmp_status g = vlmp_divprune_select_cuda(d_dist.as<float>(), c.B, c.N, c.K, d_picks.as<int64_t>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  d_picks.download(gpu.data(), gpu.size() * 8);
+  char name[160];
+  std::snprintf(name, sizeof name, "divprune %s B=%lld N=%lld K=%lld", dist_kind_name(c.kind),
+                static_cast<long long>(c.B), static_cast<long long>(c.N), static_cast<long long>(c.K));
+  if (s || g) {
+    rep.check(name, false, "\"status\": [" + std::to_string(s) + ", " + std::to_string(g) + "]");
+    return;
+  }
+  int64_t mismatch = 0, first = -1, order_bad = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    if (cpu[i] != gpu[i]) {
+      ++mismatch;
+      if (first < 0) first = static_cast<int64_t>(i % c.K);  // the first step that differs
+    }
+    if (c.kind == kEqual) order_bad += cpu[i] != static_cast<int64_t>(i % c.K);  // all ties: 0, 1, 2, ...
+  }
+  rep.check(name, mismatch == 0 && order_bad == 0,
+            "\"picks_mismatch\": " + std::to_string(mismatch) + ", \"first_bad_step\": " + std::to_string(first) +
+                ", \"cpu_not_in_order\": " + std::to_string(order_bad));
+}
+
 void check_errors(Report& rep) {
   DeviceMem buf(1 << 20);
   float* f = buf.as<float>();
@@ -261,6 +346,11 @@ void check_errors(Report& rep) {
        VLMP_ERR_UNSUPPORTED},
       {"scores no patch", vlmp_cls_scores_cuda(VLMP_FLOAT32, f, f, 1, 1, 1, 4, 1, 1.0f, 1, 0, f, nullptr),
        VLMP_ERR_INVALID_ARGUMENT},
+      {"divprune K=0", vlmp_divprune_select_cuda(f, 1, 10, 0, i, nullptr), VLMP_ERR_INVALID_ARGUMENT},
+      {"divprune K>N", vlmp_divprune_select_cuda(f, 1, 10, 11, i, nullptr), VLMP_ERR_INVALID_ARGUMENT},
+      {"divprune B=0", vlmp_divprune_select_cuda(f, 0, 10, 3, i, nullptr), VLMP_ERR_INVALID_ARGUMENT},
+      {"divprune null", vlmp_divprune_select_cuda(f, 1, 10, 3, nullptr, nullptr), VLMP_ERR_INVALID_ARGUMENT},
+      {"divprune N>4096", vlmp_divprune_select_cuda(f, 1, 4097, 10, i, nullptr), VLMP_ERR_UNSUPPORTED},
   };
   for (const auto& c : cases) {
     rep.check(std::string("status ") + c.name, c.got == c.want,
@@ -357,6 +447,29 @@ void time_scores(Report& rep, vlmp_dtype dt, int64_t B, int64_t H, int64_t T, in
   rep.timings.push_back(buf);
 }
 
+// GPU milliseconds of one DivPrune call (dist stays in L2 at small B, as after the MatMul
+// that produces it), and one single-threaded CPU call for scale.
+void time_divprune(Report& rep, int64_t B, int64_t N, int64_t K, int reps) {
+  const std::vector<float> dist = divprune_dist(kCosine, B, N, 7);
+  DeviceMem d_dist(dist.size() * 4), d_picks(static_cast<size_t>(B * K) * 8);
+  d_dist.upload(dist.data(), dist.size() * 4);
+  const vlmp_status st = vlmp_divprune_select_cuda(d_dist.as<float>(), B, N, K, d_picks.as<int64_t>(), nullptr);
+  const double ms = time_ms(
+      [&](int) { vlmp_divprune_select_cuda(d_dist.as<float>(), B, N, K, d_picks.as<int64_t>(), nullptr); }, reps);
+  CUDA_CHECK(cudaGetLastError());
+  std::vector<int64_t> picks(static_cast<size_t>(B * K));
+  const auto t0 = std::chrono::steady_clock::now();
+  vlmp_divprune_select_cpu(dist.data(), B, N, K, picks.data());
+  const double cpu_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "{\"op\": \"divprune_select\", \"B\": %lld, \"N\": %lld, \"K\": %lld, \"status\": %d, "
+                "\"ms\": %.5f, \"cpu_1thread_ms\": %.4f}",
+                static_cast<long long>(B), static_cast<long long>(N), static_cast<long long>(K), static_cast<int>(st),
+                ms, cpu_ms);
+  rep.timings.push_back(buf);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -401,6 +514,16 @@ int main(int argc, char** argv) {
     check_scores(rep, {dt, 2, 3, 50, 40, 1, 0, 0}, seed++);
     check_scores(rep, {dt, 2, 3, 4097, 80, 0, 1, 1}, seed++);
   }
+  // DivPrune: the ONNX graph's shapes (N = 576 patches), every block size path (N below,
+  // at and above 1024 threads, up to the 4096 limit), K == 1, K == N, and exact ties.
+  const DivPruneCase divprune_cases[] = {
+      {1, 1, 1, kRandom},      {3, 2, 2, kRandom},     {3, 7, 7, kTied},      {2, 7, 3, kEqual},
+      {1, 576, 1, kCosine},    {1, 576, 192, kCosine}, {8, 576, 192, kCosine}, {3, 576, 576, kTied},
+      {3, 576, 64, kRandom},   {2, 576, 100, kInf},    {2, 33, 33, kEqual},   {2, 1000, 333, kRandom},
+      {2, 1024, 256, kCosine}, {2, 1025, 300, kTied},  {2, 2304, 576, kCosine}, {2, 4096, 1024, kRandom},
+      {1, 4096, 4096, kTied},
+  };
+  for (const DivPruneCase& c : divprune_cases) check_divprune(rep, c, seed++);
   check_errors(rep);
 
   const int treps = quick ? 20 : reps;
@@ -412,6 +535,8 @@ int main(int argc, char** argv) {
       for (int int8 = 0; int8 < 2; ++int8) time_scores(rep, dt, 8, 16, 1025, 64, kt, int8, treps);
     }
   }
+  const int64_t divprune_timed[][3] = {{1, 576, 64}, {1, 576, 192}, {8, 576, 192}, {8, 1024, 256}, {1, 4096, 1024}};
+  for (const auto& t : divprune_timed) time_divprune(rep, t[0], t[1], t[2], std::max(1, treps / 10));
 
   std::printf("{\"device\": \"%s\", \"sm\": \"%d%d\", \"l2_bytes\": %d, \"failures\": %d,\n \"checks\": [\n  ",
               prop.name, prop.major, prop.minor, l2, rep.failures);

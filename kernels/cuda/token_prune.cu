@@ -1,4 +1,5 @@
-// CUDA kernels of vlmprune: TopK selection, gather + summary, [CLS]-row scorer.
+// CUDA kernels of vlmprune: TopK selection, gather + summary, [CLS]-row scorer,
+// DivPrune greedy selection.
 // Same semantics as kernels/cpu (shared/DESIGN.md "Pruning semantics"). Every entry
 // point only enqueues on the caller's stream: no allocation, no host synchronisation.
 //
@@ -349,6 +350,86 @@ __global__ void __launch_bounds__(kScoreThreads)
   for (int i = threadIdx.x; i < N; i += blockDim.x) scores[b * N + i] = acc[i] / heads;
 }
 
+// ---------------------------------------------------------------- DivPrune
+
+constexpr int kDivPruneThreads = 1024;
+constexpr int kDivPruneCols = kMaxN / kDivPruneThreads;  // columns per thread: the N <= 4096 limit
+
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
+  for (int o = kWarp / 2; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+// Block-wide argmax of run[] (thread t owns columns t, t + blockDim.x, ...), ties to the
+// lowest index: the max of rank_key (value, then index ascending; -0 == +0, as IEEE
+// compares). red: 32 keys of shared memory that no thread reads until the next
+// __syncthreads but one (callers alternate two buffers, so one barrier per step suffices).
+__device__ __forceinline__ int block_argmax(const float (&run)[kDivPruneCols], int N, unsigned long long* red) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  unsigned long long key = 0;  // below every real key
+#pragma unroll
+  for (int j = 0; j < kDivPruneCols; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    if (c < N) {
+      const unsigned long long k = rank_key(run[j], c);
+      key = k > key ? k : key;
+    }
+  }
+  key = warp_max(key);
+  if (lane == 0) red[warp] = key;
+  __syncthreads();
+  key = warp_max(lane < warps ? red[lane] : 0ull);
+  return static_cast<int>(0xffffffffu - static_cast<unsigned>(key & 0xffffffffull));
+}
+
+// One block per image; blockDim.x is a multiple of 32 with blockDim.x * kDivPruneCols >= N.
+// The running minimum lives in registers (each thread only ever touches its own columns,
+// so updates need no barrier); a picked column holds -inf, which min() keeps, exactly the
+// contract's "-inf if picked". fp32 compares and selects only: bitwise the CPU's picks.
+__global__ void __launch_bounds__(kDivPruneThreads)
+    divprune_select_kernel(const float* __restrict__ dist, int N, int K, int64_t* __restrict__ picks) {
+  __shared__ unsigned long long red[2][kWarp];
+  const float* d = dist + static_cast<int64_t>(blockIdx.x) * N * N;
+  int64_t* out = picks + static_cast<int64_t>(blockIdx.x) * K;
+  float run[kDivPruneCols];
+
+  // Step 0: column minima off the diagonal; a warp reads 32 consecutive floats of a row.
+#pragma unroll
+  for (int j = 0; j < kDivPruneCols; ++j) run[j] = INFINITY;
+#pragma unroll 4
+  for (int r = 0; r < N; ++r) {
+    const float* row = d + static_cast<int64_t>(r) * N;
+#pragma unroll
+    for (int j = 0; j < kDivPruneCols; ++j) {
+      const int c = threadIdx.x + j * blockDim.x;
+      if (c < N && c != r) {
+        const float v = row[c];
+        run[j] = v < run[j] ? v : run[j];
+      }
+    }
+  }
+
+  for (int step = 0;; ++step) {
+    const int p = block_argmax(run, N, red[step & 1]);
+    if (threadIdx.x == 0) out[step] = p;
+    if (step + 1 == K) break;
+    const float* row = d + static_cast<int64_t>(p) * N;
+#pragma unroll
+    for (int j = 0; j < kDivPruneCols; ++j) {
+      const int c = threadIdx.x + j * blockDim.x;
+      if (c < N) {
+        const float v = row[c];
+        // After step 0 the running minimum starts as the picked row itself.
+        const float m = step == 0 ? v : (v < run[j] ? v : run[j]);
+        run[j] = c == p ? -INFINITY : m;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ C ABI
@@ -398,6 +479,17 @@ vlmp_status vlmp_cls_scores_cuda(vlmp_dtype dt, const void* q, const void* k, in
     cls_scores_kernel<float><<<grid, kScoreThreads, 0, s>>>(static_cast<const float*>(q), static_cast<const float*>(k),
                                                             h, t, d, k_transposed, scale, has_cls, int8, scores);
   }
+  return launch_status();
+}
+
+vlmp_status vlmp_divprune_select_cuda(const float* dist, int64_t B, int64_t N, int64_t K, int64_t* picks,
+                                      void* stream) {
+  if (B < 1 || K < 1 || K > N || dist == nullptr || picks == nullptr) return VLMP_ERR_INVALID_ARGUMENT;
+  if (N > kMaxN || B > 0x7fffffff) return VLMP_ERR_UNSUPPORTED;
+  // One thread per column up to 1024 (whole warps), then up to kDivPruneCols columns each.
+  const int threads = static_cast<int>(N >= kDivPruneThreads ? kDivPruneThreads : (N + kWarp - 1) / kWarp * kWarp);
+  divprune_select_kernel<<<static_cast<unsigned>(B), threads, 0, static_cast<cudaStream_t>(stream)>>>(
+      dist, static_cast<int>(N), static_cast<int>(K), picks);
   return launch_status();
 }
 

@@ -3,11 +3,12 @@
 //       -> tokens [B, has_cls+keep+1, D], kept_indices [B, keep] int64
 //   ClsAttentionScore(q [B,H,T|1,dh], k [B,H,dh,T] | [B,H,T,dh]; scale, has_cls, int8, k_transposed)
 //       -> scores [B, T-has_cls] f32
+//   DivPruneSelect(dist [B,N,N] f32; keep) -> picks [B, keep] int64, in pick order
 // and, domain "trt.plugins", the TensorRT plugin node's host-side twin:
 //   VlmpTokenPrune(hidden, scores; keep, has_cls, plugin_version "1", plugin_namespace "vlmprune")
 //       the same kernel as TokenPrune, so the TensorRT targets' model.onnx runs here for parity
 //       (the plugin itself, kernels/trt, runs the CUDA twins of the same kernels).
-// Both run the CPU kernels of kernels/cpu over ONNX Runtime's intra-op thread pool.
+// All run the CPU kernels of kernels/cpu over ONNX Runtime's intra-op thread pool.
 // The library also exports the vlmp_* C functions (see the build's version script).
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
@@ -302,6 +303,59 @@ struct ClsAttentionScoreOp : Ort::CustomOpBase<ClsAttentionScoreOp, ClsAttention
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
+// ------------------------------------------------------------ DivPruneSelect
+
+constexpr const char* kDivPrune = "DivPruneSelect";
+
+// The fused form of divprune's greedy Loop (passes/methods/divprune.py): same picks, bit for bit.
+struct DivPruneSelectKernel {
+  DivPruneSelectKernel(const OrtApi& api, const OrtKernelInfo* info)
+      : keep_(attr_int(api, info, kDivPrune, "keep", true, 0)) {
+    if (keep_ < 1) fail(kDivPrune, "attribute 'keep' must be >= 1, got " + std::to_string(keep_));
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return guarded(kDivPrune, [&] { Compute(Ort::KernelContext(context)); });
+  }
+
+  void Compute(const Ort::KernelContext& ctx) const {
+    const Ort::ConstValue dist = ctx.GetInput(0);
+    const std::vector<int64_t> ds = dist.GetTensorTypeAndShapeInfo().GetShape();
+    if (ds.size() != 3 || ds[1] != ds[2]) fail(kDivPrune, "dist must be [B, N, N], got " + shape_str(ds));
+    const int64_t B = ds[0], N = ds[1], K = keep_;
+    if (K > N) {
+      fail(kDivPrune, "keep=" + std::to_string(K) + " must satisfy 1 <= keep <= N, the " + std::to_string(N) +
+                          " tokens of dist " + shape_str(ds));
+    }
+    Ort::UnownedValue out = ctx.GetOutput(0, {B, K});
+    if (B == 0) return;
+    const float* d = dist.GetTensorData<float>();
+    int64_t* picks = out.GetTensorMutableData<int64_t>();
+    if (vlmp::cpu::check_divprune_args(d, B, N, K, picks) != VLMP_OK) {
+      fail(kDivPrune, "dist " + shape_str(ds) + " has more tokens than the kernel supports");
+    }
+    // One image per task: the greedy steps within an image are sequential.
+    auto image = [&](size_t task) {
+      const int64_t b = static_cast<int64_t>(task);
+      vlmp::cpu::divprune_select_image(d + b * N * N, N, K, picks + b * K);
+    };
+    parallel_for(ctx, static_cast<size_t>(B), image);
+  }
+
+  int64_t keep_;
+};
+
+struct DivPruneSelectOp : Ort::CustomOpBase<DivPruneSelectOp, DivPruneSelectKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return guarded(kDivPrune, [&] { *kernel = new DivPruneSelectKernel(api, info); });
+  }
+  const char* GetName() const { return kDivPrune; }
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
+};
+
 const OrtApi* newest_api(const OrtApiBase* base) {
   for (uint32_t v = ORT_API_VERSION; v >= kMinApiVersion; --v) {
     if (const OrtApi* api = base->GetApi(v)) return api;
@@ -320,6 +374,7 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
   Ort::InitApi(api);
   static const TokenPruneOp token_prune;
   static const ClsAttentionScoreOp cls_score;
+  static const DivPruneSelectOp divprune_select;
   static const PluginTwinOp plugin_twin;
   // Domains must outlive every session that uses them. They are kept until exit and
   // deliberately never released: at exit ONNX Runtime may already be unloaded.
@@ -329,6 +384,7 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     Ort::CustomOpDomain domain{kDomain};
     domain.Add(&token_prune);
     domain.Add(&cls_score);
+    domain.Add(&divprune_select);
     Ort::CustomOpDomain plugin_domain{kPluginDomain};
     plugin_domain.Add(&plugin_twin);
     Ort::UnownedSessionOptions(options).Add(domain);

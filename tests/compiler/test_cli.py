@@ -84,7 +84,7 @@ def test_targets_lists_availability():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--keep", 0], "--keep must be >= 1"),
+    (["--keep", 0], "--keep must be an integer >= 1"),
     (["--keep", 64], "keep must satisfy 1 <= keep < 64"),
     (["--target", "nope"], "unknown target 'nope'"),
     (["--layer", 9], "--layer 9 is out of range"),
@@ -109,7 +109,7 @@ def test_corrupt_onnx(tmp_path):
 
 
 def test_tower_without_cls(tiny_siglip_dir, tmp_path):
-    _assert_one_line_error(_run("compile", tiny_siglip_dir, "--keep", 8, "-o", tmp_path / "b"), "no [CLS] token")
+    _assert_one_line_error(_run("compile", tiny_siglip_dir, "--keep", 8, "-o", tmp_path / "b"), "needs a [CLS] token")
 
 
 def test_unwritable_output(tiny_llava_dir, tmp_path):

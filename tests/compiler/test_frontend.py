@@ -69,7 +69,7 @@ def test_clip_dir_with_projector(tiny_clip_dir, tmp_path):
 
 
 def test_onnx_tower_source(tiny_dense_path, tmp_path):
-    result = compile_model(str(tiny_dense_path), tmp_path / "b", CompileOptions(keep=20, layer=2, lam=0.2))
+    result = compile_model(str(tiny_dense_path), tmp_path / "b", CompileOptions(keep=20, layer=2, method_options={"lambda": 0.2}))
     stages = {s.stage: s for s in result.report.stages}
     assert set(stages) == {"rewritten", "fused"}  # no torch model: the selection is checked
     assert stages["rewritten"].passed and stages["rewritten"].indices["agreement"] == 1.0

@@ -23,7 +23,9 @@ class CpuKernels:
         self.lib.vlmp_select_topk_cpu.argtypes = [p, i64, i64, i64, p]
         self.lib.vlmp_gather_summary_cpu.argtypes = [c_int, p, i64, i64, i64, c_int, p, i64, p]
         self.lib.vlmp_cls_scores_cpu.argtypes = [c_int, p, p, i64, i64, i64, i64, c_int, ctypes.c_float, c_int, c_int, p]
-        for fn in (self.lib.vlmp_select_topk_cpu, self.lib.vlmp_gather_summary_cpu, self.lib.vlmp_cls_scores_cpu):
+        self.lib.vlmp_divprune_select_cpu.argtypes = [p, i64, i64, i64, p]
+        for fn in (self.lib.vlmp_select_topk_cpu, self.lib.vlmp_gather_summary_cpu, self.lib.vlmp_cls_scores_cpu,
+                   self.lib.vlmp_divprune_select_cpu):
             fn.restype = c_int
 
     def select_topk_status(self, scores: np.ndarray, k: int) -> tuple[int, np.ndarray]:
@@ -67,6 +69,18 @@ class CpuKernels:
         assert status == VLMP_OK
         return scores
 
+    def divprune_select_status(self, dist: np.ndarray, k: int) -> tuple[int, np.ndarray]:
+        dist = np.ascontiguousarray(dist, dtype=np.float32)
+        b, n, _ = dist.shape
+        picks = np.full((b, max(k, 0)), -1, dtype=np.int64)
+        status = self.lib.vlmp_divprune_select_cpu(dist.ctypes.data, b, n, k, picks.ctypes.data)
+        return status, picks
+
+    def divprune_select(self, dist: np.ndarray, k: int) -> np.ndarray:
+        status, picks = self.divprune_select_status(dist, k)
+        assert status == VLMP_OK
+        return picks
+
 
 # ------------------------------------------------------------------ references
 
@@ -109,6 +123,37 @@ def ref_cls_scores(q, k, *, k_transposed: bool, scale: float, has_cls: int, int8
     e = np.exp(logits - logits.max(axis=-1, keepdims=True))
     attn = e / e.sum(axis=-1, keepdims=True)
     return attn[:, :, has_cls:].mean(axis=1)
+
+
+def ref_divprune(dist: np.ndarray, k: int) -> np.ndarray:
+    """DivPrune's greedy picks [B, K] in pick order, written as the contract reads (kernels.h).
+
+    All in fp32: the column minimum off the diagonal picks first, then the running
+    minimum of the picked rows with picked tokens at -inf; np.argmax takes the first
+    maximum, i.e. ties go to the lowest index.
+    """
+    dist = np.asarray(dist, dtype=np.float32)
+    b, n, _ = dist.shape
+    picks = np.empty((b, k), dtype=np.int64)
+    for i in range(b):
+        d = dist[i]
+        candidates = np.where(np.eye(n, dtype=bool), np.float32(np.inf), d).min(axis=0)
+        picked = np.zeros(n, dtype=bool)
+        running = None
+        for step in range(k):
+            pick = int(np.argmax(candidates))
+            picks[i, step] = pick
+            picked[pick] = True
+            running = d[pick].copy() if running is None else np.minimum(running, d[pick])
+            candidates = np.where(picked, np.float32(-np.inf), running)
+    return picks
+
+
+def cosine_distances(rng: np.random.Generator, b: int, n: int, dim: int = 64) -> np.ndarray:
+    """1 - cosine between random token rows, in fp32 as the graph computes it: [B, N, N]."""
+    tokens = rng.standard_normal((b, n, dim)).astype(np.float32)
+    unit = tokens / np.maximum(np.linalg.norm(tokens, axis=-1, keepdims=True), np.float32(1e-12))
+    return (np.float32(1) - unit @ np.swapaxes(unit, 1, 2)).astype(np.float32)
 
 
 def quantize_per_vector(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

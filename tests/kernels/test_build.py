@@ -40,5 +40,5 @@ def test_header_override_must_hold_the_headers(tmp_path, monkeypatch):
 
 def test_sources_are_found_inside_the_package():
     names = [p.name for p in build.library_sources()]
-    assert names == ["token_prune.cc", "vlmprune_ort_ops.cc"]
+    assert names == ["divprune.cc", "token_prune.cc", "vlmprune_ort_ops.cc"]  # all in the build key
     assert (build.CUDA_DIR / build.CUDA_LIBRARY_SOURCE).is_file()

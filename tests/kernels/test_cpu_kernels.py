@@ -11,7 +11,9 @@ from kernel_helpers import (
     VLMP_ERR_UNSUPPORTED,
     CpuKernels,
     attention_like_qk,
+    cosine_distances,
     ref_cls_scores,
+    ref_divprune,
     ref_gather_summary,
     ref_topk,
     tied_scores,
@@ -190,3 +192,93 @@ def test_scores_reject_bad_shapes(cpu):
     q = np.zeros((1, 2, 5, 4), np.float32)
     status, _ = cpu.cls_scores_status(q[:, :, :1], q[:, :, :1], k_transposed=False, scale=1.0, has_cls=1, int8=False)
     assert status == VLMP_ERR_INVALID_ARGUMENT  # T=1 with [CLS] leaves no patch token
+
+
+# ------------------------------------------------------------------ DivPrune
+
+
+def _distances(kind: str, rng: np.random.Generator, b: int, n: int) -> np.ndarray:
+    if kind == "cosine":
+        return cosine_distances(rng, b, n)
+    if kind == "random":  # asymmetric, and not 0 on the diagonal
+        return rng.random((b, n, n), dtype=np.float32)
+    return (rng.integers(0, 3, size=(b, n, n)) / 2).astype(np.float32)  # "tied": every argmax meets ties
+
+
+def _keeps(n: int) -> list[int]:
+    return sorted({1, min(2, n), max(1, n // 3), n})
+
+
+@pytest.mark.parametrize("kind", ["cosine", "random", "tied"])
+@pytest.mark.parametrize("n", [1, 2, 7, 576])
+@pytest.mark.parametrize("b", [1, 3])
+def test_divprune_matches_reference(cpu, b, n, kind):
+    rng = np.random.default_rng(1000 * b + n)
+    dist = _distances(kind, rng, b, n)
+    for k in _keeps(n):
+        picks = cpu.divprune_select(dist, k)
+        expect = ref_divprune(dist, k)
+        np.testing.assert_array_equal(picks, expect, err_msg=f"K={k}")
+        assert all(len(set(row)) == k for row in picks.tolist())  # finite distances: distinct picks
+
+
+def test_divprune_reads_columns_first_then_rows():
+    """Hand-worked: the first pick is by column minimum, the running minimum by row."""
+    dist = np.array([[[0, 1, 5],
+                      [4, 0, 2],
+                      [3, 6, 0]]], np.float32)
+    # Column minima off the diagonal: [3, 1, 2] -> 0 (row minima would pick 2). Row 0 as
+    # the running minimum: [-, 1, 5] -> 2 (column 0 would pick 1). min(row 0, row 2) -> 1.
+    np.testing.assert_array_equal(ref_divprune(dist, 3), [[0, 2, 1]])
+    np.testing.assert_array_equal(ref_divprune(np.swapaxes(dist, 1, 2), 3), [[2, 0, 1]])
+
+
+def test_divprune_hand_worked_case(cpu):
+    dist = np.array([[[0, 1, 5], [4, 0, 2], [3, 6, 0]]], np.float32)
+    np.testing.assert_array_equal(cpu.divprune_select(dist, 3), [[0, 2, 1]])
+    np.testing.assert_array_equal(cpu.divprune_select(np.swapaxes(dist, 1, 2), 3), [[2, 0, 1]])
+
+
+@pytest.mark.parametrize("value", [0.5, 0.0])
+@pytest.mark.parametrize("n", [1, 7, 576])
+def test_divprune_all_equal_picks_in_index_order(cpu, n, value):
+    # Every candidate ties at every step; picked ones drop to -inf, so the lowest unpicked
+    # index wins each time: 0, 1, 2, ...
+    dist = np.full((2, n, n), value, np.float32)
+    for k in _keeps(n):
+        np.testing.assert_array_equal(cpu.divprune_select(dist, k), np.tile(np.arange(k), (2, 1)))
+
+
+def test_divprune_signed_zeros_tie(cpu):
+    # Column minima [-1, -0, +0]: -0 == +0, so the lower index (1) wins, not the larger bit pattern.
+    dist = np.array([[[9, -0.0, 0.0], [-1, 9, 0.0], [-1, 0.0, 9]]], np.float32)
+    np.testing.assert_array_equal(cpu.divprune_select(dist, 3), [[1, 2, 0]])
+    np.testing.assert_array_equal(ref_divprune(dist, 3), [[1, 2, 0]])
+
+
+def test_divprune_infinite_distances(cpu):
+    # A -inf row leaves every candidate at -inf: argmax's first occurrence, index 0, even
+    # when 0 is already picked (what the standard-op graph does too; see kernels.h).
+    dist = np.array([[[0, 5, 5], [1, 0, 1], [-np.inf, -np.inf, 0]]], np.float32)
+    np.testing.assert_array_equal(cpu.divprune_select(dist, 3), [[2, 0, 0]])
+    np.testing.assert_array_equal(ref_divprune(dist, 3), [[2, 0, 0]])
+    rng = np.random.default_rng(77)
+    dist = rng.random((3, 40, 40), dtype=np.float32)
+    dist[rng.random(dist.shape) < 0.05] = np.inf
+    dist[rng.random(dist.shape) < 0.02] = -np.inf
+    for k in (1, 13, 40):
+        np.testing.assert_array_equal(cpu.divprune_select(dist, k), ref_divprune(dist, k))
+
+
+@pytest.mark.parametrize("n,k", [(7, 0), (7, -1), (7, 8), (1, 2), (0, 1)])
+def test_divprune_rejects_k_out_of_range(cpu, n, k):
+    status, _ = cpu.divprune_select_status(np.zeros((1, n, n), np.float32), k)
+    assert status == VLMP_ERR_INVALID_ARGUMENT
+
+
+def test_divprune_rejects_empty_batch_and_null_pointers(cpu):
+    dist, picks = np.zeros((1, 4, 4), np.float32), np.zeros((1, 2), np.int64)
+    assert cpu.lib.vlmp_divprune_select_cpu(dist.ctypes.data, 0, 4, 2, picks.ctypes.data) == VLMP_ERR_INVALID_ARGUMENT
+    assert cpu.lib.vlmp_divprune_select_cpu(None, 1, 4, 2, picks.ctypes.data) == VLMP_ERR_INVALID_ARGUMENT
+    assert cpu.lib.vlmp_divprune_select_cpu(dist.ctypes.data, 1, 4, 2, None) == VLMP_ERR_INVALID_ARGUMENT
+    assert (picks == 0).all()  # nothing written on error

@@ -12,7 +12,8 @@ import pytest
 
 from vlmprune.kernels import build
 
-CUDA_ENTRY_POINTS = ("vlmp_select_topk_cuda", "vlmp_gather_summary_cuda", "vlmp_cls_scores_cuda")
+CUDA_ENTRY_POINTS = ("vlmp_select_topk_cuda", "vlmp_gather_summary_cuda", "vlmp_cls_scores_cuda",
+                     "vlmp_divprune_select_cuda")
 
 
 @pytest.fixture(scope="module")

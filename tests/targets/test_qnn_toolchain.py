@@ -108,9 +108,12 @@ def test_legalize_makes_gather_indices_positive_and_rejects_dynamic_inputs():
         qnn_tools.legalize_for_htp(model)
 
 
-def test_score_only_nodes_stop_at_the_branch_point():
+def test_selection_is_found_by_role_not_by_shape():
     model = probe_lib.build_probe_model()
-    only = {n.output[0] for n in qnn_tools.score_only_nodes(model)}
-    every = {n.output[0] for n in qnn_tools.score_path_nodes(model)}
-    assert {"attn", "score", "q", "k", "h1"} <= only
-    assert "hidden" not in only and "hidden" in every
+    selection = {n.output[0] for n in qnn_tools.role_nodes(model)}
+    upstream = {n.output[0] for n in qnn_tools.feeding_selection_nodes(model)}
+    assert {"attn", "score", "q", "k", "h1", "top_v", "kept_idx"} <= selection
+    assert "hidden" not in selection and "hidden" in upstream and "tokens" not in upstream
+    for node in model.graph.node:  # a graph without roles has no selection: nothing is guessed from TopK
+        del node.metadata_props[:]
+    assert qnn_tools.role_nodes(model) == []

@@ -36,6 +36,7 @@ def _build(probe, mode, **extra):
                "target_platform": "rk3588", "run_inputs": [str(probe["root"] / "x.npy")], **extra}
     if mode != "fp16":
         request["dataset"] = probe["dataset"]
+        request["kept_outputs"] = ["kept_idx"]
     response = rknn_env.run_worker(request)
     tokens, idx = (np.load(o["path"]) for o in response["outputs"])
     return response, tokens, idx
@@ -103,8 +104,8 @@ def test_parse_placement_reads_the_op_table():
 @pytest.mark.parametrize("sort", SORTS)
 def test_float_tensors_cover_scores_and_index_chain(sort):
     graph = build_probe_model(sort=sort).graph
-    everything = set(rknn_worker.float_tensors(graph, "ancestors"))
-    score_only = set(rknn_worker.float_tensors(graph, "score"))
+    everything = set(rknn_worker.float_tensors(graph, ["kept_idx"], "ancestors"))
+    score_only = set(rknn_worker.float_tensors(graph, ["kept_idx"], "score"))
     assert {"score", "attn", "hidden", "top_v"} <= everything
     assert {"score", "attn", "top_v"} <= score_only and "hidden" not in score_only
     if sort == "cast":  # the float copy of the indices must not be int8-quantized

@@ -27,19 +27,29 @@ import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 
-from vlmprune.compiler import engine as engine_lib
-from vlmprune.compiler import images
+from vlmprune.targets import trt_engine as engine_lib
+from vlmprune.compiler.frontend import images
 from vlmprune.compiler.bundle import load_manifest
 from vlmprune.compiler.cli import main
 from vlmprune.compiler.errors import InputError, StructureError
-from vlmprune.compiler.runtime import ort_session, run_session
+from vlmprune.targets.runtime import ort_session, run_session
 from vlmprune.passes import tensorrt as trt_passes
-from vlmprune.passes.fusion import TokenPruneFusionPass
-from vlmprune.passes.token_prune import selection_model
+from vlmprune.passes.fusion import FusionPass
+from vlmprune.passes.methods.cls import TOKEN_PRUNE, ClsMethod
+from vlmprune.passes.methods.base import FusedOp
+from vlmprune.passes.methods.cls import selection_model
+from vlmprune.passes.support import SupportCheckPass
 from vlmprune.targets import get_target
 from vlmprune.targets import tensorrt as trt_target
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _fuse(model, spelling=None):
+    """The cls method's fusion with a target's spelling (ONNX Runtime's by default)."""
+    spelling = spelling or FusedOp(TOKEN_PRUNE)
+    FusionPass(ClsMethod().fusion_rules({TOKEN_PRUNE: spelling}), {spelling.domain: 1})(model)
+
 PLUGIN = json.loads((REPO / "kernels" / "trt" / "plugin_names.json").read_text())
 NO_TRT_LINE = "error: TensorRT is not installed here: run this on the Jetson (see the bundle README)"
 SELECTION_OPS = {"TopK", "GatherND", "ScatterElements"}
@@ -64,7 +74,7 @@ def bundles(tmp_path_factory, ort_library):
     return {
         "orin": compile_model("demo", root / "orin", CompileOptions(target="orin", keep=192)),
         "xavier": compile_model("demo", root / "xavier",
-                                CompileOptions(target="xavier", keep=192, layer=3, lam=0.3, batch=2)),
+                                CompileOptions(target="xavier", keep=192, layer=3, method_options={"lambda": 0.3}, batch=2)),
     }
 
 
@@ -156,7 +166,7 @@ def test_op_sets_are_within_the_parser_table(bundles, name):
     ops = trt_passes.tensorrt_ops(trt_target.PLATFORMS[name].tensorrt)
     for graph in ("model.decomposed.onnx", "model.onnx"):
         model = ir.load(out / graph)
-        assert trt_passes.unsupported_nodes(model, ops) == [], graph
+        assert trt_passes.unsupported(model, ops) == [], graph
         standard = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}
         assert standard <= set(ops.types), standard - set(ops.types)
         assert ops.opsets[0] <= model.opset_imports[""] <= ops.opsets[1]
@@ -231,7 +241,7 @@ def int8_bundle(tmp_path_factory, ort_library):
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("trt_int8") / "orin_int8"
-    return compile_model("demo", out, CompileOptions(target="orin", keep=192, layer=2, precision="int8"))
+    return compile_model("demo", out, CompileOptions(target="orin", keep=192, layer=2, target_options={"precision": "int8"}))
 
 
 def test_int8_bundle_has_an_explicit_qdq_model(int8_bundle):
@@ -243,7 +253,7 @@ def test_int8_bundle_has_an_explicit_qdq_model(int8_bundle):
     assert stages["qdq"].indices["agreement"] == 1.0  # the selection never sees int8 rounding
     model = ir.load(out / "model.qdq.onnx")
     ops = trt_passes.tensorrt_ops("10.3")
-    assert trt_passes.unsupported_nodes(model, ops) == []
+    assert trt_passes.unsupported(model, ops) == []
     plugin = [n for n in model.graph if trt_passes.is_plugin_node(n)]
     assert len(plugin) == 1 and not SELECTION_OPS & {n.op_type for n in model.graph}
     dq = [n for n in model.graph if n.op_type == "DequantizeLinear"]
@@ -270,7 +280,7 @@ def test_unknown_precision_is_one_line(tmp_path):
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
     with pytest.raises(InputError) as info:
-        compile_model("demo", tmp_path / "b", CompileOptions(target="xavier", precision="int16"))
+        compile_model("demo", tmp_path / "b", CompileOptions(target="xavier", target_options={"precision": "int16"}))
     assert str(info.value) == "--precision for xavier is one of fp16, int8, got 'int16'"
     assert not (tmp_path / "b").exists()
 
@@ -444,7 +454,7 @@ def test_build_engine_with_a_fake_tensorrt(orin_copy, monkeypatch):
     assert path.read_bytes() == b"fake plan" and record["sha256"] == hashlib.sha256(b"fake plan").hexdigest()
     assert record["tensorrt"] == "10.3.0.26" and record["precision"] == "fp16"
     assert record["model_sha256"] == manifest["files"]["model.onnx"]
-    assert get_target("orin").stages(orin_copy, manifest)[-1].stage == "target"  # the engine joins the parity stages
+    assert get_target("orin").stages(orin_copy, manifest)[-1].stage == "engine"  # the engine joins the parity stages
     # Nothing loads an engine that differs from its record, or comes from another TensorRT.
     path.write_bytes(b"tampered")
     with pytest.raises(engine_lib.EngineError, match="does not match the sha256"):
@@ -542,7 +552,7 @@ def test_host_twin_contract_matches_the_plugin(ort_library):
     assert f'constexpr const char* kPluginDomain = "{trt_passes.PLUGIN_DOMAIN}";' in source
     # A node meant for another plugin version is refused, not run.
     model = selection_model(2, 64, 16, 20)
-    TokenPruneFusionPass(spelling=trt_target.PLUGIN_OP)(model)
+    _fuse(model, trt_target.PLUGIN_OP)
     next(iter(model.graph)).attributes["plugin_version"] = ir.AttrString("plugin_version", "2")
     rng = np.random.default_rng(0)
     feeds = {"hidden": rng.standard_normal((2, 65, 16)).astype(np.float32),
@@ -568,16 +578,15 @@ def test_sort_indices_as_float_then_fuse_to_the_plugin(ort_library):
     reference = _run(selection_model(3, 64, 16, 20, opset=17), _feeds())
     model = selection_model(3, 64, 16, 20, opset=17)
     sort = trt_passes.SortIndicesAsFloatPass(trt_passes.tensorrt_ops("8.5"))
-    assert sort(model).modified and sort.rewritten == 1
+    assert sort(model).modified and not sort(model).modified
     second = [n for n in model.graph if n.op_type in ("Cast", "TopK")]
     assert [n.op_type for n in second] == ["TopK", "Cast", "TopK", "Cast"]
     assert [n.inputs[0].dtype for n in second if n.op_type == "TopK"] == [ir.DataType.FLOAT, ir.DataType.FLOAT]
     legal = _run(model, _feeds())
     np.testing.assert_array_equal(legal[1], reference[1])  # ties included
     np.testing.assert_array_equal(legal[0], reference[0])
-    assert trt_passes.unsupported_nodes(model, trt_passes.tensorrt_ops("8.5")) == []
-    fusion = TokenPruneFusionPass(spelling=trt_target.PLUGIN_OP)
-    assert fusion(model).modified and fusion.fired == 1
+    assert trt_passes.unsupported(model, trt_passes.tensorrt_ops("8.5")) == []
+    _fuse(model, trt_target.PLUGIN_OP)
     assert [(n.domain, n.op_type) for n in model.graph] == [("trt.plugins", "VlmpTokenPrune")]
     fused = _run(model, _feeds(), (ort_library,))
     np.testing.assert_array_equal(fused[1], reference[1])
@@ -587,29 +596,30 @@ def test_sort_indices_as_float_then_fuse_to_the_plugin(ort_library):
 def test_sort_indices_as_float_is_not_needed_on_tensorrt_10():
     model = selection_model(3, 64, 16, 20)
     assert not trt_passes.SortIndicesAsFloatPass(trt_passes.tensorrt_ops("10.3"))(model).modified
-    assert trt_passes.unsupported_nodes(model, trt_passes.tensorrt_ops("10.3")) == []
+    assert trt_passes.unsupported(model, trt_passes.tensorrt_ops("10.3")) == []
 
 
 def test_ort_spelling_is_unchanged():
     model = selection_model(3, 64, 16, 20)
-    TokenPruneFusionPass()(model)
+    _fuse(model)
     assert [(n.domain, n.op_type) for n in model.graph] == [("vlmprune", "TokenPrune")]
     assert set(next(iter(model.graph)).attributes) == {"keep", "has_cls"}
 
 
 def test_unsupported_ops_are_listed_in_one_line(tiny_dense_path):
     model = ir.load(tiny_dense_path)
-    ops = trt_passes.tensorrt_ops("8.5")
+    target = get_target("xavier")
     with pytest.raises(StructureError) as info:
-        trt_passes.TensorRTSupportCheckPass(ops)(model)
+        SupportCheckPass(target.name, target.supports, target.check_model)(model)
     message = str(info.value)
-    assert "\n" not in message and message.startswith("TensorRT 8.5's ONNX parser would refuse this graph: ")
-    assert "opset 18 (TensorRT 8.5 parses 7..17)" in message and "LayerNormalization: not in the table" in message
+    assert "\n" not in message and message.startswith("xavier cannot run this graph: ")
+    assert "opset 18 (TensorRT 8.5 parses 7..17)" in message
+    assert "LayerNormalization: not in TensorRT 8.5's ONNX parser table" in message
     # The raw export's Squeeze of a shape slice has no shape annotation yet: the legalization infers it.
-    assert [p.op_type for p in trt_passes.unsupported_nodes(model, trt_passes.tensorrt_ops("10.3"))] == ["Squeeze"]
+    assert [p.split(":")[0] for p in trt_passes.unsupported(model, trt_passes.tensorrt_ops("10.3"))] == ["Squeeze"]
     for p in trt_passes.legalization_passes(trt_passes.tensorrt_ops("10.3"), model.opset_imports[""]):
         p(model)
-    assert trt_passes.unsupported_nodes(model, trt_passes.tensorrt_ops("10.3")) == []
+    assert trt_passes.unsupported(model, trt_passes.tensorrt_ops("10.3")) == []
 
 
 def test_legalization_for_tensorrt_85_keeps_the_numbers(tiny_dense_path):
@@ -622,7 +632,7 @@ def test_legalization_for_tensorrt_85_keeps_the_numbers(tiny_dense_path):
                      "FoldCastLikePass", "SqueezeAxesPass", "SortIndicesAsFloatPass"]
     for p in trt_passes.legalization_passes(ops):
         p(model)
-    assert trt_passes.unsupported_nodes(model, ops) == []
+    assert trt_passes.unsupported(model, ops) == []
     assert model.opset_imports[""] == 17
     reduces = [n for n in model.graph if n.op_type.startswith("Reduce")]
     assert reduces and all(len(n.inputs) == 1 and "axes" in n.attributes for n in reduces)  # opset-17 form

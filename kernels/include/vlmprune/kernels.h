@@ -50,14 +50,31 @@ vlmp_status vlmp_gather_summary_cpu(vlmp_dtype dt, const void* hidden, int64_t B
 vlmp_status vlmp_cls_scores_cpu(vlmp_dtype dt, const void* q, const void* k, int64_t B, int64_t H, int64_t T,
                                 int64_t dh, int k_transposed, float scale, int has_cls, int int8, float* scores);
 
+/* DivPrune greedy selection (max-min diversity). dist [B, N, N] fp32, dist[b, r, c],
+ * arbitrary (not assumed symmetric) -> picks [B, K] int64 in pick order (not sorted).
+ * Requires B >= 1 and 1 <= K <= N. Per image, with argmax ties to the lowest index:
+ *   pick_0 = argmax_c min_{r != c} dist[r, c]   (a column minimum off the diagonal; +inf when N == 1)
+ *   running[c] = dist[pick_0, c]                 (the picked token's row)
+ *   pick_k = argmax_c (c picked ? -inf : running[c]), then running[c] = min(running[c], dist[pick_k, c]).
+ * fp32 comparisons and minima only, so for finite dist the picks are exactly those of the
+ * ONNX graph (ReduceMin of dist + diag(+inf) over axis 1, ArgMax, GatherElements, Min,
+ * ScatterElements of -inf), also with -inf off the diagonal: when every candidate is -inf
+ * the lowest index wins, even an already picked one, as in that graph (whose Add of the
+ * -inf mask would turn +inf entries into NaN; here +inf is an ordinary value).
+ * NaN in dist gives undefined (but in-range) picks. */
+vlmp_status vlmp_divprune_select_cpu(const float* dist, int64_t B, int64_t N, int64_t K, int64_t* picks);
+
 /* CUDA twins: same arguments and semantics, device pointers, enqueued on stream
- * (a cudaStream_t passed as void*). vlmp_select_topk_cuda handles N <= 4096. */
+ * (a cudaStream_t passed as void*). vlmp_select_topk_cuda and vlmp_divprune_select_cuda
+ * handle N <= 4096. */
 vlmp_status vlmp_select_topk_cuda(const float* scores, int64_t B, int64_t N, int64_t K, int64_t* kept, void* stream);
 vlmp_status vlmp_gather_summary_cuda(vlmp_dtype dt, const void* hidden, int64_t B, int64_t T, int64_t D,
                                      int has_cls, const int64_t* kept, int64_t K, void* out, void* stream);
 vlmp_status vlmp_cls_scores_cuda(vlmp_dtype dt, const void* q, const void* k, int64_t B, int64_t H, int64_t T,
                                  int64_t dh, int k_transposed, float scale, int has_cls, int int8, float* scores,
                                  void* stream);
+vlmp_status vlmp_divprune_select_cuda(const float* dist, int64_t B, int64_t N, int64_t K, int64_t* picks,
+                                      void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

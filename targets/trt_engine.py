@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 try:  # inside vlmprune: errors become one line and exit code 2 in the CLI
-    from vlmprune.compiler.errors import ToolchainError as _ErrorBase
+    from vlmprune.compiler.errors import ToolchainError as _ErrorBase  # noqa: F401
 except ImportError:  # the bundle's standalone copy
     _ErrorBase = RuntimeError
 
@@ -56,13 +56,25 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _manifest_digest(manifest: dict) -> str:
+    """The manifest's own digest, as vlmprune.compiler.bundle computes it (repeated: this file runs standalone)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def load_bundle(bundle_dir) -> dict:
     """The manifest of a TensorRT bundle, after checking every listed file's sha256."""
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST
     if not path.is_file():
         raise EngineError(f"{bundle_dir}: not a vlmprune bundle (no {MANIFEST})")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError:
+        raise EngineError(f"{path}: not valid JSON; the bundle was modified") from None
+    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+        raise EngineError(f"{bundle_dir}: manifest.json does not match its recorded digest: the bundle was modified "
+                          "after it was compiled; recompile it")
     for name, expected in manifest.get("files", {}).items():
         file = bundle_dir / name
         if not file.is_file():

@@ -1,4 +1,4 @@
-"""InsertTokenPrunePass and RetargetTokenCountPass on a tiny exported CLIP tower."""
+"""InsertPruningPass (with the cls method) and RetargetTokenCountPass on a tiny exported CLIP tower."""
 
 from __future__ import annotations
 
@@ -8,11 +8,23 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from vlmprune.compiler.errors import StructureError
-from vlmprune.compiler.frontend import PruneSpec
-from vlmprune.compiler.runtime import ort_session, run_session
+from vlmprune.compiler.errors import InputError, StructureError
+from vlmprune.compiler.reference import MethodPruner
+from vlmprune.passes.methods import get_method
+from vlmprune.passes.prune import KEPT_INDICES, InsertPruningPass, prune_record
+from vlmprune.passes.retarget import RetargetTokenCountPass
 from vlmprune.passes.structure import find_tower_structure
-from vlmprune.passes.token_prune import KEPT_INDICES, InsertTokenPrunePass, PruneConfig, RetargetTokenCountPass
+from vlmprune.targets.runtime import ort_session, run_session
+
+CLS = get_method("cls")
+
+
+def insertion(keep, layer=None, lam=0.0):
+    return InsertPruningPass(CLS, CLS.parse(keep, {"lambda": lam}), layer)
+
+
+def reference_pipeline(pipeline, keep, layer, lam=0.0):
+    return pipeline.with_pruner(MethodPruner(CLS, CLS.parse(keep, {"lambda": lam}), "block", layer))
 
 INSERTED_OPS = [
     "Slice", "MatMul", "Softmax", "ReduceMean", "Slice", "ReduceMax", "Max", "Div",  # [CLS]-row score (scaling is on Q and K)
@@ -25,11 +37,9 @@ INSERTED_OPS = [
 
 def _prune(path, keep, layer, lam=0.0):
     model = ir.load(path)
-    insert = InsertTokenPrunePass(PruneConfig(keep, layer, lam))
-    result = insert(model)
-    retarget = RetargetTokenCountPass()
-    retarget(result.model)
-    return result, insert, retarget
+    result = insertion(keep, layer, lam)(model)
+    retarget = RetargetTokenCountPass()(result.model)
+    return result, retarget
 
 
 def test_structure_finds_every_block(tiny_dense_path, tiny_source):
@@ -42,20 +52,28 @@ def test_structure_finds_every_block(tiny_dense_path, tiny_source):
     assert structure.blocks[0].scale == 1.0  # nothing between Q·Kᵀ and the Softmax
 
 
-def test_inserted_ops_and_checker(tiny_dense_path):
-    result, insert, retarget = _prune(tiny_dense_path, keep=16, layer=1)
+def test_inserted_ops_roles_record_and_checker(tiny_dense_path):
+    result, retarget = _prune(tiny_dense_path, keep=16, layer=1)
     assert result.modified
-    new_ops = [n.op_type for n in result.model.graph if n.name and n.name.startswith("vlmprune/prune_L1/")]
-    assert new_ops == INSERTED_OPS
-    assert insert.site.tokens_in == 65 and insert.site.tokens_out == 18
-    assert retarget.rewritten > 0  # the exporter baked 65 tokens into later Reshapes
+    inserted = [n for n in result.model.graph if n.name and n.name.startswith("vlmprune/cls_L1/")]
+    assert [n.op_type for n in inserted] == INSERTED_OPS
+    roles = [n.metadata_props["vlmprune.role"] for n in inserted]
+    assert roles == ["score"] * 8 + ["select"] * 2 + ["tokens"] * 13
+    record = prune_record(result.model)
+    assert (record["method"], record["layer"], record["tokens_in"], record["tokens_out"]) == ("cls", 1, 65, 18)
+    assert retarget.modified  # the exporter baked 65 tokens into later Reshapes
+    assert not RetargetTokenCountPass()(result.model).modified  # nothing left on a second run
+    assert not insertion(16, 1)(result.model).modified  # the same pruning, already in place
+    with pytest.raises(StructureError, match="already pruned"):
+        insertion(12, 1)(result.model)
     proto = ir.to_proto(result.model)
     onnx.checker.check_model(proto, full_check=True)
     assert [o.name for o in proto.graph.output][-1] == KEPT_INDICES
+    assert {p.key for p in proto.metadata_props} == {"vlmprune.prune"}  # the record survives serialisation
 
 
 def test_no_stale_token_count_downstream(tiny_dense_path):
-    result, _, _ = _prune(tiny_dense_path, keep=16, layer=1)
+    result, _ = _prune(tiny_dense_path, keep=16, layer=1)
     graph = result.model.graph
     site = next(n for n in graph if n.op_type == "Concat" and n.name.endswith("/tokens"))
     from vlmprune.passes.dataflow import consumers_downstream
@@ -70,12 +88,12 @@ def test_no_stale_token_count_downstream(tiny_dense_path):
 @pytest.mark.parametrize("layer,lam,batch", [(1, 0.0, 1), (2, 0.5, 3)])
 def test_numbers_match_reference_pruner(tiny_dense_path, tiny_source, layer, lam, batch):
     keep = 20
-    result, _, _ = _prune(tiny_dense_path, keep, layer, lam)
+    result, _ = _prune(tiny_dense_path, keep, layer, lam)
     session = ort_session(ir.to_proto(result.model).SerializeToString())
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((batch, 3, 112, 112)).astype(np.float32))
     out = run_session(session, x.numpy())
     with torch.no_grad():
-        feats, kept = tiny_source.pipeline.with_prune(PruneSpec(keep, layer, lam))(x)
+        feats, kept = reference_pipeline(tiny_source.pipeline, keep, layer, lam)(x)
     np.testing.assert_array_equal(out[KEPT_INDICES], kept.numpy())
     assert np.all(np.diff(out[KEPT_INDICES], axis=1) > 0)  # raster order
     assert out["image_features"].shape == (batch, keep + 1, 32)  # select strategy drops [CLS]
@@ -86,7 +104,7 @@ def test_tie_rule_on_identical_tokens(tiny_source, tmp_path):
     """Constant image and no position embedding: every patch token is equal, so scores tie exactly."""
     from vlmprune.compiler.frontend import export_onnx
 
-    pipe = tiny_source.pipeline.with_prune(None)
+    pipe = tiny_source.pipeline.with_pruner(None)
     saved = pipe.vision_model.embeddings.position_embedding.weight.detach().clone()
     try:
         with torch.no_grad():
@@ -95,8 +113,8 @@ def test_tie_rule_on_identical_tokens(tiny_source, tmp_path):
         ir.save(export_onnx(pipe, 112, None, 18), path)
         x = torch.full((2, 3, 112, 112), 0.25)
         with torch.no_grad():
-            _, kept_ref = pipe.with_prune(PruneSpec(10, 1, 0.0))(x)
-        result, _, _ = _prune(path, 10, 1)
+            _, kept_ref = reference_pipeline(pipe, 10, 1)(x)
+        result, _ = _prune(path, 10, 1)
         out = run_session(ort_session(ir.to_proto(result.model).SerializeToString()), x.numpy())
     finally:
         with torch.no_grad():
@@ -116,14 +134,19 @@ def test_negative_no_attention_graph():
         """
     )
     with pytest.raises(StructureError, match="no attention block found"):
-        InsertTokenPrunePass(PruneConfig(2))(model)
+        insertion(2)(model)
 
 
-@pytest.mark.parametrize("keep,layer,message", [(64, 1, "keep must satisfy"), (0, 1, "keep must satisfy"),
-                                                (8, 4, "out of range")])
-def test_negative_bad_config(tiny_dense_path, keep, layer, message):
-    with pytest.raises(StructureError, match=message):
-        InsertTokenPrunePass(PruneConfig(keep, layer))(ir.load(tiny_dense_path))
+@pytest.mark.parametrize("keep,layer,error,message", [(64, 1, InputError, "keep must satisfy"),
+                                                      (8, 4, StructureError, "out of range")])
+def test_negative_bad_config(tiny_dense_path, keep, layer, error, message):
+    with pytest.raises(error, match=message):
+        insertion(keep, layer)(ir.load(tiny_dense_path))
+
+
+def test_negative_keep_zero_is_refused_by_the_method():
+    with pytest.raises(InputError, match="--keep must be an integer >= 1"):
+        CLS.parse(0, {})
 
 
 def test_retarget_is_noop_without_pruning(tiny_dense_path):
@@ -139,10 +162,10 @@ def test_onnx_attention_op_blocks(tiny_source, tmp_path):
     structure = find_tower_structure(ir.load(path).graph)
     assert [b.attention.op_type for b in structure.blocks] == ["Attention"] * 3
     assert not structure.blocks[0].k_transposed and structure.blocks[0].scale == pytest.approx(16 ** -0.5)
-    result, _, _ = _prune(path, 20, 2, 0.5)
+    result, _ = _prune(path, 20, 2, 0.5)
     x = torch.from_numpy(np.random.default_rng(1).standard_normal((2, 3, 112, 112)).astype(np.float32))
     out = run_session(ort_session(ir.to_proto(result.model).SerializeToString()), x.numpy())
     with torch.no_grad():
-        feats, kept = tiny_source.pipeline.with_prune(PruneSpec(20, 2, 0.5))(x)
+        feats, kept = reference_pipeline(tiny_source.pipeline, 20, 2, 0.5)(x)
     np.testing.assert_array_equal(out[KEPT_INDICES], kept.numpy())
     np.testing.assert_allclose(out["image_features"], feats.numpy(), atol=1e-5, rtol=1e-4)

@@ -1,0 +1,80 @@
+"""Family `llava`: LLaVA-1.5-style LlavaForConditionalGeneration (a CLIP or SigLIP tower + MLP projector).
+
+Only the tower and projector weights are read (never the LLM's). The checkpoint's
+vision_feature_layer (or --feature-layer) sets how many blocks run, and its
+vision_feature_select_strategy whether [CLS] stays in the features (`default`: dropped,
+`full`: kept). The dense pipeline equals transformers' get_image_features.
+"""
+
+from __future__ import annotations
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
+from vlmprune.compiler.frontend.clip import SIGLIP_MEAN, SIGLIP_STD, build_tower
+from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, inner_tower, load_state,
+                                               read_safetensors, sha256_files, sha256_state, strip_prefix)
+from vlmprune.compiler.frontend.tower import Projector, VisionPipeline
+
+TOWERS = ("clip_vision_model", "siglip_vision_model")
+
+
+def projector_for(config) -> Projector:
+    """LLaVA's projector for config, with its activation."""
+    text_hidden = config.text_config.hidden_size
+    projector = Projector(config.vision_config.hidden_size, text_hidden, text_hidden,
+                          bias=getattr(config, "multimodal_projector_bias", True))
+    act = getattr(config, "projector_hidden_act", "gelu")
+    if act != "gelu":
+        from transformers.activations import ACT2FN
+
+        projector.act = ACT2FN[act]
+    return projector
+
+
+def pipeline_for(config, tower, projector, feature_layer: int | None) -> tuple[VisionPipeline, int, str]:
+    vcfg = config.vision_config
+    fl = config.vision_feature_layer if feature_layer is None else feature_layer
+    if not isinstance(fl, int):
+        raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
+    strategy = config.vision_feature_select_strategy
+    has_cls = vcfg.model_type == "clip_vision_model"
+    pipeline = VisionPipeline(inner_tower(tower), projector, feature_blocks(fl, vcfg.num_hidden_layers),
+                              strategy == "default", has_cls, vcfg.patch_size).eval()
+    return pipeline, fl, strategy
+
+
+class LlavaAdapter(ModelAdapter):
+    family = "llava"
+    model_types = ("llava",)
+    summary = "LLaVA-1.5 (LlavaForConditionalGeneration): CLIP/SigLIP tower + MLP projector"
+
+    def load(self, checkpoint: Checkpoint, feature_layer: int | None) -> Source:
+        config = checkpoint.config
+        vcfg = config.vision_config
+        if vcfg.model_type not in TOWERS:
+            raise InputError(f"LLaVA vision tower type {vcfg.model_type!r} is not supported (CLIP or SigLIP)")
+        tower = build_tower(vcfg)
+        state = read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower."))
+        load_state(inner_tower(tower), strip_prefix(state, "vision_model."), "vision tower")
+        projector = projector_for(config)
+        pstate = read_safetensors(checkpoint.weights, ("model.multi_modal_projector.", "multi_modal_projector."))
+        load_state(projector, pstate, "projector")
+        pipeline, fl, strategy = pipeline_for(config, tower, projector.eval(), feature_layer)
+        siglip = vcfg.model_type == "siglip_vision_model"
+        mean, std = checkpoint.preprocessing(SIGLIP_MEAN if siglip else CLIP_MEAN, SIGLIP_STD if siglip else CLIP_STD)
+        return Source(str(checkpoint.path.resolve()), "hf", self.family, sha256_files(checkpoint.files()),
+                      vcfg.image_size, vcfg.patch_size, pipeline.has_cls, mean, std, pipeline=pipeline,
+                      details={"model_type": "llava", "feature_layer": fl, "select_strategy": strategy,
+                               "vision_layers": vcfg.num_hidden_layers, "projector": True})
+
+    @staticmethod
+    def from_model(name: str, llava, feature_layer: int | None = None) -> Source:
+        """A Source from an in-memory LlavaForConditionalGeneration (the presets)."""
+        inner = getattr(llava, "model", llava)  # transformers 5 nests the tower and projector under .model
+        pipeline, fl, strategy = pipeline_for(llava.config, inner.vision_tower, inner.multi_modal_projector,
+                                              feature_layer)
+        vcfg = llava.config.vision_config
+        return Source(name, "preset", LlavaAdapter.family, sha256_state(pipeline), vcfg.image_size, vcfg.patch_size,
+                      pipeline.has_cls, pipeline=pipeline,
+                      details={"feature_layer": fl, "select_strategy": strategy,
+                               "vision_layers": vcfg.num_hidden_layers})

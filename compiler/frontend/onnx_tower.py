@@ -1,0 +1,58 @@
+"""Family `onnx`: a vision tower exported to .onnx elsewhere.
+
+There is no torch model: the passes find its blocks by structure, and parity's reference
+comes from the original graph itself (compiler.reference). Loading reads the graph
+without its weights and checks what would otherwise fail later with a traceback: a
+readable protobuf, pixel input [B, C, H, W] with static H and W, and every external-data
+file present and long enough.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.source import Source, sha256_files
+
+FAMILY = "onnx"
+
+
+def load_onnx_tower(path: Path) -> Source:
+    import onnx
+
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        raise InputError(f"{path}: not a readable ONNX model") from None
+    if not proto.graph.input:
+        raise InputError(f"{path}: the ONNX graph has no inputs")
+    external = check_external_data(path, proto)
+    dims = [d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim]
+    image_size = dims[2] if len(dims) == 4 and dims[2] > 0 else 0
+    if image_size == 0:
+        raise InputError(f"{path}: the first input should be pixels [B, C, H, W] with static H and W")
+    return Source(str(path.resolve()), "onnx", FAMILY, sha256_files([path, *external]), image_size, None, None,
+                  onnx_path=path, details={"static_batch": dims[0] if dims[0] > 0 else None})
+
+
+def check_external_data(path: Path, proto) -> list[Path]:
+    """The external-data files the model names, each checked to exist and to hold the bytes it points at."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    files: dict[Path, int] = {}
+    for tensor in proto.graph.initializer:
+        if not uses_external_data(tensor):
+            continue
+        info = ExternalDataInfo(tensor)
+        location = (path.parent / info.location).resolve()
+        if path.parent.resolve() not in location.parents:
+            raise InputError(f"{path}: initializer {tensor.name} points outside the model's folder ({info.location})")
+        end = (info.offset or 0) + (info.length or 0)
+        files[location] = max(files.get(location, 0), end)
+    for location, end in files.items():
+        if not location.is_file():
+            raise InputError(f"{path}: its external data file {location.name} is missing (expected beside the model)")
+        if location.stat().st_size < end:
+            raise InputError(f"{path}: external data file {location.name} is truncated "
+                             f"({location.stat().st_size} bytes, the model reads up to {end})")
+    return sorted(files)

@@ -1,0 +1,152 @@
+"""A loaded model (Source) and the checkpoint reading every family adapter shares.
+
+Weights come from safetensors only (nothing is unpickled); a truncated file, a tensor
+whose shape disagrees with config.json, or a missing weight is one line naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.tower import VisionPipeline
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclasses.dataclass
+class Source:
+    """A loaded model: a torch pipeline (presets, HF directories) or an ONNX file, and what its adapter says of it.
+
+    family: the adapter that loaded it; has_cls: a [CLS] token precedes the patch tokens
+    in the tower (None: not known until the graph is read); positions: what an LLM needs
+    to place the kept tokens ("indices": the patch index of each kept token).
+    """
+
+    spec: str
+    kind: str  # "preset" | "hf" | "onnx"
+    family: str
+    content_hash: str
+    image_size: int
+    patch_size: int | None
+    has_cls: bool | None
+    mean: tuple[float, float, float] = CLIP_MEAN
+    std: tuple[float, float, float] = CLIP_STD
+    pipeline: VisionPipeline | None = None
+    onnx_path: Path | None = None
+    positions: str = "indices"
+    details: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int | None:
+        return None if self.pipeline is None else self.pipeline.num_blocks
+
+    @property
+    def num_patches(self) -> int | None:
+        return None if self.patch_size is None else (self.image_size // self.patch_size) ** 2
+
+
+def sha256_files(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_state(module: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def quiet_transformers() -> None:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="transformers")
+
+
+def read_safetensors(files: list[Path], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors whose key starts with one of prefixes, the prefix stripped; never unpickles.
+
+    A truncated or corrupt file is refused in one line naming it.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    for prefix in prefixes:
+                        if key.startswith(prefix):
+                            out[key[len(prefix):]] = f.get_tensor(key)
+                            break
+        except (SafetensorError, OSError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InputError(f"{path}: not a readable safetensors file ({reason}); truncated or corrupt?") from None
+    return out
+
+
+def load_state(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """Load weights by name; a missing weight or a shape that disagrees with config.json is one line."""
+    expected = module.state_dict()
+    for key, tensor in state.items():
+        if key in expected and tuple(expected[key].shape) != tuple(tensor.shape):
+            raise InputError(f"{what}: weight {key} has shape {list(tensor.shape)} in the checkpoint but "
+                             f"{list(expected[key].shape)} from config.json; the checkpoint and config disagree")
+    missing, _unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing:
+        raise InputError(f"{what}: {len(missing)} weights missing from the checkpoint, e.g. {missing[0]}")
+
+
+def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(prefix): v for k, v in state.items()}
+
+
+def inner_tower(tower: nn.Module) -> nn.Module:
+    """The transformer inside a HF vision model (transformers nests it as .vision_model)."""
+    return getattr(tower, "vision_model", tower)
+
+
+def feature_blocks(feature_layer: int, n_layers: int) -> int:
+    """LLaVA's vision_feature_layer indexes hidden_states (0 = embeddings) -> blocks to run."""
+    blocks = feature_layer if feature_layer >= 0 else n_layers + 1 + feature_layer
+    if not 1 <= blocks <= n_layers:
+        raise InputError(f"vision_feature_layer {feature_layer} is out of range for {n_layers} layers")
+    return blocks
+
+
+def no_init_weights():
+    """transformers' context that skips its (slow, per-module) weight init."""
+    try:
+        from transformers.initialization import no_init_weights as context
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights as context
+    return context()
+
+
+def seeded_init(module: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seconds instead of minutes for 300M parameters: N(0, std) weights, unit norms, zero biases."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for sub in module.modules():
+            for name, param in sub.named_parameters(recurse=False):
+                if isinstance(sub, nn.LayerNorm):
+                    param.fill_(1.0 if name == "weight" else 0.0)
+                elif name == "bias":
+                    param.zero_()
+                else:
+                    param.normal_(0.0, std, generator=generator)

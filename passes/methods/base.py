@@ -1,0 +1,206 @@
+"""The method interface: what every pruning method gives the compiler, in one place.
+
+A method is one module holding one `Method` subclass. It says what it needs from the
+model (a [CLS] token, block L's own Q and K, the pixels, the projector output), refuses
+what it cannot serve in one line, computes its plain-torch reference (the parity
+reference), emits itself into the graph in standard ONNX ops, and optionally brings
+the fusion rules that replace part of that emission by a custom op where one pays.
+Nothing else in vlmprune branches on a method's name: the insertion pass, the targets
+and parity read what a method declares here and what the insertion pass records in
+the IR (passes.methods.record).
+
+Where the official code of a method is batch-1 only or leaves a case undefined, the
+method's docstring lists the choice made; two rules hold for all of them: ties go to
+the lower index, and kept patch tokens come back in ascending (raster) order.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+import onnx_ir as ir
+import torch
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
+
+__all__ = ["BLOCK", "BY_SCORE", "FEATURES", "GREEDY", "FusedOp", "GraphInputs", "Method", "Needs", "SiteSpec",
+           "SiteTensors", "TorchResult", "finite_option", "positive_int"]
+
+# Sites: BLOCK, after block L on the residual stream ([CLS] at index 0 when the tower has one);
+# FEATURES, on the tower's output after the projector (the tokens the LLM sees).
+BY_SCORE, GREEDY = "score", "greedy"  # how parity compares a method's kept indices
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a method reads from the model."""
+
+    site: str  # BLOCK or FEATURES
+    cls: bool = False  # a [CLS] token at index 0 of the site's tokens
+    attention: bool = False  # block L's own Q and K (after its projections)
+    pixels: bool = False  # the normalised pixels (a per-patch pixel term)
+
+    def describe(self) -> str:
+        parts = ["block L's hidden states" if self.site == BLOCK else "the projector output (the tower's end)"]
+        if self.attention:
+            parts.append("block L's Q and K")
+        if self.cls:
+            parts.append("a [CLS] token")
+        if self.pixels:
+            parts.append("the pixels")
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteSpec:
+    """What the insertion point offers: the same fields whether read from a graph or a torch model."""
+
+    num_patches: int  # N: patch tokens at the site
+    has_cls: bool  # a [CLS] token precedes them
+    layer: int | None = None  # 1-based block after which the site is (BLOCK sites)
+    num_blocks: int | None = None  # blocks the tower runs
+    has_pixels: bool = True  # the pixel input and patch grid are known
+
+
+@dataclasses.dataclass
+class TorchResult:
+    """The reference's answer: the site's new tokens, the patch index of each kept token, and a trace for parity.
+
+    trace for BY_SCORE methods: {"scores": [B, N], "boundary": K'} (the scores the TopK ran
+    on, and where its cut is); for GREEDY methods: {"steps": [(picked [B, n], margin [B]), ...]}
+    in pick order, margin being how far the step's last pick is ahead of the best candidate
+    left out, relative to the largest candidate value of the step (selection.relative_margin).
+    """
+
+    tokens: torch.Tensor
+    kept: torch.Tensor  # [B, K'] int64
+    trace: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class GraphInputs:
+    """What the emission gets at the site: graph values, and the block and tower structure where known."""
+
+    hidden: ir.Value  # [B, (1)+N, D]
+    has_cls: bool
+    num_patches: int
+    block: Any = None  # passes.structure.AttentionBlock (BLOCK sites)
+    structure: Any = None  # passes.structure.TowerStructure
+
+
+class Method(abc.ABC):
+    """One pruning method. Subclasses set the class attributes and implement the abstract methods."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    selection: ClassVar[str] = BY_SCORE  # BY_SCORE or GREEDY: how parity compares the kept indices
+    options: ClassVar[dict[str, tuple[type, str]]] = {}  # option name -> (type, help); the CLI flag is --NAME
+    formulations: ClassVar[tuple[str, ...]] = ("standard",)  # graph forms of the selection; [0] is the default
+    official: ClassVar[str] = ""  # where the official algorithm lives
+
+    # ------------------------------------------------------------------ parameters
+
+    def parse(self, keep: int, options: dict[str, Any]) -> dict[str, Any]:
+        """The method's parameters from --keep and its options; unknown or bad values are one line."""
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            flags = ", ".join(f"--{name}" for name in unknown)
+            raise InputError(f"{flags} {'is not an option' if len(unknown) == 1 else 'are not options'} of method "
+                             f"{self.name}" + (f" (it takes {', '.join('--' + o for o in self.options)})"
+                                               if self.options else " (it takes none)"))
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InputError(f"--keep must be an integer >= 1, got {keep!r}")
+        return {"keep": keep, **self.defaults(keep), **{k: v for k, v in options.items() if v is not None}}
+
+    def defaults(self, keep: int) -> dict[str, Any]:
+        """Default values of the method's options for this K."""
+        return {}
+
+    @abc.abstractmethod
+    def needs(self, params: dict) -> Needs:
+        """What the method reads from the model with these parameters."""
+
+    def check(self, params: dict, spec: SiteSpec) -> None:
+        """Refuse, in one line naming what is missing, a site this method cannot serve."""
+        needs = self.needs(params)
+        if needs.cls and not spec.has_cls:
+            raise InputError(f"method {self.name} needs a [CLS] token, and this tower has none "
+                             "(methods for towers without one: `vlmprune methods`)")
+        if needs.pixels and not spec.has_pixels:
+            raise InputError(f"method {self.name} with these options needs the pixel input and patch grid, "
+                             "which this graph does not show (no patch-embedding Conv found)")
+        n, keep = spec.num_patches, params["keep"]
+        if not 1 <= keep < n:
+            raise InputError(f"--keep must satisfy 1 <= keep < {n} (the tower has {n} patch tokens), got {keep}")
+
+    def output_tokens(self, params: dict) -> int:
+        """Patch-derived tokens in the output (without [CLS]): K, plus a summary token where the method adds one."""
+        return params["keep"]
+
+    def copied_rows(self, params: dict) -> int:
+        """How many leading output patch tokens are copies of input rows (at kept[:, :n]); the rest are merged."""
+        return params["keep"]
+
+    @abc.abstractmethod
+    def describe(self, params: dict) -> str:
+        """One line for the manifest and the CLI."""
+
+    # ------------------------------------------------------------------ semantics
+
+    @abc.abstractmethod
+    def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
+        """The method in plain torch, batched, without host synchronisation: the parity reference."""
+
+    @abc.abstractmethod
+    def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
+        """Append the method's nodes through builder b; return (tokens, kept_indices)."""
+
+    def fusion_rules(self, spelling) -> list:
+        """onnxscript rewrite rules that fuse part of the emission into a custom op (none by default)."""
+        return []
+
+    def check_formulation(self, formulation: str) -> str:
+        if formulation not in self.formulations:
+            raise InputError(f"method {self.name} has no {formulation!r} formulation "
+                             f"(it has {', '.join(self.formulations)})")
+        return formulation
+
+
+def positive_int(method: str, name: str, value, minimum: int = 1) -> int:
+    """An integer method option, at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(f"--{name} of method {method} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOp:
+    """How a target spells a fused custom op: op_type, domain (imported at `version`), extra constant attributes.
+
+    Each method's fusion rules name the op they produce by its vlmprune name (e.g.
+    "TokenPrune"); a target maps the names it can run to its spelling: ONNX Runtime's
+    custom-op domain "vlmprune", or TensorRT's plugin convention (op_type = the plugin's
+    name, attributes plugin_version / plugin_namespace). A rule whose op the target
+    does not spell is not applied there.
+    """
+
+    op_type: str
+    domain: str = "vlmprune"
+    version: int = 1
+    attributes: tuple[tuple[str, int | float | str], ...] = ()
+
+
+def finite_option(method: str, name: str, value, minimum: float | None = None, maximum: float | None = None) -> float:
+    """A float method option: finite and inside [minimum, maximum], else one line naming it."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InputError(f"--{name} of method {method} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InputError(f"--{name} of method {method} must be >= {minimum:g}, got {value:g}")
+    if maximum is not None and value > maximum:
+        raise InputError(f"--{name} of method {method} must be <= {maximum:g}, got {value:g}")
+    return float(value)

@@ -1,0 +1,134 @@
+"""Appending standard-ONNX nodes for a method, with every node's role recorded in the IR.
+
+Methods write their graph through this builder so that (1) version-dependent ops are
+spelled for the model's opset, (2) every constant is a fresh initializer, and (3) every
+node carries `vlmprune.role` in its metadata_props: "score" (computes what the selection
+ranks), "select" (computes indices) or "tokens" (builds the output tokens from them).
+Targets read the roles, never op types or tensor shapes, to know what must stay in
+floating point (the selection is discrete: a lower precision there moves the K-th
+boundary) and what may be quantized.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import onnx_ir as ir
+
+from vlmprune.passes.dataflow import fresh_initializer, producers_upstream
+
+ROLE = "vlmprune.role"
+SCORE, SELECT, TOKENS = "score", "select", "tokens"
+ROLES = (SCORE, SELECT, TOKENS)
+INT64_MAX = np.iinfo(np.int64).max
+
+
+class Builder:
+    """Collects nodes for one insertion; `graph.insert_after(anchor, b.nodes)` places them."""
+
+    def __init__(self, graph: ir.Graph, opset: int, prefix: str):
+        self.graph, self.opset, self.prefix = graph, opset, prefix
+        self.nodes: list[ir.Node] = []
+        self._role = SCORE
+        self._names: set[str] = set()
+
+    @contextlib.contextmanager
+    def role(self, role: str):
+        """Nodes created inside the block get this role."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        previous, self._role = self._role, role
+        try:
+            yield self
+        finally:
+            self._role = previous
+
+    def _unique(self, name: str) -> str:
+        base, i = f"{self.prefix}/{name}", 0
+        full = base
+        while full in self._names:
+            i += 1
+            full = f"{base}_{i}"
+        self._names.add(full)
+        return full
+
+    def const(self, name: str, array) -> ir.Value:
+        return fresh_initializer(self.graph, f"{self.prefix}/{name}", np.asarray(array))
+
+    def ints(self, name: str, values) -> ir.Value:
+        return self.const(name, np.asarray(values, dtype=np.int64))
+
+    def scalar(self, name: str, value, dtype=np.float32) -> ir.Value:
+        return self.const(name, np.array(value, dtype=dtype))
+
+    def op(self, op_type: str, inputs, name: str, num_outputs: int = 1, **attrs):
+        full = self._unique(name)
+        node = ir.node(op_type, inputs, attributes=attrs or None, num_outputs=num_outputs, name=full)
+        node.metadata_props[ROLE] = self._role
+        for i, out in enumerate(node.outputs):
+            out.name = full + (f":{i}" if num_outputs > 1 else "")
+        self.nodes.append(node)
+        return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
+
+    def add_node(self, node: ir.Node) -> ir.Node:
+        """A node built elsewhere (e.g. a Loop with its body), given this builder's role."""
+        node.metadata_props[ROLE] = self._role
+        self.nodes.append(node)
+        return node
+
+    # -- spellings that depend on the opset
+
+    def reduce(self, op_type: str, x: ir.Value, axes: list[int], keepdims: int, name: str) -> ir.Value:
+        if self.opset >= 18 or op_type == "ReduceSum" and self.opset >= 13:
+            return self.op(op_type, [x, self.ints(f"{name}_axes", axes)], name, keepdims=keepdims)
+        return self.op(op_type, [x], name, axes=axes, keepdims=keepdims)
+
+    def slice(self, x: ir.Value, start: int, end: int, axis: int, name: str) -> ir.Value:
+        return self.op("Slice", [x, self.ints(f"{name}_starts", [start]), self.ints(f"{name}_ends", [end]),
+                                 self.ints(f"{name}_axes", [axis])], name)
+
+    def unsqueeze(self, x: ir.Value, axes: list[int], name: str) -> ir.Value:
+        return self.op("Unsqueeze", [x, self.ints(f"{name}_axes", axes)], name)
+
+    def squeeze(self, x: ir.Value, axes: list[int], name: str) -> ir.Value:
+        return self.op("Squeeze", [x, self.ints(f"{name}_axes", axes)], name)
+
+    # -- small compositions several methods use
+
+    def sort_ascending(self, indices: ir.Value, k: int, name: str) -> ir.Value:
+        """Indices [B, k] in ascending order: TopK of the indices themselves, smallest first."""
+        kept, _ = self.op("TopK", [indices, self.ints(f"{name}_k", [k])], name, num_outputs=2, axis=-1, largest=0,
+                          sorted=1)
+        return kept
+
+    def gather_rows(self, tokens: ir.Value, indices: ir.Value, name: str) -> ir.Value:
+        """tokens [B, N, D], indices [B, k] -> [B, k, D]: a per-image row gather (GatherND, batch_dims=1)."""
+        return self.op("GatherND", [tokens, self.unsqueeze(indices, [-1], f"{name}_nd")], name, batch_dims=1)
+
+    def l2_normalize(self, x: ir.Value, name: str, eps: float = 1e-12) -> ir.Value:
+        """x / max(||x||_2, eps) over the last axis."""
+        norm = self.reduce("ReduceL2", x, [-1], 1, f"{name}_norm")
+        return self.op("Div", [x, self.op("Max", [norm, self.scalar(f"{name}_eps", eps)], f"{name}_den")], name)
+
+
+def role_of(node: ir.Node) -> str | None:
+    """The role the insertion recorded on node, or None for a node it did not emit."""
+    return node.metadata_props.get(ROLE)
+
+
+def selection_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """The emitted nodes whose results decide which tokens are kept ("score" and "select"), in graph order."""
+    return [n for n in graph if role_of(n) in (SCORE, SELECT)]
+
+
+def feeding_selection(graph: ir.Graph) -> list[ir.Node]:
+    """The selection's nodes and everything upstream of them, in graph order.
+
+    In a tower pruned after block L that is blocks 1..L, the [CLS]-row recompute and the
+    TopKs: what a quantizer must leave in floating point for the kept set not to move.
+    """
+    chosen = selection_nodes(graph)
+    upstream = producers_upstream(*[v for n in chosen for v in n.inputs])
+    wanted = set(chosen) | set(upstream)
+    return [n for n in graph if n in wanted]

@@ -1,0 +1,244 @@
+"""`cls`: seed 000's method, [CLS] attention (+ pixel variance), with a summary token.
+
+After block L, score every patch by the recomputed [CLS] attention row of that block
+(passes.methods.attention), optionally plus λ times its normalised pixel variance:
+
+    S_i = A_i / max(A) + λ · V_i / max(V)          (maxima per image, floored at 1e-6)
+
+keep the K best (ties to the lower index), in ascending order, and append one summary
+token, the unweighted mean of the N - K pruned tokens:
+
+    [B, 1+N, D] -> [CLS] + K kept + summary = [B, 1+K+1, D]
+
+Choices where the official code leaves it open: none (this is vlmprune's own method;
+the semantics above are the contract). Needs a [CLS] token and block L's Q and K;
+λ > 0 needs the pixel input and patch grid.
+
+Fusion: select + gather + summary become one `TokenPrune` node (kernels/cpu, kernels/cuda)
+that reads each token once; the scorer stays in standard ops, measured faster there on
+CPU (tools/bench_fused_op.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import torch
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+
+from vlmprune.passes.dataflow import const_array
+from vlmprune.passes.methods import attention
+from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, FusedOp, GraphInputs, Method, Needs, SiteTensors, TorchResult,
+                                          finite_option)
+from vlmprune.passes.methods.builder import INT64_MAX, SELECT, TOKENS
+from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk
+
+TOKEN_PRUNE = "TokenPrune"
+
+
+class ClsMethod(Method):
+    name = "cls"
+    summary = "[CLS] attention of block L (+ λ · pixel variance), top K in raster order, + 1 summary token"
+    selection = BY_SCORE
+    options = {"lambda": (float, "cls: weight of the pixel-variance term (default 0: pure [CLS] attention)")}
+
+    def defaults(self, keep: int) -> dict:
+        return {"lambda": 0.0}
+
+    def parse(self, keep, options):
+        params = super().parse(keep, options)
+        params["lambda"] = finite_option(self.name, "lambda", params["lambda"], minimum=0.0)
+        return params
+
+    def needs(self, params: dict) -> Needs:
+        return Needs(site=BLOCK, cls=True, attention=True, pixels=params["lambda"] > 0)
+
+    def output_tokens(self, params: dict) -> int:
+        return params["keep"] + 1
+
+    def describe(self, params: dict) -> str:
+        lam = params["lambda"]
+        return f"[CLS] attention{f' + {lam:g} · pixel variance' if lam else ''}: top {params['keep']} + 1 summary"
+
+    def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
+        keep, lam = params["keep"], params["lambda"]
+        attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, has_cls=True)
+        scores = attention.normalise(attn)
+        if lam:
+            scores = scores + lam * attention.normalise(attention.patch_variance(inputs.pixel_values,
+                                                                                  inputs.patch_size))
+        kept = select_topk(scores, keep)
+        return TorchResult(gather_summary(inputs.hidden, kept), kept, {"scores": scores, "boundary": keep})
+
+    def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
+        keep, lam = params["keep"], params["lambda"]
+        attn = attention.emit_cls_attention(b, inputs.block)
+        scores = attention.emit_normalise(b, attn, "attn_norm")
+        if lam > 0:
+            variance = attention.emit_patch_variance(b, inputs.structure, inputs.num_patches)
+            weighted = b.op("Mul", [attention.emit_normalise(b, variance, "var_norm"), b.scalar("lambda", lam)],
+                            "var_weighted")
+            scores = b.op("Add", [scores, weighted], "scores")
+        return emit_selection(b, inputs.hidden, scores, keep, inputs.num_patches)
+
+    def fusion_rules(self, spellings: dict[str, FusedOp]) -> list:
+        spelling = spellings.get(TOKEN_PRUNE)
+        if spelling is None:
+            return []
+        return [TokenPruneFusion.rule(spelling), TokenPruneFusion.rule(spelling, sort_via_float=True)]
+
+
+def gather_summary(hidden: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """[CLS] + kept tokens + the unweighted mean of the pruned ones: [B, 1+N, D] -> [B, 1+K+1, D]."""
+    patches = hidden[:, 1:]
+    n, k = patches.shape[1], kept.shape[-1]
+    summary = (pruned_mask(kept, n, patches.dtype) / (n - k)).unsqueeze(1) @ patches
+    return torch.cat([hidden[:, :1], gather_rows(patches, kept), summary], dim=1)
+
+
+def emit_selection(b, hidden: ir.Value, scores: ir.Value, keep: int, n: int) -> tuple[ir.Value, ir.Value]:
+    """TopK -> indices in raster order -> GatherND + summary mean -> Concat, in standard ops.
+
+    hidden [B, 1+N, D], scores [B, N] -> (tokens [B, 1+K+1, D], kept [B, K] int64).
+    This is the subgraph TokenPruneFusion recognises.
+    """
+    with b.role(SELECT):
+        k = b.ints("k", [keep])
+        _, top = b.op("TopK", [scores, k], "topk", num_outputs=2, axis=-1, largest=1, sorted=1)
+        # TopK on the indices themselves, smallest first: the kept set in raster order.
+        kept, _ = b.op("TopK", [top, k], "sort_kept", num_outputs=2, axis=-1, largest=0, sorted=1)
+    with b.role(TOKENS):
+        patches = b.slice(hidden, 1, INT64_MAX, 1, "patches")  # [B, N, D]
+        gathered = b.op("GatherND", [patches, b.unsqueeze(kept, [-1], "kept_nd")], "gather_kept", batch_dims=1)
+        np_dtype = (hidden.dtype or ir.DataType.FLOAT).numpy()
+        ones = b.op("ConstantOfShape", [b.op("Shape", [scores], "scores_shape")], "ones",
+                    value=ir.tensor(np.ones([1], dtype=np_dtype)))
+        zeros = b.op("ConstantOfShape", [b.op("Shape", [kept], "kept_shape")], "zeros",
+                     value=ir.tensor(np.zeros([1], dtype=np_dtype)))
+        mask = b.op("ScatterElements", [ones, kept, zeros], "pruned_mask", axis=1)
+        weights = b.op("Mul", [mask, b.const("inv_pruned", np.array(1.0 / (n - keep), dtype=np_dtype))], "summary_w")
+        summary = b.op("MatMul", [b.unsqueeze(weights, [1], "summary_w3"), patches], "summary")  # [B, 1, D]
+        cls = b.slice(hidden, 0, 1, 1, "cls")
+        tokens = b.op("Concat", [cls, gathered, summary], "tokens", axis=1)
+    return tokens, kept
+
+
+# ---------------------------------------------------------------------------- fusion
+
+
+def _is(value: ir.Value, expected) -> bool:
+    array = const_array(value)
+    return array is not None and array.reshape(-1).tolist() == list(expected)
+
+
+def _attr(value: ir.Value, name: str, default=None):
+    attr = value.producer().attributes.get(name)
+    return default if attr is None else attr.value
+
+
+class TokenPruneFusion(RewriteRuleClassBase):
+    """[CLS] ++ GatherND(X, sort(TopK(S, K))) ++ mean(X[pruned]) -> TokenPrune(X, S).
+
+    Matches by structure only, checks every constant that fixes the semantics (K, the
+    tie rule, raster order, the summary weight 1/(N-K)), and the rewriter refuses to
+    fuse when an intermediate has consumers outside the subgraph. The sort of the kept
+    indices is recognised in both forms the passes emit: TopK over the int64 indices, or
+    Cast(float) -> TopK -> Cast(int64) (passes.tensorrt.SortIndicesAsFloatPass).
+    """
+
+    def __init__(self, spelling: FusedOp, sort_via_float: bool = False):
+        super().__init__(name="TokenPruneFusion" + ("(float sort)" if sort_via_float else ""))
+        self.spelling = spelling
+        self.sort_via_float = sort_via_float
+
+    def pattern(self, op, hidden, scores, k, unsq_kept, unsq_w, inv_pruned, p_start, p_end, p_axis,
+                c_start, c_end, c_axis):
+        _, top = op.TopK(scores, k, _outputs=["top_values", "top"])
+        if self.sort_via_float:
+            top_float = op.Cast(top, _outputs=["top_float"])
+            sorted_kept, _ = op.TopK(top_float, k, _outputs=["sorted_kept", "sorted_positions"])
+            kept = op.Cast(sorted_kept, _outputs=["kept"])
+        else:
+            kept, _ = op.TopK(top, k, _outputs=["kept", "kept_values"])
+        patches = op.Slice(hidden, p_start, p_end, p_axis, _outputs=["patches"])
+        gathered = op.GatherND(patches, op.Unsqueeze(kept, unsq_kept), _outputs=["gathered"])
+        ones = op.ConstantOfShape(op.Shape(scores), _outputs=["ones"])
+        zeros = op.ConstantOfShape(op.Shape(kept), _outputs=["zeros"])
+        mask = op.ScatterElements(ones, kept, zeros, _outputs=["mask"])
+        summary = op.MatMul(op.Unsqueeze(op.Mul(mask, inv_pruned), unsq_w), patches)
+        cls = op.Slice(hidden, c_start, c_end, c_axis)
+        tokens = op.Concat(cls, gathered, summary, _outputs=["tokens"])
+        return tokens, kept
+
+    def check(self, context, hidden, scores, k, unsq_kept, unsq_w, inv_pruned, p_start, p_end, p_axis,
+              c_start, c_end, c_axis, top, kept, gathered, ones, zeros, mask, tokens, sorted_kept=None,
+              top_float=None, **_) -> MatchResult:
+        result = MatchResult()
+        keep = const_array(k)
+        if keep is None or keep.size != 1:
+            return result.fail("K is not a constant")
+        keep = int(keep.reshape(-1)[0])
+        if (_attr(top, "largest", 1), _attr(top, "sorted", 1), _attr(top, "axis", -1)) != (1, 1, -1):
+            return result.fail("first TopK is not largest/sorted over the last axis")
+        sort = kept if sorted_kept is None else sorted_kept
+        if (_attr(sort, "largest", 1), _attr(sort, "sorted", 1)) != (0, 1):
+            return result.fail("second TopK does not sort the indices ascending")
+        if sorted_kept is not None:
+            n_sorted = scores.shape[-1] if scores.shape is not None else None
+            if _attr(top_float, "to") != ir.DataType.FLOAT or _attr(kept, "to") != ir.DataType.INT64:
+                return result.fail("the float sort is not Cast(float) -> TopK -> Cast(int64)")
+            if not isinstance(n_sorted, int) or n_sorted >= 1 << 24:
+                return result.fail("the float sort is exact only for a static N < 2^24")
+        if _attr(gathered, "batch_dims", 0) != 1 or not _is(unsq_kept, [-1]) and not _is(unsq_kept, [2]):
+            return result.fail("GatherND is not a per-image gather of the kept rows")
+        if _attr(mask, "axis", 0) not in (1, -1):
+            return result.fail("ScatterElements does not scatter along the patch axis")
+        for value, fill in ((ones, 1.0), (zeros, 0.0)):
+            attr = value.producer().attributes.get("value")
+            if attr is None or attr.value.numpy().reshape(-1).tolist() != [fill]:
+                return result.fail(f"mask constant is not {fill}")
+        if not (_is(p_start, [1]) and _is(p_axis, [1]) and const_array(p_end) is not None
+                and int(const_array(p_end).reshape(-1)[0]) >= np.iinfo(np.int32).max):
+            return result.fail("patches are not hidden[:, 1:]")
+        if not (_is(c_start, [0]) and _is(c_end, [1]) and _is(c_axis, [1])):
+            return result.fail("[CLS] is not hidden[:, 0:1]")
+        if not _is(unsq_w, [1]) or _attr(tokens, "axis", None) not in (1, -2):
+            return result.fail("summary or Concat axis differs")
+        n = scores.shape[-1] if scores.shape is not None else None
+        inv = const_array(inv_pruned)
+        if not isinstance(n, int) or inv is None or inv.size != 1:
+            return result.fail("patch count is not static")
+        # The weight is stored in the hidden states' type: fp16 holds 1/(N-K) to its own precision only.
+        rtol = float(np.finfo(inv.dtype).eps) if inv.dtype.kind == "f" else 1e-6
+        if not np.isclose(float(inv.reshape(-1)[0]), 1.0 / (n - keep), rtol=rtol):
+            return result.fail(f"summary weight {float(inv.reshape(-1)[0])} is not 1/(N-K) = 1/{n - keep}")
+        return result
+
+    def rewrite(self, op, hidden, scores, k, **_):
+        keep = int(const_array(k).reshape(-1)[0])
+        make = getattr(op, self.spelling.op_type)
+        return make(hidden, scores, keep=keep, has_cls=1, **dict(self.spelling.attributes),
+                    _domain=self.spelling.domain, _outputs=2)
+
+
+def selection_model(batch: int | str, n: int, d: int, keep: int, dtype=np.float32, opset: int = 18) -> ir.Model:
+    """Just the selection subgraph, as the method emits it: (hidden [B, 1+N, D], scores [B, N]) -> (tokens, kept).
+
+    For the fusion tests and tools/bench_fused_op.py.
+    """
+    from onnx_ir.passes.common import ShapeInferencePass
+
+    from vlmprune.passes.methods.builder import Builder
+
+    elem = ir.DataType.from_numpy(np.dtype(dtype))
+    hidden = ir.Value(name="hidden", type=ir.TensorType(elem), shape=ir.Shape([batch, n + 1, d]))
+    scores = ir.Value(name="scores", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([batch, n]))
+    graph = ir.Graph([hidden, scores], [], nodes=[], name="selection", opset_imports={"": opset})
+    b = Builder(graph, opset, "vlmprune/select")
+    tokens, kept = emit_selection(b, hidden, scores, keep, n)
+    graph.extend(b.nodes)
+    tokens.name, kept.name = "tokens", "kept_indices"
+    graph.outputs.extend([tokens, kept])
+    model = ir.Model(graph, ir_version=10)
+    ShapeInferencePass()(model)
+    return model

@@ -1,0 +1,83 @@
+"""Reference building blocks several methods share: TopK with the tie rule, gathers, the tie band.
+
+Plain torch, batched, never synchronising with the host and never looping over the
+batch. Parity (compiler.parity) uses tie_band and boundary_ties from here too, so the
+reference and the check agree on what counts as a tie.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Floor for per-image maxima that normalise scores: a constant image has zero pixel variance everywhere.
+SCORE_EPS = 1e-6
+
+
+def topk_lower_index(scores: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
+    """The k best entries of the last axis, best first; equal scores go to the lower index."""
+    # A stable sort keeps equal scores in index order: the tie rule (torch.topk does not promise it).
+    return torch.sort(scores, dim=-1, descending=largest, stable=True).indices[..., :k]
+
+
+def select_topk(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """TopK with ties broken towards the lower index, returned in ascending (raster) order."""
+    n = scores.shape[-1]
+    if not 1 <= keep < n:
+        raise ValueError(f"keep must satisfy 1 <= keep < {n}, got {keep}")
+    return topk_lower_index(scores, keep).sort(dim=-1).values
+
+
+def gather_rows(tokens: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """tokens [B, N, D], indices [B, k] -> [B, k, D]."""
+    b, _, d = tokens.shape
+    return torch.gather(tokens, 1, indices.unsqueeze(-1).expand(b, indices.shape[-1], d))
+
+
+def pruned_mask(indices: torch.Tensor, n: int, dtype=torch.float32) -> torch.Tensor:
+    """[B, N]: 1 where a patch is not among indices, 0 where it is."""
+    ones = torch.ones(indices.shape[0], n, dtype=dtype, device=indices.device)
+    return ones.scatter(1, indices, 0.0)
+
+
+def split_cls(hidden: torch.Tensor, has_cls: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """([CLS] token as a list of 0 or 1 tensors [B, 1, D], patch tokens [B, N, D])."""
+    return ([hidden[:, :1]], hidden[:, 1:]) if has_cls else ([], hidden)
+
+
+def tie_band(scores: np.ndarray | torch.Tensor, rel_tol: float):
+    """Half-width of the band around the K-th boundary in which two scores count as tied.
+
+    rel_tol times the largest |score| of the image (floored at SCORE_EPS): scores that
+    close may be ordered either way by a lower-precision runtime.
+    """
+    if isinstance(scores, torch.Tensor):
+        return rel_tol * scores.abs().amax(dim=-1).clamp_min(SCORE_EPS)
+    return rel_tol * np.maximum(np.abs(scores).max(axis=-1), SCORE_EPS)
+
+
+def boundary_ties(scores: torch.Tensor, keep: int, rel_tol: float) -> torch.Tensor:
+    """Per image, how many scores lie within the tie band of the K-th/(K+1)-th boundary.
+
+    Zero means the selection is unambiguous at that precision; a positive count
+    means a lower precision may legitimately keep a different set.
+    """
+    top = torch.sort(scores, dim=-1, descending=True, stable=True).values
+    cut = 0.5 * (top[:, keep - 1] + top[:, keep])
+    band = tie_band(scores, rel_tol)
+    gap = (top[:, keep - 1] - top[:, keep]).abs()
+    near = (scores - cut.unsqueeze(-1)).abs() <= band.unsqueeze(-1)
+    # Only a boundary whose gap is inside the band is a tie at all.
+    return torch.where(gap <= 2 * band, near.sum(dim=-1), torch.zeros_like(gap, dtype=torch.long))
+
+
+def relative_margin(values: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
+    """How far the k-th best of values is ahead of the (k+1)-th, relative to the largest finite |value|: [B].
+
+    The margin of one greedy step: zero (or within a tie band) means a lower precision may pick differently.
+    """
+    finite = values.masked_fill(~torch.isfinite(values), float("nan"))
+    ordered = torch.sort(values, dim=-1, descending=largest, stable=True).values
+    gap = (ordered[:, k - 1] - ordered[:, k]).abs()
+    scale = finite.abs().nan_to_num(0.0).amax(dim=-1).clamp_min(SCORE_EPS)
+    return torch.where(torch.isfinite(gap), gap, torch.full_like(gap, float("inf"))) / scale

@@ -1,0 +1,158 @@
+"""Insert a pruning method into a tower graph, in standard ONNX ops, and record what was inserted.
+
+Why a pass and not a pruned PyTorch module: the same rewrite must apply to a tower that
+was exported anywhere (an .onnx file), keep the main attention untouched (SDPA/Flash
+kernels stay), and produce a subgraph that fusion rules and target legalizers can
+recognise. The method decides what to compute (passes.methods); this pass finds where:
+
+- a BLOCK site is block L's output, the residual stream [B, (1)+N, D], found by
+  structure (passes.structure); every consumer of it is rewired to the new tokens and
+  RetargetTokenCountPass then fixes the token counts the exporter baked downstream;
+- a FEATURES site is the graph's token output `image_features` (after the projector).
+
+Results travel in the IR, not in pass attributes: the model's metadata_props hold
+`vlmprune.prune`, a JSON record of the method, its parameters and the site (what the
+manifest reports and what later passes read), every inserted node holds its role
+(passes.methods.builder), and the new token value holds `vlmprune.tokens` ("old,new").
+The graph gains the output `kept_indices` [B, K'] (int64): the patch position of every
+kept token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
+
+from vlmprune.compiler.errors import StructureError
+from vlmprune.passes.dataflow import consumers_downstream, opset
+from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, SiteSpec
+from vlmprune.passes.methods.builder import Builder
+from vlmprune.passes.structure import TowerStructure, find_tower_structure, static_dim
+
+KEPT_INDICES = "kept_indices"
+PRUNE_META = "vlmprune.prune"  # model.metadata_props: what was inserted (JSON)
+TOKENS_META = "vlmprune.tokens"  # value.metadata_props of the new tokens: "tokens before,tokens after"
+
+
+def prune_record(model: ir.Model) -> dict | None:
+    """What InsertPruningPass recorded in the model, or None for a graph it has not pruned."""
+    text = model.metadata_props.get(PRUNE_META)
+    return None if text is None else json.loads(text)
+
+
+def _token_output(graph: ir.Graph) -> ir.Value:
+    for value in graph.outputs:
+        if value.shape is not None and len(value.shape) == 3:
+            return value
+    raise StructureError("the graph has no token output [B, T, D] to prune")
+
+
+class InsertPruningPass(ir.passes.InPlacePass):
+    """Insert `method` with `params` at its site; output the kept indices; record it all in the IR.
+
+    layer: the 1-based block of a BLOCK site (None: the last block the graph runs).
+    formulation: the method's graph form (one of method.formulations; the target chooses).
+    A second run over a graph it already pruned the same way changes nothing.
+    """
+
+    def __init__(self, method: Method, params: dict, layer: int | None = None, formulation: str | None = None):
+        super().__init__()
+        self.method, self.params, self.layer = method, dict(params), layer
+        self.formulation = method.check_formulation(formulation or method.formulations[0])
+
+    def _wanted(self) -> dict:
+        return {"method": self.method.name, "params": self.params, "formulation": self.formulation}
+
+    def requires(self, model: ir.Model) -> None:
+        if opset(model) < 13:
+            raise StructureError(f"opset {opset(model)} is too old: vlmprune needs opset >= 13")
+        record = prune_record(model)
+        if record is not None and {k: record.get(k) for k in self._wanted()} != self._wanted():
+            raise StructureError(f"the graph is already pruned ({record['method']}); prune the dense graph")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if prune_record(model) is not None:  # the same pruning, already in place
+            return ir.passes.PassResult(model, modified=False)
+        graph = model.graph
+        structure = find_tower_structure(graph) if self.method.needs(self.params).site == BLOCK else _structure(graph)
+        hidden, spec, block = self._site(graph, structure)
+        self.method.check(self.params, spec)
+        where = f"L{spec.layer}" if block is not None else "features"
+        b = Builder(graph, opset(model), f"vlmprune/{self.method.name}_{where}")
+        inputs = GraphInputs(hidden, spec.has_cls, spec.num_patches, block, structure)
+        consumers = list(hidden.uses())
+        tokens, kept = self.method.emit(b, self.params, inputs, self.formulation)
+        anchor = hidden.producer()
+        if anchor is None:
+            raise StructureError("the tokens to prune are a graph input, not computed by the tower")
+        graph.insert_after(anchor, b.nodes)
+        for use in consumers:
+            use.node.replace_input_with(use.idx, tokens)
+        if hidden.is_graph_output():  # the output keeps its name: consumers go by it
+            name = hidden.name
+            hidden.name = f"{name}.dense"
+            graph.outputs[graph.outputs.index(hidden)] = tokens
+            tokens.name = name
+        tokens_in = static_dim(hidden, 1)
+        tokens_out = int(spec.has_cls) + self.method.output_tokens(self.params)
+        batch = hidden.shape[0] if hidden.shape is not None else None
+        tokens.shape = ir.Shape([batch, tokens_out, hidden.shape[2]]) if hidden.shape is not None else None
+        tokens.type = hidden.type
+        tokens.metadata_props[TOKENS_META] = f"{tokens_in},{tokens_out}"
+        kept.name = KEPT_INDICES
+        kept.type = ir.TensorType(ir.DataType.INT64)
+        kept.shape = ir.Shape([batch, self.params["keep"]])
+        graph.outputs.append(kept)
+        if block is None:
+            ShapeInferencePass()(model)
+        else:  # shapes downstream are stale until RetargetTokenCountPass rewrites the baked token counts
+            for node in consumers_downstream(tokens):
+                for out in node.outputs:
+                    out.shape = None
+        record = {**self._wanted(), "site": self.method.needs(self.params).site, "layer": spec.layer,
+                  "num_blocks": spec.num_blocks, "tokens_in": tokens_in, "tokens_out": tokens_out,
+                  "num_patches": spec.num_patches, "has_cls": spec.has_cls, "kept": KEPT_INDICES,
+                  "kept_count": self.params["keep"], "summary": self.method.describe(self.params)}
+        model.metadata_props[PRUNE_META] = json.dumps(record, sort_keys=True)
+        return ir.passes.PassResult(model, modified=True)
+
+    def _site(self, graph: ir.Graph, structure: TowerStructure | None):
+        """(the value to prune, what it offers, the attention block or None)."""
+        needs = self.method.needs(self.params)
+        n_grid = structure.num_patches if structure is not None else None
+        if needs.site == BLOCK:
+            n_blocks = len(structure.blocks)
+            layer = n_blocks if self.layer is None else self.layer
+            if not 1 <= layer <= n_blocks:
+                raise StructureError(f"--layer {layer} is out of range: this tower has {n_blocks} blocks (1..{n_blocks})")
+            block = structure.blocks[layer - 1]
+            hidden = block.output
+        else:
+            if self.layer is not None:
+                raise StructureError(f"method {self.method.name} prunes the projector output (the tower's end); "
+                                     "--layer does not apply to it")
+            block, layer, n_blocks = None, None, len(structure.blocks) if structure is not None else None
+            hidden = _token_output(graph)
+        tokens = static_dim(hidden, 1)
+        if tokens is None:
+            raise StructureError(
+                "the tokens to prune have no static count (the graph computes it at run time, e.g. by "
+                "interpolating position embeddings); export the tower with static shapes")
+        if n_grid is not None and tokens not in (n_grid, n_grid + 1):
+            raise StructureError(f"the site has {tokens} tokens but the patch grid has {n_grid}: "
+                                 "extra tokens (registers?) are not supported")
+        has_cls = n_grid is not None and tokens == n_grid + 1
+        num_patches = tokens - int(has_cls)
+        has_pixels = structure is not None and structure.pixel_input is not None and structure.grid is not None
+        spec = SiteSpec(num_patches, has_cls, layer, n_blocks, has_pixels)
+        return hidden, spec, block
+
+
+def _structure(graph: ir.Graph) -> TowerStructure | None:
+    """The tower's structure where it can be found (a FEATURES site needs only the patch grid)."""
+    try:
+        return find_tower_structure(graph)
+    except StructureError:
+        return None

@@ -1,0 +1,78 @@
+"""Rewrite the token count an exporter baked into the graph downstream of the pruning point.
+
+Exporters bake the token count into Reshape targets ([-1, 577, H, dh]), Expand and
+Slice bounds, and sometimes share one constant between blocks before and after the
+pruning point. After InsertPruningPass at block L, every later block runs on fewer
+tokens, so each such constant downstream of the new tokens (found through the
+`vlmprune.tokens` metadata the insertion recorded, never by names) is replaced by a
+fresh copy with the new count, given to that consumer only. Shape vectors built at run
+time as Concat(batch, 577, H, dh) get a fresh Concat of retargeted pieces.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
+
+from vlmprune.passes.dataflow import const_array, consumers_downstream, fresh_initializer
+from vlmprune.passes.prune import TOKENS_META
+
+# Inputs that carry shapes or token positions, by op type: a constant there that
+# equals the old token count is the token count.
+_SHAPE_INPUTS = {"Reshape": (1,), "Expand": (1,), "ConstantOfShape": (0,), "Slice": (1, 2), "Tile": (1,), "Range": (1,)}
+
+
+class RetargetTokenCountPass(ir.passes.InPlacePass):
+    """Give every downstream shape constant that holds the old token count its own copy with the new one.
+
+    modified is true only when a constant was rewritten: a second run finds nothing left.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        rewritten = 0
+        sites = [v for node in graph for v in node.outputs if TOKENS_META in v.metadata_props]
+        for value in sites:
+            old, new = (int(x) for x in value.metadata_props[TOKENS_META].split(","))
+            if old != new:
+                for node in list(consumers_downstream(value)):
+                    rewritten += self._retarget_node(graph, node, old, new)
+        if sites:  # the insertion left the shapes downstream unknown: infer them with the new counts
+            ShapeInferencePass()(model)
+        return ir.passes.PassResult(model, modified=rewritten > 0)
+
+    def _retarget_node(self, graph: ir.Graph, node: ir.Node, old: int, new: int) -> int:
+        count = 0
+        for idx in _SHAPE_INPUTS.get(node.op_type, ()):
+            if idx < len(node.inputs) and node.inputs[idx] is not None:
+                fixed = self._retarget_value(graph, node.inputs[idx], node, old, new)
+                if fixed is not node.inputs[idx]:
+                    node.replace_input_with(idx, fixed)
+                    count += 1
+        return count
+
+    def _retarget_value(self, graph: ir.Graph, value: ir.Value, consumer: ir.Node, old: int, new: int) -> ir.Value:
+        """value with `old` replaced by `new`: a fresh constant, or a fresh Concat of retargeted pieces.
+
+        Nothing existing is modified (the value may be shared with blocks before the pruning
+        point): the consumer gets its own copy.
+        """
+        values = const_array(value)
+        if values is not None:
+            if values.dtype.kind != "i" or values.ndim > 1 or old not in values.reshape(-1):
+                return value
+            return fresh_initializer(graph, f"{value.name}_retok{new}",
+                                     np.where(values == old, new, values).astype(values.dtype))
+        producer = value.producer()
+        if producer is None or producer.op_type != "Concat":
+            return value
+        pieces = [self._retarget_value(graph, v, consumer, old, new) for v in producer.inputs]
+        if all(p is v for p, v in zip(pieces, producer.inputs)):
+            return value
+        concat = ir.node("Concat", pieces, attributes={"axis": producer.attributes.get_int("axis", 0)},
+                         name=f"{producer.name}_retok{new}")
+        concat.outputs[0].name = f"{value.name}_retok{new}_{consumer.name}"
+        concat.outputs[0].type = value.type
+        graph.insert_before(consumer, concat)
+        return concat.outputs[0]

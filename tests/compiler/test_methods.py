@@ -1,0 +1,125 @@
+"""Every method compiles, end to end, for every target that runs it, with parity; the seams' refusals.
+
+Tiny offline Hugging Face models: a LLaVA with a CLIP tower (64 patches) and a bare SigLIP
+tower (no [CLS]). The same matrix on `demo` and `clip-l-336` is a manual run (see the note of
+the issue that brought the methods); here each cell takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from vlmprune.compiler.bundle import load_manifest
+from vlmprune.compiler.cli import main
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.pipeline import CompileOptions, compile_model
+from vlmprune.targets import qnn_tools
+
+METHODS = {"cls": {"lambda": 0.2}, "visionzip": {"contextual": 4}, "divprune": {}}
+KEEP = 16
+
+
+def _compile(model, out, method, target="ort", **kwargs):
+    return compile_model(str(model), out, CompileOptions(target=target, method=method, keep=KEEP,
+                                                         method_options=METHODS[method], **kwargs))
+
+
+def _assert_parity(result, batch_images: int):
+    assert result.report.passed, result.manifest["parity"]
+    for stage in result.report.stages:
+        if stage.indices:
+            assert len(stage.indices["per_image"]) == batch_images
+    manifest = result.manifest
+    assert manifest["method"]["params"]["keep"] == KEEP
+    assert [o["name"] for o in manifest["outputs"]] == ["image_features", "kept_indices"]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_method_on_ort(tiny_llava_dir, tmp_path, method, batch):
+    result = _compile(tiny_llava_dir, tmp_path / "b", method, batch=batch)
+    _assert_parity(result, 2 if batch == 1 else 3)
+    stages = [s.stage for s in result.report.stages]
+    assert stages == ["export", "rewritten", "fused" if method in ("cls", "divprune") else "target"]
+    record = json.loads((tmp_path / "b" / "parity.json").read_text())
+    assert record["inputs"]["chunk"] == batch
+
+
+@pytest.mark.parametrize("method", ["divprune"])
+def test_methods_without_cls_on_a_siglip_tower(tiny_siglip_dir, tmp_path, method):
+    result = _compile(tiny_siglip_dir, tmp_path / "b", method)
+    _assert_parity(result, 2)
+    assert result.manifest["method"]["has_cls"] is False
+
+
+@pytest.mark.parametrize("method", ["cls", "visionzip"])
+def test_methods_that_need_cls_are_refused_on_siglip(tiny_siglip_dir, tmp_path, method):
+    with pytest.raises(InputError, match=f"method {method} needs a \\[CLS\\] token"):
+        _compile(tiny_siglip_dir, tmp_path / "b", method)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("target", ["orin", "xavier"])
+@pytest.mark.parametrize("method", ["visionzip", "divprune"])
+def test_tensorrt_targets(tiny_llava_dir, tmp_path, target, method):
+    result = _compile(tiny_llava_dir, tmp_path / "b", method, target=target)
+    _assert_parity(result, 2)
+    fields = result.manifest["target"]
+    assert fields["fused"] is False and fields["fp32_layers"]  # the selection stays fp32 in the engine
+    if method == "divprune":
+        assert result.manifest["method"]["formulation"] == "unrolled"
+
+
+@pytest.mark.skipif(not qnn_tools.available()[0], reason=f"QNN toolchain unavailable: {qnn_tools.available()[1]}")
+@pytest.mark.parametrize("method", ["visionzip", "divprune"])
+def test_qnn(tiny_llava_dir, tmp_path, method):
+    result = _compile(tiny_llava_dir, tmp_path / "b", method, target="qnn")
+    _assert_parity(result, 2)
+    assert result.manifest["target"]["placement_summary"]["qdq"]["cpu_ops"] == {}  # all on HTP
+
+
+@pytest.mark.parametrize("method", ["visionzip", "divprune"])
+def test_rk3588(rknn_ready, tiny_llava_dir, tmp_path, method):
+    result = _compile(tiny_llava_dir, tmp_path / "b", method, target="rk3588")
+    _assert_parity(result, 2)
+    expected = {"fp16", "int8"} if method == "visionzip" else {"fp16"}  # int8 hybrid: not for projector-output methods
+    assert set(result.manifest["target"]["artifacts"]) == expected
+
+
+@pytest.mark.parametrize("target,precision", [("orin", "int8"), ("rk3588", "int8")])
+def test_int8_refused_for_projector_output_methods(tmp_path, target, precision):
+    with pytest.raises(InputError, match="selection reads the projector output"):
+        compile_model("demo", tmp_path / "b", CompileOptions(target=target, method="divprune",
+                                                             target_options={"precision": precision}))
+
+
+def test_cli_method_options_and_refusals(tiny_llava_dir, tmp_path):
+    run = lambda *a: CliRunner().invoke(main, [str(x) for x in a])  # noqa: E731
+    result = run("compile", tiny_llava_dir, "--method", "visionzip", "--keep", 16, "--contextual", 4, "-o",
+                 tmp_path / "b", "-q")
+    assert result.exit_code == 0, result.output
+    manifest = load_manifest(tmp_path / "b")
+    assert manifest["method"]["params"] == {"keep": 16, "contextual": 4, "dominant": 12}
+    assert manifest["compile_options"]["method_options"] == {"contextual": 4}
+    for args, needle in [(["--method", "divprune", "--lambda", "0.3"], "--lambda is not an option of method divprune"),
+                         (["--method", "divprune", "--layer", "1"], "--layer does not apply"),
+                         (["--method", "nope"], "unknown method 'nope'"),
+                         (["--target", "ort", "--soc", "SM8650"], "target ort has no --soc")]:
+        result = run("compile", tiny_llava_dir, "-o", tmp_path / "c", *args)
+        assert result.exit_code == 2 and needle in result.output, (args, result.output)
+
+
+def test_methods_command_lists_needs_and_targets():
+    result = CliRunner().invoke(main, ["methods"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    for name in METHODS:
+        assert f"{name}: " in text
+    assert "needs:    block L's hidden states, block L's Q and K, a [CLS] token" in text
+    assert "needs:    the projector output (the tower's end)" in text
+    assert "--contextual" in text and "--lambda" in text
+    assert "ort (loop, fused into DivPruneSelect)" in text and "orin (unrolled)" in text
+    assert "ort (fused into TokenPrune)" in text and "rk3588 (standard ops)" in text
