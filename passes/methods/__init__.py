@@ -9,10 +9,11 @@ from __future__ import annotations
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods.base import Method
 from vlmprune.passes.methods.cls import ClsMethod
+from vlmprune.passes.methods.dart import DartMethod
 from vlmprune.passes.methods.divprune import DivPruneMethod
 from vlmprune.passes.methods.visionzip import VisionZipMethod
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMethod, DivPruneMethod)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMethod, DivPruneMethod, DartMethod)}
 DEFAULT = "cls"
 
 

@@ -18,7 +18,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 from vlmprune.targets import qnn_tools
 
-METHODS = {"cls": {"lambda": 0.2}, "visionzip": {"contextual": 4}, "divprune": {}}
+METHODS = {"cls": {"lambda": 0.2}, "visionzip": {"contextual": 4}, "divprune": {}, "dart": {"pivots": 3}}
 KEEP = 16
 
 
@@ -48,7 +48,7 @@ def test_every_method_on_ort(tiny_llava_dir, tmp_path, method, batch):
     assert record["inputs"]["chunk"] == batch
 
 
-@pytest.mark.parametrize("method", ["divprune"])
+@pytest.mark.parametrize("method", ["divprune", "dart"])
 def test_methods_without_cls_on_a_siglip_tower(tiny_siglip_dir, tmp_path, method):
     result = _compile(tiny_siglip_dir, tmp_path / "b", method)
     _assert_parity(result, 2)
@@ -63,7 +63,7 @@ def test_methods_that_need_cls_are_refused_on_siglip(tiny_siglip_dir, tmp_path, 
 
 
 @pytest.mark.parametrize("target", ["orin", "xavier"])
-@pytest.mark.parametrize("method", ["visionzip", "divprune"])
+@pytest.mark.parametrize("method", ["visionzip", "divprune", "dart"])
 def test_tensorrt_targets(tiny_llava_dir, tmp_path, target, method):
     result = _compile(tiny_llava_dir, tmp_path / "b", method, target=target)
     _assert_parity(result, 2)
@@ -74,14 +74,14 @@ def test_tensorrt_targets(tiny_llava_dir, tmp_path, target, method):
 
 
 @pytest.mark.skipif(not qnn_tools.available()[0], reason=f"QNN toolchain unavailable: {qnn_tools.available()[1]}")
-@pytest.mark.parametrize("method", ["visionzip", "divprune"])
+@pytest.mark.parametrize("method", ["visionzip", "dart", "divprune"])
 def test_qnn(tiny_llava_dir, tmp_path, method):
     result = _compile(tiny_llava_dir, tmp_path / "b", method, target="qnn")
     _assert_parity(result, 2)
     assert result.manifest["target"]["placement_summary"]["qdq"]["cpu_ops"] == {}  # all on HTP
 
 
-@pytest.mark.parametrize("method", ["visionzip", "divprune"])
+@pytest.mark.parametrize("method", ["visionzip", "divprune", "dart"])
 def test_rk3588(rknn_ready, tiny_llava_dir, tmp_path, method):
     result = _compile(tiny_llava_dir, tmp_path / "b", method, target="rk3588")
     _assert_parity(result, 2)
@@ -107,6 +107,7 @@ def test_cli_method_options_and_refusals(tiny_llava_dir, tmp_path):
     for args, needle in [(["--method", "divprune", "--lambda", "0.3"], "--lambda is not an option of method divprune"),
                          (["--method", "divprune", "--layer", "1"], "--layer does not apply"),
                          (["--method", "nope"], "unknown method 'nope'"),
+                         (["--method", "cls", "--pivots", "2"], "--pivots is not an option of method cls"),
                          (["--target", "ort", "--soc", "SM8650"], "target ort has no --soc")]:
         result = run("compile", tiny_llava_dir, "-o", tmp_path / "c", *args)
         assert result.exit_code == 2 and needle in result.output, (args, result.output)
@@ -120,6 +121,6 @@ def test_methods_command_lists_needs_and_targets():
         assert f"{name}: " in text
     assert "needs:    block L's hidden states, block L's Q and K, a [CLS] token" in text
     assert "needs:    the projector output (the tower's end)" in text
-    assert "--contextual" in text and "--lambda" in text
+    assert "--contextual" in text and "--pivots" in text and "--lambda" in text
     assert "ort (loop, fused into DivPruneSelect)" in text and "orin (unrolled)" in text
     assert "ort (fused into TokenPrune)" in text and "rk3588 (standard ops)" in text

@@ -1,0 +1,145 @@
+"""`dart`: DART's duplication-aware selection on the projector output, as TensorRT Edge-LLM runs it.
+
+On the tokens the LLM sees (the tower's end, after the projector):
+
+1. Pivots: the P tokens (default 4, option --pivots) with the largest L1 norm, in
+   descending L1 order. Retained = the pivots; pool = every other token.
+2. For each pivot in turn: remaining = K - |retained|; stop if none is left; move the
+   ceil(remaining / pivots left) pool tokens least similar to the pivot (lowest cosine,
+   denominator max(||p|| · ||c||, 1e-8)) from the pool to retained.
+3. Output: the K retained tokens, ascending. No summary. Needs no [CLS].
+
+The per-pivot counts depend on K and P only, so every step is a TopK with a constant K
+in the graph: no loop, on any target. Text pivots (DART with a prompt) join with the
+prompt-aware methods.
+
+Choices where the reference implementations are batch-1 only or silent:
+- ties go to the lower index, in the pivot TopK and in each lowest-cosine TopK;
+- with a [CLS] token in the features (select strategy `full`), [CLS] passes through and
+  only patch tokens are selected;
+- P must not exceed K (the pivots are always kept).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.passes.methods.base import FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult
+from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
+from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_cls, topk_lower_index
+
+COSINE_EPS = 1e-8
+# Retained tokens are excluded with a finite sentinel in the graph (cosines lie in [-1, 1]): quantizers
+# and fp16 toolchains calibrate every tensor, and an infinity breaks rknn-toolkit2's int8 calibration.
+SENTINEL = 1e4
+
+
+def pivot_counts(keep: int, pivots: int) -> list[int]:
+    """Tokens each pivot moves to retained, in pivot order (zeros dropped)."""
+    counts, retained = [], pivots
+    for j in range(pivots):
+        remaining = keep - retained
+        if remaining <= 0:
+            break
+        take = math.ceil(remaining / (pivots - j))
+        counts.append(take)
+        retained += take
+    return counts
+
+
+class DartMethod(Method):
+    name = "dart"
+    summary = "DART: P pivots by L1 norm, then per pivot the least similar tokens (TensorRT Edge-LLM's variant)"
+    selection = GREEDY
+    options = {"pivots": (int, "dart: pivot tokens P, chosen by the largest L1 norm (default 4)")}
+    official = "https://github.com/ZichenWen1/DART (as TensorRT Edge-LLM runs it on embeddings)"
+
+    def defaults(self, keep: int) -> dict:
+        return {"pivots": 4}
+
+    def parse(self, keep, options):
+        params = super().parse(keep, options)
+        pivots = params["pivots"]
+        if isinstance(pivots, bool) or not isinstance(pivots, int) or not 1 <= pivots <= keep:
+            raise InputError(f"--pivots of method dart must be an integer with 1 <= pivots <= keep ({keep}), "
+                             f"got {pivots!r}")
+        return params
+
+    def needs(self, params: dict) -> Needs:
+        return Needs(site=FEATURES)
+
+    def describe(self, params: dict) -> str:
+        return f"DART: {params['pivots']} pivots by L1 norm, {params['keep']} tokens least similar to them"
+
+    def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
+        keep, p = params["keep"], params["pivots"]
+        cls, x = split_cls(inputs.hidden, inputs.has_cls)
+        l1 = x.abs().sum(dim=-1)
+        pivots = topk_lower_index(l1, p)
+        steps = [(pivots, relative_margin(l1, p))]
+        norms = x.norm(dim=-1)
+        excluded = torch.zeros_like(l1).scatter(1, pivots, float("inf"))
+        retained = [pivots]
+        for j, take in enumerate(pivot_counts(keep, p)):
+            pivot = pivots[:, j: j + 1]
+            dots = (x @ gather_rows(x, pivot).transpose(1, 2)).squeeze(-1)
+            cosine = dots / (norms * torch.gather(norms, 1, pivot)).clamp_min(COSINE_EPS)
+            candidates = cosine + excluded
+            picks = topk_lower_index(candidates, take, largest=False)
+            steps.append((picks, relative_margin(candidates, take, largest=False)))
+            excluded = excluded.scatter(1, picks, float("inf"))
+            retained.append(picks)
+        kept = torch.cat(retained, dim=1).sort(dim=-1).values
+        return TorchResult(torch.cat([*cls, gather_rows(x, kept)], dim=1), kept, {"steps": steps})
+
+    def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
+        keep, p = params["keep"], params["pivots"]
+        with b.role(TOKENS):
+            cls = [b.slice(inputs.hidden, 0, 1, 1, "cls")] if inputs.has_cls else []
+            x = b.slice(inputs.hidden, 1, INT64_MAX, 1, "patches") if inputs.has_cls else inputs.hidden
+        with b.role(SCORE):
+            l1 = b.reduce("ReduceSum", b.op("Abs", [x], "abs"), [-1], 0, "l1")  # [B, N]
+            norms = b.reduce("ReduceL2", x, [-1], 0, "norms")
+        with b.role(SELECT):
+            _, pivots = b.op("TopK", [l1, b.ints("k_pivots", [p])], "pivots", num_outputs=2, axis=-1, largest=1,
+                             sorted=1)
+            zeros = b.op("ConstantOfShape", [b.op("Shape", [l1], "l1_shape")], "zeros",
+                         value=ir.tensor(np.zeros([1], np.float32)))
+            excluded = self._exclude(b, zeros, pivots, "excluded0")
+        retained = [pivots]
+        for j, take in enumerate(pivot_counts(keep, p)):
+            with b.role(SCORE):
+                pivot = b.slice(pivots, j, j + 1, 1, f"pivot{j}")  # [B, 1]
+                xp = b.gather_rows(x, pivot, f"pivot{j}_token")  # [B, 1, D]
+                dots = b.squeeze(b.op("MatMul", [x, b.op("Transpose", [xp], f"pivot{j}_t", perm=[0, 2, 1])],
+                                      f"pivot{j}_dots"), [2], f"pivot{j}_dot")
+                norm_p = b.op("GatherElements", [norms, pivot], f"pivot{j}_norm", axis=1)
+                den = b.op("Max", [b.op("Mul", [norms, norm_p], f"pivot{j}_norms"), b.scalar(f"pivot{j}_eps",
+                                                                                           COSINE_EPS)],
+                           f"pivot{j}_den")
+                cosine = b.op("Div", [dots, den], f"pivot{j}_cosine")
+            with b.role(SELECT):
+                candidates = b.op("Add", [cosine, excluded], f"pivot{j}_candidates")
+                _, picks = b.op("TopK", [candidates, b.ints(f"k{j}", [take])], f"pivot{j}_picks", num_outputs=2,
+                                axis=-1, largest=0, sorted=1)
+                excluded = self._exclude(b, excluded, picks, f"excluded{j + 1}")
+                retained.append(picks)
+        with b.role(SELECT):
+            joined = b.op("Concat", retained, "retained", axis=1) if len(retained) > 1 else pivots
+            kept = b.sort_ascending(joined, keep, "kept")
+        with b.role(TOKENS):
+            gathered = b.gather_rows(x, kept, "gather_kept")
+            tokens = b.op("Concat", [*cls, gathered], "tokens", axis=1) if cls else gathered
+        return tokens, kept
+
+    @staticmethod
+    def _exclude(b, excluded: ir.Value, picks: ir.Value, name: str) -> ir.Value:
+        """+SENTINEL at picks: a retained token is never a candidate again."""
+        fill = b.op("Expand", [b.scalar(f"{name}_sentinel", SENTINEL), b.op("Shape", [picks], f"{name}_shape")],
+                    f"{name}_fill")
+        return b.op("ScatterElements", [excluded, picks, fill], name, axis=1)
