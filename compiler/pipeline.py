@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import torch
+from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
 
 from vlmprune.compiler import __version__, bundle, parity, reference
 from vlmprune.compiler.errors import InputError
@@ -29,7 +30,7 @@ from vlmprune.passes.legalize import StaticBatchPass
 from vlmprune.passes.methods import DEFAULT as DEFAULT_METHOD
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import BLOCK, SiteSpec
-from vlmprune.passes.outputs import BatchDimNamePass, FeatureOutputPass
+from vlmprune.passes.outputs import BatchDimNamePass, DropZeroAddPass, FeatureOutputPass
 from vlmprune.passes.prune import prune_record
 from vlmprune.passes.structure import find_tower_structure
 from vlmprune.targets import get_target
@@ -110,7 +111,7 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
         decomposed = pipeline(dense).model
         ir.save(decomposed, tmp / "model.decomposed.onnx")
         record = prune_record(decomposed)
-        fusion = target.fusion(plan.config, options)
+        fusion = target.fusion(plan.config, options, record)
         if fusion is not None:
             timer.step("fusion: " + ", ".join(fusion.names))
             fusion(decomposed)
@@ -197,9 +198,10 @@ def _check_against(source: Source, config: PruneConfig) -> None:
     blocks = source.num_blocks
     if config.layer is not None and not 1 <= config.layer <= blocks:
         raise InputError(f"--layer {config.layer} is out of range: this tower runs {blocks} blocks (1..{blocks})")
-    block_site = method.needs(params).site == BLOCK
-    has_cls = source.has_cls if block_site else source.has_cls and not source.pipeline.drop_cls
-    method.check(params, SiteSpec(source.num_patches, bool(has_cls), config.layer or blocks, blocks))
+    pipe = source.pipeline
+    prefix = pipe.prefix if method.needs(params).site == BLOCK or not pipe.drop_cls else 0
+    method.check(params, SiteSpec(source.num_patches, bool(source.has_cls and prefix), config.layer or blocks, blocks,
+                                  prefix=prefix))
 
 
 def _parity_batch(manifest: dict, batch: int | None) -> ParityBatch:
@@ -252,8 +254,11 @@ def _dense_model(source: Source, options: CompileOptions, folder: Path, timer: _
                   if v.shape is not None and all(isinstance(d, int) for d in v.shape)]
         if static and len(static) == len(model.graph.inputs):
             StaticBatchPass(static[0], "the .onnx tower")(model)
+        ShapeInferencePass()(model)  # what the exporter left unannotated, for the rewrites below
+        DropZeroAddPass()(model)
         structure = find_tower_structure(model.graph)
         FeatureOutputPass(drop_cls=_drop_cls(source, options), num_patches=structure.num_patches)(model)
+        RemoveUnusedNodesPass()(model)  # what fed only the dropped outputs (e.g. SigLIP's pooling head)
         BatchDimNamePass()(model)
     else:
         timer.step(f"export (torch.onnx dynamo, opset {options.opset}, batch {options.batch or 'dynamic'})")
@@ -300,7 +305,7 @@ def _manifest(source: Source, options: CompileOptions, plan: _Plan, record: dict
                   "site": record["site"], "layer": record["layer"], "num_blocks": record["num_blocks"],
                   "formulation": record["formulation"], "tokens_in": record["tokens_in"],
                   "tokens_out": record["tokens_out"], "num_patches": record["num_patches"],
-                  "has_cls": record["has_cls"], "kept_count": record["kept_count"],
+                  "has_cls": record["has_cls"], "prefix": record["prefix"], "kept_count": record["kept_count"],
                   "summary": f"{record['summary']} ({where}, {record['num_patches']} patch tokens)"}
     return {
         "vlmprune_version": __version__,
@@ -347,7 +352,8 @@ def _record_of(manifest: dict) -> dict | None:
     if method["name"] == "none":
         return None
     return {"method": method["name"], "params": method["params"], "site": method["site"], "layer": method["layer"],
-            "has_cls": method["has_cls"], "num_patches": method["num_patches"]}
+            "has_cls": method["has_cls"], "num_patches": method["num_patches"],
+            "prefix": method.get("prefix", int(method["has_cls"]))}
 
 
 def _parity(source: Source, dense_path: Path, bundle_dir: Path, manifest: dict, target: Target, batch: ParityBatch,

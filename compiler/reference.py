@@ -23,6 +23,7 @@ import torch
 
 from vlmprune.compiler.frontend import Source
 from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
+from vlmprune.passes.dataflow import consumers_downstream, producers_upstream
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import Method
 from vlmprune.passes.structure import find_tower_structure
@@ -98,12 +99,12 @@ def onnx_reference(dense_path: Path, record: dict | None, pixel: np.ndarray, run
     dense = out[features.name]
     double = lambda name: torch.from_numpy(out[name]).double()  # noqa: E731
     if block is None:
-        tensors = SiteTensors(double(features.name), record["has_cls"])
+        tensors = SiteTensors(double(features.name), record["has_cls"], prefix=record["prefix"])
     else:
         k = double(block.k.name)
         tensors = SiteTensors(double(block.output.name), record["has_cls"], double(block.q.name),
                               k.transpose(-1, -2) if block.k_transposed else k, block.scale,
-                              torch.from_numpy(pixel).double(), structure.patch_size)
+                              torch.from_numpy(pixel).double(), structure.patch_size, record["prefix"])
     with torch.inference_mode():
         result = pruner.method.reference(record["params"], tensors)
     outputs = {KEPT: result.kept.numpy()}
@@ -121,40 +122,57 @@ def _end_of_tower(model, block, features, dense, result, pruner: MethodPruner, r
     path = token_path(block.output, features)
     if path is None:
         return None
-    kept_cls = dense.shape[1] == record["num_patches"] + 1
-    if path == "slice":  # image_features is the block output, [CLS] perhaps sliced off
+    prefix = record["prefix"]
+    kept_prefix = dense.shape[1] == record["num_patches"] + prefix and prefix > 0
+    if path == "slice":  # image_features is the block output, its prefix perhaps sliced off
         tokens = result.tokens.numpy().astype(dense.dtype)
-        return tokens if kept_cls or not record["has_cls"] else tokens[:, 1:]
+        return tokens if kept_prefix or not prefix else tokens[:, prefix:]
     copies = pruner.method.copied_rows(record["params"])
-    patches = dense[:, 1:] if kept_cls else dense
+    patches = dense[:, prefix:] if kept_prefix else dense
     rows = np.take_along_axis(patches, result.kept.numpy()[:, :copies, None], axis=1)
     merged = pruner.method.output_tokens(record["params"]) - copies
     undefined = np.full((dense.shape[0], merged, dense.shape[2]), np.nan, dtype=dense.dtype)
-    return np.concatenate(([dense[:, :1]] if kept_cls else []) + [rows, undefined], axis=1)
+    return np.concatenate(([dense[:, :prefix]] if kept_prefix else []) + [rows, undefined], axis=1)
 
 
-# Ops that act on each token alone, with one runtime input: gathering rows commutes with them.
-_PER_TOKEN = {"LayerNormalization", "Add", "Sub", "Mul", "Div", "MatMul", "Gemm", "Gelu", "Erf", "Tanh", "Sigmoid",
-              "Relu", "Cast", "Identity", "Slice"}
+# Ops that act on each token alone: gathering rows commutes with them (given the conditions in token_path).
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Erf", "Tanh", "Sigmoid", "Relu",
+                "Gelu", "Cast", "Identity"}
+_REDUCE_LAST = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2"}
 
 
 def token_path(start: ir.Value, end: ir.Value) -> str | None:
-    """How `end` follows from `start`: "slice" (Slice/Identity only), "per-token", or None (anything else)."""
-    kind, value = "slice", end
-    while value is not start:
-        node = value.producer()
-        if node is None or node.op_type not in _PER_TOKEN:
-            return None
-        runtime = [v for v in node.inputs if v is not None and ir.convenience.get_const_tensor(v) is None]
-        if len(runtime) != 1:
-            return None
-        if node.op_type == "Slice":
+    """How `end` follows from `start` ([B, T, D] each): "slice" (Slice along the tokens / Identity only),
+    "per-token" (every op acts on each token row alone: elementwise ops, LayerNormalization fused or
+    decomposed, reductions over the last axis, MatMul/Gemm by a constant), or None (anything else)."""
+    region = [n for n in producers_upstream(end) if n in consumers_downstream(start)]
+    if end.producer() is not None and end.producer() not in region:
+        return None
+    kind = "slice"
+    for node in region:
+        op = node.op_type
+        if op == "Slice":
             axes = ir.convenience.get_const_tensor(node.inputs[3]) if len(node.inputs) > 3 else None
             if axes is None or axes.numpy().reshape(-1).tolist() not in ([1], [-2]):
                 return None
-        elif node.op_type != "Identity":
-            kind = "per-token"
-        value = runtime[0]
+            continue
+        if op == "Identity":
+            continue
+        kind = "per-token"
+        if op in _ELEMENTWISE or op == "LayerNormalization":
+            if any(v is not None and v.shape is not None and len(v.shape) == 3 and v.shape[-2] not in (1, None)
+                   and ir.convenience.get_const_tensor(v) is not None for v in node.inputs):
+                return None  # a constant with a token axis: differs per token position
+            continue
+        if op in _REDUCE_LAST:
+            axes = ir.convenience.get_const_tensor(node.inputs[1]) if len(node.inputs) > 1 else None
+            axes = axes.numpy().reshape(-1).tolist() if axes is not None else list(node.attributes.get_ints("axes", []))
+            if axes not in ([-1], [2]):
+                return None
+            continue
+        if op in ("MatMul", "Gemm") and ir.convenience.get_const_tensor(node.inputs[1]) is not None:
+            continue
+        return None
     return kind
 
 

@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.dataflow import fresh_initializer
+from vlmprune.passes.structure import provably_zero
 
 FEATURES = "image_features"
 BATCH_DIM = "batch"
@@ -32,10 +33,11 @@ def token_output(graph: ir.Graph) -> ir.Value:
 
 
 class FeatureOutputPass(ir.passes.InPlacePass):
-    """Keep only the token output, drop [CLS] from it if asked, and name it `image_features`.
+    """Keep only the token output, drop [CLS] (and register tokens) from it if asked, and name it `image_features`.
 
-    num_patches is the patch grid's size; the token count tells whether the tower has a
-    [CLS] token (T = N + 1) or not (T = N). has_cls is recorded on the output's meta.
+    num_patches is the patch grid's size; the token count tells what precedes the patches:
+    nothing (T = N), a [CLS] token (T = N + 1), or [CLS] and register tokens (T = N + 1 + R).
+    "Dropping [CLS]" drops that whole prefix, as LLaVA's default select strategy keeps patches only.
     """
 
     def __init__(self, drop_cls: bool, num_patches: int | None):
@@ -54,11 +56,12 @@ class FeatureOutputPass(ir.passes.InPlacePass):
         out = token_output(graph)
         modified = len(graph.outputs) != 1 or out.name != FEATURES
         tokens = out.shape[1]
-        has_cls = isinstance(tokens, int) and self.num_patches is not None and tokens == self.num_patches + 1
+        prefix = tokens - self.num_patches if isinstance(tokens, int) and self.num_patches is not None else 0
+        has_cls = prefix > 0
         graph.outputs.clear()
         if self.drop_cls and has_cls:
             producer = out.producer()
-            starts = fresh_initializer(graph, "vlmprune/drop_cls_starts", np.array([1], np.int64))
+            starts = fresh_initializer(graph, "vlmprune/drop_cls_starts", np.array([prefix], np.int64))
             ends = fresh_initializer(graph, "vlmprune/drop_cls_ends", np.array([_INT64_MAX], np.int64))
             axes = fresh_initializer(graph, "vlmprune/drop_cls_axes", np.array([1], np.int64))
             node = ir.node("Slice", [out, starts, ends, axes], name="vlmprune/drop_cls")
@@ -67,7 +70,7 @@ class FeatureOutputPass(ir.passes.InPlacePass):
             else:
                 graph.append(node)
             new = node.outputs[0]
-            new.type, new.shape = out.type, ir.Shape([out.shape[0], tokens - 1, out.shape[2]])
+            new.type, new.shape = out.type, ir.Shape([out.shape[0], tokens - prefix, out.shape[2]])
             out = new
             modified = True
         if out.name != FEATURES:
@@ -100,3 +103,49 @@ class BatchDimNamePass(ir.passes.InPlacePass):
                 value.shape = ir.Shape([BATCH_DIM, *shape[1:]])
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+
+class DropZeroAddPass(ir.passes.InPlacePass):
+    """Add(x, zeros) -> x, where the zeros are provable (passes.structure.provably_zero) and do not broadcast x.
+
+    Why: torch.export writes SDPA without a mask as `logits + zeros[1, 1, T, T]` (with a
+    dynamic batch, an expanded Where that is zero everywhere). The zeros change nothing, but
+    they carry the token count in their shape, so after pruning the blocks that follow would
+    add a [T, T] mask to [K', K'] logits. Removing them first keeps every later block
+    shape-agnostic.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, removed = model.graph, 0
+        for node in list(graph):
+            if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+                continue
+            for data, mask in (node.inputs, node.inputs[::-1]):
+                out = node.outputs[0]
+                if data is None or out.is_graph_output() or not provably_zero(mask):
+                    continue
+                if not _keeps_shape(data, mask, out):
+                    continue  # the Add broadcasts: x alone would have another shape
+                out.replace_all_uses_with(data)
+                graph.remove(node, safe=True)
+                removed += 1
+                break
+        return ir.passes.PassResult(model, modified=removed > 0)
+
+
+def _keeps_shape(data: ir.Value, mask: ir.Value, out: ir.Value) -> bool:
+    """Whether data + mask has data's shape: known equal shapes, or a mask that only broadcasts into data."""
+    if data.shape is not None and out.shape is not None and list(data.shape) == list(out.shape):
+        return True
+    mask_shape = _mask_shape(mask)
+    if data.shape is None or mask_shape is None or len(mask_shape) > len(data.shape):
+        return False
+    pairs = zip(reversed(list(mask_shape)), reversed(list(data.shape)))
+    return all(m == 1 or (isinstance(m, int) and m == d) for m, d in pairs)
+
+
+def _mask_shape(mask: ir.Value):
+    """The mask's shape where it is fully static, else None."""
+    if mask.shape is not None and all(isinstance(d, int) for d in mask.shape):
+        return list(mask.shape)
+    return None

@@ -81,7 +81,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
         self.method.check(self.params, spec)
         where = f"L{spec.layer}" if block is not None else "features"
         b = Builder(graph, opset(model), f"vlmprune/{self.method.name}_{where}")
-        inputs = GraphInputs(hidden, spec.has_cls, spec.num_patches, block, structure)
+        inputs = GraphInputs(hidden, spec.has_cls, spec.num_patches, block, structure, spec.prefix)
         consumers = list(hidden.uses())
         tokens, kept = self.method.emit(b, self.params, inputs, self.formulation)
         anchor = hidden.producer()
@@ -96,7 +96,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
             graph.outputs[graph.outputs.index(hidden)] = tokens
             tokens.name = name
         tokens_in = static_dim(hidden, 1)
-        tokens_out = int(spec.has_cls) + self.method.output_tokens(self.params)
+        tokens_out = spec.prefix + self.method.output_tokens(self.params)
         batch = hidden.shape[0] if hidden.shape is not None else None
         tokens.shape = ir.Shape([batch, tokens_out, hidden.shape[2]]) if hidden.shape is not None else None
         tokens.type = hidden.type
@@ -113,7 +113,8 @@ class InsertPruningPass(ir.passes.InPlacePass):
                     out.shape = None
         record = {**self._wanted(), "site": self.method.needs(self.params).site, "layer": spec.layer,
                   "num_blocks": spec.num_blocks, "tokens_in": tokens_in, "tokens_out": tokens_out,
-                  "num_patches": spec.num_patches, "has_cls": spec.has_cls, "kept": KEPT_INDICES,
+                  "num_patches": spec.num_patches, "has_cls": spec.has_cls, "prefix": spec.prefix,
+                  "kept": KEPT_INDICES,
                   "kept_count": self.params["keep"], "summary": self.method.describe(self.params)}
         model.metadata_props[PRUNE_META] = json.dumps(record, sort_keys=True)
         return ir.passes.PassResult(model, modified=True)
@@ -140,13 +141,14 @@ class InsertPruningPass(ir.passes.InPlacePass):
             raise StructureError(
                 "the tokens to prune have no static count (the graph computes it at run time, e.g. by "
                 "interpolating position embeddings); export the tower with static shapes")
-        if n_grid is not None and tokens not in (n_grid, n_grid + 1):
-            raise StructureError(f"the site has {tokens} tokens but the patch grid has {n_grid}: "
-                                 "extra tokens (registers?) are not supported")
-        has_cls = n_grid is not None and tokens == n_grid + 1
-        num_patches = tokens - int(has_cls)
+        if n_grid is not None and tokens < n_grid:
+            raise StructureError(f"the site has {tokens} tokens but the patch grid has {n_grid}")
+        # Tokens before the patches: [CLS], then register tokens (DINOv2 with registers); never pruned.
+        prefix = tokens - n_grid if n_grid is not None else 0
+        has_cls = prefix > 0
+        num_patches = tokens - prefix
         has_pixels = structure is not None and structure.pixel_input is not None and structure.grid is not None
-        spec = SiteSpec(num_patches, has_cls, layer, n_blocks, has_pixels)
+        spec = SiteSpec(num_patches, has_cls, layer, n_blocks, has_pixels, prefix)
         return hidden, spec, block
 
 

@@ -88,7 +88,10 @@ def _attention_softmax(node: ir.Node) -> tuple[ir.Node, list[ir.Node]] | None:
         return None
     scale_ops: list[ir.Node] = []
     producer = node.inputs[0].producer()
-    while producer is not None and producer.op_type in _SCALE_OPS:
+    while producer is not None and (producer.op_type in _SCALE_OPS or _zero_mask(producer) is not None):
+        if producer.op_type == "Add":  # an all-zero attention mask (torch.export of SDPA): changes nothing
+            producer = _zero_mask(producer).producer()
+            continue
         data, other = producer.inputs[0], producer.inputs[1]
         if producer.op_type == "Mul" and _scalar_const(data):
             data, other = other, data  # Mul(c, x)
@@ -104,6 +107,55 @@ def _attention_softmax(node: ir.Node) -> tuple[ir.Node, list[ir.Node]] | None:
     if _rank(q) not in (None, 4) or _rank(kt) not in (None, 4):
         return None
     return producer, scale_ops
+
+
+def _zero_mask(node: ir.Node) -> ir.Value | None:
+    """The data operand of Add(x, mask) when mask is provably all zeros (an attention mask that masks nothing).
+
+    torch.export writes SDPA without a mask as logits + zeros, or, with a dynamic batch,
+    logits + Where(Expand(all-true, shape), 0, -inf); a mask with any non-zero entry would
+    change the [CLS] row, and is not taken for one.
+    """
+    if node.op_type != "Add" or len(node.inputs) != 2:
+        return None
+    for data, mask in (node.inputs, node.inputs[::-1]):
+        if data is not None and provably_zero(mask):
+            return data
+    return None
+
+
+def provably_zero(value: ir.Value | None) -> bool:
+    """Whether value is all zeros whatever the input: a constant, or Expand / Cast / Where of ones that are."""
+    if value is None:
+        return False
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is not None:
+        return not tensor.numpy().any()
+    node = value.producer()
+    if node is None:
+        return False
+    if node.op_type in ("Expand", "Cast", "Identity"):
+        return provably_zero(node.inputs[0])
+    if node.op_type == "Where":
+        cond = _constant_through_expand(node.inputs[0])
+        if cond is not None and cond.all():
+            return provably_zero(node.inputs[1])
+        if cond is not None and not cond.any():
+            return provably_zero(node.inputs[2])
+    return False
+
+
+def _constant_through_expand(value: ir.Value | None):
+    """The constant behind Expand(...)s of value, as an array, else None."""
+    while value is not None:
+        tensor = ir.convenience.get_const_tensor(value)
+        if tensor is not None:
+            return tensor.numpy()
+        node = value.producer()
+        if node is None or node.op_type != "Expand":
+            return None
+        value = node.inputs[0]
+    return None
 
 
 def _attention_op(node: ir.Node) -> tuple[ir.Value, ir.Value, float] | None:
@@ -196,7 +248,11 @@ def _patch_conv(graph: ir.Graph) -> tuple[ir.Value | None, int | None, tuple[int
 
 
 def find_tower_structure(graph: ir.Graph) -> TowerStructure:
-    """Locate every attention block; raise StructureError saying what was missing."""
+    """Locate every attention block; raise StructureError saying what was missing.
+
+    Softmax over Q·Kᵀ may have, between the two, Mul/Div by constant scalars (the scale)
+    and Add of an all-zero constant (an empty attention mask).
+    """
     order = {node: i for i, node in enumerate(graph)}
     blocks: list[AttentionBlock] = []
     for node in graph:

@@ -129,9 +129,13 @@ class Target(abc.ABC):
                    BatchDimNamePass(), SupportCheckPass(self.name, self.supports, self.check_model)]
         return TargetPipeline(self.name, *passes)
 
-    def fusion(self, config: PruneConfig | None, options) -> TargetPipeline | None:
-        """Decomposed graph -> model.onnx with the method's fused ops, or None where no rule applies here."""
-        rules = config.method.fusion_rules(self.spellings) if config is not None else []
+    def fusion(self, config: PruneConfig | None, options, record: dict | None = None) -> TargetPipeline | None:
+        """Decomposed graph -> model.onnx with the method's fused ops, or None where no rule applies here.
+
+        record: what the insertion recorded in the decomposed graph (its site), for methods
+        whose custom op covers some sites only.
+        """
+        rules = config.method.fusion_rules(self.spellings, record) if config is not None else []
         if not rules:
             return None
         domains = {s.domain: s.version for s in self.spellings.values()}

@@ -88,6 +88,10 @@ class QnnTarget(Target):
         from vlmprune.targets import qnn_tools
 
         given = super().check_options(options)
+        if options.batch not in (None, 1):
+            raise InputError(f"qnn compiles batch 1 (a context binary per shape; measured at --batch 3 on demo the "
+                             "quantized features lose parity, cosine 0.985 for cls): compile without --batch, not "
+                             f"--batch {options.batch}")
         precision = parse_precision(given.get("precision"))
         try:
             soc, soc_model = qnn_tools.resolve_soc(given.get("soc"))

@@ -31,13 +31,24 @@ def tiny_llava_dir(tmp_path_factory):
     return path
 
 
-def _save_tower(factory, kind: str, seed: int):
-    from transformers import CLIPVisionModel, SiglipVisionModel
+def _save_tower(factory, name: str, seed: int):
+    """A tiny vision tower saved as transformers saves a user's (ViT and DINOv2 in their legacy key layout)."""
+    from transformers import (CLIPVisionModel, Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig,
+                              Dinov2WithRegistersModel, SiglipVisionModel, ViTConfig, ViTModel)
 
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=112,
+                  patch_size=14)
+    build = {
+        "clip": lambda: CLIPVisionModel(_tiny_vision("clip")),
+        "siglip": lambda: SiglipVisionModel(_tiny_vision("siglip")),
+        "vit": lambda: ViTModel(ViTConfig(**common), add_pooling_layer=False),
+        "dinov2": lambda: Dinov2Model(Dinov2Config(**common, layerscale_value=0.5)),
+        "dinov2_registers": lambda: Dinov2WithRegistersModel(
+            Dinov2WithRegistersConfig(**common, num_register_tokens=4, layerscale_value=0.5)),
+    }
     torch.manual_seed(seed)
-    path = factory.mktemp(f"tiny_{kind}")
-    model_cls = CLIPVisionModel if kind == "clip" else SiglipVisionModel
-    model_cls(_tiny_vision(kind)).save_pretrained(path, safe_serialization=True)
+    path = factory.mktemp(f"tiny_{name}")
+    build[name]().eval().save_pretrained(path, safe_serialization=True)
     return path
 
 
@@ -51,6 +62,24 @@ def tiny_clip_dir(tmp_path_factory):
 def tiny_siglip_dir(tmp_path_factory):
     """A SiglipVisionModel checkpoint: no [CLS] token."""
     return _save_tower(tmp_path_factory, "siglip", 3)
+
+
+@pytest.fixture(scope="session")
+def tiny_vit_dir(tmp_path_factory):
+    """A ViTModel checkpoint: [CLS] + 64 patches, a final layernorm."""
+    return _save_tower(tmp_path_factory, "vit", 5)
+
+
+@pytest.fixture(scope="session")
+def tiny_dinov2_dir(tmp_path_factory):
+    """A Dinov2Model checkpoint: layer scales, run-time interpolated position embeddings."""
+    return _save_tower(tmp_path_factory, "dinov2", 6)
+
+
+@pytest.fixture(scope="session")
+def tiny_dinov2_registers_dir(tmp_path_factory):
+    """A Dinov2WithRegistersModel checkpoint: [CLS] + 4 register tokens + 64 patches."""
+    return _save_tower(tmp_path_factory, "dinov2_registers", 7)
 
 
 @pytest.fixture(scope="session")

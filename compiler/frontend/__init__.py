@@ -12,13 +12,15 @@ from pathlib import Path
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import ClipTowerAdapter
+from vlmprune.compiler.frontend.dinov2 import Dinov2Adapter
 from vlmprune.compiler.frontend.export import export_onnx
 from vlmprune.compiler.frontend.llava import LlavaAdapter
 from vlmprune.compiler.frontend.onnx_tower import load_onnx_tower
 from vlmprune.compiler.frontend.presets import PRESETS, load_preset
 from vlmprune.compiler.frontend.source import Source
+from vlmprune.compiler.frontend.vit import VitAdapter
 
-ADAPTERS: tuple[type[ModelAdapter], ...] = (LlavaAdapter, ClipTowerAdapter)
+ADAPTERS: tuple[type[ModelAdapter], ...] = (LlavaAdapter, ClipTowerAdapter, VitAdapter, Dinov2Adapter)
 
 __all__ = ["ADAPTERS", "PRESETS", "Source", "adapter_for", "export_onnx", "load_source"]
 

@@ -1,9 +1,10 @@
 """Family `clip`: a bare CLIP or SigLIP vision tower (CLIPVisionModel, SiglipVisionModel), optionally with an
 LLaVA-style `mm_projector.safetensors` beside it.
 
-The feature layer is the last block (or --feature-layer); the select strategy is
-LLaVA's `default` (a [CLS] token, where the tower has one, is dropped from the features).
-CLIP has a [CLS] token; SigLIP has none.
+The features are the tower's own last_hidden_state (SigLIP's ends with its post_layernorm,
+CLIP's does not), or hidden_states[L] for --feature-layer L; the select strategy is LLaVA's
+`default` (a [CLS] token, where the tower has one, is dropped from the features). CLIP has a
+[CLS] token; SigLIP has none.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, inner_tower, load_state,
                                                read_safetensors, sha256_files)
-from vlmprune.compiler.frontend.tower import Projector, VisionPipeline
+from vlmprune.compiler.frontend.tower import BlockParts, Projector, TowerParts, VisionPipeline
 
 SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
 PROJECTOR_FILE = "mm_projector.safetensors"
@@ -30,6 +31,28 @@ def build_tower(vision_config):
     """An SDPA tower of the config's type, weights uninitialised by transformers."""
     vision_config._attn_implementation = "sdpa"
     return tower_class(vision_config.model_type)(vision_config).eval()
+
+
+def tower_parts(tower, final_norm: bool = False) -> TowerParts:
+    """How VisionPipeline runs a CLIP or SigLIP vision transformer (transformers' layout).
+
+    final_norm: SigLIP's last_hidden_state is after post_layernorm (CLIP's is not: its
+    post_layernorm only feeds the pooled output), so a bare SigLIP tower's features end with it.
+    """
+    vm = inner_tower(tower)
+    pre = getattr(vm, "pre_layrnorm", None)
+
+    def embed(pixel_values):
+        h = vm.embeddings(pixel_values)
+        return pre(h) if pre is not None else h
+
+    def parts(layer) -> BlockParts:
+        a = layer.self_attn
+        return BlockParts(layer.layer_norm1, a.q_proj, a.k_proj, a.v_proj, a.out_proj, a.num_heads, a.scale,
+                          layer.layer_norm2, layer.mlp)
+
+    post = getattr(vm, "post_layernorm", None) if final_norm else None
+    return TowerParts(vm, embed, list(vm.encoder.layers), parts, post)
 
 
 class ClipTowerAdapter(ModelAdapter):
@@ -50,8 +73,11 @@ class ClipTowerAdapter(ModelAdapter):
         siglip = vcfg.model_type.startswith("siglip")
         mean, std = checkpoint.preprocessing(SIGLIP_MEAN if siglip else CLIP_MEAN, SIGLIP_STD if siglip else CLIP_STD)
         has_cls = not siglip
-        pipeline = VisionPipeline(inner_tower(tower), projector, feature_blocks(fl, vcfg.num_hidden_layers), True,
-                                  has_cls, vcfg.patch_size).eval()
+        # The tower's own image features: its last_hidden_state (SigLIP's ends with post_layernorm); a chosen
+        # --feature-layer is hidden_states[L], before any final norm.
+        pipeline = VisionPipeline(tower_parts(tower, final_norm=siglip), projector,
+                                  feature_blocks(fl, vcfg.num_hidden_layers), True, has_cls, vcfg.patch_size,
+                                  final_norm=feature_layer is None).eval()
         return Source(str(checkpoint.path.resolve()), "hf", self.family, sha256_files(checkpoint.files(PROJECTOR_FILE)),
                       vcfg.image_size, vcfg.patch_size, has_cls, mean, std, pipeline=pipeline,
                       details={"model_type": checkpoint.model_type, "feature_layer": fl, "select_strategy": "default",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.clip import SIGLIP_MEAN, SIGLIP_STD, build_tower
+from vlmprune.compiler.frontend.clip import SIGLIP_MEAN, SIGLIP_STD, build_tower, tower_parts
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, inner_tower, load_state,
                                                read_safetensors, sha256_files, sha256_state, strip_prefix)
 from vlmprune.compiler.frontend.tower import Projector, VisionPipeline
@@ -38,7 +38,7 @@ def pipeline_for(config, tower, projector, feature_layer: int | None) -> tuple[V
         raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
     strategy = config.vision_feature_select_strategy
     has_cls = vcfg.model_type == "clip_vision_model"
-    pipeline = VisionPipeline(inner_tower(tower), projector, feature_blocks(fl, vcfg.num_hidden_layers),
+    pipeline = VisionPipeline(tower_parts(tower), projector, feature_blocks(fl, vcfg.num_hidden_layers),
                               strategy == "default", has_cls, vcfg.patch_size).eval()
     return pipeline, fl, strategy
 

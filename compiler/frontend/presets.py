@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmprune.compiler.frontend.clip import build_tower
+from vlmprune.compiler.frontend.clip import build_tower, tower_parts
 from vlmprune.compiler.frontend.llava import LlavaAdapter
-from vlmprune.compiler.frontend.source import (Source, feature_blocks, inner_tower, no_init_weights, quiet_transformers,
+from vlmprune.compiler.frontend.source import (Source, feature_blocks, no_init_weights, quiet_transformers,
                                                seeded_init, sha256_state)
 from vlmprune.compiler.frontend.tower import Projector, VisionPipeline
 
@@ -49,6 +49,6 @@ def _clip_l_336() -> Source:
         tower = build_tower(vision)
         projector = Projector(1024, 4096, 4096).eval()
     seeded_init(nn.ModuleList([tower, projector]), seed=0)
-    pipeline = VisionPipeline(inner_tower(tower), projector, feature_blocks(-2, 24), True, True, 14).eval()
+    pipeline = VisionPipeline(tower_parts(tower), projector, feature_blocks(-2, 24), True, True, 14).eval()
     return Source("clip-l-336", "preset", "llava", sha256_state(pipeline), 336, 14, True, pipeline=pipeline,
                   details={"feature_layer": -2, "select_strategy": "default", "vision_layers": 24})

@@ -73,8 +73,16 @@ def sha256_state(module: nn.Module) -> str:
 
 
 def quiet_transformers() -> None:
+    """transformers' progress bars, load reports and advice are not the user's business here."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="transformers")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 def read_safetensors(files: list[Path], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -150,3 +158,25 @@ def seeded_init(module: nn.Module, seed: int, std: float = 0.02) -> None:
                     param.zero_()
                 else:
                     param.normal_(0.0, std, generator=generator)
+
+
+def from_pretrained(model_class, checkpoint, what: str, **kwargs):
+    """model_class.from_pretrained over a local directory, safetensors only, failures as one line.
+
+    For families whose checkpoints transformers renames on load (ViT and DINOv2 are saved in
+    their legacy key layout), transformers' own loader is the one that knows the mapping.
+    Nothing is unpickled (use_safetensors), nothing is downloaded (local_files_only).
+    """
+    from safetensors import SafetensorError
+
+    try:
+        return model_class.from_pretrained(str(checkpoint.path), config=checkpoint.config, local_files_only=True,
+                                           use_safetensors=True, attn_implementation="sdpa", **kwargs).eval()
+    except SafetensorError as exc:
+        raise InputError(f"{checkpoint.path}: not a readable safetensors file ({str(exc).splitlines()[0]}); "
+                         "truncated or corrupt?") from None
+    except (RuntimeError, ValueError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if "size mismatch" in str(exc) or "ignore_mismatched_sizes" in str(exc):
+            first = "a weight's shape in the checkpoint differs from config.json: the checkpoint and config disagree"
+        raise InputError(f"{what} in {checkpoint.path}: {first}") from None

@@ -1,16 +1,19 @@
 """The ViT tower as vlmprune runs it in torch: blocks 1..F, feature select, projector, and a pruner hook.
 
-Every Hugging Face family whose tower is a stack of pre-norm ViT blocks (CLIP, SigLIP,
-and the LLaVA models built on them) runs through VisionPipeline: the dense forward is
-the model's own image-feature path (the parity reference of `--no-prune`, tested
-against transformers' get_image_features), and with_pruner() runs a pruning method at
-its site, handing it the tensors it needs (SiteTensors). The frontend knows nothing of
-methods: a pruner is any callable with a site; compiler.reference builds them.
+Every Hugging Face family whose tower is a stack of pre-norm ViT blocks (CLIP, SigLIP, ViT,
+DINOv2, and the LLaVA models built on them) runs through VisionPipeline: the dense forward
+is the model's own image-feature path (the parity reference of `--no-prune`, tested
+against transformers), and with_pruner() runs a pruning method at its site, handing it the
+tensors it needs (SiteTensors). A family adapter says how its modules are laid out
+(TowerParts: the embeddings, the blocks and, per block, its norms, projections and layer
+scales); the block arithmetic is the same for all of them, written here once. The frontend
+knows nothing of methods: a pruner is any callable with a site; compiler.reference builds them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -21,15 +24,24 @@ BLOCK, FEATURES = "block", "features"
 
 @dataclasses.dataclass
 class SiteTensors:
-    """What a pruner gets at its site, all torch tensors of one batch."""
+    """What a pruner gets at its site, all torch tensors of one batch.
 
-    hidden: torch.Tensor  # [B, (1)+N, D]
+    prefix: the leading tokens that are not patches ([CLS], then DINOv2's register tokens):
+    never pruned, never counted in K, passed through in front of the kept tokens.
+    """
+
+    hidden: torch.Tensor  # [B, prefix + N, D]
     has_cls: bool
     q: torch.Tensor | None = None  # [B, H, T, dh], block L's projected queries
     k: torch.Tensor | None = None  # [B, H, T, dh]
     scale: float | None = None  # the block's attention scale
     pixel_values: torch.Tensor | None = None  # [B, C, H, W], normalised
     patch_size: int | None = None
+    prefix: int | None = None  # None: 1 with a [CLS] token, else 0
+
+    def __post_init__(self):
+        if self.prefix is None:
+            self.prefix = int(self.has_cls)
 
 
 class Pruner(Protocol):
@@ -40,6 +52,34 @@ class Pruner(Protocol):
 
     def __call__(self, tensors: SiteTensors) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(new tokens, kept patch indices [B, K'], trace for parity)."""
+
+
+@dataclasses.dataclass
+class BlockParts:
+    """One pre-norm block: x + s1 · O(attn(N1(x))), then + s2 · MLP(N2(.)). Layer scales s1, s2 are optional."""
+
+    norm1: nn.Module
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    out: nn.Module
+    heads: int
+    scale: float
+    norm2: nn.Module
+    mlp: nn.Module
+    scale1: nn.Module | None = None
+    scale2: nn.Module | None = None
+
+
+@dataclasses.dataclass
+class TowerParts:
+    """A family's tower as VisionPipeline runs it."""
+
+    module: nn.Module  # the transformer (its config is module.config)
+    embed: Callable[[torch.Tensor], torch.Tensor]  # pixels -> tokens, position embeddings added
+    blocks: list[nn.Module]
+    parts: Callable[[nn.Module], BlockParts]
+    final_norm: nn.Module | None = None  # applied after the last block (the family's last_hidden_state)
 
 
 class Projector(nn.Module):
@@ -56,50 +96,54 @@ class Projector(nn.Module):
 
 
 class VisionPipeline(nn.Module):
-    """pixel_values -> [blocks 1..F] -> feature select -> projector, with an optional pruner at its site.
+    """pixel_values -> [blocks 1..F] (-> final norm) -> feature select -> projector, with an optional pruner.
 
-    F is the LLaVA feature layer (blocks after it are never run). With a pruner, forward
-    returns (features, kept_indices) and keeps the pruner's trace in last_trace.
+    F is the feature layer (blocks after it are never run); the final norm runs only when F
+    is the last block and the family's features are its normed output (final_norm). With a
+    pruner, forward returns (features, kept_indices) and keeps the pruner's trace in last_trace.
     """
 
-    def __init__(self, vision_model: nn.Module, projector: nn.Module | None, num_blocks: int,
-                 drop_cls: bool, has_cls: bool, patch_size: int, pruner: Pruner | None = None):
+    def __init__(self, tower: TowerParts, projector: nn.Module | None, num_blocks: int, drop_cls: bool,
+                 has_cls: bool, patch_size: int, prefix: int | None = None, final_norm: bool = False,
+                 pruner: Pruner | None = None):
         super().__init__()
-        self.vision_model = vision_model
+        self.tower = tower
+        self.vision_model = tower.module
         self.projector = projector
         self.num_blocks = num_blocks
         self.drop_cls = drop_cls
         self.has_cls = has_cls
+        self.prefix = int(has_cls) if prefix is None else prefix
         self.patch_size = patch_size
+        self.final_norm = final_norm and tower.final_norm is not None and num_blocks == len(tower.blocks)
         self.pruner = pruner
         self.last_trace: dict | None = None
 
     def with_pruner(self, pruner: Pruner | None) -> VisionPipeline:
         """The same weights, pruning (or not) as given."""
-        return VisionPipeline(self.vision_model, self.projector, self.num_blocks, self.drop_cls, self.has_cls,
-                              self.patch_size, pruner)
+        return VisionPipeline(self.tower, self.projector, self.num_blocks, self.drop_cls, self.has_cls,
+                              self.patch_size, self.prefix, self.final_norm, pruner)
 
     def forward(self, pixel_values: torch.Tensor):
-        vm, pruner = self.vision_model, self.pruner
-        h = vm.embeddings(pixel_values)
-        pre = getattr(vm, "pre_layrnorm", None)
-        if pre is not None:
-            h = pre(h)
+        tower, pruner = self.tower, self.pruner
+        h = tower.embed(pixel_values)
         kept = None
         at_block = pruner is not None and pruner.site == BLOCK
-        for i, layer in enumerate(vm.encoder.layers[: self.num_blocks], start=1):
-            if at_block and i == pruner.layer:
-                h, qk = _run_capturing_qk(layer, h)
-                h, kept = self._prune(SiteTensors(h, self.has_cls, *qk, pixel_values, self.patch_size))
-            else:
-                h = _run(layer, h)
-        has_cls = self.has_cls
-        if self.drop_cls and has_cls:
-            h, has_cls = h[:, 1:], False
+        for i, layer in enumerate(tower.blocks[: self.num_blocks], start=1):
+            capture = at_block and i == pruner.layer
+            h, qk = run_block(tower.parts(layer), h, capture)
+            if capture:
+                h, kept = self._prune(SiteTensors(h, self.has_cls, *qk, pixel_values, self.patch_size, self.prefix))
+        if self.final_norm:
+            h = tower.final_norm(h)
+        prefix = self.prefix
+        if self.drop_cls and prefix:
+            h, prefix = h[:, prefix:], 0
         if self.projector is not None:
             h = self.projector(h)
         if pruner is not None and pruner.site == FEATURES:
-            h, kept = self._prune(SiteTensors(h, has_cls, pixel_values=pixel_values, patch_size=self.patch_size))
+            h, kept = self._prune(SiteTensors(h, self.has_cls and prefix > 0, pixel_values=pixel_values,
+                                              patch_size=self.patch_size, prefix=prefix))
         return h if pruner is None else (h, kept)
 
     def _prune(self, tensors: SiteTensors):
@@ -107,27 +151,23 @@ class VisionPipeline(nn.Module):
         return tokens, kept
 
 
-def _run(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    out = layer(h, None)
-    return out[0] if isinstance(out, tuple) else out  # older transformers return (hidden_states,)
+def run_block(parts: BlockParts, h: torch.Tensor, capture: bool):
+    """One pre-norm block; with capture, also its own Q and K ([B, H, T, dh]) and attention scale.
 
-
-def _run_capturing_qk(layer: nn.Module, h: torch.Tensor):
-    """Run a block and keep its own Q and K projections ([B, H, T, dh]) and scale: no recompute of the big matmuls.
-
-    The pre-norm block of transformers' CLIP/SigLIP encoder layers with SDPA, spelled out
-    (x + attn(LN1(x)), then + MLP(LN2(.))) so that Q and K are plain values: forward hooks
-    would do the same in eager mode, but torch.compile (dynamo) does not run hooks
-    registered inside forward, and the reference must compile as a user's model does
-    (tools/bench_tower.py). Eager outputs are bit-identical to the layer's own forward.
+    Spelled out rather than calling the layer with hooks on its projections: forward hooks
+    registered inside forward are not run under torch.compile (dynamo), and the reference
+    must compile as a user's model does (tools/bench_tower.py). SDPA, as the towers are
+    loaded with; eager outputs are bit-identical to the layer's own forward (tested per family).
     """
-    attn = layer.self_attn
     b, t, _ = h.shape
-    x = layer.layer_norm1(h)
-    q, k, v = (proj(x).view(b, t, -1, attn.head_dim).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=attn.scale)
-    h = h + attn.out_proj(a.transpose(1, 2).reshape(b, t, -1))
-    return h + layer.mlp(layer.layer_norm2(h)), (q, k, attn.scale)
+    x = parts.norm1(h)
+    q, k, v = (proj(x).view(b, t, parts.heads, -1).transpose(1, 2) for proj in (parts.q, parts.k, parts.v))
+    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=parts.scale)
+    a = parts.out(a.transpose(1, 2).reshape(b, t, -1))
+    h = h + (parts.scale1(a) if parts.scale1 is not None else a)
+    m = parts.mlp(parts.norm2(h))
+    h = h + (parts.scale2(m) if parts.scale2 is not None else m)
+    return h, ((q, k, parts.scale) if capture else None)
 
 
 class Exported(nn.Module):

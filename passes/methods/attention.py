@@ -20,15 +20,16 @@ from vlmprune.passes.methods.selection import SCORE_EPS
 from vlmprune.passes.structure import scale_operand, static_dim
 
 
-def cls_attention(q: torch.Tensor, k: torch.Tensor, scale: float, has_cls: bool = True) -> torch.Tensor:
+def cls_attention(q: torch.Tensor, k: torch.Tensor, scale: float, prefix: int = 1) -> torch.Tensor:
     """Mean over heads of the [CLS] row of softmax(q kᵀ · scale).
 
-    q, k: [B, H, T, dh] after the block's projections. Returns [B, N] for the
-    patch keys (the [CLS] key is part of the softmax but not returned).
+    q, k: [B, H, T, dh] after the block's projections. Returns [B, N] for the patch keys:
+    the `prefix` leading keys ([CLS], and register tokens where the tower has them) are part
+    of the softmax but not returned.
     """
     logits = torch.einsum("bhd,bhtd->bht", q[:, :, 0], k) * scale
     attn = logits.softmax(dim=-1).mean(dim=1)
-    return attn[:, 1:] if has_cls else attn
+    return attn[:, prefix:]
 
 
 def normalise(scores: torch.Tensor) -> torch.Tensor:
@@ -36,7 +37,7 @@ def normalise(scores: torch.Tensor) -> torch.Tensor:
     return scores / scores.amax(dim=-1, keepdim=True).clamp_min(SCORE_EPS)
 
 
-def emit_cls_attention(b, block) -> ir.Value:
+def emit_cls_attention(b, block, prefix: int = 1) -> ir.Value:
     """A [B, N]: the recomputed [CLS] row of `block`'s attention, mean over heads, patch keys only."""
     q_cls = b.slice(block.q, 0, 1, 2, "q_cls")  # [B, H, 1, dh]
     kt = block.k if block.k_transposed else b.op("Transpose", [block.k], "k_t", perm=[0, 1, 3, 2])
@@ -47,7 +48,7 @@ def emit_cls_attention(b, block) -> ir.Value:
         logits = b.op("Mul", [logits, b.scalar("scale", block.scale)], "cls_scale")
     probs = b.op("Softmax", [logits], "cls_probs", axis=-1)
     attn = b.reduce("ReduceMean", probs, [1, 2], 0, "cls_attn")  # [B, 1+N]
-    return b.slice(attn, 1, INT64_MAX, 1, "patch_attn")  # [B, N]
+    return b.slice(attn, prefix, INT64_MAX, 1, "patch_attn")  # [B, N]
 
 
 def emit_normalise(b, scores: ir.Value, name: str) -> ir.Value:

@@ -63,6 +63,11 @@ class SiteSpec:
     layer: int | None = None  # 1-based block after which the site is (BLOCK sites)
     num_blocks: int | None = None  # blocks the tower runs
     has_pixels: bool = True  # the pixel input and patch grid are known
+    prefix: int | None = None  # leading non-patch tokens ([CLS], registers); None: 1 with [CLS], else 0
+
+    def __post_init__(self):
+        if self.prefix is None:
+            object.__setattr__(self, "prefix", int(self.has_cls))
 
 
 @dataclasses.dataclass
@@ -84,11 +89,16 @@ class TorchResult:
 class GraphInputs:
     """What the emission gets at the site: graph values, and the block and tower structure where known."""
 
-    hidden: ir.Value  # [B, (1)+N, D]
+    hidden: ir.Value  # [B, prefix + N, D]
     has_cls: bool
     num_patches: int
     block: Any = None  # passes.structure.AttentionBlock (BLOCK sites)
     structure: Any = None  # passes.structure.TowerStructure
+    prefix: int | None = None  # leading non-patch tokens ([CLS], registers); None: 1 with [CLS], else 0
+
+    def __post_init__(self):
+        if self.prefix is None:
+            self.prefix = int(self.has_cls)
 
 
 class Method(abc.ABC):
@@ -158,8 +168,12 @@ class Method(abc.ABC):
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
         """Append the method's nodes through builder b; return (tokens, kept_indices)."""
 
-    def fusion_rules(self, spelling) -> list:
-        """onnxscript rewrite rules that fuse part of the emission into a custom op (none by default)."""
+    def fusion_rules(self, spellings, record: dict | None = None) -> list:
+        """onnxscript rewrite rules that fuse part of the emission into a custom op (none by default).
+
+        record: what the insertion recorded (passes.prune.prune_record), so that a method can
+        decline a site its custom op does not cover; None: any site.
+        """
         return []
 
     def check_formulation(self, formulation: str) -> str:

@@ -62,45 +62,46 @@ class ClsMethod(Method):
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         keep, lam = params["keep"], params["lambda"]
-        attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, has_cls=True)
+        attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, inputs.prefix)
         scores = attention.normalise(attn)
         if lam:
             scores = scores + lam * attention.normalise(attention.patch_variance(inputs.pixel_values,
                                                                                   inputs.patch_size))
         kept = select_topk(scores, keep)
-        return TorchResult(gather_summary(inputs.hidden, kept), kept, {"scores": scores, "boundary": keep})
+        return TorchResult(gather_summary(inputs.hidden, kept, inputs.prefix), kept, {"scores": scores, "boundary": keep})
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
         keep, lam = params["keep"], params["lambda"]
-        attn = attention.emit_cls_attention(b, inputs.block)
+        attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
         scores = attention.emit_normalise(b, attn, "attn_norm")
         if lam > 0:
             variance = attention.emit_patch_variance(b, inputs.structure, inputs.num_patches)
             weighted = b.op("Mul", [attention.emit_normalise(b, variance, "var_norm"), b.scalar("lambda", lam)],
                             "var_weighted")
             scores = b.op("Add", [scores, weighted], "scores")
-        return emit_selection(b, inputs.hidden, scores, keep, inputs.num_patches)
+        return emit_selection(b, inputs.hidden, scores, keep, inputs.num_patches, inputs.prefix)
 
-    def fusion_rules(self, spellings: dict[str, FusedOp]) -> list:
+    def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
         spelling = spellings.get(TOKEN_PRUNE)
-        if spelling is None:
-            return []
+        if spelling is None or (record is not None and record.get("prefix", 1) != 1):
+            return []  # the TokenPrune kernels copy one [CLS] token: register tokens stay in standard ops
         return [TokenPruneFusion.rule(spelling), TokenPruneFusion.rule(spelling, sort_via_float=True)]
 
 
-def gather_summary(hidden: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """[CLS] + kept tokens + the unweighted mean of the pruned ones: [B, 1+N, D] -> [B, 1+K+1, D]."""
-    patches = hidden[:, 1:]
+def gather_summary(hidden: torch.Tensor, kept: torch.Tensor, prefix: int = 1) -> torch.Tensor:
+    """prefix ([CLS]) + kept tokens + the unweighted mean of the pruned ones: [B, p+N, D] -> [B, p+K+1, D]."""
+    patches = hidden[:, prefix:]
     n, k = patches.shape[1], kept.shape[-1]
     summary = (pruned_mask(kept, n, patches.dtype) / (n - k)).unsqueeze(1) @ patches
-    return torch.cat([hidden[:, :1], gather_rows(patches, kept), summary], dim=1)
+    return torch.cat([hidden[:, :prefix], gather_rows(patches, kept), summary], dim=1)
 
 
-def emit_selection(b, hidden: ir.Value, scores: ir.Value, keep: int, n: int) -> tuple[ir.Value, ir.Value]:
+def emit_selection(b, hidden: ir.Value, scores: ir.Value, keep: int, n: int,
+                   prefix: int = 1) -> tuple[ir.Value, ir.Value]:
     """TopK -> indices in raster order -> GatherND + summary mean -> Concat, in standard ops.
 
-    hidden [B, 1+N, D], scores [B, N] -> (tokens [B, 1+K+1, D], kept [B, K] int64).
-    This is the subgraph TokenPruneFusion recognises.
+    hidden [B, p+N, D], scores [B, N] -> (tokens [B, p+K+1, D], kept [B, K] int64), p = prefix.
+    With p = 1 ([CLS]) this is the subgraph TokenPruneFusion recognises.
     """
     with b.role(SELECT):
         k = b.ints("k", [keep])
@@ -108,7 +109,7 @@ def emit_selection(b, hidden: ir.Value, scores: ir.Value, keep: int, n: int) -> 
         # TopK on the indices themselves, smallest first: the kept set in raster order.
         kept, _ = b.op("TopK", [top, k], "sort_kept", num_outputs=2, axis=-1, largest=0, sorted=1)
     with b.role(TOKENS):
-        patches = b.slice(hidden, 1, INT64_MAX, 1, "patches")  # [B, N, D]
+        patches = b.slice(hidden, prefix, INT64_MAX, 1, "patches")  # [B, N, D]
         gathered = b.op("GatherND", [patches, b.unsqueeze(kept, [-1], "kept_nd")], "gather_kept", batch_dims=1)
         np_dtype = (hidden.dtype or ir.DataType.FLOAT).numpy()
         ones = b.op("ConstantOfShape", [b.op("Shape", [scores], "scores_shape")], "ones",
@@ -118,7 +119,7 @@ def emit_selection(b, hidden: ir.Value, scores: ir.Value, keep: int, n: int) -> 
         mask = b.op("ScatterElements", [ones, kept, zeros], "pruned_mask", axis=1)
         weights = b.op("Mul", [mask, b.const("inv_pruned", np.array(1.0 / (n - keep), dtype=np_dtype))], "summary_w")
         summary = b.op("MatMul", [b.unsqueeze(weights, [1], "summary_w3"), patches], "summary")  # [B, 1, D]
-        cls = b.slice(hidden, 0, 1, 1, "cls")
+        cls = b.slice(hidden, 0, prefix, 1, "cls")
         tokens = b.op("Concat", [cls, gathered, summary], "tokens", axis=1)
     return tokens, kept
 

@@ -31,7 +31,7 @@ import torch
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods.base import FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
-from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_cls, topk_lower_index
+from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix, topk_lower_index
 
 COSINE_EPS = 1e-8
 # Retained tokens are excluded with a finite sentinel in the graph (cosines lie in [-1, 1]): quantizers
@@ -78,7 +78,7 @@ class DartMethod(Method):
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         keep, p = params["keep"], params["pivots"]
-        cls, x = split_cls(inputs.hidden, inputs.has_cls)
+        cls, x = split_prefix(inputs.hidden, inputs.prefix)
         l1 = x.abs().sum(dim=-1)
         pivots = topk_lower_index(l1, p)
         steps = [(pivots, relative_margin(l1, p))]
@@ -100,8 +100,8 @@ class DartMethod(Method):
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
         keep, p = params["keep"], params["pivots"]
         with b.role(TOKENS):
-            cls = [b.slice(inputs.hidden, 0, 1, 1, "cls")] if inputs.has_cls else []
-            x = b.slice(inputs.hidden, 1, INT64_MAX, 1, "patches") if inputs.has_cls else inputs.hidden
+            cls = [b.slice(inputs.hidden, 0, inputs.prefix, 1, "cls")] if inputs.prefix else []
+            x = b.slice(inputs.hidden, inputs.prefix, INT64_MAX, 1, "patches") if inputs.prefix else inputs.hidden
         with b.role(SCORE):
             l1 = b.reduce("ReduceSum", b.op("Abs", [x], "abs"), [-1], 0, "l1")  # [B, N]
             norms = b.reduce("ReduceL2", x, [-1], 0, "norms")

@@ -31,10 +31,10 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from vlmprune.passes.dataflow import const_ints
+from vlmprune.passes.dataflow import const_array, const_ints
 from vlmprune.passes.methods.base import FEATURES, GREEDY, FusedOp, GraphInputs, Method, Needs, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
-from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_cls
+from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix
 
 DIVPRUNE_SELECT = "DivPruneSelect"
 NORM_EPS = 1e-12
@@ -83,7 +83,7 @@ class DivPruneMethod(Method):
         return f"DivPrune: {params['keep']} most diverse tokens of the projector output"
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
-        cls, patches = split_cls(inputs.hidden, inputs.has_cls)
+        cls, patches = split_prefix(inputs.hidden, inputs.prefix)
         picks, steps = greedy(distances(patches), params["keep"])
         kept = picks.sort(dim=-1).values
         return TorchResult(torch.cat([*cls, gather_rows(patches, kept)], dim=1), kept, {"steps": steps})
@@ -91,8 +91,8 @@ class DivPruneMethod(Method):
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
         keep, n = params["keep"], inputs.num_patches
         with b.role(TOKENS):
-            cls = [b.slice(inputs.hidden, 0, 1, 1, "cls")] if inputs.has_cls else []
-            patches = b.slice(inputs.hidden, 1, INT64_MAX, 1, "patches") if inputs.has_cls else inputs.hidden
+            cls = [b.slice(inputs.hidden, 0, inputs.prefix, 1, "cls")] if inputs.prefix else []
+            patches = b.slice(inputs.hidden, inputs.prefix, INT64_MAX, 1, "patches") if inputs.prefix else inputs.hidden
         with b.role(SCORE):
             unit = b.l2_normalize(patches, "unit", NORM_EPS)
             cosine = b.op("MatMul", [unit, b.op("Transpose", [unit], "unit_t", perm=[0, 2, 1])], "cosine")
@@ -105,7 +105,7 @@ class DivPruneMethod(Method):
             tokens = b.op("Concat", [*cls, gathered], "tokens", axis=1) if cls else gathered
         return tokens, kept
 
-    def fusion_rules(self, spellings: dict[str, FusedOp]) -> list:
+    def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
         spelling = spellings.get(DIVPRUNE_SELECT)
         return [DivPruneFusion.rule(spelling)] if spelling is not None else []
 
@@ -216,9 +216,11 @@ class DivPruneFusion(RewriteRuleClassBase):
         super().__init__(name="DivPruneFusion")
         self.spelling = spelling
 
-    def pattern(self, op, dist, diagonal, min_axes, r0_axes, r0_shape, r0_squeeze, zeros_value_shape, m0_neg,
+    def pattern(self, op, dist, diagonal, r0_axes, r0_shape, r0_squeeze, zeros_value_shape, m0_neg,
                 trips, cond, picks_axes):
-        first = op.ReduceMin(op.Add(dist, diagonal), min_axes, _allow_other_attributes=True)
+        # ReduceMin's axes are an input from opset 18, an attribute before: both match.
+        first = op.ReduceMin(op.Add(dist, diagonal), _allow_other_inputs=True, _allow_other_attributes=True,
+                             _outputs=["first"])
         pick = op.ArgMax(first, _outputs=["pick0"], _allow_other_attributes=True)
         index = op.Expand(op.Unsqueeze(pick, r0_axes), r0_shape)
         running = op.Squeeze(op.GatherElements(dist, index), r0_squeeze)
@@ -229,8 +231,13 @@ class DivPruneFusion(RewriteRuleClassBase):
         rest = op.Squeeze(op.Transpose(scanned, _allow_other_attributes=True), picks_axes)
         return op.Concat(pick, rest, _outputs=["picks"], _allow_other_attributes=True)
 
-    def check(self, context, dist, trips, scanned, picks, **_) -> MatchResult:
+    def check(self, context, dist, diagonal, first, trips, scanned, picks, **_) -> MatchResult:
         result = MatchResult()
+        reduce_min = first.producer()
+        axes = const_ints(reduce_min.inputs[1]) if len(reduce_min.inputs) > 1 else None
+        axes = axes if axes is not None else list(reduce_min.attributes.get_ints("axes", []) or [])
+        if axes not in ([1], [-2]) or reduce_min.attributes.get_int("keepdims", 1) != 0:
+            return result.fail("the first pick's minimum is not over the rows of each column (axis 1, keepdims 0)")
         loop = scanned.producer()
         body = loop.attributes["body"].value
         ops = [node.op_type for node in body]
@@ -238,8 +245,9 @@ class DivPruneFusion(RewriteRuleClassBase):
                   "ScatterElements", "Identity", "Identity"]
         if ops != wanted:
             return result.fail(f"Loop body is not the greedy step: {ops}")
-        if dist.shape is None or len(dist.shape) != 3 or not isinstance(dist.shape[1], int):
-            return result.fail("distances are not [B, N, N] with a static N")
+        mask = const_array(diagonal)
+        if mask is None or mask.ndim != 2 or mask.shape[0] != mask.shape[1]:
+            return result.fail("the first pick's diagonal mask is not a constant [N, N]")
         count = const_ints(trips)
         if count is None or len(count) != 1:
             return result.fail("the Loop's trip count is not a constant")

@@ -40,9 +40,9 @@ def pruned_mask(indices: torch.Tensor, n: int, dtype=torch.float32) -> torch.Ten
     return ones.scatter(1, indices, 0.0)
 
 
-def split_cls(hidden: torch.Tensor, has_cls: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """([CLS] token as a list of 0 or 1 tensors [B, 1, D], patch tokens [B, N, D])."""
-    return ([hidden[:, :1]], hidden[:, 1:]) if has_cls else ([], hidden)
+def split_prefix(hidden: torch.Tensor, prefix: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(the prefix tokens ([CLS], registers) as a list of 0 or 1 tensors [B, prefix, D], patch tokens [B, N, D])."""
+    return ([hidden[:, :prefix]], hidden[:, prefix:]) if prefix else ([], hidden)
 
 
 def tie_band(scores: np.ndarray | torch.Tensor, rel_tol: float):

@@ -35,7 +35,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import attention
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
-from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk, split_cls
+from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk, split_prefix
 
 
 def contextual_default(keep: int) -> int:
@@ -103,14 +103,14 @@ class VisionZipMethod(Method):
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         k_d, k_c = params["dominant"], params["contextual"]
-        cls, patches = split_cls(inputs.hidden, True)
+        cls, patches = split_prefix(inputs.hidden, inputs.prefix)
         n = patches.shape[1]
-        attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, has_cls=True)
+        attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, inputs.prefix)
         dominant = select_topk(attn, k_d)
         parts = [*cls, gather_rows(patches, dominant)]
         kept = [dominant]
         if k_c:
-            keys = inputs.k.mean(dim=1)[:, 1:]  # [B, N, dh]
+            keys = inputs.k.mean(dim=1)[:, inputs.prefix:]  # [B, N, dh]
             keys = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
             # Remaining patches in ascending order: a stable sort of the mask keeps index order.
             remaining = torch.sort(pruned_mask(dominant, n), dim=-1, descending=True, stable=True).indices[:, : n - k_d]
@@ -125,25 +125,26 @@ class VisionZipMethod(Method):
             margins = [torch.full((n_rows(inputs), k_d), float("inf"), dtype=similarity.dtype), assignment_margins(similarity)]
         else:
             margins = [torch.full((n_rows(inputs), k_d), float("inf"))]
-        if inputs.has_cls:
-            margins.insert(0, torch.full((n_rows(inputs), 1), float("inf"), dtype=margins[0].dtype))
+        if inputs.prefix:
+            margins.insert(0, torch.full((n_rows(inputs), inputs.prefix), float("inf"), dtype=margins[0].dtype))
         return TorchResult(torch.cat(parts, dim=1), torch.cat(kept, dim=1),
                            {"scores": attn, "boundary": k_d, "row_margins": torch.cat(margins, dim=1)})
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
         k_d, k_c, n = params["dominant"], params["contextual"], inputs.num_patches
-        attn = attention.emit_cls_attention(b, inputs.block)
+        attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
         with b.role(SELECT):
             k = b.ints("k_dominant", [k_d])
             _, top = b.op("TopK", [attn, k], "topk_dominant", num_outputs=2, axis=-1, largest=1, sorted=1)
             dominant = b.sort_ascending(top, k_d, "dominant")
         with b.role(TOKENS):
-            patches = b.slice(inputs.hidden, 1, INT64_MAX, 1, "patches")
-            parts = [b.slice(inputs.hidden, 0, 1, 1, "cls"), b.gather_rows(patches, dominant, "gather_dominant")]
+            patches = b.slice(inputs.hidden, inputs.prefix, INT64_MAX, 1, "patches")
+            parts = [b.slice(inputs.hidden, 0, inputs.prefix, 1, "cls"),
+                     b.gather_rows(patches, dominant, "gather_dominant")]
         kept = [dominant]
         if k_c:
             targets, others = self._remaining(b, attn, dominant, n, k_d, k_c)
-            keys = self._keys(b, inputs.block)
+            keys = self._keys(b, inputs.block, inputs.prefix)
             with b.role(SELECT):  # the assignment is discrete: it stays with the selection's precision
                 similarity = b.op("MatMul", [b.gather_rows(keys, others, "keys_others"),
                                              b.op("Transpose", [b.gather_rows(keys, targets, "keys_targets")],
@@ -188,11 +189,11 @@ class VisionZipMethod(Method):
         return targets, others
 
     @staticmethod
-    def _keys(b, block) -> ir.Value:
+    def _keys(b, block, prefix: int) -> ir.Value:
         """Block L's keys of the patch tokens, mean over heads, L2-normalised: [B, N, dh]."""
         with b.role(SCORE):
             mean = b.reduce("ReduceMean", block.k, [1], 0, "keys_mean")  # [B, dh, T] or [B, T, dh]
             if block.k_transposed:
                 mean = b.op("Transpose", [mean], "keys_mean_t", perm=[0, 2, 1])
-            keys = b.slice(mean, 1, INT64_MAX, 1, "keys_patches")
+            keys = b.slice(mean, prefix, INT64_MAX, 1, "keys_patches")
             return b.l2_normalize(keys, "keys_n")

@@ -85,15 +85,21 @@ def test_qnn(tiny_llava_dir, tmp_path, method):
 def test_rk3588(rknn_ready, tiny_llava_dir, tmp_path, method):
     result = _compile(tiny_llava_dir, tmp_path / "b", method, target="rk3588")
     _assert_parity(result, 2)
-    expected = {"fp16", "int8"} if method == "visionzip" else {"fp16"}  # int8 hybrid: not for projector-output methods
-    assert set(result.manifest["target"]["artifacts"]) == expected
+    assert set(result.manifest["target"]["artifacts"]) == {"fp16"}  # hybrid int8 does not serve these (measured)
 
 
-@pytest.mark.parametrize("target,precision", [("orin", "int8"), ("rk3588", "int8")])
-def test_int8_refused_for_projector_output_methods(tmp_path, target, precision):
-    with pytest.raises(InputError, match="selection reads the projector output"):
-        compile_model("demo", tmp_path / "b", CompileOptions(target=target, method="divprune",
-                                                             target_options={"precision": precision}))
+@pytest.mark.parametrize("target,method,needle", [("orin", "divprune", "selection reads the projector output"),
+                                                  ("rk3588", "dart", "selection reads the projector output"),
+                                                  ("rk3588", "visionzip", "contextual merge loses its values")])
+def test_int8_refused_where_measured_to_fail(tmp_path, target, method, needle):
+    with pytest.raises(InputError, match=needle):
+        compile_model("demo", tmp_path / "b", CompileOptions(target=target, method=method,
+                                                             target_options={"precision": "int8"}))
+
+
+def test_qnn_refuses_a_static_batch_above_one(tmp_path):
+    with pytest.raises(InputError, match="qnn compiles batch 1"):
+        compile_model("demo", tmp_path / "b", CompileOptions(target="qnn", batch=3))
 
 
 def test_cli_method_options_and_refusals(tiny_llava_dir, tmp_path):
