@@ -124,6 +124,15 @@ def _split_options(extra: dict) -> tuple[dict, dict]:
 @click.option("--batch", type=int, default=None, help="Static batch size. Default: dynamic batch.")
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset of the export.")
 @click.option("--feature-layer", type=int, default=None, help="Override the model's vision_feature_layer.")
+@click.option("--image-size", type=int, default=None,
+              help="Static image size S for dynamic-resolution models (qwen2_vl, qwen2_5_vl): a multiple of "
+                   "patch x merge (28). Default 448 (1024 patches, 256 merged tokens).")
+@click.option("--grid", "grid", default=None,
+              help="Anyres models (llava_next): the crops' grid ROWSxCOLS, one of the model's image_grid_pinpoints "
+                   "(input [1 + ROWS*COLS, 3, S, S]). Default: the largest (LLaVA-1.6: 2x2 at 672x672).")
+@click.option("--crop-budget", "crop_budget", default=None,
+              help="Anyres models: split --keep over the crops `proportional` to each crop's saliency mass (the "
+                   "default for cls) or `equal` (the default, and only split, for divprune and dart).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("build"), show_default=True,
               help="Bundle directory to write.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
@@ -133,17 +142,25 @@ def _split_options(extra: dict) -> tuple[dict, dict]:
 @click.option("--cls", "cls_token", type=click.Choice(["drop", "keep"]), default=None,
               help="Drop or keep the [CLS] token in image_features. Default: the model's select strategy "
                    "(LLaVA's vision_feature_select_strategy; towers without one drop it, like LLaVA's default).")
+@click.option("--with-llm", is_flag=True, help="Also export the language model (prefill + decode ONNX) into llm/.")
+@click.option("--fastv-layer", type=int, default=None, help="--with-llm: FastV after this LLM layer (from 1).")
+@click.option("--fastv-keep", type=float, default=None, help="FastV: share of image tokens kept (default 0.5).")
+@click.option("--image-start", type=int, default=None,
+              help="FastV: prompt tokens before the image (the image span is compiled into the graph).")
 @_extra_options
 @_one_line_errors
-def compile(model, target, method, keep, layer, no_prune, batch, opset, feature_layer, output, force, as_json, quiet,
-            debug, cls_token, **extra):
+def compile(model, target, method, keep, layer, no_prune, batch, opset, feature_layer, image_size, output, force,
+            as_json, quiet, debug, cls_token, **extra):
     """Compile MODEL (a preset such as `demo`, a Hugging Face directory, or an .onnx tower) into a bundle."""
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
+    grid, crop_budget = extra.pop("grid"), extra.pop("crop_budget")
+    llm = {name: extra.pop(name) for name in ("with_llm", "fastv_layer", "fastv_keep", "image_start")}
     method_options, target_options = _split_options(extra)
     options = CompileOptions(target=target, method=method, keep=keep, layer=layer, prune=not no_prune, batch=batch,
-                             opset=opset, feature_layer=feature_layer, force=force, debug=debug, cls=cls_token,
-                             method_options=method_options, target_options=target_options)
+                             opset=opset, feature_layer=feature_layer, image_size=image_size, force=force,
+                             debug=debug, cls=cls_token, method_options=method_options, target_options=target_options,
+                             grid=grid, crop_budget=crop_budget, **llm)
     with _stdout_for_data(as_json) as emit:
         result = compile_model(model, output, options, _progress(quiet or as_json))
         manifest = result.manifest
@@ -166,6 +183,12 @@ def _later(method: dict) -> str:
 
 def _print_summary(manifest: dict, result) -> None:
     method = manifest["method"]
+    counts = manifest["model"].get("token_counts")
+    if counts:  # a merging tower: its patches are not the tokens the LLM sees
+        t, h, w = counts["merged_grid_thw"]
+        click.echo(f"image {counts['image_size']}x{counts['image_size']}: {counts['patch_grid'][0]}x"
+                   f"{counts['patch_grid'][1]} = {counts['patches']} patches, merged "
+                   f"{counts['spatial_merge']}x{counts['spatial_merge']} into {h}x{w} = {counts['tokens']} tokens")
     if method["name"] == "none":
         click.echo("tokens: dense (no pruning)")
     elif method["site"] == "block":
@@ -205,26 +228,67 @@ def _print_placement_summary(manifest: dict) -> None:
 @main.command()
 @click.argument("bundle_dir", type=click.Path(path_type=Path))
 @click.option("--batch", type=int, default=None, help="Parity batch (dynamic-batch bundles; default 2).")
-@click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write the parity report here.")
+@click.option("--report", type=click.Path(path_type=Path), default=None,
+              help="Also write the parity report here: .html (one self-contained page: figures, tie bands, kept "
+                   "sets, heat map) or .json (the report's data, as --json prints it).")
+@click.option("--junit", type=click.Path(path_type=Path), default=None,
+              help="Also write a JUnit XML file here (one test case per stage and output) for CI test reporters.")
+@click.option("--atol", multiple=True, help="Max-abs tolerance: VALUE for every value output, or OUTPUT:VALUE.")
+@click.option("--rtol", multiple=True,
+              help="Relative tolerance (every element within atol + rtol·|ref|): VALUE or OUTPUT:VALUE.")
+@click.option("--cosine", multiple=True, help="Minimum per-token cosine: VALUE or OUTPUT:VALUE.")
+@click.option("--force", is_flag=True, help="Replace an existing --report / --junit file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full parity report as JSON on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option("--engine", is_flag=True, help="TensorRT bundles: require the engine stage (run on the device).")
 @_one_line_errors
-def check(bundle_dir, batch, report, as_json, quiet, engine):
+def check(bundle_dir, batch, report, junit, atol, rtol, cosine, force, as_json, quiet, engine):
     """Re-run BUNDLE's parity against the PyTorch reference; exit 1 if any stage fails."""
+    import time
+
+    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.output_files import check_output_file, write_file
+    from vlmprune.compiler.parity import parse_overrides
     from vlmprune.compiler.pipeline import check_bundle
 
+    if report:
+        check_output_file(report, force, (".html", ".htm", ".json"), "--report")
+        if Path(report).suffix.lower() != ".json":
+            from vlmprune.compiler.pictures import require_pillow
+
+            require_pillow()
+    if junit:
+        check_output_file(junit, force, (".xml",), "--junit")
+    if report and junit and Path(report).resolve() == Path(junit).resolve():
+        raise VlmpruneError("--report and --junit name the same file")
+    tolerances = None
+    if atol or rtol or cosine:
+        outputs = [o["name"] for o in load_manifest(bundle_dir, verify=False)["outputs"]]
+        tolerances = parse_overrides({"atol": atol, "rtol": rtol, "cosine": cosine},
+                                     [o for o in outputs if o != "kept_indices"], ["kept_indices"])
     if engine:
         from vlmprune.targets.tensorrt import require_engine
 
         require_engine(bundle_dir)
     with _stdout_for_data(as_json) as emit:
-        result = check_bundle(bundle_dir, batch, _progress(quiet or as_json))
+        started = time.perf_counter()
+        result = check_bundle(bundle_dir, batch, _progress(quiet or as_json), tolerances)
+        seconds = time.perf_counter() - started
         if engine and "engine" not in [s.stage for s in result.stages]:
             raise VlmpruneError("the engine stage did not run (see the progress lines above)")
         data = result.to_json()
-        if report:
-            report.write_text(json.dumps(data, indent=2) + "\n")
+        if report or junit:
+            from vlmprune.compiler import report as reports
+
+            manifest = load_manifest(bundle_dir, verify=False)  # check_bundle verified it
+            name = Path(bundle_dir).resolve().name
+        if report and Path(report).suffix.lower() == ".json":
+            write_file(report, (json.dumps(data, indent=2) + "\n").encode(), force)
+        elif report:
+            page = reports.html_report(data, manifest, name, reports.parity_images(data, manifest))
+            write_file(report, page.encode(), force)
+        if junit:
+            write_file(junit, reports.junit_xml(data, manifest, name, seconds), force)
         if as_json:
             emit(json.dumps(data, indent=2))
     if not as_json:
@@ -238,12 +302,19 @@ def check(bundle_dir, batch, report, as_json, quiet, engine):
 
 @main.command()
 @click.argument("bundle_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the verified manifest and the op listing of model.onnx as JSON on stdout.")
+@click.option("--ops", is_flag=True, help="Also list model.onnx's ops (role, and placement where the target reports it).")
 @_one_line_errors
-def inspect(bundle_dir):
+def inspect(bundle_dir, as_json, ops):
     """Print BUNDLE's manifest readably (after checking every file's sha256)."""
     from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.ops import op_lines, op_rows
 
     m = load_manifest(bundle_dir, verify=True)
+    if as_json:
+        click.echo(json.dumps({"bundle": str(bundle_dir), "manifest": m, "ops": op_rows(bundle_dir, m)}, indent=2))
+        return
     click.echo(f"vlmprune {m['vlmprune_version']} bundle: {bundle_dir}")
     t = m["target"]
     click.echo(f"target:   {t['name']} — {t['summary']}")
@@ -264,6 +335,11 @@ def inspect(bundle_dir):
         for line in table(rows):
             click.echo(line)
     _print_placement_summary(m)
+    if ops:
+        rows = op_rows(bundle_dir, m)
+        click.echo(f"ops of model.onnx ({len(rows)}):")
+        for line in op_lines(rows, bool(m["target"].get("placement"))):
+            click.echo(line)
 
 
 @main.command()
@@ -286,23 +362,101 @@ def targets():
 
 @main.command()
 @click.argument("bundle_dir", type=click.Path(path_type=Path))
-@click.option("--image", "image_files", required=True, multiple=True, type=click.Path(exists=True, dir_okay=False),
+@click.option("--image", "image_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="An image file; repeat it to fill a static batch (one image per batch slot).")
+@click.option("--load-inputs", type=click.Path(path_type=Path), default=None,
+              help="Run on the input array of this .npz file instead of --image (as Polygraphy's --load-inputs).")
+@click.option("--save-outputs", type=click.Path(path_type=Path), default=None,
+              help="Write every output to this .npz file (as Polygraphy's --save-outputs).")
+@click.option("--show", type=click.Path(path_type=Path), default=None,
+              help="Draw what was kept on the image as the model saw it, into this PNG.")
+@click.option("--benchmark", is_flag=True, help="Time the runtime: latency min/p50/p90/p99 and throughput.")
+@click.option("--warmup", type=int, default=None, help="--benchmark: untimed runs first (default 5).")
+@click.option("--iterations", type=int, default=None, help="--benchmark: timed runs (default 50).")
+@click.option("--json", "as_json", is_flag=True, help="Print the outputs' shapes, kept indices and benchmark as JSON.")
+@click.option("--force", is_flag=True, help="Replace an existing --show / --save-outputs file.")
 @_one_line_errors
-def run(bundle_dir, image_files):
+def run(bundle_dir, image_files, load_inputs, save_outputs, show, benchmark, warmup, iterations, as_json, force):
     """Run BUNDLE on IMAGE with its target's runtime here (ort, the qnn emulator, an engine on a Jetson)."""
-    import numpy as np
-
+    from vlmprune.compiler import benchmark as bench
     from vlmprune.compiler.bundle import load_manifest
-    from vlmprune.compiler.frontend.images import UPSCALE_WARNING, load_image_file
+    from vlmprune.compiler.output_files import check_output_file, write_file
     from vlmprune.targets import get_target
 
+    if bool(image_files) == bool(load_inputs):
+        raise VlmpruneError("give the input either as --image (one or more) or as --load-inputs FILE.npz")
+    if not benchmark and (warmup is not None or iterations is not None):
+        raise VlmpruneError("--warmup and --iterations only apply with --benchmark")
+    warmup, iterations = 5 if warmup is None else warmup, 50 if iterations is None else iterations
+    bench.check_counts(warmup, iterations)
+    if show:
+        from vlmprune.compiler.pictures import require_pillow
+
+        require_pillow()
+        check_output_file(show, force, (".png",), "--show")
+    if save_outputs:
+        check_output_file(save_outputs, force, (".npz",), "--save-outputs")
+    if show and save_outputs and Path(show).resolve() == Path(save_outputs).resolve():
+        raise VlmpruneError("--show and --save-outputs name the same file")
     m = load_manifest(bundle_dir, verify=True)
-    static = m["target"].get("batch") or m["inputs"][0]["shape"][0]
-    if isinstance(static, int) and static != len(image_files):
-        raise VlmpruneError(f"this bundle has a static batch of {static}: pass --image {static} times "
-                            f"(got {len(image_files)}), or recompile with --batch {len(image_files)}")
+    if show and m["method"]["name"] == "none":
+        raise VlmpruneError("--show needs a pruned bundle: this one keeps every patch (compiled with --no-prune)")
+    if show and m["model"].get("grid"):
+        raise VlmpruneError("--show draws one patch grid per image; an anyres bundle (several crops per image) "
+                            "cannot be drawn yet")
+    # The runtime first: on a machine without it (TensorRT off the Jetson) that is the one line to say.
     runner, runtime = get_target(m["target"]["name"]).runner(Path(bundle_dir), m)
+    static = m["target"].get("batch") or m["inputs"][0]["shape"][0]
+    if image_files and m["model"].get("grid"):  # an anyres bundle: one image is the input's crops
+        if len(image_files) != 1:
+            raise VlmpruneError(f"this bundle takes one image per call (its {static} crops): pass --image once")
+        pixel = _load_crops(m, image_files[0])
+    elif image_files:
+        if isinstance(static, int) and static != len(image_files):
+            raise VlmpruneError(f"this bundle has a static batch of {static}: pass --image {static} times "
+                                f"(got {len(image_files)}), or recompile with --batch {len(image_files)}")
+        pixel = _load_images(m, image_files)
+    else:
+        pixel = bench.load_inputs(load_inputs, m)
+        click.echo(f"{load_inputs}: {m['inputs'][0]['name']} {list(pixel.shape)} float32", err=True)
+    summary = {"bundle": str(bundle_dir), "runtime": runtime, "batch": int(pixel.shape[0])}
+    with _stdout_for_data(as_json) as emit:
+        outputs = runner(pixel)
+        summary["outputs"] = {name: {"shape": list(v.shape), "dtype": str(v.dtype)} for name, v in outputs.items()}
+        if "kept_indices" in outputs:
+            summary["kept_indices"] = outputs["kept_indices"].tolist()
+        if benchmark:
+            summary["benchmark"] = bench.benchmark(runner, pixel, warmup, iterations)
+        if save_outputs:
+            write_file(save_outputs, bench.npz_bytes(outputs), force)
+            summary["saved_outputs"] = str(save_outputs)
+        if show:
+            summary["show"] = str(show)
+            _show(m, Path(bundle_dir), pixel, outputs, show, force)
+        if as_json:
+            emit(json.dumps(summary, indent=2))
+    if as_json:
+        return
+    click.echo(f"({runtime})")
+    for name, value in outputs.items():
+        click.echo(f"{name}: shape {list(value.shape)} dtype {value.dtype}")
+    if "kept_indices" in outputs:
+        click.echo("kept (image 0): " + " ".join(map(str, outputs["kept_indices"][0].tolist())))
+    if benchmark:
+        for line in bench.format_benchmark(summary["benchmark"], runtime):
+            click.echo(line)
+    if save_outputs:
+        click.echo(f"outputs written to {save_outputs}")
+    if show:
+        click.echo(f"picture written to {show}")
+
+
+def _load_images(m: dict, image_files) -> "np.ndarray":
+    """The images preprocessed as the bundle's model does, saying how (and warning of heavy upscaling)."""
+    import numpy as np
+
+    from vlmprune.compiler.frontend.images import UPSCALE_WARNING, load_image_file
+
     pre = m["preprocess"]
     batch = []
     for image in image_files:
@@ -315,12 +469,78 @@ def run(bundle_dir, image_files):
             click.echo(f"warning: {image} is upscaled x{scale:.3g}: the model sees mostly interpolated pixels, "
                        "and the kept patches say little about the picture", err=True)
         batch.append(pixel)
-    click.echo(f"({runtime})")
-    outputs = runner(np.concatenate(batch))
-    for name, value in outputs.items():
-        click.echo(f"{name}: shape {list(value.shape)} dtype {value.dtype}")
-    if "kept_indices" in outputs:
-        click.echo("kept (image 0): " + " ".join(map(str, outputs["kept_indices"][0].tolist())))
+    return np.concatenate(batch)
+
+
+def _load_crops(m: dict, image) -> "np.ndarray":
+    """An anyres bundle's input: the processor's crops of one image for the bundle's grid."""
+    from vlmprune.compiler.frontend.images import load_image_crops
+
+    model, pre = m["model"], m["preprocess"]
+    rows, cols = (int(v) for v in model["grid"].split("x"))
+    crops = {"grid": [rows, cols], "count": model["crops"], "resolution": model["resolution"]}
+    try:
+        pixel, described = load_image_crops(image, crops, pre["size"], pre["mean"], pre["std"])
+    except Exception as exc:
+        raise VlmpruneError(f"{image}: cannot read the image ({exc})") from None
+    click.echo(f"{image}: {described}", err=True)
+    return pixel
+
+
+def _show(m: dict, bundle_dir: Path, pixel, outputs: dict, path: Path, force: bool) -> None:
+    from vlmprune.compiler import pictures
+    from vlmprune.compiler.output_files import write_file
+
+    if "kept_indices" not in outputs:
+        raise VlmpruneError("--show needs the bundle's kept_indices output, and this bundle has none")
+    sels, note = pictures.selections_for_run(m, pixel, outputs["kept_indices"], bundle_dir.resolve().name)
+    if note:
+        click.echo(f"warning: {note}", err=True)
+    images = [pictures.picture(sel) for sel in sels]
+    write_file(path, pictures.png_bytes(images[0] if len(images) == 1 else pictures.grid_of(images)), force)
+
+
+@main.command()
+@click.argument("bundle_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--image", required=True, type=click.Path(exists=True, dir_okay=False), help="The image every bundle runs on.")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="The PNG to write.")
+@click.option("--columns", type=int, default=None, help="Pictures per row (default: up to 4).")
+@click.option("--force", is_flag=True, help="Replace an existing output file.")
+@_one_line_errors
+def compare(bundle_dirs, image, output, columns, force):
+    """Draw what each BUNDLE keeps on the same IMAGE, side by side, named with its method and K."""
+    import numpy as np
+
+    from vlmprune.compiler import pictures
+    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.output_files import check_output_file, write_file
+    from vlmprune.targets import get_target
+
+    pictures.require_pillow()
+    check_output_file(output, force, (".png",), "-o")
+    if columns is not None and (columns < 1):
+        raise VlmpruneError(f"--columns must be >= 1, got {columns}")
+    manifests = [load_manifest(b, verify=True) for b in bundle_dirs]  # every bundle checked before any run
+    for b, m in zip(bundle_dirs, manifests):
+        if m["method"]["name"] == "none":
+            raise VlmpruneError(f"{b}: a dense bundle (--no-prune) keeps every patch; nothing to compare")
+        if m["model"].get("grid"):
+            raise VlmpruneError(f"{b}: an anyres bundle (several crops per image) cannot be drawn yet")
+    tiles = []
+    for b, m in zip(bundle_dirs, manifests):
+        pixel = _load_images(m, [image])
+        static = m["target"].get("batch") or m["inputs"][0]["shape"][0]
+        if isinstance(static, int) and static > 1:  # a static batch: the same image in every slot
+            pixel = np.repeat(pixel, static, axis=0)
+        runner, runtime = get_target(m["target"]["name"]).runner(Path(b), m)
+        click.echo(f"{b}: {runtime}", err=True)
+        kept = runner(pixel)["kept_indices"][:1]
+        sels, note = pictures.selections_for_run(m, pixel[:1], kept, Path(b).resolve().name)
+        if note:
+            click.echo(f"warning: {b}: {note}", err=True)
+        tiles.append(pictures.picture(sels[0]))
+    write_file(output, pictures.png_bytes(pictures.grid_of(tiles, columns)), force)
+    click.echo(f"{len(tiles)} pictures written to {output}")
 
 
 @main.command()
@@ -334,6 +554,7 @@ def methods():
         params = method.parse(64, {})
         click.echo(f"{name}: {method.summary}")
         click.echo(f"  needs:    {method.needs(params).describe()}")
+        click.echo(f"  serves:   {method.serves()}")
         for option, (_kind, text) in method.options.items():
             click.echo(f"  --{option}: {text.split(': ', 1)[-1]}")
         rows = []
@@ -373,6 +594,86 @@ def build_engine(bundle_dir, precision, calibration_cache, decomposed, workspace
         click.echo(engine.format_command(cmd))
         return
     engine.build_engine(bundle_dir, precision, decomposed, output, workspace, calibration_cache, log=click.echo)
+
+
+@main.command()
+@click.argument("bundle_dir", type=click.Path(path_type=Path))
+@click.option("--model", default=None,
+              help="The LLaVA checkpoint whose LLM answers (a directory, or `demo`). Default: the bundle's own source.")
+@click.option("--image", required=True, help="The image file.")
+@click.option("--prompt", required=True, help="The question; the checkpoint's chat template wraps it.")
+@click.option("--dense", is_flag=True, help="Feed the model's own (unpruned) image features instead of the bundle's.")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Greedy tokens to generate.")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer and what was fed to the LLM as JSON.")
+@_one_line_errors
+def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
+    """Run BUNDLE on IMAGE and let the checkpoint's LLM answer PROMPT (greedy, transformers on the CPU)."""
+    from vlmprune.compiler.llm.generate import generate as run_generate
+
+    with _stdout_for_data(as_json) as emit:
+        result = run_generate(bundle_dir, model, Path(image), prompt, dense, max_new_tokens,
+                              _progress(as_json))
+        a = result.answer
+        if as_json:
+            emit(json.dumps({"path": result.path, "runtime": result.runtime, "prompt": result.prompt.text,
+                             "image_tokens": a.image_tokens, "kept_indices": result.kept,
+                             "position_ids": a.position_ids, "tokens": a.tokens, "text": a.text}))
+            return
+    click.echo(f"({result.path}: {a.image_tokens} image tokens, {result.runtime})", err=True)
+    if a.text is None:
+        click.echo("(no tokenizer in the checkpoint: the answer's token ids)", err=True)
+        click.echo(" ".join(map(str, a.tokens)))
+    else:
+        click.echo(a.text)
+
+
+def _comma_list(values, kind=str, what="value"):
+    out = []
+    for value in values:
+        for part in str(value).split(","):
+            if part.strip():
+                try:
+                    out.append(kind(part.strip()))
+                except ValueError:
+                    raise VlmpruneError(f"{what} {part.strip()!r} is not an integer") from None
+    return out
+
+
+@main.command("eval")
+@click.argument("model")
+@click.option("--images", "images_dir", required=True, help="A directory of images.")
+@click.option("--prompts", "prompts_file", required=True, help="A text file, one prompt per line.")
+@click.option("--method", "-m", "methods", multiple=True,
+              help="Pruning method(s): repeat the option or give a comma list. Default: cls (without --bundle).")
+@click.option("--keep", "-k", "keeps", multiple=True,
+              help="K value(s): repeat the option or give a comma list. Default: 64 (without --bundle).")
+@click.option("--bundle", "bundles", multiple=True, type=click.Path(path_type=Path),
+              help="A bundle compiled from MODEL, evaluated as it runs here (repeatable).")
+@click.option("--max-new-tokens", type=int, default=8, show_default=True, help="Greedy tokens compared per answer.")
+@click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON on stdout.")
+@click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write the JSON report here.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@_one_line_errors
+def eval_command(model, images_dir, prompts_file, methods, keeps, bundles, max_new_tokens, as_json, report, quiet):
+    """Per method and K: first-token KL and greedy-answer agreement of pruned vs dense on MODEL's own LLM."""
+    from vlmprune.compiler.llm.evaluate import evaluate, table
+
+    if not bundles:
+        methods, keeps = methods or ("cls",), keeps or ("64",)
+    methods = _comma_list(methods)
+    keeps = _comma_list(keeps, int, "--keep")
+    with _stdout_for_data(as_json) as emit:
+        data = evaluate(model, Path(images_dir), Path(prompts_file), methods, keeps, max_new_tokens,
+                        _progress(quiet or as_json), list(bundles))
+        if report:
+            report.write_text(json.dumps(data, indent=2) + "\n")
+        if as_json:
+            emit(json.dumps(data, indent=2))
+            return
+    for line in table(data):
+        click.echo(line)
+    click.echo(f"({len(data['images'])} images x {len(data['prompts'])} prompts; dense: "
+               f"{data['dense_image_tokens']} image tokens; harness check KL {data['harness_kl_max']:.2g})")
 
 
 if __name__ == "__main__":

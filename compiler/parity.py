@@ -34,6 +34,7 @@ class Tolerance:
     max_abs: float | None = None
     index_agreement_min: float = 1.0
     tie_rel_tol: float = 1e-5  # scores (or greedy margins) this close count as tied
+    rtol: float | None = None  # when set: every element within max_abs (or 0) + rtol·|reference| (numpy's allclose)
 
 
 DEFAULT_TOLERANCES = {
@@ -147,9 +148,45 @@ def compare_tokens(ref: np.ndarray, cand: np.ndarray, tol: Tolerance, skip_image
         result["rows_not_compared"] = int((~defined).sum())
     if tied.any():
         result["rows_in_tie_band"] = int(tied.sum())
-    ok = result["cosine_min"] >= tol.cosine_min and (tol.max_abs is None or result["max_abs"] <= tol.max_abs)
+    if tol.rtol is None:
+        ok = result["cosine_min"] >= tol.cosine_min and (tol.max_abs is None or result["max_abs"] <= tol.max_abs)
+    else:  # --rtol given: the elementwise allclose test replaces the max-abs one
+        bound = (tol.max_abs or 0.0) + tol.rtol * np.abs(r)
+        result["max_rel"] = float((diff / np.maximum(np.abs(r), 1e-30)).max())
+        result["allclose_violations"] = int((diff > bound).sum())
+        ok = result["cosine_min"] >= tol.cosine_min and result["allclose_violations"] == 0
     result["passed"] = bool(ok)
     return result
+
+
+# --atol / --rtol / --cosine of `vlmprune check`, and the Tolerance field each one sets.
+OVERRIDE_FIELDS = {"atol": "max_abs", "rtol": "rtol", "cosine": "cosine_min"}
+
+
+def parse_overrides(given: dict[str, tuple[str, ...]], value_outputs: list[str], index_outputs: list[str] = ()) -> dict:
+    """{"atol": ("1e-3", "image_features:1e-4"), ...} -> {output: {field: value}} (Polygraphy's spelling:
+    a bare value applies to every value output, OUTPUT:VALUE to that output only; later ones win)."""
+    from vlmprune.compiler.errors import InputError
+
+    out: dict[str, dict] = {}
+    for flag, specs in given.items():
+        field = OVERRIDE_FIELDS[flag]
+        for spec in specs or ():
+            name, _, text = spec.rpartition(":")
+            try:
+                value = float(text)
+            except ValueError:
+                raise InputError(f"--{flag} {spec}: not a number (use VALUE or OUTPUT:VALUE)") from None
+            if not np.isfinite(value) or value < 0 or (flag == "cosine" and value > 1):
+                raise InputError(f"--{flag} {spec}: must be finite and " + ("in [0, 1]" if flag == "cosine" else ">= 0"))
+            if name and name in index_outputs:
+                raise InputError(f"--{flag} {spec}: {name} is compared by kept-index agreement, not by values")
+            if name and name not in value_outputs:
+                raise InputError(f"--{flag} {spec}: the bundle has no output {name!r} "
+                                 f"(its value outputs: {', '.join(value_outputs)})")
+            for target in ([name] if name else value_outputs):
+                out.setdefault(target, {})[field] = value
+    return out
 
 
 @dataclasses.dataclass
@@ -170,8 +207,13 @@ class StageResult:
 
 
 def run_stage(stage: str, runtime: str, precision: str, run: Callable[[np.ndarray], dict[str, np.ndarray]],
-              pixel_values: np.ndarray, reference: Reference, overrides: dict | None = None) -> StageResult:
-    """Run one stage's candidate on the parity inputs and compare every output the reference has."""
+              pixel_values: np.ndarray, reference: Reference, overrides: dict | None = None,
+              output_overrides: dict[str, dict] | None = None) -> StageResult:
+    """Run one stage's candidate on the parity inputs and compare every output the reference has.
+
+    overrides: Tolerance fields for the whole stage; output_overrides: per output name
+    (parse_overrides), recorded beside that output's figures.
+    """
     tol = tolerance_for(precision, overrides)
     try:
         outputs = run(pixel_values)
@@ -185,6 +227,7 @@ def run_stage(stage: str, runtime: str, precision: str, run: Callable[[np.ndarra
             result.passed, result.error = False, f"candidate has no {KEPT} output"
             return result
         result.indices = _indices(reference, outputs[KEPT].astype(np.int64), tol)
+        result.indices["kept"] = outputs[KEPT].astype(np.int64).tolist()  # what the report draws
         skip = result.indices["tie_resolved_images"]
         result.passed &= result.indices["passed"]
     for name, ref in expected.items():
@@ -193,10 +236,36 @@ def run_stage(stage: str, runtime: str, precision: str, run: Callable[[np.ndarra
         if name not in outputs:
             result.outputs[name] = {"passed": False, "error": "missing from the candidate"}
         else:
+            if np.issubdtype(np.asarray(ref).dtype, np.integer):  # positions: exact, where the kept index agrees
+                result.outputs[name] = compare_exact(ref, outputs[name], expected.get(KEPT), outputs.get(KEPT))
+                result.passed &= result.outputs[name]["passed"]
+                continue
             margins = (reference.trace or {}).get("row_margins") if name == FEATURES else None
-            result.outputs[name] = compare_tokens(ref, outputs[name], tol, skip, margins)
+            own = (output_overrides or {}).get(name)
+            out_tol = dataclasses.replace(tol, **own) if own else tol
+            result.outputs[name] = compare_tokens(ref, outputs[name], out_tol, skip, margins)
+            if own:
+                result.outputs[name]["tolerance"] = dataclasses.asdict(out_tol)
         result.passed &= result.outputs[name]["passed"]
     return result
+
+
+def compare_exact(ref: np.ndarray, cand: np.ndarray, ref_kept: np.ndarray | None = None,
+                  cand_kept: np.ndarray | None = None) -> dict:
+    """An integer output (kept tokens' positions) must be exact: no tolerance turns a wrong position right.
+
+    Positions belong to kept tokens, so rows are compared where both sides kept the same
+    patch at the same place (a boundary tie a lower precision resolves differently is
+    judged by the index comparison, not here); rows compared and rows that differ are reported.
+    """
+    ref, cand = np.asarray(ref).astype(np.int64), np.asarray(cand).astype(np.int64)
+    if ref.shape != cand.shape:
+        return {"passed": False, "error": f"shape {list(cand.shape)}, expected {list(ref.shape)}"}
+    rows = np.ones(ref.shape[:2], dtype=bool)
+    if ref_kept is not None and cand_kept is not None and np.shape(ref_kept) == ref.shape[:2]:
+        rows = np.asarray(ref_kept).astype(np.int64) == np.asarray(cand_kept).astype(np.int64)
+    wrong = int((ref != cand).reshape(*ref.shape[:2], -1).any(-1)[rows].sum())
+    return {"passed": wrong == 0, "exact": True, "rows_compared": int(rows.sum()), "rows_wrong": wrong}
 
 
 def _indices(reference: Reference, cand: np.ndarray, tol: Tolerance) -> dict:
@@ -221,18 +290,35 @@ def _indices(reference: Reference, cand: np.ndarray, tol: Tolerance) -> dict:
 class ParityReport:
     inputs: dict
     stages: list[StageResult]
+    reference: dict | None = None  # reference_summary(): what the report draws stages against
+
 
     @property
     def passed(self) -> bool:
         return bool(self.stages) and all(s.passed for s in self.stages)  # no stage checked is no pass
 
     def to_json(self) -> dict:
-        return {"passed": self.passed, "inputs": self.inputs,
+        data = {"passed": self.passed, "inputs": self.inputs,
                 "default_tolerances": {k: dataclasses.asdict(v) for k, v in DEFAULT_TOLERANCES.items()},
                 "stages": [s.to_json() for s in self.stages]}
+        if self.reference is not None:
+            data["reference"] = self.reference
+        return data
 
     def summary(self) -> dict:
         return {s.stage: stage_summary(s) for s in self.stages}
+
+
+def reference_summary(reference: Reference) -> dict | None:
+    """The reference's kept indices and, for score-based selections, the scores it ranked (for the report)."""
+    if KEPT not in reference.outputs:
+        return None
+    trace = reference.trace or {}
+    greedy = reference.method is not None and reference.method.selection == GREEDY
+    scores = trace.get("scores")
+    return {"kept": np.asarray(reference.outputs[KEPT]).astype(np.int64).tolist(),
+            "selection": GREEDY if greedy else "score", "boundary": trace.get("boundary"),
+            "scores": None if greedy or scores is None else np.round(np.asarray(scores, np.float64), 8).tolist()}
 
 
 def stage_summary(s: StageResult) -> dict:

@@ -25,16 +25,20 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
 from vlmprune.compiler import __version__, bundle, parity, reference
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import Source, export_onnx, load_source
-from vlmprune.compiler.frontend.images import parity_inputs
+from vlmprune.compiler.frontend.images import parity_crops, parity_inputs
+from vlmprune.compiler.llm import export as llm_export
+from vlmprune.compiler.llm import handoff
 from vlmprune.passes.legalize import StaticBatchPass
 from vlmprune.passes.methods import DEFAULT as DEFAULT_METHOD
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import BLOCK, SiteSpec
+from vlmprune.passes.methods.crops import BUDGETS, CropBudget, crop_params, default_budget
 from vlmprune.passes.outputs import BatchDimNamePass, DropZeroAddPass, FeatureOutputPass
+from vlmprune.passes.positions import with_positions
 from vlmprune.passes.prune import prune_record
 from vlmprune.passes.structure import find_tower_structure
 from vlmprune.targets import get_target
-from vlmprune.targets.base import PruneConfig, Target
+from vlmprune.targets.base import PruneConfig, Target, anyres_readme
 from vlmprune.targets.runtime import ort_session, run_session
 
 Progress = Callable[[str], None]
@@ -52,7 +56,14 @@ class CompileOptions:
     batch: int | None = None  # None: dynamic batch
     opset: int = 18
     feature_layer: int | None = None
+    image_size: int | None = None  # dynamic-resolution families (qwen2_vl): the static size to compile for
+    grid: str | None = None  # anyres families (llava_next): the crops' grid, "ROWSxCOLS"; None: the model's largest
+    crop_budget: str | None = None  # anyres: split K over crops "proportional" | "equal"; None: the method's default
     cls: str | None = None  # "drop" | "keep" the [CLS] token in image_features; None: the model's select strategy
+    with_llm: bool = False  # also export the language model (compiler.llm.export) into llm/
+    fastv_layer: int | None = None  # --with-llm: FastV after this LLM layer (from 1); None: dense LLM
+    fastv_keep: float | None = None  # FastV: the share of image tokens kept (default 0.5)
+    image_start: int | None = None  # FastV: prompt tokens before the image (the compiled image span)
     force: bool = False
     debug: bool = False  # on a failed fusion, report every near-match and why it failed
     method_options: dict = dataclasses.field(default_factory=dict)  # e.g. {"lambda": 0.3}, {"contextual": 30}
@@ -100,13 +111,19 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
     with bundle.staging(output, options.force) as tmp:
         timer.step(f"load {model}")
         source = _load(model, options)
+        if source.crops is not None:
+            _crops_on_target(source, options, target)
         if plan.config is not None and source.pipeline is not None:
+            plan.config = dataclasses.replace(plan.config, head=source.pipeline.tower.head)  # for --score probe
+            plan.config = _over_crops(source, plan.config, options)
             _check_against(source, plan.config)
         if source.kind == "onnx" and options.batch is not None:
             raise InputError("--batch cannot change an .onnx source; re-export it with the batch you need")
         dense = _dense_model(source, options, tmp, timer)
         dense_path = tmp / DENSE
         pipeline = target.pipeline(plan.config, options)
+        if source.position_table is not None:  # the kept tokens' LLM positions, on every target
+            pipeline = with_positions(pipeline, source.position_table, source.positions)
         timer.step("passes: " + ", ".join(pipeline.names))
         decomposed = pipeline(dense).model
         ir.save(decomposed, tmp / "model.decomposed.onnx")
@@ -116,25 +133,33 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
             timer.step("fusion: " + ", ".join(fusion.names))
             fusion(decomposed)
         batch = _parity_batch({"inputs": _io(decomposed.graph.inputs)}, options.batch)
-        pixel, _ = parity_inputs(batch.images, source.image_size, source.mean, source.std)
+        pixel, _ = _parity_pixels(source, batch)
         timer.step(f"emit target {target.name}")
         target_fields = target.emit(decomposed, tmp, {
             "config": plan.config, "options": options, "target_options": plan.target_options, "source": source,
             "parity_inputs": pixel, "debug": options.debug})
         manifest = _manifest(source, options, plan, record, decomposed, target_fields)
+        manifest["llm"] = handoff.llm_section(manifest)  # what an LLM runtime needs to splice the tokens
+        if options.with_llm:  # the language model's graphs beside the tower's (hashed like every file)
+            manifest["llm_graphs"] = llm_export.emit_llm(model, manifest, options, tmp, timer.step)
         timer.step("parity")
         report = _parity(source, dense_path, tmp, manifest, target, batch, progress=timer.step)
         dense_path.unlink()
         manifest["parity"] = {"passed": report.passed, "stages": report.summary()}
         (tmp / "parity.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        (tmp / "README.md").write_text(target.readme(manifest))
+        (tmp / "README.md").write_text(target.readme(manifest) + handoff.readme_section(manifest)
+                                          + anyres_readme(manifest) + llm_export.readme_section(manifest))
         manifest = bundle.write_manifest(tmp, manifest)
     timer.step(f"bundle written to {output}")
     return CompileResult(output, manifest, report, time.perf_counter() - timer.start)
 
 
-def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress = lambda _m: None) -> parity.ParityReport:
-    """Re-run every parity stage of a bundle against a freshly loaded reference."""
+def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress = lambda _m: None,
+                 tolerances: dict[str, dict] | None = None) -> parity.ParityReport:
+    """Re-run every parity stage of a bundle against a freshly loaded reference.
+
+    tolerances: per-output Tolerance overrides (parity.parse_overrides: check's --atol/--rtol/--cosine).
+    """
     timer = _Timer(progress)
     bundle_dir = Path(bundle_dir)
     manifest = bundle.load_manifest(bundle_dir, verify=True)
@@ -151,7 +176,8 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
     with tempfile.TemporaryDirectory(prefix="vlmprune-") as scratch:
         _dense_model(source, options, Path(scratch), timer)
         timer.step("parity")
-        return _parity(source, Path(scratch) / DENSE, bundle_dir, manifest, target, parity_batch, progress=timer.step)
+        return _parity(source, Path(scratch) / DENSE, bundle_dir, manifest, target, parity_batch, progress=timer.step,
+                       tolerances=tolerances)
 
 
 # ---------------------------------------------------------------------- validation
@@ -176,8 +202,16 @@ def validate_options(options: CompileOptions) -> _Plan:
         raise InputError(f"--opset must be between 17 and 23, got {options.opset}")
     if options.feature_layer is not None:
         integer("--feature-layer", options.feature_layer)
+    if options.image_size is not None:
+        integer("--image-size", options.image_size, 1)
     if options.cls not in (None, "drop", "keep"):
         raise InputError(f"--cls is drop or keep, got {options.cls!r}")
+    if options.crop_budget not in (None, *BUDGETS):
+        raise InputError(f"--crop-budget is {' or '.join(BUDGETS)}, got {options.crop_budget!r}")
+    if options.grid is not None:
+        from vlmprune.compiler.frontend.llava_next import parse_grid
+
+        parse_grid(options.grid)
     target = get_target(options.target)
     config = None
     if options.prune:
@@ -189,6 +223,7 @@ def validate_options(options: CompileOptions) -> _Plan:
         config = PruneConfig(method, params, options.layer)
     elif options.method_options:
         raise InputError("--no-prune takes no method options")
+    llm_export.check_llm_options(options)
     return _Plan(target, config, target.check_options(options))
 
 
@@ -201,7 +236,7 @@ def _check_against(source: Source, config: PruneConfig) -> None:
     pipe = source.pipeline
     prefix = pipe.prefix if method.needs(params).site == BLOCK or not pipe.drop_cls else 0
     method.check(params, SiteSpec(source.num_patches, bool(source.has_cls and prefix), config.layer or blocks, blocks,
-                                  prefix=prefix))
+                                  prefix=prefix, head=config.head is not None, merge=source.spatial_merge))
 
 
 def _parity_batch(manifest: dict, batch: int | None) -> ParityBatch:
@@ -229,11 +264,66 @@ class ParityBatch:
 
 
 def _load(spec: str, options: CompileOptions) -> Source:
-    source = load_source(spec, options.feature_layer)
+    source = load_source(spec, options.feature_layer, options.image_size)
+    _fix_crops(source, options)
     if source.pipeline is not None and options.cls is not None:
         source.pipeline.drop_cls = options.cls == "drop"
         source.details["select_strategy"] = f"{source.details.get('select_strategy')} (--cls {options.cls})"
     return source
+
+
+def _fix_crops(source: Source, options: CompileOptions) -> None:
+    """Anyres sources (llava_next): the grid to compile for, and whether the export packs the crops.
+
+    A pruned bundle prunes each crop's features, so its export stops before HF's packing
+    (which the LLM runtime does on the kept tokens); a dense one packs like HF.
+    """
+    given = [(flag, value) for flag, value in (("--grid", options.grid), ("--crop-budget", options.crop_budget))
+             if value is not None]
+    if source.crops is None:
+        if given:
+            raise InputError(f"{given[0][0]} applies to anyres models (llava_next), not to this {source.family} model")
+        return
+    if options.grid is not None:
+        source.regrid(options.grid)
+    count = source.crops["count"]
+    if options.cls == "keep":
+        raise InputError("--cls keep is not available for anyres crops: each crop is packed as a patch grid, "
+                         "without [CLS]")
+    if options.batch is not None:
+        raise InputError(f"--batch does not apply to anyres models: the input is the {count} crops of one image "
+                         f"[{count}, 3, {source.image_size}, {source.image_size}]; run one image per call")
+    if not options.prune and options.crop_budget is not None:
+        raise InputError("--no-prune takes no --crop-budget")
+    source.pipeline.pack = not options.prune
+
+
+def _crops_on_target(source: Source, options: CompileOptions, target: Target) -> None:
+    """The crops of one image are the graph's batch: refuse, before the export, a target that cannot run it."""
+    count = source.crops["count"]
+    try:
+        target.check_options(dataclasses.replace(options, batch=count))
+    except InputError as exc:
+        why = str(exc).split(": ")[0]
+        raise InputError(f"target {target.name} cannot run an anyres model: its input is the {count} crops of one "
+                         f"image as a batch of {count}, and {why}") from None
+
+
+def _over_crops(source: Source, config: PruneConfig, options: CompileOptions) -> PruneConfig:
+    """The method over an anyres source's crops, under one global budget (passes.methods.crops)."""
+    if source.crops is None:
+        return config
+    budget = options.crop_budget or default_budget(config.method)
+    return dataclasses.replace(config, method=CropBudget(config.method),
+                               params=crop_params(config.params, source.crops, budget))
+
+
+def _parity_pixels(source: Source, batch: ParityBatch) -> tuple[np.ndarray, dict]:
+    """The parity photos, preprocessed as the model's processor does (an anyres model: each photo's crops)."""
+    if source.crops is None:
+        return parity_inputs(batch.images, source.image_size, source.mean, source.std)
+    photos = max(2, batch.images // source.crops["count"])  # one photo per chunk of C crops, two at least
+    return parity_crops(photos, source.crops, source.image_size, source.mean, source.std)
 
 
 def _dense_model(source: Source, options: CompileOptions, folder: Path, timer: _Timer) -> ir.Model:
@@ -261,8 +351,9 @@ def _dense_model(source: Source, options: CompileOptions, folder: Path, timer: _
         RemoveUnusedNodesPass()(model)  # what fed only the dropped outputs (e.g. SigLIP's pooling head)
         BatchDimNamePass()(model)
     else:
-        timer.step(f"export (torch.onnx dynamo, opset {options.opset}, batch {options.batch or 'dynamic'})")
-        model = export_onnx(source.pipeline, source.image_size, options.batch, options.opset)
+        batch = source.crops["count"] if source.crops is not None else options.batch  # one image's crops
+        timer.step(f"export (torch.onnx dynamo, opset {options.opset}, batch {batch or 'dynamic'})")
+        model = export_onnx(source.pipeline, source.image_size, batch, options.opset)
     ir.external_data.unload_from_model(model, folder, WEIGHTS, size_threshold_bytes=1024)
     ir.save(model, folder / DENSE)
     return model
@@ -357,8 +448,8 @@ def _record_of(manifest: dict) -> dict | None:
 
 
 def _parity(source: Source, dense_path: Path, bundle_dir: Path, manifest: dict, target: Target, batch: ParityBatch,
-            progress: Progress) -> parity.ParityReport:
-    pixel, described = parity_inputs(batch.images, source.image_size, source.mean, source.std)
+            progress: Progress, tolerances: dict[str, dict] | None = None) -> parity.ParityReport:
+    pixel, described = _parity_pixels(source, batch)
     described["chunk"] = batch.chunk
     record = _record_of(manifest)
     stages: list[parity.StageResult] = []
@@ -369,19 +460,20 @@ def _parity(source: Source, dense_path: Path, bundle_dir: Path, manifest: dict, 
     if source.pipeline is not None:
         dense_ref, pruned_ref = reference.torch_reference(source, record, pixel)
         stages.append(parity.run_stage("export", "onnxruntime CPU (dense export)", "fp32", ort_file(dense_path),
-                                       pixel, dense_ref))
+                                       pixel, dense_ref, output_overrides=tolerances))
         progress(_line(stages[-1]))
         expected = dense_ref if pruned_ref is None else pruned_ref
     else:  # an .onnx source: the original graph is the reference
         expected = reference.onnx_reference(dense_path, record, pixel, lambda run: in_chunks(run, batch.chunk))
     stages.append(parity.run_stage("rewritten", "onnxruntime CPU (model.decomposed.onnx)", "fp32",
-                                   ort_file(bundle_dir / "model.decomposed.onnx"), pixel, expected))
+                                   ort_file(bundle_dir / "model.decomposed.onnx"), pixel, expected,
+                                   output_overrides=tolerances))
     progress(_line(stages[-1]))
     for spec in target.stages(bundle_dir, manifest):
         stages.append(parity.run_stage(spec.stage, spec.runtime, spec.precision, in_chunks(spec.run, batch.chunk),
-                                       pixel, expected))
+                                       pixel, expected, output_overrides=tolerances))
         progress(_line(stages[-1]))
-    return parity.ParityReport(described, stages)
+    return parity.ParityReport(described, stages, parity.reference_summary(expected))
 
 
 def _line(stage: parity.StageResult) -> str:

@@ -26,11 +26,13 @@ from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
 from vlmprune.passes.dataflow import consumers_downstream, producers_upstream
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import Method
+from vlmprune.passes.methods.crops import CropBudget
 from vlmprune.passes.structure import find_tower_structure
 from vlmprune.targets.runtime import ort_session, run_session
 
 FEATURES = "image_features"
 KEPT = "kept_indices"
+KEPT_POSITIONS = "kept_positions"  # [B, K, P] int64, where the LLM needs more than the index
 
 
 @dataclasses.dataclass
@@ -59,6 +61,8 @@ class Reference:
 
 def pruner_for(record: dict) -> MethodPruner:
     method = get_method(record["method"])
+    if "crops" in record["params"]:  # an anyres model's crops under one global budget
+        method = CropBudget(method)
     return MethodPruner(method, record["params"], record["site"], record["layer"])
 
 
@@ -72,8 +76,10 @@ def torch_reference(source: Source, record: dict | None, pixel: np.ndarray) -> t
         pruner = pruner_for(record)
         pipeline = source.pipeline.with_pruner(pruner)
         feats, kept = pipeline(x)
-        return dense, Reference({FEATURES: feats.numpy(), KEPT: kept.numpy()}, _numpy(pipeline.last_trace),
-                                pruner.method, record["params"])
+        outputs = {FEATURES: feats.numpy(), KEPT: kept.numpy()}
+        if source.position_table is not None:  # the LLM positions of the reference's kept tokens
+            outputs[KEPT_POSITIONS] = np.asarray(source.position_table)[kept.numpy()]
+        return dense, Reference(outputs, _numpy(pipeline.last_trace), pruner.method, record["params"])
 
 
 def onnx_reference(dense_path: Path, record: dict | None, pixel: np.ndarray, run_chunked) -> Reference:

@@ -54,12 +54,15 @@ class InsertPruningPass(ir.passes.InPlacePass):
 
     layer: the 1-based block of a BLOCK site (None: the last block the graph runs).
     formulation: the method's graph form (one of method.formulations; the target chooses).
+    head: the tower's attention-pooling head (compiler.frontend.tower.PoolingHead), which the
+    source knows and the graph does not show; methods that score with it read it from GraphInputs.
     A second run over a graph it already pruned the same way changes nothing.
     """
 
-    def __init__(self, method: Method, params: dict, layer: int | None = None, formulation: str | None = None):
+    def __init__(self, method: Method, params: dict, layer: int | None = None, formulation: str | None = None,
+                 head=None):
         super().__init__()
-        self.method, self.params, self.layer = method, dict(params), layer
+        self.method, self.params, self.layer, self.head = method, dict(params), layer, head
         self.formulation = method.check_formulation(formulation or method.formulations[0])
 
     def _wanted(self) -> dict:
@@ -81,7 +84,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
         self.method.check(self.params, spec)
         where = f"L{spec.layer}" if block is not None else "features"
         b = Builder(graph, opset(model), f"vlmprune/{self.method.name}_{where}")
-        inputs = GraphInputs(hidden, spec.has_cls, spec.num_patches, block, structure, spec.prefix)
+        inputs = GraphInputs(hidden, spec.has_cls, spec.num_patches, block, structure, spec.prefix, self.head)
         consumers = list(hidden.uses())
         tokens, kept = self.method.emit(b, self.params, inputs, self.formulation)
         anchor = hidden.producer()
@@ -98,6 +101,8 @@ class InsertPruningPass(ir.passes.InPlacePass):
         tokens_in = static_dim(hidden, 1)
         tokens_out = spec.prefix + self.method.output_tokens(self.params)
         batch = hidden.shape[0] if hidden.shape is not None else None
+        if hasattr(self.method, "output_batch"):  # the crops of one image become one row (methods.crops)
+            batch = self.method.output_batch(self.params, batch)
         tokens.shape = ir.Shape([batch, tokens_out, hidden.shape[2]]) if hidden.shape is not None else None
         tokens.type = hidden.type
         tokens.metadata_props[TOKENS_META] = f"{tokens_in},{tokens_out}"
@@ -148,7 +153,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
         has_cls = prefix > 0
         num_patches = tokens - prefix
         has_pixels = structure is not None and structure.pixel_input is not None and structure.grid is not None
-        spec = SiteSpec(num_patches, has_cls, layer, n_blocks, has_pixels, prefix)
+        spec = SiteSpec(num_patches, has_cls, layer, n_blocks, has_pixels, prefix, self.head is not None)
         return hidden, spec, block
 
 

@@ -35,11 +35,16 @@ Runner = Callable[[np.ndarray], dict[str, np.ndarray]]
 
 @dataclasses.dataclass(frozen=True)
 class PruneConfig:
-    """What to insert: a method with its parameters, after block `layer` (BLOCK sites; None: the feature layer)."""
+    """What to insert: a method with its parameters, after block `layer` (BLOCK sites; None: the feature layer).
+
+    head: the source's attention-pooling head (compiler.frontend.tower.PoolingHead) or None, set
+    once the model is loaded, for methods that score with it (--score probe).
+    """
 
     method: Method
     params: dict
     layer: int | None = None
+    head: object = dataclasses.field(default=None, compare=False)
 
 
 def reads_projector_output(options) -> bool:
@@ -122,7 +127,7 @@ class Target(abc.ABC):
         passes: list[ir.passes.PassBase] = []
         if config is not None:
             passes.append(InsertPruningPass(config.method, config.params, config.layer,
-                                            self.formulation(config.method)))
+                                            self.formulation(config.method), config.head))
             if config.method.needs(config.params).site == BLOCK:
                 passes.append(RetargetTokenCountPass())
         passes += [*self.legalization(config, options), RemoveUnusedNodesPass(), TopologicalSortPass(),
@@ -172,3 +177,62 @@ class Target(abc.ABC):
     @abc.abstractmethod
     def readme(self, manifest: dict) -> str:
         """The bundle README: exact commands to build and run it on the device."""
+
+
+def anyres_readme(manifest: dict) -> str:
+    """The bundle README's section on assembling an anyres model's LLM input (LLaVA-NeXT crops); "" otherwise.
+
+    Why in the README: which grid rows still hold tokens is known only at run time, so the
+    pruned graph outputs the kept tokens and their (crop, row, col), and the runtime packs them.
+    """
+    model = manifest["model"]
+    if not model.get("grid") or not model.get("crops"):
+        return ""
+    rows, cols = (int(v) for v in model["grid"].split("x"))
+    count, size, patch = model["crops"], model["image_size"], model["patch_size"]
+    s = size // patch
+    height, width = model.get("resolution", [rows * size, cols * size])
+    method = manifest["method"]
+    dense = s * s + rows * s * (cols * s + 1)
+    head = f"""
+## Assembling the LLM input (LLaVA-NeXT anyres crops)
+
+For this anyres bundle, this section supersedes the token counts and positions of any generic hand-off above
+(those count one crop). Input `pixel_values` [{count}, 3, {size}, {size}]: what LlavaNextImageProcessor gives for an image of this
+bundle's grid, {rows}x{cols} tiles at {height}x{width} (`vlmprune compile --grid`): crop 0 is the whole image
+resized to {size}x{size}, crops 1..{count - 1} the tiles in raster order. Another image size is resized to fit
+{height}x{width} keeping its aspect and padded (as the processor does), then cut the same way. One call is one image.
+"""
+    if method["name"] == "none":
+        return head + f"""
+`image_features` [1, {dense}, D] is the LLM's image sequence as transformers builds it (`get_image_features`,
+i.e. `pack_image_features`): the {s * s} base tokens, then the {rows * s} grid rows of {cols * s} tokens, each
+followed by `image_newline`. For an image whose aspect differs from the grid's, drop the padded rows or columns
+first (unpad_image, rule 2 below), with their newlines.
+"""
+    keep = method["keep"]
+    summary = method["tokens_out"] - method["prefix"] - keep
+    return head + f"""
+`image_features` [1, {keep + summary}, D]: the K = {keep} kept tokens in crop-then-raster order
+{"then one summary token (the mean of every pruned token)" if summary else "(no summary token)"};
+`kept_positions` [1, {keep}, 3]: (crop c, row r, col x) of each, r and x within the crop's {s}x{s} patch grid
+(`kept_indices` = c * {s * s} + r * {s} + x). The dense model's sequence is [{dense}, D]; the pruned one is
+assembled with the same layout rule, keeping only the kept tokens:
+
+1. Base: the kept tokens of crop 0, in the order given.
+2. Grid: a kept token of crop c >= 1 sits at grid row Y = ((c - 1) // {cols}) * {s} + r and column
+   X = ((c - 1) % {cols}) * {s} + x of the {rows * s} x {cols * s} token grid. Unpadding (an image of original size
+   h x w whose aspect differs from the grid's; transformers' unpad_image): if w / h > {cols * s} / {rows * s}, drop rows
+   Y < p and Y >= {rows * s} - p with p = ({rows * s} - int(round(h * {cols * s} / w, 7))) // 2; otherwise drop columns
+   X < p and X >= {cols * s} - p with p = ({cols * s} - int(round(w * {rows * s} / h, 7))) // 2 (Python's int(round(., 7)),
+   as transformers computes it). An image of {height}x{width} drops nothing.
+3. Order the remaining grid tokens by (Y, X); after the last token of every grid row Y that holds at least one kept
+   token, insert `image_newline` (the checkpoint's LlavaNextModel.image_newline vector, [D]); a row with no kept
+   token gets no newline.
+4. The LLM input is: base tokens, grid tokens with their newlines{", then the summary token" if summary else ""}.
+   Its length is {keep + summary} + (grid rows holding a kept token): set the prompt's image placeholder count
+   from it, per image.
+
+The budget K is split over the crops by `{method["params"]["crops"]["budget"]}` (manifest `method.params.crops`);
+padded tokens, when there are any, count in K and are dropped by rule 2.
+"""

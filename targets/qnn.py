@@ -254,7 +254,7 @@ Use ONNX Runtime with the QNN EP (Maven `com.microsoft.onnxruntime:onnxruntime-a
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     sess = ort.InferenceSession("{CTX}", so, providers=[("QNNExecutionProvider", {{"backend_path": "QnnHtp.dll"}})])
     x = np.zeros({inp['shape']}, dtype=np.float32)   # preprocessed image(s)
-    features, kept = sess.run(None, {{"{inp['name']}": x}})
+    features, kept, *positions = sess.run(None, {{"{inp['name']}": x}})  # + kept_positions where the bundle has it
     print(features.shape, kept[0][:10])
     PY
 

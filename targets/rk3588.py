@@ -259,6 +259,7 @@ def _readme(manifest: dict) -> str:
     first = next(iter(artifacts.values()), "model.rknn")
     summaries = [placement.summary_line(p, s) for p, s in fields.get("placement_summary", {}).items()]
     out_names = ", ".join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in outputs)
+    n_out, out_order = len(outputs), ", ".join(o["name"] for o in outputs)
     version = manifest["target"]["toolchain"].get("rknn-toolkit2", "2.5.0")
     return f"""# vlmprune bundle: target `rk3588` (Rockchip RK3588 NPU, rknn-toolkit2 {version})
 
@@ -290,7 +291,7 @@ On the RK3588 (Debian/Ubuntu aarch64, RKNPU driver >= 0.9.6), with the 2.5.0 run
     assert rknn.load_rknn("{first}") == 0
     assert rknn.init_runtime(core_mask=RKNNLite.NPU_CORE_AUTO) == 0
     x = np.zeros({inp['shape']}, dtype=np.float32)  # preprocessed image, NCHW
-    features, kept = rknn.inference(inputs=[x], data_format=["nchw"])
+    features, kept, *positions = rknn.inference(inputs=[x], data_format=["nchw"])  # + kept_positions where present
     print(features.shape, kept.astype(np.int64)[0][:10])
     rknn.release()
     PY
@@ -303,9 +304,10 @@ On the RK3588 (Debian/Ubuntu aarch64, RKNPU driver >= 0.9.6), with the 2.5.0 run
                      .size = {int(np.prod(inp['shape']))} * sizeof(float), .buf = pixels}};
     rknn_inputs_set(ctx, 1, &in);
     rknn_run(ctx, NULL);
-    rknn_output out[2] = {{{{.want_float = 1}}, {{.want_float = 1}}}};
-    rknn_outputs_get(ctx, 2, out, NULL);   /* features; kept indices (as floats, with want_float) */
-    rknn_outputs_release(ctx, 2, out);
+    rknn_output out[{n_out}] = {{{{0}}}};                    /* {out_order} */
+    for (int i = 0; i < {n_out}; i++) out[i].want_float = 1;   /* indices and positions come as floats */
+    rknn_outputs_get(ctx, {n_out}, out, NULL);
+    rknn_outputs_release(ctx, {n_out}, out);
     rknn_destroy(ctx);
 
 Build with `-lrknnrt` against `rknn_api.h` of the same release. Check every file's sha256 against

@@ -2,6 +2,21 @@
 """Latency of the vision tower, dense vs pruned, PyTorch (eager, torch.compile) vs ONNX Runtime, side by side in one run.
 
     python tools/bench_tower.py [--model clip-l-336] [--keep 192] [--layer 2] [--repeats 5] [--no-compile]
+        [--method cls|visionzip|divprune|dart] [--score cls|probe] [--ort-only]
+
+--model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448` where present, `demo`)
+or a Hugging Face directory. --method defaults to one the model serves: cls for towers with a
+[CLS] token, cls --score probe for towers with an attention-pooling head (SigLIP), else
+divprune. A method that prunes the projector output (divprune, dart) has one pruned row: the
+tower runs dense and the saving is the LLM's. --ort-only times the ONNX Runtime rows only (the
+torch eager output is still computed once, as the reference they are checked against).
+
+After the latency table, every ONNX Runtime row gets its FLOP-limit ratio: the measured
+speedup over the dense ORT row divided by the speedup the FLOPs allow, FLOPs(dense) /
+FLOPs(pruned), both counted from the ONNX graphs that were timed (2 x the multiply-adds of
+every MatMul, Gemm and Conv, from ONNX shape inference at batch 1; elementwise ops, softmax
+and normalisations are not counted). 1.0 means the pruned graph is as fast as its arithmetic
+allows; below 1, the selection's overhead or the smaller matrices' lower efficiency cost time.
 
 Batch 1 on this machine's CPU, one process. Each peer runs as its users would run it at its
 fastest: PyTorch with SDPA attention, torch.inference_mode, contiguous fp32 weights and one
@@ -9,8 +24,8 @@ intra-op thread per physical core; torch.compile (inductor, CPU, weights frozen)
 its own; ONNX Runtime through the product's session (targets.runtime.ort_session) with as
 many intra-op threads, on the graphs `vlmprune compile` emits before fusion.
 
-The pruned torch rows compute the product's reference pruner (the cls method's reference,
-after block L from that block's own Q and K): eager runs VisionPipeline.with_pruner itself,
+The pruned torch rows compute the product's reference pruner (the method's reference, e.g.
+cls after block L from that block's own Q and K): eager runs VisionPipeline.with_pruner itself,
 and torch.compile compiles that same module (its block L is written without forward hooks
 so that dynamo can trace it); both are checked against eager in the run, as ONNX Runtime is.
 
@@ -46,11 +61,10 @@ from vlmprune.compiler.frontend.tower import BLOCK
 from vlmprune.compiler.pipeline import CompileOptions
 from vlmprune.compiler.reference import MethodPruner
 from vlmprune.passes.methods import get_method
+from vlmprune.passes.methods.base import Method, SiteSpec
 from vlmprune.targets.base import PruneConfig
 from vlmprune.targets.ort import OrtTarget
 from vlmprune.targets.runtime import ort_session, run_session
-
-CLS = get_method("cls")
 
 SETTLE_S = 0.2  # pause before each timed run, for the previous row's spinning threads to park
 
@@ -103,18 +117,61 @@ def _ort_attention(session, path: Path, x: np.ndarray, folder: Path) -> str:
             f"Softmax x{ops.get('Softmax', 0)}")
 
 
-def _pruner(keep: int, layer: int) -> MethodPruner:
-    """The product's reference pruner: the cls method after block `layer`."""
-    return MethodPruner(CLS, CLS.parse(keep, {}), BLOCK, layer)
+def _method_for(source, name: str | None, score: str | None) -> tuple[Method, dict]:
+    """(method, its options): the one asked for, else one the model serves (cls, cls --score probe, divprune)."""
+    head = source.pipeline.tower.head
+    if name is None:
+        name = "cls" if source.has_cls else "cls" if head is not None else "divprune"
+        if not source.has_cls and head is not None and score is None:
+            score = "probe"
+    options = {"score": score} if score is not None else {}
+    return get_method(name), options
 
 
-def _pruned_onnx(dense_path: Path, folder: Path, keep: int, layer: int | None, name: str) -> Path:
+def _pruner(method: Method, params: dict, layer: int | None) -> MethodPruner:
+    """The product's reference pruner: the method at its site (after block `layer`, or on the projector output)."""
+    site = method.needs(params).site
+    return MethodPruner(method, params, site, layer if site == BLOCK else None)
+
+
+def _pruned_onnx(dense_path: Path, folder: Path, method: Method, params: dict, options: dict, layer: int | None,
+                 head, name: str) -> Path:
     """The graph `vlmprune compile` emits for ort, before fusion (the fused op is timed by bench_fused_op.py)."""
-    config = PruneConfig(CLS, CLS.parse(keep, {}), layer)
-    model = OrtTarget().pipeline(config, CompileOptions(keep=keep, layer=layer))(ir.load(dense_path)).model
+    config = PruneConfig(method, params, layer, head=head)
+    compile_options = CompileOptions(method=method.name, keep=params["keep"], layer=layer, method_options=options)
+    model = OrtTarget().pipeline(config, compile_options)(ir.load(dense_path)).model
     path = folder / name
     ir.save(model, path)
     return path
+
+
+def graph_flops(path: Path) -> float | None:
+    """2 x the multiply-adds of every MatMul, Gemm and Conv of the graph at path, from ONNX shape inference.
+
+    None when a shape stays unknown (a dynamic dimension): the count would be a guess.
+    """
+    import onnx
+
+    proto = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False), data_prop=True)
+    shapes = {init.name: list(init.dims) for init in proto.graph.initializer}
+    for info in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]:
+        dims = info.type.tensor_type.shape.dim
+        shapes[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    total = 0
+    for node in proto.graph.node:
+        if node.op_type not in ("MatMul", "Gemm", "Conv"):
+            continue
+        out, a, b = shapes.get(node.output[0]), shapes.get(node.input[0]), shapes.get(node.input[1])
+        if out is None or a is None or b is None or None in out or None in a or None in b:
+            return None
+        if node.op_type == "Conv":
+            inner = int(np.prod(b[1:]))  # Cin/groups * kh * kw per output value
+        elif node.op_type == "Gemm" and any(att.name == "transA" and att.i for att in node.attribute):
+            inner = a[0]
+        else:
+            inner = a[-1]
+        total += 2 * int(np.prod(out)) * inner
+    return float(total)
 
 
 def _round_robin(fns: dict, repeats: int) -> dict[str, list[float]]:
@@ -150,30 +207,47 @@ def _agreement(ref, other) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="clip-l-336")
+    parser.add_argument("--model", default="clip-l-336", help="a preset (see the docstring) or a Hugging Face directory")
+    parser.add_argument("--method", default=None, help="default: one the model serves (see the docstring)")
+    parser.add_argument("--score", default=None, choices=["cls", "probe"], help="cls/visionzip: what ranks the patches")
     parser.add_argument("--keep", type=int, default=192)
     parser.add_argument("--layer", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (minutes to compile)")
+    parser.add_argument("--ort-only", action="store_true", help="time the ONNX Runtime rows only (implies --no-compile)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the profiled run that names each row's attention ops (one run per row saved)")
     args = parser.parse_args()
 
     cores = physical_cores()
     torch.set_num_threads(cores)
     os.environ.setdefault("VLMPRUNE_ORT_THREADS", str(cores))  # ort_session's intra-op threads
+    torch.manual_seed(0)
     source = load_source(args.model)
     pipeline = source.pipeline
-    params = list(pipeline.parameters())
-    if not all(p.is_contiguous() and p.dtype == torch.float32 for p in params):
+    if pipeline is None:
+        raise SystemExit(f"{args.model}: an .onnx source has no torch pipeline to compare with; use a preset or a directory")
+    method, options = _method_for(source, args.method, args.score)
+    params = method.parse(args.keep, options)
+    at_block = method.needs(params).site == BLOCK
+    head = pipeline.tower.head
+    params_list = list(pipeline.parameters())
+    if not all(p.is_contiguous() and p.dtype == torch.float32 for p in params_list):
         raise SystemExit("the tower's weights are not contiguous fp32")
     attn_impl = getattr(pipeline.vision_model.config, "_attn_implementation", "?")
     x_np, _ = parity_inputs(1, source.image_size, source.mean, source.std)
     x_np = np.ascontiguousarray(x_np)
     x = torch.from_numpy(x_np)
     end = source.num_blocks
-    pruned = {"dense": None, f"pruned L{args.layer}": _pruner(args.keep, args.layer),
-              f"pruned L{end} (end)": _pruner(args.keep, end)}
+    main_row = f"pruned L{args.layer}" if at_block else "pruned (features)"
+    pruned = {"dense": None, main_row: _pruner(method, params, args.layer)}
+    if at_block:
+        pruned[f"pruned L{end} (end)"] = _pruner(method, params, end)
+    method.check(params, SiteSpec(source.num_patches, bool(source.has_cls), args.layer if at_block else None, end,
+                                  prefix=pipeline.prefix if at_block else 0, head=head is not None))
 
-    fns, labels, outputs, checks = {}, {}, {}, {}
+    fns, labels, outputs, checks, flops = {}, {}, {}, {}, {}
+    torch_rows = not args.ort_only
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         dense = export_onnx(pipeline, source.image_size, 1, 18)
@@ -181,18 +255,23 @@ def main() -> int:
         ir.save(dense, folder / "dense.onnx")
         del dense
         paths = {"dense": folder / "dense.onnx",
-                 f"pruned L{args.layer}": _pruned_onnx(folder / "dense.onnx", folder, args.keep, args.layer, "l.onnx"),
-                 f"pruned L{end} (end)": _pruned_onnx(folder / "dense.onnx", folder, args.keep, None, "e.onnx")}
+                 main_row: _pruned_onnx(folder / "dense.onnx", folder, method, params, options,
+                                        args.layer if at_block else None, head, "l.onnx")}
+        if at_block:
+            paths[f"pruned L{end} (end)"] = _pruned_onnx(folder / "dense.onnx", folder, method, params, options, None,
+                                                         head, "e.onnx")
+        flops = {name: graph_flops(path) for name, path in paths.items()}
 
         torch._inductor.config.freezing = True  # the documented CPU inference setting: weights folded, prepacked
         with torch.inference_mode():
             for name, prune in pruned.items():
                 eager = pipeline.with_pruner(prune)
-                fns[f"torch eager, {name}"] = lambda m=eager: m(x)
-                outputs[name] = eager(x)  # warm-up
-                labels[f"torch eager, {name}"] = (f"attn_implementation={attn_impl}: "
-                                                   + _torch_attention(lambda m=eager: m(x), end))
-            if not args.no_compile:
+                outputs[name] = eager(x)  # warm-up, and the reference of every other row
+                if torch_rows:
+                    fns[f"torch eager, {name}"] = lambda m=eager: m(x)
+                    labels[f"torch eager, {name}"] = (f"attn_implementation={attn_impl}: " + (
+                        "not profiled" if args.no_profile else _torch_attention(lambda m=eager: m(x), end)))
+            if torch_rows and not args.no_compile:
                 for name, prune in pruned.items():
                     row = f"torch.compile, {name}"
                     compiled = torch.compile(pipeline.with_pruner(prune), backend="inductor")
@@ -207,7 +286,7 @@ def main() -> int:
             result = run_session(session, x_np)  # warm-up
             out = result["image_features"] if name == "dense" else (result["image_features"], result["kept_indices"])
             checks[row] = _agreement(outputs[name], out)
-            labels[row] = _ort_attention(session, path, x_np, folder)
+            labels[row] = "not profiled (--no-profile)" if args.no_profile else _ort_attention(session, path, x_np, folder)
             ort_threads = session.get_session_options().intra_op_num_threads
             fns[row] = lambda s=session: run_session(s, x_np)
 
@@ -217,11 +296,14 @@ def main() -> int:
         load = meter.report()
 
     rows = {row: statistics.median(t) for row, t in times.items()}
-    base = rows["torch eager, dense"]
-    n_patches = (source.image_size // source.patch_size) ** 2
-    print(f"{args.model}, batch 1, keep {args.keep} of {n_patches}, {torch.get_num_threads()} torch threads, "
+    ort_dense = rows["onnxruntime, dense"]
+    base = rows.get("torch eager, dense", ort_dense)
+    base_name = "torch dense" if torch_rows else "ORT dense"
+    n_patches = source.num_patches
+    what = "" if method.name == "cls" and not options else f", {method.describe(params)}"
+    print(f"{args.model}, batch 1, keep {args.keep} of {n_patches}{what}, {torch.get_num_threads()} torch threads, "
           f"{ort_threads} ORT intra-op threads ({cores} physical cores), median of {args.repeats}, rows interleaved")
-    print(f"{'configuration':<34} {'ms':>9} {'min-max ms':>15} {'vs torch dense':>15}  attention")
+    print(f"{'configuration':<34} {'ms':>9} {'min-max ms':>15} {'vs ' + base_name:>15}  attention")
     for row, ms in rows.items():
         spread = f"{min(times[row]):.0f}-{max(times[row]):.0f}"
         print(f"{row:<34} {ms:>9.1f} {spread:>15} {base / ms:>14.2f}x  {labels[row]}")
@@ -230,19 +312,34 @@ def main() -> int:
         print(busy_line(load))
     if any("DIFFER" in c for c in checks.values()):
         print("a peer kept different tokens than the eager reference: its row does not compute the same thing")
-    layer = args.layer
-    eager_l = rows[f"torch eager, pruned L{layer}"]
-    ort_l = rows[f"onnxruntime, pruned L{layer}"]
-    print(f"torch_eager_pruned_L{layer}_vs_torch_eager_dense: {base / eager_l:.2f}")
-    print(f"ort_dense_vs_torch_dense: {base / rows['onnxruntime, dense']:.2f}")
-    if not args.no_compile:
-        compile_l = rows[f"torch.compile, pruned L{layer}"]
-        print(f"torch_compile_dense_vs_torch_eager_dense: {base / rows['torch.compile, dense']:.2f}")
-        print(f"torch_compile_pruned_L{layer}_vs_torch_eager_pruned_L{layer}: {eager_l / compile_l:.2f}")
-        print(f"ort_pruned_L{layer}_vs_torch_compile_pruned_L{layer}: {compile_l / ort_l:.2f}")
-        print(f"ort_pruned_L{layer}_vs_best_torch_pruned_L{layer}: {min(eager_l, compile_l) / ort_l:.2f}")
-    print(f"ort_pruned_L{layer}_vs_torch_pruned_L{layer}: {eager_l / ort_l:.2f}")
-    print(f"ort_pruned_L{layer}_vs_torch_dense: {base / ort_l:.2f}")
+    print("FLOP-limit ratio (ORT speedup over ORT dense / FLOPs(dense) / FLOPs(pruned); FLOPs = 2 x MatMul, Gemm, "
+          "Conv multiply-adds of the timed graphs):")
+    for name in paths:
+        if name == "dense":
+            print(f"  dense: {flops['dense'] / 1e9:.1f} GFLOP" if flops["dense"] else "  dense: FLOPs unknown")
+            continue
+        speedup = ort_dense / rows[f"onnxruntime, {name}"]
+        if flops["dense"] and flops[name]:
+            allowed = flops["dense"] / flops[name]
+            print(f"  {name}: {flops[name] / 1e9:.1f} GFLOP, FLOPs allow {allowed:.2f}x, measured {speedup:.2f}x, "
+                  f"FLOP-limit ratio {speedup / allowed:.2f}")
+        else:
+            print(f"  {name}: measured {speedup:.2f}x, FLOPs unknown (a dynamic shape)")
+    key = f"pruned_L{args.layer}" if at_block else "pruned_features"
+    ort_l = rows[f"onnxruntime, {main_row}"]
+    print(f"ort_{key}_vs_ort_dense: {ort_dense / ort_l:.2f}")
+    if torch_rows:
+        eager_l = rows[f"torch eager, {main_row}"]
+        print(f"torch_eager_{key}_vs_torch_eager_dense: {base / eager_l:.2f}")
+        print(f"ort_dense_vs_torch_dense: {base / ort_dense:.2f}")
+        if not args.no_compile:
+            compile_l = rows[f"torch.compile, {main_row}"]
+            print(f"torch_compile_dense_vs_torch_eager_dense: {base / rows['torch.compile, dense']:.2f}")
+            print(f"torch_compile_{key}_vs_torch_eager_{key}: {eager_l / compile_l:.2f}")
+            print(f"ort_{key}_vs_torch_compile_{key}: {compile_l / ort_l:.2f}")
+            print(f"ort_{key}_vs_best_torch_{key}: {min(eager_l, compile_l) / ort_l:.2f}")
+        print(f"ort_{key}_vs_torch_{key}: {eager_l / ort_l:.2f}")
+        print(f"ort_{key}_vs_torch_dense: {base / ort_l:.2f}")
     return 1 if any("DIFFER" in c for c in checks.values()) else 0
 
 

@@ -4,18 +4,21 @@ LLaVA-style `mm_projector.safetensors` beside it.
 The features are the tower's own last_hidden_state (SigLIP's ends with its post_layernorm,
 CLIP's does not), or hidden_states[L] for --feature-layer L; the select strategy is LLaVA's
 `default` (a [CLS] token, where the tower has one, is dropped from the features). CLIP has a
-[CLS] token; SigLIP has none.
+[CLS] token; SigLIP has none, but usually an attention-pooling head (vision_use_head), which
+tower_parts exposes (TowerParts.head) for the probe score (`--score probe` of cls and visionzip).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from torch import nn
+
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, inner_tower, load_state,
                                                read_safetensors, sha256_files)
-from vlmprune.compiler.frontend.tower import BlockParts, Projector, TowerParts, VisionPipeline
+from vlmprune.compiler.frontend.tower import BlockParts, PoolingHead, Projector, TowerParts, VisionPipeline
 
 SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
 PROJECTOR_FILE = "mm_projector.safetensors"
@@ -52,7 +55,25 @@ def tower_parts(tower, final_norm: bool = False) -> TowerParts:
                           layer.layer_norm2, layer.mlp)
 
     post = getattr(vm, "post_layernorm", None) if final_norm else None
-    return TowerParts(vm, embed, list(vm.encoder.layers), parts, post)
+    return TowerParts(vm, embed, list(vm.encoder.layers), parts, post, pooling_head(vm))
+
+
+def pooling_head(vm) -> PoolingHead | None:
+    """SigLIP's attention-pooling head as the probe score reads it; None for towers without one.
+
+    CLIP has none; SigLIP has one unless its config says vision_use_head=False (LLaVA-style
+    checkpoints often drop it, see llava.py). The head runs on post_layernorm(last_hidden_state).
+    """
+    head = getattr(vm, "head", None) if getattr(vm, "use_head", False) else None
+    norm = getattr(vm, "post_layernorm", None)
+    attention = getattr(head, "attention", None)
+    if head is None or norm is None or not isinstance(attention, nn.MultiheadAttention) or attention.in_proj_weight is None:
+        return None
+    d = attention.embed_dim
+    weight, bias = attention.in_proj_weight, attention.in_proj_bias
+    zeros = weight.new_zeros(3 * d) if bias is None else bias
+    return PoolingHead(head.probe.reshape(-1), weight[:d], zeros[:d], weight[d:2 * d], zeros[d:2 * d],
+                       attention.num_heads, norm)
 
 
 class ClipTowerAdapter(ModelAdapter):

@@ -77,3 +77,63 @@ def load_image_file(path: str, size: int, mean, std) -> tuple[np.ndarray, str, f
         rgb = np.asarray(img.convert("RGB"))
     text, scale = describe_preprocess(rgb.shape[1], rgb.shape[0], size, mean, std)
     return preprocess(rgb, size, mean, std)[None], text, scale
+
+
+def anyres_crops(image: np.ndarray, crops: dict, size: int, mean, std, fill: bool = True) -> np.ndarray:
+    """uint8 HxWx3 -> [C, 3, size, size]: LlavaNextImageProcessor's crops for the bundle's one grid.
+
+    The processor (transformers' own, PIL backend) is given the bundle's grid as its only
+    pinpoint: the base image resized to size x size, then the grid's tiles in raster order.
+    fill (parity): the photo is first centre-cropped to the grid's aspect and resized to its
+    resolution, so that nothing is padded (the dense output then needs no unpadding); without
+    it the processor resizes keeping the aspect and pads, as it does for a user's image.
+    """
+    from PIL import Image
+    from transformers import LlavaNextImageProcessorPil
+
+    height, width = crops["resolution"]
+    pil = Image.fromarray(np.ascontiguousarray(image[..., :3]))
+    if fill:
+        h, w = image.shape[:2]
+        scale = max(height / h, width / w)
+        ch, cw = round(height / scale), round(width / scale)
+        top, left = (h - ch) // 2, (w - cw) // 2
+        pil = Image.fromarray(np.ascontiguousarray(image[top: top + ch, left: left + cw, :3]))
+        pil = pil.resize((width, height), Image.BICUBIC)
+    processor = LlavaNextImageProcessorPil(image_grid_pinpoints=[[height, width]], size={"shortest_edge": size},
+                                           crop_size={"height": size, "width": size}, image_mean=list(mean),
+                                           image_std=list(std))
+    pixel = processor(images=pil, return_tensors="np")["pixel_values"][0]
+    if pixel.shape[0] != crops["count"]:
+        raise AssertionError(f"the processor gave {pixel.shape[0]} crops, the grid has {crops['count']}")
+    return pixel.astype(np.float32)
+
+
+def parity_crops(images: int, crops: dict, size: int, mean, std, seed: int = 0) -> tuple[np.ndarray, dict]:
+    """parity_inputs for an anyres source: `images` photos, each as its C crops: [images·C, 3, size, size]."""
+    out, names = [], []
+    height, width = crops["resolution"]
+    for i in range(images):
+        name = REAL_IMAGES[i % len(REAL_IMAGES)]
+        raw = _real(name)
+        if raw is None:
+            raw, name = _synthetic(seed + i, max(height, width)), f"synthetic(seed={seed + i})"
+        out.append(anyres_crops(raw, crops, size, mean, std))
+        names.append(f"skimage.data.{name}" if not name.startswith("synthetic") else name)
+    return np.concatenate(out), {"images": names, "seed": seed, "size": size, "mean": list(mean), "std": list(std),
+                                 "crops": crops["count"], "grid": crops["grid"], "resolution": [height, width]}
+
+
+def load_image_crops(path: str, crops: dict, size: int, mean, std) -> tuple[np.ndarray, str]:
+    """An image file -> ([C, 3, size, size] float32 crops for the bundle's grid, a description)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        rgb = np.asarray(img.convert("RGB"))
+    height, width = crops["resolution"]
+    rows, cols = crops["grid"]
+    text = (f"{rgb.shape[1]}x{rgb.shape[0]} image: LlavaNextImageProcessor for the {rows}x{cols} grid "
+            f"({width}x{height}): resized keeping its aspect and padded, cut into {rows * cols} tiles of "
+            f"{size}x{size} after the whole image resized to {size}x{size} ({crops['count']} crops); the LLM "
+            f"runtime unpads by the original size {rgb.shape[0]}x{rgb.shape[1]} (README)")
+    return anyres_crops(rgb, crops, size, mean, std, fill=False), text

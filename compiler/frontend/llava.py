@@ -38,6 +38,10 @@ def pipeline_for(config, tower, projector, feature_layer: int | None) -> tuple[V
         raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
     strategy = config.vision_feature_select_strategy
     has_cls = vcfg.model_type == "clip_vision_model"
+    if strategy == "default" and not has_cls:
+        raise InputError("vision_feature_select_strategy 'default' on a SigLIP tower drops its first patch token "
+                         "(transformers slices [:, 1:] as if it were [CLS]); vlmprune compiles SigLIP LLaVA models "
+                         "with 'full', as LLaVA-OneVision and LLaVA-Interleave are configured")
     pipeline = VisionPipeline(tower_parts(tower), projector, feature_blocks(fl, vcfg.num_hidden_layers),
                               strategy == "default", has_cls, vcfg.patch_size).eval()
     return pipeline, fl, strategy
@@ -53,9 +57,12 @@ class LlavaAdapter(ModelAdapter):
         vcfg = config.vision_config
         if vcfg.model_type not in TOWERS:
             raise InputError(f"LLaVA vision tower type {vcfg.model_type!r} is not supported (CLIP or SigLIP)")
+        state = strip_prefix(read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower.")),
+                             "vision_model.")
+        if getattr(vcfg, "vision_use_head", False) and not any(k.startswith("head.") for k in state):
+            vcfg.vision_use_head = False  # LLaVA checkpoints usually drop SigLIP's pooling head: no --score probe
         tower = build_tower(vcfg)
-        state = read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower."))
-        load_state(inner_tower(tower), strip_prefix(state, "vision_model."), "vision tower")
+        load_state(inner_tower(tower), state, "vision tower")
         projector = projector_for(config)
         pstate = read_safetensors(checkpoint.weights, ("model.multi_modal_projector.", "multi_modal_projector."))
         load_state(projector, pstate, "projector")

@@ -3,7 +3,11 @@
 - `demo`: a small LLaVA model (6-block CLIP tower at 336 px, 576 patches; 2-layer LLM),
   built through the llava family adapter like a checkpoint would be;
 - `clip-l-336`: the shapes of LLaVA-1.5's CLIP ViT-L/14-336 tower and projector (24 blocks,
-  1024 wide, quick_gelu; projector 1024 -> 4096 -> 4096), seeded in seconds.
+  1024 wide, quick_gelu; projector 1024 -> 4096 -> 4096), seeded in seconds;
+- `siglip-so400m-384`: the shapes of SigLIP-so400m/14-384 (27 blocks, 1152 wide, 729 patches,
+  no [CLS], with its attention-pooling head), the tower of LLaVA-OneVision and PaliGemma;
+- `qwen2.5-vl-3b-448`: the shapes of Qwen2.5-VL-3B's vision tower and merger at 448x448 (32 blocks,
+  1280 wide, window attention but in blocks 7, 15, 23, 31; 1024 patches -> 256 tokens of 2048).
 """
 
 from __future__ import annotations
@@ -18,17 +22,33 @@ from vlmprune.compiler.frontend.source import (Source, feature_blocks, no_init_w
 from vlmprune.compiler.frontend.tower import Projector, VisionPipeline
 
 PRESETS = {"demo": "a small LLaVA model (CLIP tower, 576 patches), seeded", "clip-l-336":
-           "LLaVA-1.5's CLIP ViT-L/14-336 tower and projector shapes, seeded"}
+           "LLaVA-1.5's CLIP ViT-L/14-336 tower and projector shapes, seeded",
+           "siglip-so400m-384": "SigLIP-so400m/14-384's tower shapes (LLaVA-OneVision's, PaliGemma's) with its "
+                                "attention-pooling head, seeded",
+           "qwen2.5-vl-3b-448": "Qwen2.5-VL-3B's vision tower and merger shapes at 448x448 (1024 patches, 256 "
+                                "merged tokens), seeded"}
 
 
 def load_preset(name: str) -> Source:
     quiet_transformers()
     torch.manual_seed(0)
+    if name == "siglip-so400m-384":
+        return _siglip_so400m_384()
+    if name == "qwen2.5-vl-3b-448":
+        return _qwen2_5_vl_3b_448()
     return _demo() if name == "demo" else _clip_l_336()
 
 
 def _demo() -> Source:
+    return LlavaAdapter.from_model("demo", demo_model())
+
+
+def demo_model():
+    """The `demo` preset's whole LlavaForConditionalGeneration (its seeded LLM too), for `vlmprune generate`/`eval`."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    quiet_transformers()
+    torch.manual_seed(0)
 
     vision = CLIPVisionConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
                               image_size=336, patch_size=14, projection_dim=128)
@@ -37,7 +57,7 @@ def _demo() -> Source:
     config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-2,
                          vision_feature_select_strategy="default", image_token_index=1000)
     config.vision_config._attn_implementation = "sdpa"
-    return LlavaAdapter.from_model("demo", LlavaForConditionalGeneration(config).eval())
+    return LlavaForConditionalGeneration(config).eval()
 
 
 def _clip_l_336() -> Source:
@@ -52,3 +72,38 @@ def _clip_l_336() -> Source:
     pipeline = VisionPipeline(tower_parts(tower), projector, feature_blocks(-2, 24), True, True, 14).eval()
     return Source("clip-l-336", "preset", "llava", sha256_state(pipeline), 336, 14, True, pipeline=pipeline,
                   details={"feature_layer": -2, "select_strategy": "default", "vision_layers": 24})
+
+
+def _siglip_so400m_384() -> Source:
+    """SigLIP-so400m/14-384 as a bare tower: 27 blocks 1152 wide (4304 MLP, 16 heads, gelu tanh), 729 patches,
+    features after post_layernorm, and its attention-pooling head (for --score probe); no [CLS]."""
+    from transformers import SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                                image_size=384, patch_size=14, hidden_act="gelu_pytorch_tanh", vision_use_head=True)
+    with no_init_weights():
+        tower = build_tower(vision)
+    seeded_init(tower, seed=0)
+    pipeline = VisionPipeline(tower_parts(tower, final_norm=True), None, 27, True, False, 14, final_norm=True).eval()
+    return Source("siglip-so400m-384", "preset", "clip", sha256_state(pipeline), 384, 14, False, (0.5, 0.5, 0.5),
+                  (0.5, 0.5, 0.5), pipeline=pipeline,
+                  details={"feature_layer": -1, "select_strategy": "default", "vision_layers": 27})
+
+
+def _qwen2_5_vl_3b_448() -> Source:
+    """Qwen2.5-VL-3B's vision tower and merger (its config.json's vision_config): 32 blocks 1280 wide (gated SiLU
+    MLP 3420, 16 heads), 112-px windows except blocks 7, 15, 23, 31, merger 4 x 1280 -> 2048; at 448 px."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    from vlmprune.compiler.frontend.qwen2_vl import build_visual, qwen_source
+
+    vision = Qwen2_5_VLVisionConfig(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                    out_hidden_size=2048, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu")
+    visual = build_visual("qwen2_5_vl", vision)
+    seeded_init(visual, seed=0)
+    with torch.no_grad():  # seeded_init knows nn.LayerNorm; Qwen2.5-VL's norms are RMSNorms: unit scales too
+        for module in visual.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.fill_(1.0)
+    return qwen_source("qwen2.5-vl-3b-448", "preset", "qwen2_5_vl", visual, 448, sha256_state(visual))

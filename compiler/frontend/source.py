@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,6 +45,14 @@ class Source:
     onnx_path: Path | None = None
     positions: str = "indices"
     details: dict = dataclasses.field(default_factory=dict)
+    # Anyres models (llava_next): the crops of one image the input holds ({"grid": [rows, cols], "count": C,
+    # "side": s, "resolution": [H, W]}), and how to fix another of the model's grids (--grid).
+    crops: dict | None = None
+    regrid: Callable[[str], None] | None = dataclasses.field(default=None, repr=False)
+    # Towers that merge patches into tokens (Qwen2-VL's 2x2 merger): patches merged along each side, and the
+    # (t, h, w) of each output token in the LLM's grid ([T, 3] int64) for the `kept_positions` output.
+    spatial_merge: int = 1
+    position_table: object | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_blocks(self) -> int | None:
@@ -51,7 +60,7 @@ class Source:
 
     @property
     def num_patches(self) -> int | None:
-        return None if self.patch_size is None else (self.image_size // self.patch_size) ** 2
+        return None if self.patch_size is None else (self.image_size // (self.patch_size * self.spatial_merge)) ** 2
 
 
 def sha256_files(paths: list[Path]) -> str:

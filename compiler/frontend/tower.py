@@ -38,10 +38,29 @@ class SiteTensors:
     pixel_values: torch.Tensor | None = None  # [B, C, H, W], normalised
     patch_size: int | None = None
     prefix: int | None = None  # None: 1 with a [CLS] token, else 0
+    head: PoolingHead | None = None  # the tower's attention-pooling head, where it has one (BLOCK sites)
 
     def __post_init__(self):
         if self.prefix is None:
             self.prefix = int(self.has_cls)
+
+
+@dataclasses.dataclass
+class PoolingHead:
+    """An attention-pooling head (SigLIP's MAP head): one learned probe query attending over norm(tokens).
+
+    The tensors are the head's own (views of its nn.MultiheadAttention in-projection), so the
+    reference and the graph read the checkpoint's weights; `norm` is what the head's keys are
+    computed from (SigLIP: post_layernorm, applied to last_hidden_state before the head).
+    """
+
+    probe: torch.Tensor  # [D]
+    q_weight: torch.Tensor  # [D, D]
+    q_bias: torch.Tensor  # [D]
+    k_weight: torch.Tensor  # [D, D]
+    k_bias: torch.Tensor  # [D]
+    heads: int
+    norm: nn.LayerNorm
 
 
 class Pruner(Protocol):
@@ -80,6 +99,7 @@ class TowerParts:
     blocks: list[nn.Module]
     parts: Callable[[nn.Module], BlockParts]
     final_norm: nn.Module | None = None  # applied after the last block (the family's last_hidden_state)
+    head: PoolingHead | None = None  # an attention-pooling head (SigLIP's), for methods that score with it
 
 
 class Projector(nn.Module):
@@ -133,7 +153,8 @@ class VisionPipeline(nn.Module):
             capture = at_block and i == pruner.layer
             h, qk = run_block(tower.parts(layer), h, capture)
             if capture:
-                h, kept = self._prune(SiteTensors(h, self.has_cls, *qk, pixel_values, self.patch_size, self.prefix))
+                h, kept = self._prune(SiteTensors(h, self.has_cls, *qk, pixel_values, self.patch_size, self.prefix,
+                                                  tower.head))
         if self.final_norm:
             h = tower.final_norm(h)
         prefix = self.prefix

@@ -42,6 +42,7 @@ class Needs:
     cls: bool = False  # a [CLS] token at index 0 of the site's tokens
     attention: bool = False  # block L's own Q and K (after its projections)
     pixels: bool = False  # the normalised pixels (a per-patch pixel term)
+    head: bool = False  # the tower's attention-pooling head (SigLIP's), for the probe score
 
     def describe(self) -> str:
         parts = ["block L's hidden states" if self.site == BLOCK else "the projector output (the tower's end)"]
@@ -51,6 +52,8 @@ class Needs:
             parts.append("a [CLS] token")
         if self.pixels:
             parts.append("the pixels")
+        if self.head:
+            parts.append("an attention-pooling head (SigLIP's)")
         return ", ".join(parts)
 
 
@@ -64,6 +67,8 @@ class SiteSpec:
     num_blocks: int | None = None  # blocks the tower runs
     has_pixels: bool = True  # the pixel input and patch grid are known
     prefix: int | None = None  # leading non-patch tokens ([CLS], registers); None: 1 with [CLS], else 0
+    head: bool = False  # the tower's attention-pooling head is available (SigLIP's; torch sources only)
+    merge: int | None = None  # patches merged per side into a site token (Qwen: 2; 1: none; None: unknown, a graph)
 
     def __post_init__(self):
         if self.prefix is None:
@@ -95,6 +100,7 @@ class GraphInputs:
     block: Any = None  # passes.structure.AttentionBlock (BLOCK sites)
     structure: Any = None  # passes.structure.TowerStructure
     prefix: int | None = None  # leading non-patch tokens ([CLS], registers); None: 1 with [CLS], else 0
+    head: Any = None  # compiler.frontend.tower.PoolingHead, where the tower has one (its weights become initializers)
 
     def __post_init__(self):
         if self.prefix is None:
@@ -139,12 +145,22 @@ class Method(abc.ABC):
         if needs.cls and not spec.has_cls:
             raise InputError(f"method {self.name} needs a [CLS] token, and this tower has none "
                              "(methods for towers without one: `vlmprune methods`)")
+        if needs.head and not spec.head:
+            raise InputError(f"method {self.name} with --score probe needs an attention-pooling head (SigLIP's), and "
+                             "this tower has none (CLIP, vision_use_head=False, a checkpoint without the head's "
+                             "weights, or an .onnx source)")
         if needs.pixels and not spec.has_pixels:
             raise InputError(f"method {self.name} with these options needs the pixel input and patch grid, "
                              "which this graph does not show (no patch-embedding Conv found)")
         n, keep = spec.num_patches, params["keep"]
         if not 1 <= keep < n:
             raise InputError(f"--keep must satisfy 1 <= keep < {n} (the tower has {n} patch tokens), got {keep}")
+
+    def serves(self) -> str:
+        """Which model families the method serves, for `vlmprune methods` (from what it needs by default)."""
+        if self.needs(self.parse(64, {})).cls:
+            return "towers with a [CLS] token (CLIP, ViT, DINOv2, LLaVA on CLIP)"
+        return "every family (no [CLS] needed: CLIP, SigLIP, ViT, DINOv2, LLaVA)"
 
     def output_tokens(self, params: dict) -> int:
         """Patch-derived tokens in the output (without [CLS]): K, plus a summary token where the method adds one."""

@@ -12,7 +12,11 @@ token, the unweighted mean of the N - K pruned tokens:
 
 Choices where the official code leaves it open: none (this is vlmprune's own method;
 the semantics above are the contract). Needs a [CLS] token and block L's Q and K;
-λ > 0 needs the pixel input and patch grid.
+λ > 0 needs the pixel input and patch grid. `--score probe` replaces A by the probe score
+of SigLIP's attention-pooling head (passes.methods.probe), for towers without [CLS]: the
+output is then the K kept tokens + the summary (no [CLS] to copy). `--score attention`
+(passes.methods.received) ranks Qwen2-VL / Qwen2.5-VL's merged tokens, at the features site,
+by the attention they receive at the last full-attention block (no [CLS], --lambda 0).
 
 Fusion: select + gather + summary become one `TokenPrune` node (kernels/cpu, kernels/cuda)
 that reads each token once; the scorer stays in standard ops, measured faster there on
@@ -26,10 +30,11 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
+from vlmprune.compiler.errors import InputError
 from vlmprune.passes.dataflow import const_array
-from vlmprune.passes.methods import attention
-from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, FusedOp, GraphInputs, Method, Needs, SiteTensors, TorchResult,
-                                          finite_option)
+from vlmprune.passes.methods import attention, probe, received
+from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, FEATURES, FusedOp, GraphInputs, Method, Needs, SiteTensors,
+                                          TorchResult, finite_option)
 from vlmprune.passes.methods.builder import INT64_MAX, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk
 
@@ -40,7 +45,8 @@ class ClsMethod(Method):
     name = "cls"
     summary = "[CLS] attention of block L (+ λ · pixel variance), top K in raster order, + 1 summary token"
     selection = BY_SCORE
-    options = {"lambda": (float, "cls: weight of the pixel-variance term (default 0: pure [CLS] attention)")}
+    options = {"lambda": (float, "cls: weight of the pixel-variance term (default 0: pure [CLS] attention)"),
+               "score": (str, f"cls: {received.SCORE_HELP}")}
 
     def defaults(self, keep: int) -> dict:
         return {"lambda": 0.0}
@@ -48,21 +54,48 @@ class ClsMethod(Method):
     def parse(self, keep, options):
         params = super().parse(keep, options)
         params["lambda"] = finite_option(self.name, "lambda", params["lambda"], minimum=0.0)
+        if "score" in params:  # absent: [CLS] attention (and the params of every bundle before --score)
+            params["score"] = received.parse_score(self.name, params["score"])
+            if params["score"] == received.ATTENTION:  # --score attention (received.py)
+                received.check_lambda(self.name, params["lambda"])
         return params
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=BLOCK, cls=True, attention=True, pixels=params["lambda"] > 0)
+        if params.get("score") == received.ATTENTION:  # --score attention: the merged tokens (received.py)
+            return Needs(site=FEATURES)
+        by_cls = params.get("score", "cls") == "cls"
+        return Needs(site=BLOCK, cls=by_cls, attention=by_cls, pixels=params["lambda"] > 0, head=not by_cls)
+
+    def check(self, params: dict, spec) -> None:
+        super().check(params, spec)
+        if params.get("score") == received.ATTENTION and spec.merge is not None and spec.merge < 2:
+            raise InputError(f"method {self.name} with --score attention needs a tower whose merged tokens are the "
+                             "features (Qwen2-VL / Qwen2.5-VL), and this one has none")
+
+    def serves(self) -> str:
+        return f"{super().serves()}; {probe.PROBE_SERVES}; {received.SERVES}"
 
     def output_tokens(self, params: dict) -> int:
         return params["keep"] + 1
 
     def describe(self, params: dict) -> str:
         lam = params["lambda"]
-        return f"[CLS] attention{f' + {lam:g} · pixel variance' if lam else ''}: top {params['keep']} + 1 summary"
+        score = {"probe": "probe attention (pooling head)",
+                 received.ATTENTION: "attention received at the last full-attention block"}.get(
+            params.get("score"), "[CLS] attention")
+        return f"{score}{f' + {lam:g} · pixel variance' if lam else ''}: top {params['keep']} + 1 summary"
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         keep, lam = params["keep"], params["lambda"]
-        attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, inputs.prefix)
+        if params.get("score") == "probe":
+            attn = probe.probe_attention(inputs.hidden, inputs.head, inputs.prefix)
+        elif params.get("score") == received.ATTENTION:
+            if inputs.q is None:
+                raise InputError("cls --score attention needs the score block's Q and K, which only the "
+                                 "qwen2_vl family's pipeline hands over (Qwen2-VL / Qwen2.5-VL directories)")
+            attn = received.received_attention(inputs.q, inputs.k, inputs.scale, inputs.hidden.shape[1])
+        else:
+            attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, inputs.prefix)
         scores = attention.normalise(attn)
         if lam:
             scores = scores + lam * attention.normalise(attention.patch_variance(inputs.pixel_values,
@@ -72,7 +105,12 @@ class ClsMethod(Method):
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
         keep, lam = params["keep"], params["lambda"]
-        attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
+        if params.get("score") == "probe":
+            attn = probe.emit_probe_attention(b, inputs.hidden, inputs.head, inputs.prefix)
+        elif params.get("score") == received.ATTENTION:
+            attn = received.emit_received_attention(b, b.graph, inputs.structure, inputs.hidden)
+        else:
+            attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
         scores = attention.emit_normalise(b, attn, "attn_norm")
         if lam > 0:
             variance = attention.emit_patch_variance(b, inputs.structure, inputs.num_patches)
@@ -119,8 +157,9 @@ def emit_selection(b, hidden: ir.Value, scores: ir.Value, keep: int, n: int,
         mask = b.op("ScatterElements", [ones, kept, zeros], "pruned_mask", axis=1)
         weights = b.op("Mul", [mask, b.const("inv_pruned", np.array(1.0 / (n - keep), dtype=np_dtype))], "summary_w")
         summary = b.op("MatMul", [b.unsqueeze(weights, [1], "summary_w3"), patches], "summary")  # [B, 1, D]
-        cls = b.slice(hidden, 0, prefix, 1, "cls")
-        tokens = b.op("Concat", [cls, gathered, summary], "tokens", axis=1)
+        # No empty slice for a tower without a prefix: zero-sized tensors are not every runtime's business.
+        cls = [b.slice(hidden, 0, prefix, 1, "cls")] if prefix else []
+        tokens = b.op("Concat", [*cls, gathered, summary], "tokens", axis=1)
     return tokens, kept
 
 

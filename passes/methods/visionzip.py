@@ -23,6 +23,10 @@ Choices where the official code is batch-1 only or silent:
   manifest; it is never counted in K;
 - key normalisation divides by max(||k||, 1e-12) (the official code divides by ||k||);
 - the dominant scores are the mean over heads (the official sum ranks identically).
+
+Without [CLS] (SigLIP), `--score probe` ranks the dominant tokens by the probe score of the
+tower's attention-pooling head instead (passes.methods.probe); the contextual merge is
+unchanged: it never needed [CLS], only block L's keys of the patch tokens (all tokens there).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import onnx_ir as ir
 import torch
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.passes.methods import attention
+from vlmprune.passes.methods import attention, probe
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk, split_prefix
@@ -77,7 +81,8 @@ class VisionZipMethod(Method):
     name = "visionzip"
     summary = "VisionZip: K_d dominant tokens by [CLS] attention + K_c contextual tokens merged by key similarity"
     selection = BY_SCORE
-    options = {"contextual": (int, "visionzip: contextual tokens K_c of the K (default round(10·K/64), the official ratio)")}
+    options = {"contextual": (int, "visionzip: contextual tokens K_c of the K (default round(10·K/64), the official ratio)"),
+               "score": (str, f"visionzip: {probe.SCORE_HELP}")}
     official = "https://github.com/dvlab-research/VisionZip"
 
     def defaults(self, keep: int) -> dict:
@@ -90,22 +95,32 @@ class VisionZipMethod(Method):
             raise InputError(f"--contextual of method visionzip must be an integer with 0 <= contextual < keep "
                              f"({keep}), got {contextual!r}")
         params["dominant"] = keep - contextual
+        if "score" in params:  # absent: [CLS] attention
+            params["score"] = probe.parse_score(self.name, params["score"])
         return params
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=BLOCK, cls=True, attention=True)
+        by_cls = params.get("score", "cls") == "cls"
+        return Needs(site=BLOCK, cls=by_cls, attention=True, head=not by_cls)
+
+    def serves(self) -> str:
+        return f"{super().serves()}; {probe.PROBE_SERVES}"
 
     def copied_rows(self, params: dict) -> int:
         return params["dominant"]
 
     def describe(self, params: dict) -> str:
-        return f"VisionZip: {params['dominant']} dominant + {params['contextual']} contextual tokens"
+        by = " (by probe attention)" if params.get("score") == "probe" else ""
+        return f"VisionZip: {params['dominant']} dominant{by} + {params['contextual']} contextual tokens"
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         k_d, k_c = params["dominant"], params["contextual"]
         cls, patches = split_prefix(inputs.hidden, inputs.prefix)
         n = patches.shape[1]
-        attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, inputs.prefix)
+        if params.get("score") == "probe":
+            attn = probe.probe_attention(inputs.hidden, inputs.head, inputs.prefix)
+        else:
+            attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, inputs.prefix)
         dominant = select_topk(attn, k_d)
         parts = [*cls, gather_rows(patches, dominant)]
         kept = [dominant]
@@ -132,15 +147,18 @@ class VisionZipMethod(Method):
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
         k_d, k_c, n = params["dominant"], params["contextual"], inputs.num_patches
-        attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
+        if params.get("score") == "probe":
+            attn = probe.emit_probe_attention(b, inputs.hidden, inputs.head, inputs.prefix)
+        else:
+            attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
         with b.role(SELECT):
             k = b.ints("k_dominant", [k_d])
             _, top = b.op("TopK", [attn, k], "topk_dominant", num_outputs=2, axis=-1, largest=1, sorted=1)
             dominant = b.sort_ascending(top, k_d, "dominant")
         with b.role(TOKENS):
             patches = b.slice(inputs.hidden, inputs.prefix, INT64_MAX, 1, "patches")
-            parts = [b.slice(inputs.hidden, 0, inputs.prefix, 1, "cls"),
-                     b.gather_rows(patches, dominant, "gather_dominant")]
+            parts = [b.slice(inputs.hidden, 0, inputs.prefix, 1, "cls")] if inputs.prefix else []  # no empty slice
+            parts.append(b.gather_rows(patches, dominant, "gather_dominant"))
         kept = [dominant]
         if k_c:
             targets, others = self._remaining(b, attn, dominant, n, k_d, k_c)

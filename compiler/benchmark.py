@@ -1,0 +1,102 @@
+"""`vlmprune run --benchmark`, and inputs/outputs as .npz files (Polygraphy's --load-inputs / --save-outputs).
+
+Latency is measured around the runner `vlmprune run` uses (the target's runtime here:
+ONNX Runtime, the QNN HTP emulator, the TensorRT engine on a Jetson), host array in to
+host arrays out, one call per iteration after the warm-up calls, with time.perf_counter.
+Percentiles are nearest-rank over the measured iterations, so every figure reported is
+one that was measured; throughput is the batch divided by the mean latency.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from vlmprune.compiler.errors import InputError
+
+
+def check_counts(warmup: int, iterations: int) -> None:
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise InputError(f"--warmup must be an integer >= 0, got {warmup!r}")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise InputError(f"--iterations must be an integer >= 1, got {iterations!r}")
+
+
+def nearest_rank(sorted_ms: list[float], q: float) -> float:
+    """The q-th percentile by nearest rank (a measured value, never interpolated)."""
+    rank = max(1, math.ceil(q / 100.0 * len(sorted_ms)))
+    return sorted_ms[rank - 1]
+
+
+def benchmark(runner, pixel: np.ndarray, warmup: int, iterations: int) -> dict:
+    """Latency min/mean/p50/p90/p99/max in ms and throughput in images/s at this batch."""
+    check_counts(warmup, iterations)
+    for _ in range(warmup):
+        runner(pixel)
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        runner(pixel)
+        times.append((time.perf_counter() - start) * 1e3)
+    ordered = sorted(times)
+    mean = sum(times) / len(times)
+    return {"batch": int(pixel.shape[0]), "warmup": warmup, "iterations": iterations,
+            "latency_ms": {"min": ordered[0], "mean": mean, "p50": nearest_rank(ordered, 50),
+                           "p90": nearest_rank(ordered, 90), "p99": nearest_rank(ordered, 99), "max": ordered[-1]},
+            "throughput_images_per_s": pixel.shape[0] / (mean / 1e3)}
+
+
+def format_benchmark(result: dict, runtime: str) -> list[str]:
+    lat = result["latency_ms"]
+    return [f"benchmark ({runtime}): batch {result['batch']}, {result['warmup']} warm-up + "
+            f"{result['iterations']} timed runs",
+            f"latency ms: min {lat['min']:.3f}  p50 {lat['p50']:.3f}  p90 {lat['p90']:.3f}  p99 {lat['p99']:.3f}  "
+            f"(mean {lat['mean']:.3f}, max {lat['max']:.3f})",
+            f"throughput: {result['throughput_images_per_s']:.2f} images/s at batch {result['batch']}"]
+
+
+def load_inputs(path: Path, manifest: dict) -> np.ndarray:
+    """The bundle's input from an .npz file: the array named like the input, or the file's only array.
+
+    It must have the input's rank, channels, image size and (for a static batch) batch,
+    and be float32 (another float type is refused rather than silently converted).
+    """
+    spec = manifest["inputs"][0]
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--load-inputs {path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            names = list(data.files)
+            if spec["name"] in names:
+                array = data[spec["name"]]
+            elif len(names) == 1:
+                array = data[names[0]]
+            else:
+                raise InputError(f"--load-inputs {path}: no array named {spec['name']!r} "
+                                 f"(it holds {', '.join(names) or 'none'})")
+    except InputError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise InputError(f"--load-inputs {path}: not a readable .npz file ({str(exc).splitlines()[0]})") from None
+    shape = spec["shape"]
+    if array.dtype != np.float32:
+        raise InputError(f"--load-inputs {path}: {spec['name']} is {array.dtype}, the bundle takes float32")
+    if array.ndim != len(shape) or any(isinstance(d, int) and d != a for d, a in zip(shape, array.shape)):
+        raise InputError(f"--load-inputs {path}: {spec['name']} has shape {list(array.shape)}, the bundle takes "
+                         f"{shape}")
+    if not np.isfinite(array).all():
+        raise InputError(f"--load-inputs {path}: {spec['name']} holds NaN or infinite values")
+    return array
+
+
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """arrays as one .npz file's bytes (written by compiler.output_files, atomically)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()

@@ -1,0 +1,304 @@
+"""Family `qwen2_vl`: Qwen2-VL and Qwen2.5-VL (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration).
+
+Their vision tower takes the processor's flattened patches and grid_thw: a dynamic
+resolution. A bundle is compiled for one static image size S (`--image-size`, a multiple
+of patch x merge = 28; default 448): the input stays `pixel_values` [B, 3, S, S]
+(normalised with the checkpoint's mean and std), and everything that depends only on the
+grid is a constant of the graph. At 448: 32x32 = 1024 patches, merged 2x2 into 16x16 =
+256 tokens, the tokens the LLM sees.
+
+What the graph computes, image by image equal to the model's own get_image_features on the
+patches Qwen2VLImageProcessor makes (tested against transformers, fp32):
+- patch embedding: the processor repeats a still image temporal_patch_size times and the
+  Conv3d spans those equal frames, which equals one MatMul with the kernel summed over
+  time (half the FLOPs, no 9-D transpose in the graph);
+- token order: the processor's merge-window order (each 2x2 group contiguous), and for
+  Qwen2.5-VL then its window order (window_index), as one constant Gather;
+- 2-D rotary cos/sin: transformers' own rotary module on the static grid, constants;
+- attention: blocks listed in fullatt_block_indexes (every block of Qwen2-VL) attend over
+  the whole image; the other Qwen2.5-VL blocks within windows: equal windows as a batch of
+  windows (a reshape), unequal ones (S not a multiple of window_size) through a constant
+  block-diagonal mask (a finite -1e4, which quantizers and fp16 toolchains can hold);
+  batched throughout, no cu_seqlens and no loop over images;
+- the patch merger (ln_q, then the MLP over each 2x2 group), then for Qwen2.5-VL the
+  inverse window permutation: output [B, (S/28)^2, out_hidden] in raster order of the
+  merged grid.
+
+Only the vision weights are read (model.visual.* or visual.*, transformers 4 and 5 layouts),
+never the LLM's. There is no [CLS]: divprune and dart prune the merged tokens, and so does
+cls with `--score attention` (passes.methods.received: the attention each merged token receives
+at the last full-attention block, whose Q and K the pipeline hands to the pruner with their
+tokens grouped in the features' raster order); cls by [CLS] and visionzip are refused in one line.
+Kept tokens carry their mRoPE positions (t, h, w)
+(`positions` "thw", Source.position_table): merged token i sits at (0, i // W, i % W) of the
+W x W merged grid, which plus the text offset is what get_rope_index gives the LLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
+from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, no_init_weights,
+                                               read_safetensors, sha256_files)
+from vlmprune.compiler.frontend.tower import FEATURES, Pruner, SiteTensors
+
+DEFAULT_IMAGE_SIZE = 448
+WINDOW_MASK = -1e4  # finite: exp(-1e4 + logit) is 0 in fp32 and fp16 alike
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def visual_class(model_type: str):
+    if model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    return Qwen2_5_VisionTransformerPretrainedModel
+
+
+def build_visual(model_type: str, vision_config) -> nn.Module:
+    """The vision tower of the config, its weights left to the caller (transformers' slow init skipped)."""
+    vision_config._attn_implementation = "sdpa"
+    with no_init_weights():
+        return visual_class(model_type)(vision_config).eval()
+
+
+def check_image_size(image_size, unit: int) -> int:
+    """S, or one line: the merger needs whole merge x merge groups of patches, so S is a multiple of patch x merge."""
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < unit or image_size % unit:
+        lower = max(unit, (image_size // unit) * unit) if isinstance(image_size, int) else unit
+        raise InputError(f"--image-size must be a multiple of {unit} (patch x spatial merge) and >= {unit}, "
+                         f"got {image_size!r} (e.g. {lower} or {lower + unit})")
+    return image_size
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class QwenGrid(nn.Module):
+    """Everything that depends only on the static grid, computed once with transformers' own helpers.
+
+    Buffers (constants of the export, not weights: never in the state dict):
+    order [N]: the raster patch index at each position of the tower's token order;
+    cos, sin [N, dh]: the rotary tables in that order; unorder [M] or None: merged tokens of
+    that order back to raster order; mask [N, N] or None: the window mask (unequal windows).
+    """
+
+    def __init__(self, visual: nn.Module, image_size: int, windowed: bool):
+        super().__init__()
+        from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
+
+        cfg = visual.config
+        self.patch, self.merge = cfg.patch_size, cfg.spatial_merge_size
+        self.image_size = image_size
+        self.side = image_size // self.patch  # patches along each side
+        self.merged_side = self.side // self.merge
+        unit = self.merge ** 2
+        grid = torch.tensor([[1, self.side, self.side]])
+        position_ids = get_vision_position_ids(grid, self.merge)  # (h, w) in merge-window order
+        order = position_ids[:, 0] * self.side + position_ids[:, 1]
+        with torch.no_grad():
+            cos, sin = visual.rotary_pos_emb(torch.zeros(1), position_ids)
+        self.windows: int | None = None  # equal windows: how many; None with a mask or no windows
+        self.full_blocks = set(range(len(visual.blocks)))
+        unorder = mask = None
+        if windowed:
+            self.full_blocks = set(cfg.fullatt_block_indexes)
+            window_index, cu = get_vision_window_index(grid, self.merge, cfg.window_size, self.patch)
+
+            def permute(t):
+                return t.reshape(-1, unit, *t.shape[1:])[window_index].reshape(-1, *t.shape[1:])
+
+            order, cos, sin = permute(order), permute(cos), permute(sin)
+            unorder = torch.argsort(window_index)
+            sizes = (cu[1:] - cu[:-1]).tolist()
+            if len(set(sizes)) == 1:
+                self.windows = len(sizes)
+            else:
+                ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+                mask = torch.where(ids[:, None] == ids[None, :], 0.0, WINDOW_MASK)
+        self.register_buffer("order", order.long(), persistent=False)
+        self.register_buffer("cos", cos.float(), persistent=False)
+        self.register_buffer("sin", sin.float(), persistent=False)
+        self.register_buffer("unorder", unorder, persistent=False)
+        self.register_buffer("mask", mask, persistent=False)
+
+    @property
+    def num_patches(self) -> int:
+        return self.side * self.side
+
+    @property
+    def num_tokens(self) -> int:
+        return self.merged_side * self.merged_side
+
+    def positions(self) -> np.ndarray:
+        """[M, 3] int64: (t, h, w) of each merged token (raster order) in the LLM's merged grid."""
+        i = np.arange(self.num_tokens, dtype=np.int64)
+        return np.stack([np.zeros_like(i), i // self.merged_side, i % self.merged_side], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TowerInfo:
+    """What compiler code reads of VisionPipeline.tower: the Qwen towers have no attention-pooling head."""
+
+    head: None = None
+
+
+class QwenVisionPipeline(nn.Module):
+    """pixel_values [B, 3, S, S] -> merged image features [B, M, out_hidden], with an optional FEATURES pruner.
+
+    The interface compiler code asks of a pipeline (VisionPipeline's): with_pruner, num_blocks,
+    prefix, has_cls, drop_cls, patch_size, last_trace. The blocks are spelled out over the
+    checkpoint's own modules (norms, qkv, proj, MLP, merger) so that they run batched, export
+    with torch.onnx dynamo, and compile with torch.compile.
+    """
+
+    def __init__(self, visual: nn.Module, grid: QwenGrid, pruner: Pruner | None = None):
+        super().__init__()
+        if pruner is not None and pruner.site != FEATURES:
+            raise InputError("qwen2_vl towers are pruned on the merged tokens (the features site) only")
+        self.visual = visual
+        self.vision_model = visual
+        self.grid = grid
+        self.pruner = pruner
+        self.num_blocks = len(visual.blocks)
+        self.has_cls, self.prefix, self.drop_cls = False, 0, True
+        self.patch_size = visual.config.patch_size
+        self.last_trace: dict | None = None
+
+    @property
+    def tower(self) -> _TowerInfo:
+        return _TowerInfo()
+
+    def with_pruner(self, pruner: Pruner | None) -> QwenVisionPipeline:
+        """The same weights and grid, pruning (or not) as given."""
+        return QwenVisionPipeline(self.visual, self.grid, pruner)
+
+    def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[B, 3, S, S] -> patch embeddings [B, N, D] in the tower's token order."""
+        g, p = self.grid.side, self.grid.patch
+        b, c = pixel_values.shape[0], pixel_values.shape[1]
+        x = pixel_values.reshape(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
+        weight = self.visual.patch_embed.proj.weight  # [D, C, T, P, P]
+        h = x @ weight.sum(dim=2).reshape(weight.shape[0], -1).t()
+        return torch.index_select(h, 1, self.grid.order)  # one Gather on axis 1 (not GatherND)
+
+    def block(self, index: int, h: torch.Tensor, capture: list | None = None) -> torch.Tensor:
+        blk, grid = self.visual.blocks[index], self.grid
+        attn = blk.attn
+        b, n, d = h.shape
+        heads = attn.num_heads
+        qkv = attn.qkv(blk.norm1(h)).reshape(b, n, 3, heads, d // heads)
+        q, k, v = qkv.unbind(2)  # [B, N, H, dh]
+        cos, sin = grid.cos.unsqueeze(1), grid.sin.unsqueeze(1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if capture is not None:  # --score attention: this block's Q and K, [B, H, N, dh] (received.py)
+            capture[:] = [q.transpose(1, 2), k.transpose(1, 2), attn.scaling]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if index in grid.full_blocks or (grid.windows is None and grid.mask is None):
+            a = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=attn.scaling).transpose(1, 2)
+        elif grid.windows is not None:  # equal windows, contiguous in the tower's order: a batch of windows
+            w = n // grid.windows
+            q, k, v = (t.reshape(b * grid.windows, w, heads, -1).transpose(1, 2) for t in (q, k, v))
+            a = sdpa(q, k, v, scale=attn.scaling).transpose(1, 2)
+        else:
+            a = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=grid.mask,
+                     scale=attn.scaling).transpose(1, 2)
+        h = h + attn.proj(a.reshape(b, n, d))
+        return h + blk.mlp(blk.norm2(h))
+
+    def merge(self, h: torch.Tensor) -> torch.Tensor:
+        """The patch merger over each group of merge² tokens, back to raster order of the merged grid."""
+        merger = self.visual.merger
+        b, n, d = h.shape
+        unit = self.grid.merge ** 2
+        out = merger.mlp(merger.ln_q(h).reshape(b, n // unit, d * unit))
+        return out if self.grid.unorder is None else torch.index_select(out, 1, self.grid.unorder)
+
+    # --- cls --score attention (passes.methods.received): the score block's Q and K for the pruner
+    def score_block(self) -> int:
+        """0-based: the last block whose attention spans the whole image (a single window counts)."""
+        grid = self.grid
+        whole = grid.windows == 1 or (grid.windows is None and grid.mask is None)
+        return max(i for i in range(self.num_blocks) if whole or i in grid.full_blocks)
+
+    def features_order(self) -> torch.Tensor:
+        """[N]: tower positions of the patches of merged token 0, 1, ... (raster order), merge² each."""
+        unit, m = self.grid.merge ** 2, self.grid.num_tokens
+        groups = torch.arange(m) if self.grid.unorder is None else self.grid.unorder
+        return (groups[:, None] * unit + torch.arange(unit)).reshape(-1)
+    # --- end --score attention
+
+    def forward(self, pixel_values: torch.Tensor):
+        h = self.embed(pixel_values)
+        capture: list = []
+        score_block = self.score_block() if self.pruner is not None else -1
+        for i in range(self.num_blocks):
+            h = self.block(i, h, capture if i == score_block else None)
+        h = self.merge(h)
+        if self.pruner is None:
+            return h
+        order = self.features_order()
+        q, k, scale = capture[0][:, :, order], capture[1][:, :, order], capture[2]
+        tokens, kept, self.last_trace = self.pruner(SiteTensors(h, False, q=q, k=k, scale=scale,
+                                                                pixel_values=pixel_values,
+                                                                patch_size=self.patch_size, prefix=0))
+        return tokens, kept
+
+
+def qwen_source(spec: str, kind: str, model_type: str, visual: nn.Module, image_size: int, content_hash: str,
+                mean=CLIP_MEAN, std=CLIP_STD) -> Source:
+    """The Source of a loaded Qwen vision tower at a static image size (checkpoints and presets alike)."""
+    cfg = visual.config
+    check_image_size(image_size, cfg.patch_size * cfg.spatial_merge_size)
+    windowed = model_type == "qwen2_5_vl"
+    grid = QwenGrid(visual, image_size, windowed)
+    pipeline = QwenVisionPipeline(visual, grid).eval()
+    m = grid.merged_side
+    tokens = {"image_size": image_size, "patch_grid": [grid.side, grid.side], "patches": grid.num_patches,
+              "spatial_merge": grid.merge, "merged_grid_thw": [1, m, m], "tokens": grid.num_tokens}
+    details = {"model_type": model_type, "feature_layer": -1, "select_strategy": "every merged token (no [CLS])",
+               "vision_layers": len(visual.blocks), "token_counts": tokens,
+               "positions_layout": "kept_positions [B, K, 3] = (t, h, w) in the merged grid; add the text offset "
+                                   "(get_rope_index's start position) for the LLM's mRoPE"}
+    if windowed:
+        details["attention"] = {"full_blocks": sorted(grid.full_blocks), "window_size": cfg.window_size,
+                                "windows": "equal" if grid.windows else "unequal (masked)"}
+    return Source(spec, kind, Qwen2VLAdapter.family, content_hash, image_size, cfg.patch_size, False, tuple(mean),
+                  tuple(std), pipeline=pipeline, positions="thw", spatial_merge=grid.merge,
+                  position_table=grid.positions(), details=details)
+
+
+class Qwen2VLAdapter(ModelAdapter):
+    family = "qwen2_vl"
+    model_types = MODEL_TYPES
+    summary = "Qwen2-VL / Qwen2.5-VL vision tower + merger at a static --image-size; kept (t, h, w) positions"
+    dynamic_resolution: ClassVar[bool] = True  # takes --image-size
+
+    def load(self, checkpoint: Checkpoint, feature_layer: int | None, image_size: int | None = None) -> Source:
+        if feature_layer is not None:
+            raise InputError(f"--feature-layer does not apply to {checkpoint.model_type}: its image features are "
+                             "the patch merger's output after the last block")
+        config = checkpoint.config
+        vcfg = config.vision_config
+        unit = vcfg.patch_size * vcfg.spatial_merge_size
+        image_size = check_image_size(DEFAULT_IMAGE_SIZE if image_size is None else image_size, unit)
+        visual = build_visual(checkpoint.model_type, vcfg)
+        state = read_safetensors(checkpoint.weights, ("model.visual.", "visual."))
+        if not state:
+            raise InputError(f"{checkpoint.path}: no vision weights (model.visual.* or visual.*) in the safetensors")
+        load_state(visual, state, "vision tower")
+        mean, std = checkpoint.preprocessing(CLIP_MEAN, CLIP_STD)
+        return qwen_source(str(checkpoint.path.resolve()), "hf", checkpoint.model_type, visual, image_size,
+                           sha256_files(checkpoint.files()), mean, std)

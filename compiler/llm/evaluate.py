@@ -1,0 +1,238 @@
+"""`vlmprune eval`: how much a pruning method changes a user's own checkpoint's answers.
+
+For every method and K, over every image and prompt: the first answer token's
+distribution with the pruned image against the dense one (KL(dense || pruned), in nats),
+whether the first greedy token agrees, and how much of the dense greedy answer (the first
+--max-new-tokens tokens) the pruned one reproduces: exact (all tokens equal) and the common
+prefix as a share of the dense answer's length.
+
+What is pruned: each method's plain-torch reference on the checkpoint's own tower (the
+parity reference; every compiled bundle matches it within the tolerances its parity.json
+reports), with the pruned rows fed at their original positions as `vlmprune generate`
+feeds a bundle's (handoff.image_positions). The dense side is the Hugging Face model's
+own image features. A harness check rides along: the dense path fed through this splice
+against LlavaForConditionalGeneration's own forward on input_ids + pixel_values; its KL
+is reported (`harness_kl_max`, 0 up to float rounding) so a number is never trusted
+that the splice itself would have moved.
+
+`--bundle DIR` adds a row per compiled bundle of the same model: its own graph, run by its
+target's runner here (the ort library, the QNN emulator), for the figures of what deploys
+(a quantized target's selection may differ from the reference's; its parity.json says where).
+
+On a tiny random model the figures are only arithmetic; on a real checkpoint they say how
+far the method moves the model's answers on those images and prompts: KL near 0 and
+agreement near 1 mean the pruned model answers as the dense one does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.llm import generate as gen
+from vlmprune.compiler.llm import handoff
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".gif")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One method at one K, resolved and checked against the tower before any work."""
+
+    method: object
+    params: dict
+    site: str
+    layer: int | None
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+
+def list_images(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"--images {folder}: no such directory")
+    images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not images:
+        raise InputError(f"--images {folder}: no images there ({', '.join(IMAGE_SUFFIXES)})")
+    return images
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per line; blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--prompts {path}: no such file")
+    try:
+        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise InputError(f"--prompts {path}: not UTF-8 text (one prompt per line)") from None
+    if not prompts:
+        raise InputError(f"--prompts {path}: no prompts in it (one per line)")
+    return prompts
+
+
+def settings_for(source, methods: list[str], keeps: list[int]) -> list[Setting]:
+    """Every method x K, parsed and checked against the tower as `compile` would (one line for one it cannot serve)."""
+    from vlmprune.passes.methods import get_method
+    from vlmprune.passes.methods.base import BLOCK, SiteSpec
+
+    if not methods or not keeps:
+        raise InputError("eval needs at least one --method and one --keep")
+    pipe = source.pipeline
+    out = []
+    for name in methods:
+        method = get_method(name)
+        for keep in keeps:
+            params = method.parse(keep, {})
+            needs = method.needs(params)
+            prefix = pipe.prefix if needs.site == BLOCK or not pipe.drop_cls else 0
+            method.check(params, SiteSpec(source.num_patches, bool(source.has_cls and prefix), source.num_blocks,
+                                          source.num_blocks, prefix=prefix))
+            out.append(Setting(method, params, needs.site, source.num_blocks if needs.site == BLOCK else None))
+    return out
+
+
+def kl_divergence(dense_logits: torch.Tensor, pruned_logits: torch.Tensor) -> float:
+    """KL(P_dense || P_pruned) in nats, in float64 (0 for equal logits, exactly)."""
+    p = torch.log_softmax(dense_logits.double(), -1)
+    q = torch.log_softmax(pruned_logits.double(), -1)
+    return max(0.0, float(torch.sum(p.exp() * (p - q))))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str], keeps: list[int],
+             max_new_tokens: int = 8, progress=lambda _m: None, bundles: list[Path] = ()) -> dict:
+    """The report behind `vlmprune eval`: per method and K, KL and agreement over every image x prompt.
+
+    bundles: compiled bundles of the same model, evaluated beside the references (their own
+    tower run by their target's runner here), one row each.
+    """
+    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.frontend.images import load_image_file
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+    images, prompts = list_images(images_dir), read_prompts(prompts_file)
+    vlm = gen.load_vlm(model)
+    source = vlm.source
+    settings = settings_for(source, methods, keeps) if methods or keeps or not bundles else []
+    manifests = [(Path(b), load_manifest(b, verify=True)) for b in bundles]
+    for path, manifest in manifests:
+        if manifest["model"]["sha256"] != source.content_hash or manifest["method"]["name"] == "none":
+            raise InputError(f"--bundle {path}: " + ("a dense bundle has nothing to compare"
+                                                     if manifest["method"]["name"] == "none" else
+                                                     f"not compiled from {model} (its content hash differs)"))
+    built = [gen.build_prompt(vlm, p) for p in prompts]
+    pixels = []
+    for image in images:
+        try:
+            pixels.append(load_image_file(str(image), source.image_size, source.mean, source.std)[0])
+        except Exception as exc:
+            raise InputError(f"{image}: cannot read the image ({gen._first_line(exc)})") from None
+    progress(f"{len(images)} images x {len(prompts)} prompts, {len(settings) + len(manifests)} settings, "
+             f"{max_new_tokens} greedy tokens each")
+    dense_runs, harness = {}, []
+    for i, pixel in enumerate(pixels):
+        features = gen.dense_features(vlm, pixel)
+        for j, prompt in enumerate(built):
+            positions, text_start = handoff.image_positions(len(prompt.before), len(features), 0, None, 0)
+            dense_runs[i, j] = gen.answer(vlm, prompt, features, positions, text_start, max_new_tokens)
+            harness.append(kl_divergence(_hf_first_logits(vlm, prompt, pixel, len(features)),
+                                         dense_runs[i, j].first_logits))
+    rows = []
+    runs = [(s.name, s.params["keep"], "reference", _reference_rows(source, s)) for s in settings]
+    runs += [(m["method"]["name"], m["method"]["keep"], f"bundle {p.name} ({m['target']['name']})",
+              _bundle_rows(p, m)) for p, m in manifests]
+    for name, keep, origin, rows_of in runs:
+        samples = []
+        for i, pixel in enumerate(pixels):
+            features, place = rows_of(pixel)
+            for j, prompt in enumerate(built):
+                positions, text_start = place(len(prompt.before))
+                pruned = gen.answer(vlm, prompt, features, positions, text_start, max_new_tokens)
+                dense = dense_runs[i, j]
+                samples.append({
+                    "image": images[i].name, "prompt": prompts[j],
+                    "kl": kl_divergence(dense.first_logits, pruned.first_logits),
+                    "first_token_agrees": pruned.tokens[:1] == dense.tokens[:1],
+                    "exact": pruned.tokens == dense.tokens,
+                    "prefix_share": common_prefix(pruned.tokens, dense.tokens) / len(dense.tokens),
+                    "dense_tokens": dense.tokens, "pruned_tokens": pruned.tokens,
+                    "image_tokens": pruned.image_tokens})
+        rows.append(_summary(name, keep, origin, samples))
+        progress(f"  {name} K={keep} ({origin}): KL mean {rows[-1]['kl_mean']:.4g}")
+    return {"model": vlm.spec, "images": [p.name for p in images], "prompts": prompts,
+            "max_new_tokens": max_new_tokens, "dense_image_tokens": int(dense_runs[0, 0].image_tokens),
+            "pruned_with": "reference: each method's plain-torch reference (the parity reference of its bundles); "
+                           "bundle: the bundle's own graph under its target's runner here",
+            "harness_kl_max": max(harness), "results": rows}
+
+
+def _reference_rows(source, setting: Setting):
+    """pixel -> (the method reference's rows of one image, positions(offset) -> (image positions, text start))."""
+    from vlmprune.compiler.reference import MethodPruner
+
+    pipeline = source.pipeline.with_pruner(MethodPruner(setting.method, setting.params, setting.site, setting.layer))
+    out_tokens = setting.method.output_tokens(setting.params)
+
+    def rows_of(pixel):
+        with torch.inference_mode():
+            features, kept = pipeline(torch.from_numpy(pixel))
+        prefix, extra = features.shape[1] - out_tokens, out_tokens - kept.shape[1]
+        return features[0], lambda offset: handoff.image_positions(offset, prefix + source.num_patches, prefix,
+                                                                   kept[0].numpy(), extra)
+    return rows_of
+
+
+def _bundle_rows(bundle_dir: Path, manifest: dict):
+    def rows_of(pixel):
+        tokens = gen.bundle_tokens(bundle_dir, manifest, pixel)
+        return tokens.features, lambda offset: gen.bundle_positions(tokens, offset)
+    return rows_of
+
+
+def _hf_first_logits(vlm, prompt: gen.Prompt, pixel: np.ndarray, tokens: int) -> torch.Tensor:
+    """LlavaForConditionalGeneration's own forward on the expanded input_ids and the pixels: the harness check."""
+    ids = prompt.before + [vlm.model.config.image_token_index] * tokens + prompt.after
+    with torch.inference_mode():
+        out = vlm.model(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixel), logits_to_keep=1)
+    return out.logits[0, -1].float()
+
+
+def _summary(name: str, keep: int, origin: str, samples: list[dict]) -> dict:
+    kls = [s["kl"] for s in samples]
+    share = lambda key: sum(float(s[key]) for s in samples) / len(samples)  # noqa: E731
+    return {"method": name, "keep": keep, "from": origin, "image_tokens": samples[0]["image_tokens"],
+            "kl_mean": sum(kls) / len(kls), "kl_max": max(kls), "first_token_agreement": share("first_token_agrees"),
+            "exact_match": share("exact"), "prefix_agreement": share("prefix_share"), "samples": samples}
+
+
+def table(report: dict) -> list[str]:
+    """The report as a fixed-width table, one line per method and K."""
+    m = report["max_new_tokens"]
+    lines = [f"{'method':<10} {'K':>5} {'tokens':>6} {'KL mean':>10} {'KL max':>10} {'top-1':>6} "
+             f"{'exact@' + str(m):>8} {'prefix':>7}  from"]
+    for r in report["results"]:
+        lines.append(f"{r['method']:<10} {r['keep']:>5} {r['image_tokens']:>6} {_g(r['kl_mean']):>10} "
+                     f"{_g(r['kl_max']):>10} {r['first_token_agreement']:>6.2f} {r['exact_match']:>8.2f} "
+                     f"{r['prefix_agreement']:>7.2f}  {r['from']}")
+    return lines
+
+
+def _g(value: float) -> str:
+    return "0" if value == 0 else f"{value:.3g}" if math.isfinite(value) else str(value)

@@ -1,0 +1,354 @@
+"""Pictures of a selection: the image as the model saw it, with what the bundle kept.
+
+Drawn on the preprocessed image (after the model's resize and centre crop, un-normalised),
+one cell per patch of the grid: pruned patches dimmed, kept patches outlined, merge
+targets (a kept token that other patches were merged into, e.g. VisionZip's contextual
+tokens) outlined in their own colour with the patches merged into them tinted in it, and
+forced-keep regions hatched. The colours are fixed constants so that tests (and people)
+can read a picture by its pixels.
+
+What is kept comes from the bundle's own `kept_indices` output. Which patches were merged
+where is not a bundle output (adding one would change the bundle's output contract), so it
+is traced from the parity reference instead: the method's plain-torch reference run again
+on the same image, and each merged token's weight on every input patch read off by
+autograd (a merged token is linear in the site's hidden states once the selection is made,
+so its gradient is exactly that weight). It is generic: any method whose kept tokens are
+not plain copies (Method.copied_rows) gets its merges drawn, and no method is named here.
+
+Forced-keep regions (ROI keep) have no method yet: the drawing takes a boolean mask per
+patch, and nothing passes one until a method produces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import numpy as np
+
+DIM = 0.3  # pruned patches keep this fraction of their brightness
+KEPT_RGB = (255, 214, 0)  # outline of a kept patch
+HATCH_RGB = (255, 255, 255)  # forced-keep hatching
+TINT = 0.3  # weight of a merge target's colour over the patches merged into it
+MERGED_DIM = 0.6  # merged patches are dimmed less than pruned ones: their content lives on in the target
+# Merge targets' colours: distinct from the kept outline and from each other (Okabe-Ito, without yellow).
+MERGE_RGB = ((0, 158, 255), (230, 60, 200), (0, 200, 120), (255, 110, 40), (150, 110, 255), (0, 220, 230),
+             (240, 40, 60), (150, 200, 0))
+CAPTION_BG = (24, 28, 34)
+CAPTION_FG = (235, 235, 235)
+
+
+@dataclasses.dataclass
+class Selection:
+    """One image's selection, in patch indices of a `grid` x `grid` patch grid (raster order)."""
+
+    image: np.ndarray  # uint8 [S, S, 3], as the model saw it
+    grid: int
+    kept: np.ndarray  # [K] patch indices the bundle kept
+    merges: dict[int, np.ndarray] | None = None  # merge target patch -> patches merged into it
+    forced: np.ndarray | None = None  # bool [N]: forced-keep patches (hatched); no method has them yet
+    title: str = ""
+    legend: str = ""
+
+
+def require_pillow() -> None:
+    """Pictures are drawn with Pillow (scikit-image brings it); one line, before any work, where it is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("PIL") is None:
+        from vlmprune.compiler.errors import ToolchainError
+
+        raise ToolchainError("drawing pictures needs Pillow: pip install pillow")
+
+
+def model_view(pixel: np.ndarray, mean, std) -> np.ndarray:
+    """[3, S, S] normalised float -> uint8 [S, S, 3]: the pixels the model saw, back in [0, 255]."""
+    x = pixel.astype(np.float64) * np.asarray(std).reshape(3, 1, 1) + np.asarray(mean).reshape(3, 1, 1)
+    return np.round(np.clip(x, 0.0, 1.0) * 255.0).transpose(1, 2, 0).astype(np.uint8)
+
+
+def display_scale(size: int) -> int:
+    """Integer upscaling (nearest) so a small tower's picture is still legible, and patches stay whole cells."""
+    return max(1, 336 // size)
+
+
+def cell(index: int, grid: int, cell_px: int) -> tuple[int, int, int, int]:
+    """Pixel box (top, left, bottom, right) of patch `index` in a picture whose cells are cell_px wide."""
+    row, col = divmod(int(index), grid)
+    return row * cell_px, col * cell_px, (row + 1) * cell_px, (col + 1) * cell_px
+
+
+def outline_width(cell_px: int) -> int:
+    return max(1, cell_px // 12)
+
+
+def draw(sel: Selection) -> np.ndarray:
+    """The selection picture without caption: uint8 [S·f, S·f, 3] (f = display_scale)."""
+    size = sel.image.shape[0]
+    f = display_scale(size)
+    img = np.repeat(np.repeat(sel.image, f, axis=0), f, axis=1).astype(np.float64)
+    n = sel.grid * sel.grid
+    cell_px = size * f // sel.grid
+    kept = set(int(i) for i in sel.kept)
+    out = img.copy()
+    merged_into = {int(i): slot for slot, (_t, merged) in enumerate(sorted((sel.merges or {}).items())) for i in merged}
+    for i in range(n):
+        if i in kept:
+            continue
+        t, l, b, r = cell(i, sel.grid, cell_px)
+        if i in merged_into:
+            color = np.asarray(MERGE_RGB[merged_into[i] % len(MERGE_RGB)], dtype=np.float64)
+            out[t:b, l:r] = (1 - TINT) * MERGED_DIM * img[t:b, l:r] + TINT * color
+        else:
+            out[t:b, l:r] = DIM * img[t:b, l:r]
+    width = outline_width(cell_px)
+    if sel.forced is not None:
+        for i in np.flatnonzero(np.asarray(sel.forced).reshape(-1)):
+            t, l, b, r = cell(i, sel.grid, cell_px)
+            yy, xx = np.mgrid[t:b, l:r]
+            out[t:b, l:r][((yy + xx) % max(4, cell_px // 3)) < max(1, width)] = HATCH_RGB
+    out = np.round(out).astype(np.uint8)
+    targets = {int(t): MERGE_RGB[s % len(MERGE_RGB)] for s, t in enumerate(sorted(sel.merges or {}))}
+    for i in kept:
+        _outline(out, cell(i, sel.grid, cell_px), targets.get(i, KEPT_RGB), width * (2 if i in targets else 1))
+    return out
+
+
+def _outline(img: np.ndarray, box, color, width: int) -> None:
+    t, l, b, r = box
+    w = min(width, (b - t) // 2)
+    img[t:t + w, l:r] = color
+    img[b - w:b, l:r] = color
+    img[t:b, l:l + w] = color
+    img[t:b, r - w:r] = color
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow without FreeType: the fixed bitmap font
+        return ImageFont.load_default()
+
+
+def _wrap(text: str, font, width: int) -> list[str]:
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in paragraph.split(" "):
+            candidate = f"{line} {word}".strip()
+            if line and font.getlength(candidate) > width:
+                lines.append(line)
+                line = word
+            else:
+                line = candidate
+        lines.append(line)
+    return lines
+
+
+def with_caption(picture: np.ndarray, title: str, legend: str):
+    """The picture above a dark strip holding its title and legend (a PIL image)."""
+    from PIL import Image, ImageDraw
+
+    width = picture.shape[1]
+    title_font, text_font = _font(15), _font(12)
+    lines = [(line, title_font) for line in _wrap(title, title_font, width - 12)] if title else []
+    lines += [(line, text_font) for line in _wrap(legend, text_font, width - 12)] if legend else []
+    heights = [(18 if font is title_font else 15) for _, font in lines]
+    strip = sum(heights) + 10 if lines else 0
+    canvas = Image.new("RGB", (width, picture.shape[0] + strip), CAPTION_BG)
+    canvas.paste(Image.fromarray(picture), (0, 0))
+    pen = ImageDraw.Draw(canvas)
+    y = picture.shape[0] + 5
+    for (line, font), h in zip(lines, heights):
+        pen.text((6, y), line, fill=CAPTION_FG, font=font)
+        y += h
+    return canvas
+
+
+def legend_for(manifest: dict, sel: Selection, note: str | None = None) -> str:
+    """What the colours mean for this bundle, in one paragraph."""
+    method = manifest["method"]
+    n = sel.grid * sel.grid
+    unit = "tokens" if manifest["model"].get("token_counts") else "patches"
+    parts = [f"kept {len(sel.kept)} of {n} {unit} (yellow outline); pruned {unit} dimmed"]
+    if sel.merges:
+        merged = sum(len(v) for v in sel.merges.values())
+        parts.append(f"{len(sel.merges)} merge targets (coloured outline), {merged} patches merged into them "
+                     "(tinted in the target's colour)")
+    extra = method.get("tokens_out", 0) - method.get("kept_count", len(sel.kept)) - int(bool(method.get("has_cls")))
+    if extra > 0:
+        parts.append(f"+{extra} token{'s' if extra > 1 else ''} with no patch position (e.g. a summary of the "
+                     "pruned patches)")
+    if sel.forced is not None and np.any(sel.forced):
+        parts.append("forced-keep regions hatched")
+    if note:
+        parts.append(note)
+    return "; ".join(parts)
+
+
+def title_for(name: str, manifest: dict) -> str:
+    method = manifest["method"]
+    if method["name"] == "none":
+        return f"{name}: dense (no pruning)"
+    return f"{name}: {method['name']} K={method['keep']} ({manifest['target']['name']})"
+
+
+def picture(sel: Selection):
+    """The full picture (PIL image): the selection drawn, with its title and legend."""
+    return with_caption(draw(sel), sel.title, sel.legend)
+
+
+def grid_of(pictures: list, columns: int | None = None):
+    """Several pictures side by side (rows of `columns`), on a common cell size, as one PIL image."""
+    from PIL import Image
+
+    columns = columns or min(4, len(pictures))
+    width = max(p.width for p in pictures)
+    height = max(p.height for p in pictures)
+    rows = -(-len(pictures) // columns)
+    gap = 8
+    size = (columns * width + (columns + 1) * gap, rows * height + (rows + 1) * gap)
+    canvas = Image.new("RGB", size, (255, 255, 255))
+    for k, p in enumerate(pictures):
+        r, c = divmod(k, columns)
+        canvas.paste(p, (gap + c * (width + gap), gap + r * (height + gap)))
+    return canvas
+
+
+def png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", optimize=True)
+    return buffer.getvalue()
+
+
+# ------------------------------------------------------------------ merges, from the reference
+
+
+Merges = list[dict[int, np.ndarray]]  # per image: merge target patch -> the patches merged into it
+
+
+def reference_merges(manifest: dict, pixel: np.ndarray) -> tuple[Merges | None, np.ndarray | None, str | None]:
+    """(per image {target patch: merged patches}, the reference's kept indices, a note) for pixel [B, 3, S, S].
+
+    (None, None, None) when the method's kept tokens are plain copies (nothing was merged
+    into a kept token); (None, None, why) when the merges cannot be traced here.
+    """
+    method = manifest["method"]
+    if method["name"] == "none":
+        return None, None, None
+    from vlmprune.passes.methods import get_method
+
+    m = get_method(method["name"])
+    copied = m.copied_rows(method["params"])
+    if copied >= method["kept_count"]:
+        return None, None, None
+    from vlmprune.compiler.errors import VlmpruneError
+    from vlmprune.compiler.pipeline import CompileOptions, _load, _record_of
+    from vlmprune.compiler.reference import pruner_for
+
+    spec = manifest["model"]["source"]
+    try:
+        source = _load(spec, CompileOptions(**{**manifest["compile_options"], "debug": False}))
+    except VlmpruneError as exc:
+        return None, None, f"merges not shown: the model source cannot be loaded here ({exc})"
+    if source.content_hash != manifest["model"]["sha256"]:
+        return None, None, f"merges not shown: {spec} has changed since the bundle was compiled"
+    if source.pipeline is None:
+        return None, None, "merges not shown: an .onnx source has no torch reference to trace them from"
+    tracer = _MergeTracer(pruner_for(_record_of(manifest)), copied)
+    import torch
+
+    with torch.no_grad():
+        source.pipeline.with_pruner(tracer)(torch.from_numpy(pixel))
+    weights, kept = tracer.weights, tracer.kept  # [B, kept - copied, N], [B, kept]
+    merges = []
+    for b in range(len(pixel)):
+        per_image = {}
+        for j in range(weights.shape[1]):
+            target = int(kept[b, copied + j])
+            joined = np.flatnonzero(weights[b, j] > 1e-9)
+            per_image[target] = joined[joined != target]
+        merges.append(per_image)
+    return merges, kept, None
+
+
+class _MergeTracer:
+    """A pruner that runs the method's reference with the site's hidden states tracked by autograd.
+
+    Each merged output token is linear in the hidden states given the (discrete)
+    selection, so the gradient of its sum with respect to patch i is its weight on i.
+    """
+
+    def __init__(self, pruner, copied: int):
+        self.pruner, self.copied = pruner, copied
+        self.site, self.layer = pruner.site, pruner.layer
+        self.weights = self.kept = None
+
+    def __call__(self, tensors):
+        import torch
+
+        # In the site's own dtype: every tensor the method reads (weights of a scoring head too) stays compatible,
+        # and gathers and means have exact gradients (a patch not merged gets exactly 0).
+        hidden = tensors.hidden.detach().clone().requires_grad_(True)
+        traced = dataclasses.replace(tensors, hidden=hidden)
+        with torch.enable_grad():
+            result = self.pruner.method.reference(self.pruner.params, traced)
+            prefix = traced.prefix
+            rows = []
+            for j in range(self.copied, result.kept.shape[1]):
+                (grad,) = torch.autograd.grad(result.tokens[:, prefix + j].sum(), hidden, retain_graph=True)
+                rows.append(grad[:, prefix:].mean(dim=-1))
+        self.weights = torch.stack(rows, dim=1).numpy()
+        self.kept = result.kept.numpy()
+        return result.tokens.detach(), result.kept, result.trace
+
+
+def token_grid(manifest: dict) -> int:
+    """Side of the square grid the kept indices index: patches, or merged tokens for a merging tower."""
+    counts = manifest["model"].get("token_counts")
+    size = manifest["preprocess"]["size"]
+    if counts:  # e.g. Qwen2-VL: kept indices count merged tokens (spatial_merge² patches each)
+        t, h, w = counts["merged_grid_thw"]
+        if t != 1 or h != w or size % h:
+            from vlmprune.compiler.errors import InputError
+
+            raise InputError(f"this bundle's tokens form a {t}x{h}x{w} grid: pictures draw one square grid")
+        return h
+    return size // manifest["model"]["patch_size"]
+
+
+def check_one_grid(kept, grid: int) -> None:
+    """One line for kept indices beyond one patch grid (several crops per image): not drawn, rather than drawn wrong."""
+    top = int(np.max(kept)) if np.size(kept) else 0
+    if top >= grid * grid:
+        from vlmprune.compiler.errors import InputError
+
+        raise InputError(f"this bundle keeps patch indices up to {top}, beyond one {grid}x{grid} patch grid "
+                         "(several crops per image): pictures draw one grid and cannot show it yet")
+
+
+def selections_for_run(manifest: dict, pixel: np.ndarray, kept: np.ndarray,
+                       name: str) -> tuple[list[Selection], str | None]:
+    """One Selection per image of a `vlmprune run`: the bundle's kept indices, merges traced from the reference."""
+    pre = manifest["preprocess"]
+    grid = token_grid(manifest)
+    check_one_grid(kept, grid)
+    merges, ref_kept, note = reference_merges(manifest, pixel)
+    sels = []
+    for b in range(len(pixel)):
+        per_image = None
+        image_note = note
+        if merges is not None:
+            per_image = {t: v for t, v in merges[b].items() if t in set(kept[b].tolist())}
+            if set(ref_kept[b].tolist()) != set(kept[b].tolist()):
+                differ = len(np.setxor1d(ref_kept[b], kept[b])) // 2
+                image_note = (f"the reference kept {differ} other patch{'es' if differ > 1 else ''}; merges shown "
+                              "for the targets both kept")
+            image_note = (image_note + "; " if image_note else "") + "merges traced from the parity reference"
+        sel = Selection(model_view(pixel[b], pre["mean"], pre["std"]), grid, np.asarray(kept[b]), per_image,
+                        title=title_for(name, manifest))
+        sel.legend = legend_for(manifest, sel, image_note)
+        sels.append(sel)
+    return sels, note

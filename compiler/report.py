@@ -1,0 +1,376 @@
+"""`vlmprune check --report report.html --junit junit.xml`: the parity report for people and for CI.
+
+The HTML file is self-contained (styles inline, pictures as data: URIs, no script, nothing
+fetched), so it can be attached to a CI run or mailed and still open. It holds every
+stage's figures against its tolerances, why an index mismatch passed or failed (the tie
+band of a ranked selection, the greedy step and margin), per parity image the reference's
+kept set beside each stage's with the differing patches highlighted, and the reference's
+score heat map where the selection ranks scores (a greedy selection has no per-patch score).
+
+The JUnit file has one test case per stage and output (classname vlmprune.parity.STAGE),
+the shape Jenkins, GitLab and GitHub test reporters read (tests/compiler/junit-10.xsd).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import platform
+from xml.etree import ElementTree as ET
+
+import numpy as np
+
+from vlmprune.compiler import pictures
+from vlmprune.compiler.reference import KEPT
+
+EXTRA_RGB = (255, 0, 255)  # kept by the stage, not by the reference
+MISSING_RGB = (0, 255, 255)  # kept by the reference, not by the stage
+# A perceptually ordered colour map (viridis' anchors), low -> high score.
+HEAT_ANCHORS = np.array([(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)], np.float64)
+HEAT_ALPHA = 0.7
+
+
+# ------------------------------------------------------------------ figures against tolerances
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.7g}"
+    return html.escape(str(value))
+
+
+def figure_rows(stage: dict) -> list[dict]:
+    """One row per figure of a stage: output, figure, value, the tolerance it is held to, and its verdict."""
+    tol = stage["tolerance"]
+    rows = []
+    if stage.get("error"):
+        rows.append({"output": "(stage)", "figure": "error", "value": stage["error"], "tolerance": "runs",
+                     "passed": False})
+    idx = stage.get("indices")
+    if idx:
+        agree = idx.get("agreement")
+        rows.append({"output": KEPT, "figure": "kept-index agreement", "value": agree,
+                     "tolerance": f"≥ {tol['index_agreement_min']:g} (tie-resolved images excepted)",
+                     "passed": idx.get("passed", False)})
+        if idx.get("boundary_ties") is not None:
+            rows.append({"output": KEPT, "figure": "near-ties at the K-th boundary", "value": idx["boundary_ties"],
+                         "tolerance": f"scores within {tol['tie_rel_tol']:g} (relative)", "passed": None})
+        if any(step is not None for step in idx.get("first_divergent_step") or []):
+            rows.append({"output": KEPT, "figure": "first divergent greedy step", "value": idx["first_divergent_step"],
+                         "tolerance": f"margin ≤ {tol['tie_rel_tol']:g} is a tie", "passed": None})
+        if idx.get("tie_resolved_images"):
+            rows.append({"output": KEPT, "figure": "images resolved differently by a tie",
+                         "value": idx["tie_resolved_images"], "tolerance": "reported, passes", "passed": None})
+        if idx.get("error"):
+            rows.append({"output": KEPT, "figure": "error", "value": idx["error"], "tolerance": "", "passed": False})
+    for name, out in stage.get("outputs", {}).items():
+        t = out.get("tolerance", tol)
+        if "error" in out:
+            rows.append({"output": name, "figure": "error", "value": out["error"], "tolerance": "", "passed": False})
+            continue
+        if "note" in out:
+            rows.append({"output": name, "figure": "note", "value": out["note"], "tolerance": "",
+                         "passed": out["passed"]})
+            continue
+        if out.get("exact"):  # an integer output (positions): exact where the kept index agrees
+            rows.append({"output": name, "figure": f"rows wrong (of {out['rows_compared']} compared)",
+                         "value": out["rows_wrong"], "tolerance": "0 (exact)", "passed": out["passed"]})
+            continue
+        rows.append({"output": name, "figure": "min cosine over tokens", "value": out["cosine_min"],
+                     "tolerance": f"≥ {t['cosine_min']:g}", "passed": out["cosine_min"] >= t["cosine_min"]})
+        if t.get("rtol") is None:
+            rows.append({"output": name, "figure": "max-abs", "value": out["max_abs"],
+                         "tolerance": f"≤ {t['max_abs']:g}" if t.get("max_abs") is not None else "not checked",
+                         "passed": None if t.get("max_abs") is None else out["max_abs"] <= t["max_abs"]})
+        else:
+            rows.append({"output": name, "figure": "elements outside atol + rtol·|ref|",
+                         "value": out.get("allclose_violations"),
+                         "tolerance": f"0 (atol {t.get('max_abs') or 0:g}, rtol {t['rtol']:g})",
+                         "passed": out.get("allclose_violations") == 0})
+            rows.append({"output": name, "figure": "max-abs", "value": out["max_abs"], "tolerance": "", "passed": None})
+        rows.append({"output": name, "figure": "mean-abs", "value": out["mean_abs"], "tolerance": "", "passed": None})
+        for key, text in (("rows_not_compared", "rows the reference does not define"),
+                          ("rows_in_tie_band", "merged rows whose merge sat in the tie band")):
+            if key in out:
+                rows.append({"output": name, "figure": text, "value": out[key], "tolerance": "left out, counted",
+                             "passed": None})
+    return rows
+
+
+def mismatch_explanations(report: dict) -> list[str]:
+    """Why each image whose kept set differs from the reference's passed or failed, in sentences."""
+    ref = report.get("reference") or {}
+    lines = []
+    for stage in report["stages"]:
+        idx = stage.get("indices") or {}
+        tol = stage["tolerance"]
+        for i, agree in enumerate(idx.get("per_image", [])):
+            if agree >= 1.0:
+                continue
+            where = f"stage {stage['stage']}, image {i}"
+            if "first_divergent_step" in idx:
+                step, margin = idx["first_divergent_step"][i], idx["margin_at_divergence"][i]
+                tied = i in idx["tie_resolved_images"]
+                lines.append(f"{where}: agreement {agree:.4f}; the greedy selection first diverged at step {step}, "
+                             f"where the two best candidates were {_fmt(margin)} apart (relative); "
+                             + (f"within the tie band ({tol['tie_rel_tol']:g}): a tie resolved differently, passes"
+                                if tied else f"outside the tie band ({tol['tie_rel_tol']:g}): a real divergence"))
+                continue
+            scores = ref.get("scores")
+            kept_ref, kept_c = ref.get("kept"), idx.get("kept")
+            if scores is None or kept_ref is None or kept_c is None:
+                lines.append(f"{where}: agreement {agree:.4f} (no reference scores recorded to explain it)")
+                continue
+            boundary = ref.get("boundary") or len(kept_ref[i])
+            s = np.asarray(scores[i], np.float64)
+            r, c = np.asarray(kept_ref[i][:boundary]), np.asarray(kept_c[i][:boundary])
+            ordered = np.sort(s)[::-1]
+            cut = 0.5 * (ordered[boundary - 1] + ordered[boundary])
+            from vlmprune.passes.methods.selection import tie_band
+
+            band = float(tie_band(s, tol["tie_rel_tol"]))
+            parts = []
+            for label, idxs in (("kept only by the reference", np.setdiff1d(r, c)),
+                                ("kept only by this stage", np.setdiff1d(c, r))):
+                for p in idxs[:8]:
+                    parts.append(f"patch {int(p)} ({label}) scores {s[p]:.7g}, {abs(s[p] - cut):.3g} from the "
+                                 f"K-th boundary {cut:.7g}")
+            tied = i in idx.get("tie_resolved_images", [])
+            verdict = (f"every differing patch lies within the tie band ±{band:.3g}: a boundary tie resolved "
+                       "differently, passes" if tied else
+                       f"some differing patch lies outside the tie band ±{band:.3g}: a real mismatch")
+            lines.append(f"{where}: agreement {agree:.4f}; " + "; ".join(parts) + f"; {verdict}")
+    return lines
+
+
+# ------------------------------------------------------------------ pictures
+
+
+def _data_uri(image) -> str:
+    """A PNG data: URI; a 256-colour palette keeps a report of many photographs small enough to mail."""
+    return "data:image/png;base64," + base64.b64encode(pictures.png_bytes(image.quantize(256))).decode()
+
+
+def diff_picture(view: np.ndarray, grid: int, kept: list[int], reference: list[int]):
+    """A stage's kept set drawn like `vlmprune run --show`, patches it disagrees on with the reference highlighted."""
+    from PIL import Image
+
+    sel = pictures.Selection(view, grid, np.asarray(kept))
+    img = pictures.draw(sel)
+    cell_px = img.shape[0] // grid
+    width = max(2, pictures.outline_width(cell_px) * 2)
+    for patches, color in ((np.setdiff1d(kept, reference), EXTRA_RGB), (np.setdiff1d(reference, kept), MISSING_RGB)):
+        for p in patches:
+            box = pictures.cell(p, grid, cell_px)
+            t, l, b, r = box
+            img[t:b, l:r] = np.round(0.5 * img[t:b, l:r] + 0.5 * np.asarray(color)).astype(np.uint8)
+            pictures._outline(img, box, color, width)
+    return Image.fromarray(img)
+
+
+def heat_colors(values: np.ndarray) -> np.ndarray:
+    """values in [0, 1] -> RGB float [.., 3] along HEAT_ANCHORS."""
+    x = np.clip(values, 0, 1) * (len(HEAT_ANCHORS) - 1)
+    lo = np.floor(x).astype(int).clip(0, len(HEAT_ANCHORS) - 2)
+    frac = (x - lo)[..., None]
+    return HEAT_ANCHORS[lo] * (1 - frac) + HEAT_ANCHORS[lo + 1] * frac
+
+
+def heat_map(view: np.ndarray, grid: int, scores: np.ndarray):
+    """The reference's scores per patch, min..max over the image, blended over the image the model saw."""
+    from PIL import Image
+
+    f = pictures.display_scale(view.shape[0])
+    img = np.repeat(np.repeat(view, f, 0), f, 1).astype(np.float64)
+    cell_px = img.shape[0] // grid
+    s = np.asarray(scores, np.float64)
+    norm = (s - s.min()) / max(s.max() - s.min(), 1e-30)
+    colors = heat_colors(norm).reshape(grid, grid, 3)
+    overlay = np.repeat(np.repeat(colors, cell_px, 0), cell_px, 1)
+    out = (1 - HEAT_ALPHA) * img + HEAT_ALPHA * overlay
+    return Image.fromarray(np.round(out).astype(np.uint8))
+
+
+def _colorbar() -> str:
+    stops = ", ".join(f"rgb{tuple(int(v) for v in c)}" for c in HEAT_ANCHORS)
+    return f'<span class="bar" style="background: linear-gradient(to right, {stops})"></span>'
+
+
+# ------------------------------------------------------------------ HTML
+
+
+_STYLE = """
+body { font: 14px/1.45 system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px; color: #1b1f24; }
+h1 { font-size: 22px; margin: 0 0 8px; } h2 { font-size: 17px; margin: 28px 0 8px; }
+.badge { display: inline-block; padding: 2px 10px; border-radius: 4px; color: #fff; font-weight: 600; }
+.pass { background: #1a7f37; } .fail { background: #cf222e; } .info { color: #57606a; }
+table.figures { border-collapse: collapse; margin: 8px 0; }
+table.figures th { background: #1f3b57; color: #fff; text-align: left; padding: 5px 9px; }
+table.figures td { border-bottom: 1px solid #d0d7de; padding: 4px 9px; vertical-align: top; }
+td.ok { color: #1a7f37; font-weight: 600; } td.bad { color: #cf222e; font-weight: 600; }
+dl { display: grid; grid-template-columns: max-content auto; gap: 2px 14px; } dt { font-weight: 600; }
+figure { display: inline-block; margin: 0 12px 12px 0; vertical-align: top; }
+figcaption { font-size: 12px; color: #57606a; max-width: 340px; }
+.bar { width: 240px; height: 12px; border: 1px solid #888; display: inline-block; vertical-align: middle; }
+.key span { display: inline-block; width: 12px; height: 12px; margin: 0 4px 0 12px; vertical-align: middle; }
+"""
+
+
+def html_report(report: dict, manifest: dict, bundle_name: str, images: np.ndarray | None) -> str:
+    """The whole report as one HTML document (images: the parity inputs, [B, 3, S, S], or None to skip pictures)."""
+    e = html.escape
+    method = manifest["method"]
+    ok = report["passed"]
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>vlmprune check: {e(bundle_name)} {'PASS' if ok else 'FAIL'}</title>",
+           f"<style>{_STYLE}</style></head><body>",
+           f'<h1>vlmprune check: {e(bundle_name)} <span class="badge {"pass" if ok else "fail"}">'
+           f'{"PASS" if ok else "FAIL"}</span></h1>', "<dl>",
+           f"<dt>target</dt><dd>{e(manifest['target']['name'])}: {e(manifest['target']['summary'])}</dd>",
+           f"<dt>method</dt><dd>{e(method['summary'])}</dd>",
+           f"<dt>model</dt><dd>{e(str(manifest['model']['source']))} ({e(manifest['model']['kind'])})</dd>",
+           f"<dt>parity images</dt><dd>{e(', '.join(report['inputs'].get('images', [])))}</dd>",
+           f"<dt>vlmprune</dt><dd>{e(manifest['vlmprune_version'])}, checked "
+           f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</dd></dl>"]
+    out.append("<h2>Figures against tolerances</h2>")
+    out.append('<table class="figures"><thead><tr><th>stage</th><th>runtime</th><th>precision</th><th>output</th>'
+               "<th>figure</th><th>value</th><th>tolerance</th><th>result</th></tr></thead><tbody>")
+    for stage in report["stages"]:
+        for row in figure_rows(stage):
+            verdict = {True: ('ok', 'PASS'), False: ('bad', 'FAIL'), None: ('info', '')}[row["passed"]]
+            out.append(f"<tr><td>{e(stage['stage'])}</td><td>{e(stage['runtime'])}</td><td>{e(stage['precision'])}</td>"
+                       f"<td>{e(row['output'])}</td><td>{e(row['figure'])}</td><td>{_fmt(row['value'])}</td>"
+                       f"<td>{e(row['tolerance'])}</td><td class=\"{verdict[0]}\">{verdict[1]}</td></tr>")
+    out.append("</tbody></table>")
+    out.append("<h2>Index mismatches</h2>")
+    explained = mismatch_explanations(report)
+    if explained:
+        out.append("<ul>" + "".join(f"<li>{e(line)}</li>" for line in explained) + "</ul>")
+    else:
+        out.append('<p class="info">Every stage kept exactly the reference\'s patches on every parity image.</p>')
+    out += _pictures_section(report, manifest, images)
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -> list[str]:
+    e = html.escape
+    ref = report.get("reference")
+    out = ["<h2>Kept patches per parity image</h2>"]
+    if ref is None:
+        return out + ['<p class="info">A dense bundle selects nothing: no kept sets to draw.</p>']
+    if images is None:
+        return out + ['<p class="info">The parity images cannot be recreated here, so they are not drawn.</p>']
+    pre = manifest["preprocess"]
+    from vlmprune.compiler.errors import InputError
+
+    try:
+        grid = pictures.token_grid(manifest)
+    except InputError as exc:
+        return out + [f'<p class="info">Not drawn: {e(str(exc))}.</p>']
+    kept_all = [ref["kept"]] + [(s.get("indices") or {}).get("kept") or [] for s in report["stages"]]
+    if any(max(row, default=0) >= grid * grid for k in kept_all for row in k) or len(images) != len(ref["kept"]):
+        return out + ['<p class="info">The kept indices span more than one patch grid per image (several crops): '
+                      "not drawn.</p>"]
+    out.append('<p class="key">Dimmed: pruned; yellow outline: kept; <span style="background: rgb(255,0,255)">'
+               '</span>kept by the stage, not the reference; <span style="background: rgb(0,255,255)"></span>'
+               "kept by the reference, not the stage.</p>")
+    views = [pictures.model_view(p, pre["mean"], pre["std"]) for p in images]
+    names = report["inputs"].get("images", [])
+    for i, view in enumerate(views):
+        out.append(f"<h3>image {i}: {e(names[i] if i < len(names) else '')}</h3><div>")
+        reference = ref["kept"][i]
+        ref_pic = pictures.draw(pictures.Selection(view, grid, np.asarray(reference)))
+        from PIL import Image
+
+        out.append(f'<figure><img alt="reference kept set, image {i}" src="{_data_uri(Image.fromarray(ref_pic))}">'
+                   f"<figcaption>reference (PyTorch fp32): {len(reference)} kept</figcaption></figure>")
+        for stage in report["stages"]:
+            kept = (stage.get("indices") or {}).get("kept")
+            if kept is None or i >= len(kept):
+                continue
+            differ = len(np.setdiff1d(kept[i], reference))
+            caption = "same kept set as the reference" if not differ else f"{differ} patches differ from the reference"
+            out.append(f'<figure><img alt="{e(stage["stage"])} kept set, image {i}" '
+                       f'src="{_data_uri(diff_picture(view, grid, kept[i], reference))}">'
+                       f"<figcaption>{e(stage['stage'])} ({e(stage['runtime'])}): {caption}</figcaption></figure>")
+        out.append("</div>")
+    out.append("<h2>Reference score heat map</h2>")
+    if ref.get("scores") is None:
+        why = ("its selection is greedy: each pick depends on the ones before it, so no per-patch score ranks them"
+               if ref.get("selection") == "greedy" else "the reference recorded no scores")
+        out.append(f'<p class="info">No heat map for {e(manifest["method"]["name"])}: {why}.</p>')
+        return out
+    out.append(f'<p class="key">Scores the reference ranked, per image, low {_colorbar()} high '
+               "(min to max of that image).</p><div>")
+    if any(len(row) != grid * grid for row in ref["scores"]):
+        out.append('<p class="info">The scores do not form one patch grid per image: no heat map.</p>')
+        return out
+    for i, view in enumerate(views):
+        s = np.asarray(ref["scores"][i])
+        out.append(f'<figure><img alt="score heat map, image {i}" src="{_data_uri(heat_map(view, grid, s))}">'
+                   f"<figcaption>image {i}: scores {s.min():.4g} … {s.max():.4g}</figcaption></figure>")
+    out.append("</div>")
+    return out
+
+
+def parity_images(report: dict, manifest: dict) -> np.ndarray | None:
+    """The parity inputs again (deterministic from what the report recorded), or None if they differ here."""
+    from vlmprune.compiler.frontend.images import parity_inputs
+
+    inputs = report["inputs"]
+    names = inputs.get("images", [])
+    if not names:
+        return None
+    pixel, described = parity_inputs(len(names), inputs["size"], inputs["mean"], inputs["std"], inputs.get("seed", 0))
+    return pixel if described["images"] == names else None
+
+
+# ------------------------------------------------------------------ JUnit
+
+
+def junit_xml(report: dict, manifest: dict, bundle_name: str, seconds: float) -> bytes:
+    """One <testcase> per stage and output; failures carry the failing figures, errors a stage that could not run."""
+    cases = []
+    for stage in report["stages"]:
+        classname = f"vlmprune.parity.{stage['stage']}"
+        rows = figure_rows(stage)
+        names = [KEPT] if stage.get("indices") else []
+        names += list(stage.get("outputs", {}))
+        if stage.get("error") or not names:
+            cases.append((classname, "stage", "error", stage.get("error") or "no output was compared", rows))
+            continue
+        for name in names:
+            mine = [r for r in rows if r["output"] == name]
+            failed = [r for r in mine if r["passed"] is False]
+            message = "; ".join(f"{r['figure']} {_plain(r['value'])} (needs {r['tolerance']})" for r in failed)
+            cases.append((classname, name, "failure" if failed else None, message, mine))
+    failures = sum(1 for c in cases if c[2] == "failure")
+    errors = sum(1 for c in cases if c[2] == "error")
+    root = ET.Element("testsuites", name="vlmprune check", tests=str(len(cases)), failures=str(failures),
+                      errors=str(errors), time=f"{seconds:.3f}")
+    suite = ET.SubElement(root, "testsuite", name=f"vlmprune check {bundle_name}", tests=str(len(cases)),
+                          failures=str(failures), errors=str(errors), skipped="0", time=f"{seconds:.3f}",
+                          timestamp=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"),
+                          hostname=platform.node() or "localhost")
+    props = ET.SubElement(suite, "properties")
+    for key, value in (("target", manifest["target"]["name"]), ("method", manifest["method"]["summary"]),
+                       ("model", str(manifest["model"]["source"])), ("vlmprune", manifest["vlmprune_version"])):
+        ET.SubElement(props, "property", name=key, value=value)
+    for classname, name, kind, message, rows in cases:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=name, time="0")
+        if kind:
+            ET.SubElement(case, kind, message=message, type="parity" if kind == "failure" else "stage").text = message
+        ET.SubElement(case, "system-out").text = "\n".join(
+            f"{r['figure']}: {_plain(r['value'])}" + (f" (tolerance {r['tolerance']})" if r["tolerance"] else "")
+            for r in rows) or "no figures"
+    ET.indent(root)
+    return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="utf-8") + b"\n"
+
+
+def _plain(value) -> str:
+    return f"{value:.7g}" if isinstance(value, float) else str(value)
+

@@ -1,0 +1,106 @@
+"""`run --benchmark`, `--save-outputs` and `--load-inputs` on a real bundle, and their bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlmprune.compiler import benchmark
+from vlmprune.compiler.frontend.images import load_image_file
+from cli_helpers import one_line_error as _one_line_error, run_cli as _run
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_llava_dir, tmp_path_factory):
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+    return compile_model(str(tiny_llava_dir), tmp_path_factory.mktemp("bench") / "b", CompileOptions(keep=16)).bundle
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    from skimage import data
+
+    root = tmp_path_factory.mktemp("photos")
+    paths = [root / "rocket.png", root / "astronaut.png"]
+    Image.fromarray(data.rocket()).save(paths[0])
+    Image.fromarray(data.astronaut()).save(paths[1])
+    return paths
+
+
+def test_nearest_rank_reports_measured_values():
+    ms = sorted([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert [benchmark.nearest_rank(ms, q) for q in (0, 50, 90, 99, 100)] == [1.0, 3.0, 5.0, 5.0, 5.0]
+
+
+def test_benchmark_json_at_the_batch_given(bundle, photos):
+    result = _run("run", bundle, "--image", photos[0], "--image", photos[1], "--benchmark", "--warmup", 1,
+                  "--iterations", 7, "--json")
+    assert result.exit_code == 0, result.output
+    bench = json.loads(result.stdout)["benchmark"]
+    lat = bench["latency_ms"]
+    assert bench["batch"] == 2 and bench["iterations"] == 7 and bench["warmup"] == 1
+    assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert lat["min"] <= lat["mean"] <= lat["max"]
+    assert bench["throughput_images_per_s"] == pytest.approx(2 / (lat["mean"] / 1e3))
+    text = _run("run", bundle, "--image", photos[0], "--benchmark", "--iterations", 3)
+    assert text.exit_code == 0 and "latency ms: min" in text.output and "images/s at batch 1" in text.output
+
+
+def test_save_outputs_and_load_inputs_round_trip(bundle, photos, tmp_path):
+    from vlmprune.compiler.bundle import load_manifest
+
+    pre = load_manifest(bundle)["preprocess"]
+    pixel, _, _ = load_image_file(str(photos[1]), pre["size"], pre["mean"], pre["std"])
+    np.savez(tmp_path / "in.npz", pixel_values=pixel)
+    first = _run("run", bundle, "--image", photos[1], "--save-outputs", tmp_path / "a.npz", "--json")
+    again = _run("run", bundle, "--load-inputs", tmp_path / "in.npz", "--save-outputs", tmp_path / "b.npz")
+    assert first.exit_code == 0 and again.exit_code == 0, first.output + again.output
+    a, b = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
+    assert set(a.files) == {"image_features", "kept_indices"}
+    assert a["kept_indices"].tolist() == json.loads(first.stdout)["kept_indices"]
+    assert np.array_equal(a["kept_indices"], b["kept_indices"])
+    assert np.array_equal(a["image_features"], b["image_features"])
+    _one_line_error(_run("run", bundle, "--load-inputs", tmp_path / "in.npz", "--save-outputs", tmp_path / "a.npz"),
+                    "already exists")
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("float64", "is float64, the bundle takes float32"),
+    ("shape", "has shape [1, 3, 56, 56]"),
+    ("names", "no array named 'pixel_values'"),
+    ("garbage", "not a readable .npz file"),
+])
+def test_bad_inputs_are_one_line(bundle, tmp_path, case, needle):
+    path = tmp_path / "in.npz"
+    x = np.zeros((1, 3, 112, 112), np.float32)
+    if case == "float64":
+        np.savez(path, x.astype(np.float64))
+    elif case == "shape":
+        np.savez(path, pixel_values=np.zeros((1, 3, 56, 56), np.float32))
+    elif case == "names":
+        np.savez(path, a=x, b=x)
+    else:
+        path.write_bytes(b"not a zip")
+    _one_line_error(_run("run", bundle, "--load-inputs", path), needle)
+
+
+def test_flag_combinations_are_checked_first(bundle, photos):
+    _one_line_error(_run("run", bundle, "--image", photos[0], "--warmup", 2), "only apply with --benchmark")
+    _one_line_error(_run("run", bundle, "--image", photos[0], "--benchmark", "--iterations", 0), "--iterations must be")
+    _one_line_error(_run("run", bundle), "either as --image")
+
+
+def test_inspect_json_and_op_listing(bundle):
+    result = _run("inspect", bundle, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["manifest"]["method"]["name"] == "cls" and data["manifest"]["files"]
+    ops = data["ops"]
+    assert {o["role"] for o in ops} >= {"score", "", "tokens"}  # the model's own nodes and what vlmprune inserted
+    assert any(o["domain"] == "vlmprune" and o["op"] == "TokenPrune" for o in ops)  # ort fuses cls's selection
+    text = _run("inspect", bundle, "--ops")
+    assert text.exit_code == 0 and f"ops of model.onnx ({len(ops)}):" in text.output and "TokenPrune" in text.output

@@ -1,0 +1,151 @@
+"""The exported LLM graphs (prefill with FastV inside, decode step) against the plain-torch reference.
+
+ONNX Runtime CPU at a fixed seed, batch 1 and 2, a tiny Llama (FastV after layer 2) and a tiny
+Qwen2 (after layer 1): the last token's logits, the kept image tokens, every layer's present
+key and value (two cache lengths), and greedy decoding on the shortened cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from test_fastv import tiny_lm
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.llm.export import DECODE, PREFILL, export_decoder, export_prefill
+from vlmprune.compiler.llm.fastv import FastVSpec, reference_generate, reference_prefill
+from vlmprune.targets.runtime import ort_session
+
+CASES = {"llama": (3, FastVSpec(image_start=3, image_len=16, layer=2, keep=0.5)),
+         "qwen2": (2, FastVSpec(image_start=2, image_len=12, layer=1, keep=0.25))}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def exported(request, tmp_path_factory):
+    layers, spec = CASES[request.param]
+    model = tiny_lm(request.param, layers=layers, seed=7)
+    folder = tmp_path_factory.mktemp(f"llm_{request.param}")
+    info = export_decoder(model, spec, folder)
+    return model, spec, folder, info
+
+
+def _positions(batch: int, length: int, gaps: bool = False) -> torch.Tensor:
+    """0..T-1, or (gaps) the positions a tower-pruned image hands over: text, kept patches' own, text after."""
+    if not gaps:
+        return torch.arange(length).expand(batch, -1)
+    return torch.cat([torch.arange(length - 5), torch.arange(length + 10, length + 15)]).expand(batch, -1)
+
+
+def _prefill(folder, embeds, positions):
+    session = ort_session(folder / PREFILL)
+    outs = session.run(None, {"inputs_embeds": embeds.numpy(), "position_ids": positions.numpy()})
+    return dict(zip([o.name for o in session.get_outputs()], outs))
+
+
+def test_graphs_are_valid_standard_onnx_sharing_one_weights_file(exported):
+    model, spec, folder, info = exported
+    for name in (PREFILL, DECODE):
+        onnx.checker.check_model(str(folder / name), full_check=True)
+        proto = onnx.load(str(folder / name), load_external_data=False)
+        assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}
+    assert sorted(p.name for p in folder.iterdir()) == ["decode.onnx", "llm.weights.bin", "prefill.onnx"]
+    names = [o["name"] for o in info["io"]["decode"]["inputs"]]
+    assert names[:2] == ["inputs_embeds", "position_ids"] and names[2] == "past_key_values.0.key"
+
+
+@pytest.mark.parametrize("batch,gaps", [(1, False), (2, False), (2, True)])
+def test_prefill_matches_the_reference(exported, batch, gaps):
+    model, spec, folder, _info = exported
+    embeds = torch.randn(batch, spec.image_end + 5, 32, generator=torch.Generator().manual_seed(batch))
+    positions = _positions(batch, embeds.shape[1], gaps)
+    ref = reference_prefill(model, embeds, spec, positions)
+    got = _prefill(folder, embeds, positions)
+    np.testing.assert_array_equal(got["kept_image_indices"], ref.kept.numpy())
+    np.testing.assert_allclose(got["logits"][:, 0], ref.logits.numpy(), rtol=0, atol=1e-4)
+    for i, layer in enumerate(ref.cache.layers):
+        np.testing.assert_allclose(got[f"present.{i}.key"], layer.keys.numpy(), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got[f"present.{i}.value"], layer.values.numpy(), rtol=0, atol=1e-4)
+    lengths = {got[f"present.{i}.key"].shape[2] for i in range(len(ref.cache.layers))}
+    assert lengths == {embeds.shape[1], embeds.shape[1] - spec.image_len + spec.kept}
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_greedy_decode_on_the_shortened_cache_matches_the_reference(exported, batch):
+    model, spec, folder, _info = exported
+    steps = 4
+    embeds = torch.randn(batch, spec.image_end + 3, 32, generator=torch.Generator().manual_seed(20 + batch))
+    expected = reference_generate(model, embeds, spec, steps)
+    got = _prefill(folder, embeds, _positions(batch, embeds.shape[1]))
+    layers = model.config.num_hidden_layers
+    past = {f"past_key_values.{i}.{part}": got[f"present.{i}.{part}"] for i in range(layers)
+            for part in ("key", "value")}
+    tokens = [got["logits"][:, 0].argmax(-1)]
+    decode = ort_session(folder / DECODE)
+    names = [o.name for o in decode.get_outputs()]
+    table = model.get_input_embeddings().weight.detach().numpy()
+    for step in range(1, steps):
+        feed = {"inputs_embeds": table[tokens[-1]][:, None],
+                "position_ids": np.full((batch, 1), embeds.shape[1] + step - 1, dtype=np.int64), **past}
+        outs = dict(zip(names, decode.run(None, feed)))
+        tokens.append(outs["logits"][:, 0].argmax(-1))
+        past = {f"past_key_values.{i}.{part}": outs[f"present.{i}.{part}"] for i in range(layers)
+                for part in ("key", "value")}
+    np.testing.assert_array_equal(np.stack(tokens, axis=1), expected.numpy())
+    assert past["past_key_values.0.key"].shape[2] == embeds.shape[1] + steps - 1
+    shortened = embeds.shape[1] - spec.image_len + spec.kept
+    assert past[f"past_key_values.{layers - 1}.key"].shape[2] == shortened + steps - 1
+
+
+def test_a_span_the_model_cannot_serve_is_refused_before_export():
+    with pytest.raises(InputError, match="--fastv-layer must be between 1 and 1"):
+        export_prefill(tiny_lm("qwen2", layers=2), FastVSpec(image_start=0, image_len=4, layer=2))
+
+
+# ------------------------------------------------------------------ vlmprune compile --with-llm
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from vlmprune.compiler.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--target", "orin", "--with-llm"], "--with-llm: target orin does not take the language model yet"),
+    (["--fastv-layer", "1"], "--fastv-layer applies to the language model: add --with-llm"),
+    (["--with-llm", "--fastv-layer", "1"], "FastV needs --image-start"),
+    (["--with-llm", "--fastv-layer", "1", "--image-start", "3", "--fastv-keep", "1.5"], "--fastv-keep is the share"),
+    (["--with-llm", "--fastv-keep", "0.5"], "--fastv-keep needs --fastv-layer"),
+])
+def test_llm_options_are_refused_in_one_line_before_any_work(tmp_path, args, needle):
+    result = _cli("compile", "demo", *args, "-o", tmp_path / "b")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0] and "Traceback" not in result.output
+    assert not (tmp_path / "b").exists()
+
+
+def test_with_llm_adds_the_decoder_to_the_bundle_and_the_manifest_hashes_it(tiny_llava_dir, tmp_path):
+    import json
+
+    from vlmprune.compiler import bundle
+
+    out = tmp_path / "b"
+    result = _cli("compile", tiny_llava_dir, "--keep", 16, "--with-llm", "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    manifest = bundle.load_manifest(out, verify=True)
+    assert {"llm/prefill.onnx", "llm/decode.onnx", "llm/llm.weights.bin"} <= set(manifest["files"])
+    graphs = manifest["llm_graphs"]
+    assert graphs["parity"]["passed"] and graphs["parity"]["tokens_identical"] and graphs["fastv"] is None
+    assert "## The language model (`--with-llm`)" in (out / "README.md").read_text()
+    assert json.loads(result.stdout)["parity"]["passed"] is True
+    with open(out / "llm" / "llm.weights.bin", "r+b") as f:  # one flipped byte: the bundle is refused
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    with pytest.raises(InputError, match="llm/llm.weights.bin"):
+        bundle.load_manifest(out, verify=True)

@@ -1,0 +1,133 @@
+"""`run --show` and `compare`: the pictures are read back by their pixels, patch by patch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlmprune.compiler import pictures
+from vlmprune.compiler.frontend.images import load_image_file
+from cli_helpers import one_line_error as _one_line_error, run_cli as _run
+
+
+@pytest.fixture(scope="module")
+def bundles(tiny_llava_dir, tmp_path_factory):
+    """The tiny LLaVA (64 patches) compiled twice: visionzip (12 dominant + 4 contextual) and cls, K = 16."""
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+    root = tmp_path_factory.mktemp("pictures")
+    vz = compile_model(str(tiny_llava_dir), root / "vz", CompileOptions(method="visionzip", keep=16,
+                                                                        method_options={"contextual": 4}))
+    cls = compile_model(str(tiny_llava_dir), root / "cls", CompileOptions(keep=16, layer=1))
+    return vz.bundle, cls.bundle
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory):
+    from skimage import data
+
+    path = tmp_path_factory.mktemp("photo") / "coffee.png"
+    Image.fromarray(data.coffee()).save(path)
+    return path
+
+
+def _cells(picture: np.ndarray, grid: int):
+    cell_px = picture.shape[1] // grid
+    for i in range(grid * grid):
+        t, l, b, r = pictures.cell(i, grid, cell_px)
+        yield i, (t, l, b, r), cell_px
+
+
+def _interior(a: np.ndarray, box, margin: int) -> np.ndarray:
+    t, l, b, r = box
+    return a[t + margin: b - margin, l + margin: r - margin].astype(np.float64)
+
+
+def test_draw_dims_outlines_tints_and_hatches_by_pixel():
+    rng = np.random.default_rng(0)
+    image = rng.integers(40, 220, size=(112, 112, 3)).astype(np.uint8)  # 8 x 8 patches of 14 px, shown x3
+    kept, merges, forced = np.array([0, 9, 63]), {9: np.array([10, 17])}, np.zeros(64, bool)
+    forced[0] = True
+    out = pictures.draw(pictures.Selection(image, 8, kept, merges, forced))
+    big = np.repeat(np.repeat(image, 3, 0), 3, 1).astype(np.float64)
+    assert out.shape == (336, 336, 3)
+    w = pictures.outline_width(42)
+    for i, box, _ in _cells(out, 8):
+        got, want = _interior(out, box, 2 * w), _interior(big, box, 2 * w)
+        if i == 63:  # kept: untouched inside, yellow outline
+            assert np.array_equal(got, want)
+            assert tuple(out[box[0], box[1] + 20]) == pictures.KEPT_RGB
+        elif i == 9:  # a merge target: untouched inside, its own colour as outline
+            assert np.array_equal(got, want)
+            assert tuple(out[box[0], box[1] + 20]) == pictures.MERGE_RGB[0]
+        elif i in (10, 17):  # merged into 9: dimmed less, tinted in 9's colour
+            tint = (1 - pictures.TINT) * pictures.MERGED_DIM * want + pictures.TINT * np.array(pictures.MERGE_RGB[0])
+            assert np.abs(got - tint).max() <= 0.51
+        elif i == 0:  # kept and forced: hatched pixels are white, the others untouched
+            hatched = (got == 255).all(axis=-1)
+            assert 0.1 < hatched.mean() < 0.6 and np.array_equal(got[~hatched], want[~hatched])
+        else:  # pruned
+            assert np.abs(got - pictures.DIM * want).max() <= 0.51
+
+
+def test_run_show_draws_the_bundle_kept_set_and_the_merges(bundles, photo, tmp_path):
+    vz, _ = bundles
+    show = tmp_path / "kept.png"
+    result = _run("run", vz, "--image", photo, "--show", show, "--json")
+    assert result.exit_code == 0, result.output
+    kept = json.loads(result.stdout)["kept_indices"][0]
+    assert len(kept) == 16 and json.loads(result.stdout)["show"] == str(show)
+    picture = np.asarray(Image.open(show).convert("RGB"))
+    from vlmprune.compiler.bundle import load_manifest
+
+    m = load_manifest(vz)
+    pre = m["preprocess"]
+    pixel, _, _ = load_image_file(str(photo), pre["size"], pre["mean"], pre["std"])
+    seen = np.repeat(np.repeat(pictures.model_view(pixel[0], pre["mean"], pre["std"]), 3, 0), 3, 1).astype(np.float64)
+    assert picture.shape[1] == 336 and picture.shape[0] > 336  # the picture, then its caption strip
+    targets, colours = set(kept[12:]), set()
+    for i, box, cell_px in _cells(picture[:336], 8):
+        margin = 2 * 2 * pictures.outline_width(cell_px)
+        got, want = _interior(picture, box, margin), _interior(seen, box, margin)
+        edge = tuple(picture[box[0], box[1] + cell_px // 2])
+        if i in targets:
+            assert np.array_equal(got, want) and edge in pictures.MERGE_RGB
+            colours.add(edge)
+        elif i in kept:
+            assert np.array_equal(got, want) and edge == pictures.KEPT_RGB
+        else:  # visionzip merges every other patch into a target: tinted in one of the targets' colours
+            colour = (got - (1 - pictures.TINT) * pictures.MERGED_DIM * want) / pictures.TINT
+            dist = [np.abs(colour - np.array(c)).max() for c in colours | set(pictures.MERGE_RGB)]
+            assert min(dist) <= 2.0 / pictures.TINT, i
+    assert len(colours) == 4  # one colour per contextual token
+
+
+def test_show_refuses_an_existing_file_without_force(bundles, photo, tmp_path):
+    vz, _ = bundles
+    show = tmp_path / "kept.png"
+    show.write_bytes(b"keep me")
+    _one_line_error(_run("run", vz, "--image", photo, "--show", show), "already exists (use --force")
+    assert show.read_bytes() == b"keep me"
+    _one_line_error(_run("run", vz, "--image", photo, "--show", tmp_path / "kept.jpg"), "must end in .png")
+    assert _run("run", vz, "--image", photo, "--show", show, "--force").exit_code == 0
+    assert Image.open(show).size[0] == 336
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_compare_puts_each_bundle_picture_side_by_side(bundles, photo, tmp_path):
+    vz, cls = bundles
+    grid = tmp_path / "grid.png"
+    result = _run("compare", vz, cls, "--image", photo, "-o", grid)
+    assert result.exit_code == 0, result.output
+    for bundle, name in ((vz, "a.png"), (cls, "b.png")):
+        assert _run("run", bundle, "--image", photo, "--show", tmp_path / name).exit_code == 0
+    a, b = (np.asarray(Image.open(tmp_path / n).convert("RGB")) for n in ("a.png", "b.png"))
+    g = np.asarray(Image.open(grid).convert("RGB"))
+    gap = 8
+    assert np.array_equal(g[gap: gap + a.shape[0], gap: gap + a.shape[1]], a)  # each tile is that bundle's picture
+    left = gap + max(a.shape[1], b.shape[1]) + gap
+    assert np.array_equal(g[gap: gap + b.shape[0], left: left + b.shape[1]], b)
+    assert not np.array_equal(a[:336], b[:336])  # two methods, two selections

@@ -1,0 +1,176 @@
+"""`check --report report.html --junit junit.xml`: the page rendered by a real browser, the XML by its schema."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlmprune.compiler import pictures, report
+from cli_helpers import one_line_error as _one_line_error, run_cli as _run
+
+XSD = Path(__file__).with_name("junit-10.xsd")
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Debian's chromium, or a skip that says how to get it (.ci/run installs it when it runs as root)."""
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None and Path("/usr/bin/chromium").exists():
+        path = "/usr/bin/chromium"
+    if path is None:
+        pytest.skip("chromium is not installed: `apt-get update && apt-get install -y chromium` (Debian) renders "
+                    "the HTML report in this test")
+    return path
+
+
+def _headless(chromium: str, profile: Path, *args) -> subprocess.CompletedProcess:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--hide-scrollbars", f"--user-data-dir={profile}"]
+    return subprocess.run([chromium, *flags, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def checked(tiny_llava_dir, tmp_path_factory):
+    """A visionzip bundle of the tiny LLaVA, checked twice: as compiled (passes) and with --atol 0 (fails)."""
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+    root = tmp_path_factory.mktemp("report")
+    bundle = compile_model(str(tiny_llava_dir), root / "vz", CompileOptions(method="visionzip", keep=16,
+                                                                            method_options={"contextual": 4})).bundle
+    ok = _run("check", bundle, "--report", root / "ok.html", "--junit", root / "ok.xml", "--json")
+    bad = _run("check", bundle, "-q", "--report", root / "bad.html", "--junit", root / "bad.xml",
+               "--atol", "image_features:0")
+    assert ok.exit_code == 0, ok.output
+    assert bad.exit_code == 1 and "error: parity failed" in bad.output, bad.output
+    return bundle, root, json.loads(ok.stdout)
+
+
+def test_junit_validates_and_has_one_case_per_stage_and_output(checked):
+    import xmlschema
+
+    _, root, data = checked
+    schema = xmlschema.XMLSchema(str(XSD))
+    for name in ("ok.xml", "bad.xml"):
+        schema.validate(str(root / name))
+    from xml.etree import ElementTree as ET
+
+    suite = ET.parse(root / "ok.xml").getroot().find("testsuite")
+    cases = {(c.get("classname"), c.get("name")) for c in suite.findall("testcase")}
+    expected = {(f"vlmprune.parity.{s['stage']}", o) for s in data["stages"]
+                for o in (["kept_indices"] if s["indices"] else []) + list(s["outputs"])}
+    assert cases == expected and len(expected) == 5  # export: features; rewritten and target: kept + features
+    assert suite.get("failures") == "0" and suite.find("testcase/failure") is None
+    bad = ET.parse(root / "bad.xml").getroot().find("testsuite")
+    failed = [c for c in bad.findall("testcase") if c.find("failure") is not None]
+    assert {c.get("name") for c in failed} == {"image_features"} and bad.get("failures") == str(len(failed)) == "3"
+    assert "max-abs" in failed[0].find("failure").get("message") and "≤ 0" in failed[0].find("failure").get("message")
+
+
+def test_html_is_self_contained_and_says_what_failed(checked):
+    _, root, data = checked
+    page = (root / "ok.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)|url\(\s*["']?(https?:|//)|<script|<link""", page)
+    srcs = re.findall(r'<img[^>]+src="([^"]+)"', page)
+    assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert len(srcs) == 2 * (1 + 2) + 2  # per parity image: reference + the 2 stages that select; 2 heat maps
+    assert 'class="badge pass">PASS' in page and "Every stage kept exactly" in page
+    bad = (root / "bad.html").read_text()
+    assert 'class="badge fail">FAIL' in bad and "≤ 0</td><td class=\"bad\">FAIL" in bad
+
+
+def test_chromium_renders_the_table_and_the_pictures(checked, chromium, tmp_path):
+    _, root, _ = checked
+    page = (root / "ok.html").read_text()
+    # A probe added to a copy only: the report itself has no script.
+    probe = ("<script>window.addEventListener('load', () => { const i = [...document.images]; "
+             "const rows = document.querySelectorAll('table.figures tbody tr').length; "
+             "document.body.setAttribute('data-probe', `rows=${rows} "
+             "images=${i.length} decoded=${i.filter(x => x.complete && x.naturalWidth > 0).length}`); });</script>")
+    (tmp_path / "probe.html").write_text(page.replace("</body>", probe + "</body>"))
+    dom = _headless(chromium, tmp_path / "p1", "--virtual-time-budget=5000", "--dump-dom",
+                    (tmp_path / "probe.html").as_uri())
+    rows = len(re.findall(r"<tr><td>", page))
+    found = re.search(r'data-probe="rows=(\d+) images=(\d+) decoded=(\d+)"', dom.stdout)
+    assert found, dom.stdout[-2000:] + dom.stderr[-2000:]
+    assert int(found[1]) == rows > 0 and int(found[2]) == int(found[3]) == 8
+    shot = tmp_path / "shot.png"
+    result = _headless(chromium, tmp_path / "p2", "--window-size=1400,2400", f"--screenshot={shot}",
+                       (root / "ok.html").as_uri())
+    assert shot.is_file(), result.stderr[-2000:]
+    pixels = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    header = (np.abs(pixels - np.array([0x1F, 0x3B, 0x57])).max(axis=-1) <= 2).sum()
+    assert header > 5000  # the table's header row, drawn with its inline style
+    yellow = (np.abs(pixels - np.array(pictures.KEPT_RGB)).max(axis=-1) <= 24).sum()
+    assert yellow > 2000  # the kept patches' outlines inside the decoded pictures
+
+
+def test_tie_band_explanation_and_heat_map_by_pixel():
+    scores = [[0.9, 0.5, 0.5 - 1e-6, 0.1]]
+    fp16 = {"cosine_min": 0.999, "max_abs": None, "index_agreement_min": 1.0, "tie_rel_tol": 1e-3, "rtol": None}
+    data = {"reference": {"kept": [[0, 1]], "scores": scores, "boundary": 2, "selection": "score"},
+            "stages": [{"stage": "fused", "tolerance": fp16, "indices": {"per_image": [0.5], "kept": [[0, 2]],
+                                                                       "tie_resolved_images": [0]}}]}
+    (line,) = report.mismatch_explanations(data)
+    assert "patch 1 (kept only by the reference)" in line and "patch 2 (kept only by this stage)" in line
+    assert "within the tie band" in line and "passes" in line
+    data["stages"][0]["indices"]["tie_resolved_images"] = []
+    assert "a real mismatch" in report.mismatch_explanations(data)[0]
+    view = np.full((28, 28, 3), 100, np.uint8)  # 2 x 2 patches of 14 px, shown x12
+    heat = np.asarray(report.heat_map(view, 2, np.array([0.0, 1.0, 0.5, 0.25]))).astype(float)
+    top = (1 - report.HEAT_ALPHA) * 100 + report.HEAT_ALPHA * report.HEAT_ANCHORS[-1]
+    low = (1 - report.HEAT_ALPHA) * 100 + report.HEAT_ALPHA * report.HEAT_ANCHORS[0]
+    cell = heat.shape[0] // 2
+    assert np.abs(heat[cell // 2, cell + cell // 2] - top).max() <= 0.51  # patch 1 has the highest score
+    assert np.abs(heat[cell // 2, cell // 2] - low).max() <= 0.51
+
+
+def test_greedy_methods_get_no_heat_map_and_say_why():
+    manifest = {"method": {"name": "divprune", "summary": "DivPrune"}, "target": {"name": "ort", "summary": "x"},
+                "model": {"source": "demo", "kind": "preset", "patch_size": 14}, "vlmprune_version": "0",
+                "preprocess": {"size": 28, "mean": [0.5] * 3, "std": [0.5] * 3}}
+    data = {"passed": True, "inputs": {"images": ["a"]}, "stages": [],
+            "reference": {"kept": [[0, 3]], "scores": None, "boundary": None, "selection": "greedy"}}
+    page = report.html_report(data, manifest, "b", np.zeros((1, 3, 28, 28), np.float32))
+    assert "No heat map for divprune: its selection is greedy" in page
+
+
+def test_check_flags_are_refused_in_one_line(checked, tmp_path):
+    bundle, _, _ = checked
+    _one_line_error(_run("check", bundle, "--report", tmp_path / "r.txt"), "must end in .html or .htm or .json")
+    _one_line_error(_run("check", bundle, "--cosine", "kept_indices:0.9"), "compared by kept-index agreement")
+    _one_line_error(_run("check", bundle, "--atol", "image_features:x"), "not a number")
+    _one_line_error(_run("check", bundle, "--rtol", "nope:1e-3"), "has no output 'nope'")
+    existing = tmp_path / "r.html"
+    existing.write_text("mine")
+    _one_line_error(_run("check", bundle, "--report", existing), "already exists (use --force")
+    assert existing.read_text() == "mine"
+
+
+def test_tolerance_overrides_per_output_and_rtol():
+    from vlmprune.compiler import parity
+    from vlmprune.compiler.reference import Reference
+
+    got = parity.parse_overrides({"atol": ("1e-3", "image_features:0"), "rtol": (), "cosine": ("b:0.5",)},
+                                 ["image_features", "b"], ["kept_indices"])
+    assert got == {"image_features": {"max_abs": 0.0}, "b": {"max_abs": 1e-3, "cosine_min": 0.5}}
+    ref = np.ones((1, 2, 4))
+    cand = ref * 1.001  # max-abs 1e-3, relative 1e-3, cosine 1
+    fp32 = parity.tolerance_for("fp32")
+    assert not parity.compare_tokens(ref, cand, fp32)["passed"]  # max-abs 1e-3 > 1e-4
+    loose = parity.compare_tokens(ref, cand, parity.tolerance_for("fp32", {"rtol": 2e-3}))
+    assert loose["passed"] and loose["allclose_violations"] == 0 and loose["max_rel"] == pytest.approx(1e-3)
+    tight = parity.compare_tokens(ref, cand, parity.tolerance_for("fp32", {"rtol": 5e-4}))
+    assert not tight["passed"] and tight["allclose_violations"] == 8
+    stage = parity.run_stage("s", "numpy", "fp32", lambda x: {"image_features": cand}, np.zeros(1),
+                             Reference({"image_features": ref}), output_overrides={"image_features": {"max_abs": 2e-3}})
+    assert stage.passed and stage.outputs["image_features"]["tolerance"]["max_abs"] == 2e-3
+    assert not parity.run_stage("s", "numpy", "fp32", lambda x: {"image_features": cand}, np.zeros(1),
+                                Reference({"image_features": ref})).passed  # the default stays

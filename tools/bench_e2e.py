@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""Time to first token and KV-cache bytes per image, dense vs tower pruning vs FastV vs both, side by side in one run.
+
+    python tools/bench_e2e.py [--repeats 3] [--layer 2] [--fastv-layer 2] [--fastv-keep 0.5] [--text 64]
+
+ONNX Runtime CPU, batch 1, one process, seeded weights of realistic shape: the clip-l-336
+tower (LLaVA-1.5's CLIP ViT-L/14-336, 24 blocks, features from block 23) with a projector to
+896 wide (1024 -> 896 -> 896), and a Qwen2-0.5B-shaped decoder (24 layers, 896 wide, 14 query
+/ 2 key-value heads, MLP 4864, vocabulary 151936, tied head). The prompt is `--text` text
+tokens, half before the image and half after it.
+
+TTFT = tower graph (pixels -> image features) + the prompt's embeddings assembled on the host
++ the LLM prefill graph (-> the last token's logits) + argmax. The graphs are the ones
+`vlmprune compile` emits: the tower through the ort target's pass pipeline (the cls method
+after block --layer, before fusion), the LLM through compiler.llm.export (FastV in the graph
+for the FastV rows, its image span compiled in).
+
+KV-cache bytes per image: the bytes of the image's tokens in every layer's present key and
+value, read from the prefill outputs' shapes (lengths per layer minus the text tokens).
+
+FLOP limit: FLOPs counted analytically as the graphs compute them (2 per multiply-add):
+patch embedding; per tower block on T tokens 8·T·D² (Q, K, V, O) + 4·T²·D (Q·Kᵀ and A·V)
++ 4·T·D·F (MLP); the cls score row (2·T·D per block L head set, negligible) ; projector;
+per LLM layer on T tokens 2·T·D·(2·H·d + 2·Hkv·d) (projections) + 4·T²·H·d (full T×T scores:
+the graph masks, it does not skip) + 6·T·D·F (gated MLP); FastV's recomputed row 4·T·H·d;
+the head on the last token only, 2·D·V. Elementwise ops, norms and softmax are left out (a
+few % of the total). speedup limit = FLOPs(dense) / FLOPs(row); share = measured speedup /
+speedup limit (goal: >= 95% for every pruned row).
+
+Why rows run in blocks, forwards then backwards (A B C D E, then E D C B A), instead of
+interleaved run by run as tools/bench_tower.py does: one row's sessions hold ~2x its weights
+(ONNX Runtime prepacks constant matrices per session), so the five rows' sessions together
+(~20 GB) do not fit beside other work on a small machine; one row's (~6 GB) does. The two
+passes in opposite order cancel a neighbour's load that rises or falls during the run, and
+the run reports how much CPU other processes took meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from machine_load import CpuMeter, busy_line, physical_cores
+from vlmprune.compiler.frontend import export_onnx, load_source
+from vlmprune.compiler.frontend.images import parity_inputs
+from vlmprune.compiler.frontend.source import no_init_weights, quiet_transformers, seeded_init
+from vlmprune.compiler.frontend.tower import Projector
+from vlmprune.compiler.llm.export import export_prefill
+from vlmprune.compiler.llm.fastv import FastVSpec
+from vlmprune.compiler.pipeline import CompileOptions
+from vlmprune.passes.methods import get_method
+from vlmprune.targets.base import PruneConfig
+from vlmprune.targets.ort import OrtTarget
+from vlmprune.targets.runtime import ort_session
+
+CLS = get_method("cls")
+SETTLE_S = 0.2
+QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def qwen2_05b_shaped(seed: int = 0):
+    """Qwen2-0.5B's shapes with seeded weights: N(0, 0.02) matrices, unit RMSNorm gains, zero biases."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with no_init_weights():
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B))
+    seeded_init(model, seed=seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.fill_(1.0)
+    model.tie_weights()
+    return model.eval()
+
+
+def tower_source(width: int):
+    """clip-l-336 with its projector resized to the decoder's width (LLaVA-OneVision-0.5B-like)."""
+    source = load_source("clip-l-336")
+    with no_init_weights():
+        projector = Projector(1024, width, width)
+    seeded_init(projector, seed=1)
+    source.pipeline.projector = projector.eval()
+    return source
+
+
+# ----------------------------------------------------------------------------------------- FLOPs
+
+
+def tower_flops(n: int, blocks: int, layer: int | None, keep: int | None, d=1024, f=4096, width=896,
+                patch=14) -> tuple[float, int]:
+    """(FLOPs, tokens out) of the tower + projector; pruning after block `layer` leaves [CLS] + keep + 1 summary."""
+    flops = 2.0 * n * 3 * patch * patch * d
+    tokens = n + 1
+    for block in range(1, blocks + 1):
+        flops += 8 * tokens * d * d + 4 * tokens * tokens * d + 4 * tokens * d * f
+        if keep is not None and block == layer:
+            flops += 4 * tokens * d  # the [CLS] row recomputed
+            tokens = 1 + keep + 1
+    out = tokens - 1  # [CLS] dropped (LLaVA's default select strategy)
+    flops += 2 * out * (d * width + width * width)
+    return flops, out
+
+
+def llm_flops(length: int, fastv: FastVSpec | None, cfg=QWEN2_05B) -> float:
+    d, f, h, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = d // h
+    flops, tokens = 0.0, length
+    for i in range(cfg["num_hidden_layers"]):
+        flops += 2 * tokens * d * (2 * h * hd + 2 * kv * hd) + 4 * tokens * tokens * h * hd + 6 * tokens * d * f
+        if fastv is not None and i == fastv.layer - 1:
+            flops += 4 * tokens * h * hd
+            tokens = length - fastv.image_len + fastv.kept
+    return flops + 2 * d * cfg["vocab_size"]
+
+
+# -------------------------------------------------------------------------------------- graphs
+
+
+def _save(model: ir.Model, folder: Path, name: str) -> Path:
+    ir.external_data.unload_from_model(model, folder, f"{name}.weights.bin", size_threshold_bytes=1024)
+    ir.save(model, folder / f"{name}.onnx")
+    return folder / f"{name}.onnx"
+
+
+def _pruned_tower(dense: Path, folder: Path, keep: int, layer: int, name: str) -> Path:
+    config = PruneConfig(CLS, CLS.parse(keep, {}), layer)
+    model = OrtTarget().pipeline(config, CompileOptions(keep=keep, layer=layer))(ir.load(dense)).model
+    ir.save(model, folder / f"{name}.onnx")  # shares dense's weights file
+    return folder / f"{name}.onnx"
+
+
+def _blocks(rows: dict, repeats: int, log) -> dict[str, list[float]]:
+    """ms per run of every row: forwards then backwards, each block with the row's own sessions, warmed up."""
+    names = list(rows)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    half = max(1, repeats // 2)
+    for order, count in ((names, repeats - half), (names[::-1], half)):
+        for name in order:
+            run = rows[name]()  # sessions built; the first run is the warm-up
+            for _ in range(count):
+                time.sleep(SETTLE_S)
+                start = time.perf_counter()
+                run()
+                times[name].append((time.perf_counter() - start) * 1e3)
+            log(f"  {name}: {', '.join(f'{t:.0f}' for t in times[name])} ms")
+            del run
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layer", type=int, default=2, help="tower pruning after this block (cls method)")
+    parser.add_argument("--keeps", default="192,64", help="tower K values")
+    parser.add_argument("--fastv-layer", type=int, default=2)
+    parser.add_argument("--fastv-keep", type=float, default=0.5)
+    parser.add_argument("--text", type=int, default=64, help="text tokens in the prompt (half before the image)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the graphs here and reuse those already there (default: a temp dir)")
+    args = parser.parse_args()
+    keeps = [int(k) for k in args.keeps.split(",")]
+
+    quiet_transformers()
+    cores = physical_cores()
+    torch.set_num_threads(cores)
+    os.environ.setdefault("VLMPRUNE_ORT_THREADS", str(cores))
+    t0 = time.perf_counter()
+    log = lambda m: print(f"[{time.perf_counter() - t0:6.0f}s] {m}", file=sys.stderr, flush=True)
+    before, after = args.text // 2, args.text - args.text // 2
+
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
+        folder = args.workdir or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        lm = qwen2_05b_shaped()
+        width = lm.config.hidden_size
+        source = tower_source(width)
+        n = source.num_patches
+        blocks = source.num_blocks
+        reuse = lambda name, make: folder / f"{name}.onnx" if (folder / f"{name}.onnx").is_file() else make()
+        log("export tower (dense)")
+        dense_tower = reuse("tower", lambda: _save(export_onnx(source.pipeline, source.image_size, 1, 18), folder,
+                                                   "tower"))
+        towers = {"dense": dense_tower}
+        for k in keeps:
+            log(f"tower pipeline K={k}")
+            towers[f"K={k}"] = reuse(f"tower_k{k}", lambda k=k: _pruned_tower(dense_tower, folder, k, args.layer,
+                                                                              f"tower_k{k}"))
+        embed = lm.get_input_embeddings().weight.detach().numpy()
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, embed.shape[0], size=args.text)
+        text_before, text_after = embed[ids[:before]][None], embed[ids[before:]][None]
+
+        log("export LLM prefill (dense)")
+        llms = {"dense": reuse("llm_dense", lambda: _save(export_prefill(lm, None), folder, "llm_dense"))}
+        image_tokens = {"dense": n, **{f"K={k}": tower_flops(n, blocks, args.layer, k)[1] for k in keeps}}
+        fastv_specs = {}
+        for tower_name in ("dense", f"K={keeps[0]}"):
+            spec = FastVSpec(before, image_tokens[tower_name], args.fastv_layer, args.fastv_keep)
+            log(f"export LLM prefill (FastV over {spec.image_len} image tokens)")
+            name = f"llm_fastv_{spec.image_len}"
+            llms[f"fastv {tower_name}"] = reuse(name, lambda: _save(export_prefill(lm, spec), folder, name))
+            fastv_specs[tower_name] = spec
+        lm = embed = None  # the torch weights (2 GB) are not needed for timing
+
+        rows = {"dense": ("dense", "dense", None),
+                **{f"tower K={k}": (f"K={k}", "dense", None) for k in keeps},
+                f"FastV L{args.fastv_layer} R{args.fastv_keep:g}": ("dense", "fastv dense", fastv_specs["dense"]),
+                f"tower K={keeps[0]} + FastV": (f"K={keeps[0]}", f"fastv K={keeps[0]}", fastv_specs[f"K={keeps[0]}"])}
+        pixel, _ = parity_inputs(1, source.image_size, source.mean, source.std)
+        pixel = np.ascontiguousarray(pixel)
+
+        def row_runner(tower_name, llm_name):
+            """Build the row's two sessions, run it once (warm-up), return its timed call and what it produced."""
+            tower, llm = ort_session(towers[tower_name]), ort_session(llms[llm_name])
+            names = [o.name for o in llm.get_outputs()]
+
+            def ttft():
+                features = tower.run(["image_features"], {"pixel_values": pixel})[0]
+                embeds = np.concatenate([text_before, features, text_after], axis=1).astype(np.float32)
+                # Positions 0..S-1: a tower-pruned image's original positions (handoff) cost the same.
+                positions = np.arange(embeds.shape[1], dtype=np.int64)[None]
+                outs = llm.run(None, {"inputs_embeds": embeds, "position_ids": positions})
+                return int(outs[0][0, -1].argmax()), outs
+
+            token, outs = ttft()
+            return ttft, token, {name: o.shape for name, o in zip(names, outs)}
+
+        kv, flops, first = {}, {}, {}
+
+        def make(row, tower_name, llm_name, spec):
+            def build():
+                run, token, shapes = row_runner(tower_name, llm_name)
+                first[row] = token
+                # bytes of the image's tokens in every layer's present key and value (float32)
+                kv[row] = sum(int(np.prod(shape)) // shape[2] * (shape[2] - args.text) * 4
+                              for name, shape in shapes.items() if name.startswith("present."))
+                return run
+            keep = None if tower_name == "dense" else int(tower_name.split("=")[1])
+            flops[row] = tower_flops(n, blocks, args.layer, keep)[0] + llm_flops(
+                before + image_tokens[tower_name] + after, spec)
+            return build
+
+        builders = {row: make(row, *how) for row, how in rows.items()}
+        log(f"timing: rows in blocks, forwards then backwards, {args.repeats} runs each")
+        meter = CpuMeter()
+        times = _blocks(builders, args.repeats, log)
+        load = meter.report()
+
+    med = {row: statistics.median(t) for row, t in times.items()}
+    base_ms, base_flops, base_kv = med["dense"], flops["dense"], kv["dense"]
+    print(f"clip-l-336 tower (projector to {width}) + Qwen2-0.5B-shaped decoder, seeded; batch 1, {args.text} text "
+          f"tokens; tower pruning: cls after block {args.layer}; FastV after LLM layer {args.fastv_layer}, "
+          f"R = {args.fastv_keep:g}; ONNX Runtime CPU, {os.environ['VLMPRUNE_ORT_THREADS']} intra-op threads; "
+          f"median of {args.repeats}, rows in blocks forwards then backwards")
+    print("| configuration | image tokens (LLM in / after FastV) | TTFT ms (min-max) | speedup | GFLOP | FLOP "
+          "speedup limit | share of limit | KV bytes per image | KV vs dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row, (tower_name, _llm, spec) in rows.items():
+        tokens = f"{image_tokens[tower_name]}" + (f" / {spec.kept}" if spec is not None else "")
+        speed, limit = base_ms / med[row], base_flops / flops[row]
+        spread = f"{min(times[row]):.0f}-{max(times[row]):.0f}"
+        print(f"| {row} | {tokens} | {med[row]:.0f} ({spread}) | {speed:.2f}x | {flops[row] / 1e9:.0f} | "
+              f"{limit:.2f}x | {speed / limit:.0%} | {kv[row] / 2**20:.2f} MiB | {kv[row] / base_kv:.2f} |")
+    if busy_line(load):
+        print(busy_line(load))
+    shares = {row: (base_ms / med[row]) / (base_flops / flops[row]) for row in rows if row != "dense"}
+    print("first tokens: " + ", ".join(f"{row}: {t}" for row, t in first.items()))
+    print("min_share_of_flop_limit: " + f"{min(shares.values()):.2f}" + f" ({min(shares, key=shares.get)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
