@@ -160,7 +160,7 @@ class Method(abc.ABC):
         """Which model families the method serves, for `vlmprune methods` (from what it needs by default)."""
         if self.needs(self.parse(64, {})).cls:
             return "towers with a [CLS] token (CLIP, ViT, DINOv2, LLaVA on CLIP)"
-        return "every family (no [CLS] needed: CLIP, SigLIP, ViT, DINOv2, LLaVA)"
+        return "every family (no [CLS] needed: CLIP, SigLIP, ViT, DINOv2, LLaVA, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL)"
 
     def output_tokens(self, params: dict) -> int:
         """Patch-derived tokens in the output (without [CLS]): K, plus a summary token where the method adds one."""

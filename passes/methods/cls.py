@@ -73,7 +73,8 @@ class ClsMethod(Method):
                              "features (Qwen2-VL / Qwen2.5-VL), and this one has none")
 
     def serves(self) -> str:
-        return f"{super().serves()}; {probe.PROBE_SERVES}; {received.SERVES}"
+        return (f"{super().serves()}; LLaVA-NeXT's crops under one budget; {probe.PROBE_SERVES}; "
+                f"{received.SERVES}")
 
     def output_tokens(self, params: dict) -> int:
         return params["keep"] + 1
