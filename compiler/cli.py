@@ -31,6 +31,10 @@ def _one_line_errors(fn):
         except KeyboardInterrupt:
             click.echo("interrupted; nothing was written", err=True)
             sys.exit(130)
+        except BrokenPipeError:  # `vlmprune inspect B | head`: the reader left; not an error of ours
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)  # as a shell reports a process ended by SIGPIPE
         except (SystemExit, click.exceptions.Exit, click.ClickException):
             raise
         except Exception as exc:

@@ -128,3 +128,17 @@ def test_existing_output_needs_force(tiny_llava_dir, tmp_path):
 
 def test_check_missing_bundle(tmp_path):
     _assert_one_line_error(_run("check", tmp_path), "not a vlmprune bundle")
+
+
+def test_a_reader_that_leaves_early_is_no_error(demo_bundle):
+    """`vlmprune inspect B --ops | head`: the pipe closes before vlmprune writes; that is not a vlmprune bug."""
+    import subprocess
+    import sys
+
+    code = "from vlmprune.compiler.cli import main; main()"
+    proc = subprocess.Popen([sys.executable, "-c", code, "inspect", str(demo_bundle.bundle), "--ops"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the interpreter has even imported vlmprune: the first write meets EPIPE
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 141, err.decode()
+    assert b"error" not in err and b"Traceback" not in err, err.decode()
