@@ -114,7 +114,7 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
         if source.crops is not None:
             _crops_on_target(source, options, target)
         if plan.config is not None and source.pipeline is not None:
-            plan.config = dataclasses.replace(plan.config, head=source.pipeline.tower.head)  # for --score probe
+            plan.config = dataclasses.replace(plan.config, head=source.head)  # for --score probe
             plan.config = _over_crops(source, plan.config, options)
             _check_against(source, plan.config)
         if source.kind == "onnx" and options.batch is not None:

@@ -26,13 +26,13 @@ from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
 from vlmprune.passes.dataflow import consumers_downstream, producers_upstream
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import Method
+from vlmprune.passes.positions import KEPT_POSITIONS  # [B, K, P] int64, where the LLM needs more than the index
 from vlmprune.passes.methods.crops import CropBudget
 from vlmprune.passes.structure import find_tower_structure
 from vlmprune.targets.runtime import ort_session, run_session
 
 FEATURES = "image_features"
 KEPT = "kept_indices"
-KEPT_POSITIONS = "kept_positions"  # [B, K, P] int64, where the LLM needs more than the index
 
 
 @dataclasses.dataclass

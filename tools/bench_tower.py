@@ -119,7 +119,7 @@ def _ort_attention(session, path: Path, x: np.ndarray, folder: Path) -> str:
 
 def _method_for(source, name: str | None, score: str | None) -> tuple[Method, dict]:
     """(method, its options): the one asked for, else one the model serves (cls, cls --score probe, divprune)."""
-    head = source.pipeline.tower.head
+    head = source.head
     if name is None:
         name = "cls" if source.has_cls else "cls" if head is not None else "divprune"
         if not source.has_cls and head is not None and score is None:
@@ -230,7 +230,7 @@ def main() -> int:
     method, options = _method_for(source, args.method, args.score)
     params = method.parse(args.keep, options)
     at_block = method.needs(params).site == BLOCK
-    head = pipeline.tower.head
+    head = source.head
     params_list = list(pipeline.parameters())
     if not all(p.is_contiguous() and p.dtype == torch.float32 for p in params_list):
         raise SystemExit("the tower's weights are not contiguous fp32")

@@ -36,7 +36,6 @@ W x W merged grid, which plus the text offset is what get_rope_index gives the L
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import numpy as np
@@ -147,13 +146,6 @@ class QwenGrid(nn.Module):
         return np.stack([np.zeros_like(i), i // self.merged_side, i % self.merged_side], axis=1)
 
 
-@dataclasses.dataclass(frozen=True)
-class _TowerInfo:
-    """What compiler code reads of VisionPipeline.tower: the Qwen towers have no attention-pooling head."""
-
-    head: None = None
-
-
 class QwenVisionPipeline(nn.Module):
     """pixel_values [B, 3, S, S] -> merged image features [B, M, out_hidden], with an optional FEATURES pruner.
 
@@ -175,10 +167,6 @@ class QwenVisionPipeline(nn.Module):
         self.has_cls, self.prefix, self.drop_cls = False, 0, True
         self.patch_size = visual.config.patch_size
         self.last_trace: dict | None = None
-
-    @property
-    def tower(self) -> _TowerInfo:
-        return _TowerInfo()
 
     def with_pruner(self, pruner: Pruner | None) -> QwenVisionPipeline:
         """The same weights and grid, pruning (or not) as given."""

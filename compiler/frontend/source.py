@@ -59,6 +59,15 @@ class Source:
         return None if self.pipeline is None else self.pipeline.num_blocks
 
     @property
+    def head(self):
+        """The tower's attention-pooling head (tower.PoolingHead: SigLIP's), or None: what --score probe reads.
+
+        Only pre-norm ViT towers (VisionPipeline's TowerParts) can have one; other pipelines
+        (Qwen2-VL's) have none and need not pretend to.
+        """
+        return getattr(getattr(self.pipeline, "tower", None), "head", None)
+
+    @property
     def num_patches(self) -> int | None:
         return None if self.patch_size is None else (self.image_size // (self.patch_size * self.spatial_merge)) ** 2
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-FEATURES = "image_features"
-KEPT = "kept_indices"
-KEPT_POSITIONS = "kept_positions"  # [B, K, 3]: (t, h, w) for mRoPE families, (crop, row, col) for crops
+from vlmprune.compiler.frontend.llava_next import parse_grid
+from vlmprune.compiler.reference import FEATURES, KEPT, KEPT_POSITIONS  # [B, K, 3]: (t, h, w) or (crop, row, col)
+
 
 _MEANING = {
     "indices": "kept_indices[b, j] is the patch index (raster order, 0..N-1) of row prefix + j of image_features",
@@ -94,7 +94,7 @@ def _anyres_dense(model: dict) -> int | None:
     if not (size and patch):
         return None
     side = size // patch
-    rows, cols = (int(v) for v in str(model["grid"]).split("x"))
+    rows, cols = parse_grid(model["grid"])
     return side * side + rows * side * (cols * side + 1)
 
 

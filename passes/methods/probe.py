@@ -38,9 +38,10 @@ SCORE_HELP = "what ranks the patches: cls ([CLS] attention of block L, default) 
 PROBE_SERVES = "SigLIP towers with their attention-pooling head, with --score probe"
 
 
-def parse_score(method: str, value) -> str:
-    if value not in SCORES:
-        raise InputError(f"--score of method {method} is one of {', '.join(SCORES)}, got {value!r}")
+def parse_score(method: str, value, allowed: tuple[str, ...] = SCORES) -> str:
+    """--score's value, one of `allowed` (a method with more scores passes its own list)."""
+    if value not in allowed:
+        raise InputError(f"--score of method {method} is one of {', '.join(allowed)}, got {value!r}")
     return value
 
 

@@ -58,12 +58,7 @@ SERVES = "Qwen2-VL / Qwen2.5-VL merged tokens, with --score attention"
 
 
 def parse_score(method: str, value) -> str:
-    if value == ATTENTION:
-        return value
-    if value not in probe.SCORES:
-        raise InputError(f"--score of method {method} is one of {', '.join((*probe.SCORES, ATTENTION))}, "
-                         f"got {value!r}")
-    return value
+    return probe.parse_score(method, value, (*probe.SCORES, ATTENTION))
 
 
 def check_lambda(method: str, lam: float) -> None:
