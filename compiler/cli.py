@@ -146,7 +146,11 @@ def _split_options(extra: dict) -> tuple[dict, dict]:
 @click.option("--cls", "cls_token", type=click.Choice(["drop", "keep"]), default=None,
               help="Drop or keep the [CLS] token in image_features. Default: the model's select strategy "
                    "(LLaVA's vision_feature_select_strategy; towers without one drop it, like LLaVA's default).")
-@click.option("--with-llm", is_flag=True, help="Also export the language model (prefill + decode ONNX) into llm/.")
+@click.option("--with-llm", is_flag=True,
+              help="Also export the language model into llm/ (ort: prefill + decode ONNX; orin: TensorRT Edge-LLM).")
+@click.option("--llm-exporter", type=click.Choice(["torch", "genai"]), default=None,
+              help="ort, with --with-llm: torch (default; original positions, FastV) or genai (onnxruntime-genai's "
+                   "model builder, dense, contiguous positions).")
 @click.option("--fastv-layer", type=int, default=None, help="--with-llm: FastV after this LLM layer (from 1).")
 @click.option("--fastv-keep", type=float, default=None, help="FastV: share of image tokens kept (default 0.5).")
 @click.option("--image-start", type=int, default=None,
@@ -159,7 +163,7 @@ def compile(model, target, method, keep, layer, no_prune, batch, opset, feature_
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
     grid, crop_budget = extra.pop("grid"), extra.pop("crop_budget")
-    llm = {name: extra.pop(name) for name in ("with_llm", "fastv_layer", "fastv_keep", "image_start")}
+    llm = {name: extra.pop(name) for name in ("with_llm", "llm_exporter", "fastv_layer", "fastv_keep", "image_start")}
     method_options, target_options = _split_options(extra)
     options = CompileOptions(target=target, method=method, keep=keep, layer=layer, prune=not no_prune, batch=batch,
                              opset=opset, feature_layer=feature_layer, image_size=image_size, force=force,
@@ -362,6 +366,22 @@ def targets():
     click.echo(f"qnn --soc values (default {DEFAULT_SOC}):")
     for soc, (model, arch, product) in SOCS.items():
         click.echo(f"  {soc:<9} soc_model {model:<3} HTP {arch}  {product}")
+    from vlmprune.compiler.errors import ToolchainError
+    from vlmprune.compiler.llm import edgellm_env, genai
+    from vlmprune.compiler.llm.export import NO_LLM_WHY
+
+    try:
+        builder = f"onnxruntime-genai {genai.genai_version()}"
+    except ToolchainError as exc:
+        builder = f"unavailable: {exc}"
+    ready, why = edgellm_env.creatable()
+    click.echo("--with-llm (the language model):")
+    click.echo("  ort      torch.onnx prefill + decode (default; original positions, FastV)")
+    click.echo(f"  ort      --llm-exporter genai: {builder}")
+    click.echo(f"  orin     TensorRT Edge-LLM {edgellm_env.EDGELLM_VERSION} exporter: "
+               f"{'' if ready else 'unavailable: '}{why}")
+    for name, reason in NO_LLM_WHY.items():
+        click.echo(f"  {name:<8} not supported: {reason}")
 
 
 @main.command()
@@ -603,7 +623,8 @@ def build_engine(bundle_dir, precision, calibration_cache, decomposed, workspace
 @main.command()
 @click.argument("bundle_dir", type=click.Path(path_type=Path))
 @click.option("--model", default=None,
-              help="The LLaVA checkpoint whose LLM answers (a directory, or `demo`). Default: the bundle's own source.")
+              help="The checkpoint whose LLM answers (a LLaVA-1.5, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL directory, or "
+                   "`demo`). Default: the bundle's own source.")
 @click.option("--image", required=True, help="The image file.")
 @click.option("--prompt", required=True, help="The question; the checkpoint's chat template wraps it.")
 @click.option("--dense", is_flag=True, help="Feed the model's own (unpruned) image features instead of the bundle's.")
@@ -654,12 +675,18 @@ def _comma_list(values, kind=str, what="value"):
 @click.option("--bundle", "bundles", multiple=True, type=click.Path(path_type=Path),
               help="A bundle compiled from MODEL, evaluated as it runs here (repeatable).")
 @click.option("--max-new-tokens", type=int, default=8, show_default=True, help="Greedy tokens compared per answer.")
+@click.option("--image-size", type=int, default=None,
+              help="Qwen2-VL / Qwen2.5-VL: the static image size (a multiple of 28). Default: the bundle's, else 448.")
+@click.option("--grid", default=None,
+              help="LLaVA-NeXT: the crops' grid ROWSxCOLS. Default: the bundle's, else the model's largest.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON on stdout.")
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write the JSON report here.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @_one_line_errors
-def eval_command(model, images_dir, prompts_file, methods, keeps, bundles, max_new_tokens, as_json, report, quiet):
-    """Per method and K: first-token KL and greedy-answer agreement of pruned vs dense on MODEL's own LLM."""
+def eval_command(model, images_dir, prompts_file, methods, keeps, bundles, max_new_tokens, image_size, grid, as_json,
+                 report, quiet):
+    """Per method and K: first-token KL and greedy-answer agreement of pruned vs dense on MODEL's own LLM
+    (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL)."""
     from vlmprune.compiler.llm.evaluate import evaluate, table
 
     if not bundles:
@@ -668,7 +695,7 @@ def eval_command(model, images_dir, prompts_file, methods, keeps, bundles, max_n
     keeps = _comma_list(keeps, int, "--keep")
     with _stdout_for_data(as_json) as emit:
         data = evaluate(model, Path(images_dir), Path(prompts_file), methods, keeps, max_new_tokens,
-                        _progress(quiet or as_json), list(bundles))
+                        _progress(quiet or as_json), list(bundles), image_size, grid)
         if report:
             report.write_text(json.dumps(data, indent=2) + "\n")
         if as_json:

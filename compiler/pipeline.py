@@ -61,6 +61,7 @@ class CompileOptions:
     crop_budget: str | None = None  # anyres: split K over crops "proportional" | "equal"; None: the method's default
     cls: str | None = None  # "drop" | "keep" the [CLS] token in image_features; None: the model's select strategy
     with_llm: bool = False  # also export the language model (compiler.llm.export) into llm/
+    llm_exporter: str | None = None  # ort: "torch" (default) or "genai" (onnxruntime-genai's builder)
     fastv_layer: int | None = None  # --with-llm: FastV after this LLM layer (from 1); None: dense LLM
     fastv_keep: float | None = None  # FastV: the share of image tokens kept (default 0.5)
     image_start: int | None = None  # FastV: prompt tokens before the image (the compiled image span)
@@ -176,8 +177,12 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
     with tempfile.TemporaryDirectory(prefix="vlmprune-") as scratch:
         _dense_model(source, options, Path(scratch), timer)
         timer.step("parity")
-        return _parity(source, Path(scratch) / DENSE, bundle_dir, manifest, target, parity_batch, progress=timer.step,
-                       tolerances=tolerances)
+        report = _parity(source, Path(scratch) / DENSE, bundle_dir, manifest, target, parity_batch,
+                         progress=timer.step, tolerances=tolerances)
+    if manifest.get("llm_graphs"):
+        timer.step("LLM parity (the bundle's language-model graphs against the reference decoder)")
+        report.stages.append(llm_export.check_llm(source_spec, bundle_dir, manifest))
+    return report
 
 
 # ---------------------------------------------------------------------- validation

@@ -11,24 +11,22 @@ build. So the toolkit is installed with --no-deps, next to only what its ONNX pa
 and the torch of this environment (the CPU build the project installs anyway) is linked
 into the venv's site-packages. torch 2.x imports fine against numpy 1.26.
 
-Creation happens in place (venvs hard-code their own path), under an exclusive file lock,
-and a marker file written last says the venv is complete; a folder without the marker is a
-crashed build and is rebuilt.
+The venv is built as every isolated toolchain's is (vlmprune.targets.venvs: in place,
+under a lock, a marker written last).
 """
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from vlmprune.targets.venvs import IsolatedEnv, clean_env, venv_python
 
 RKNN_TOOLKIT_VERSION = "2.5.0"
 TOOLKIT_REQUIREMENT = f"rknn-toolkit2=={RKNN_TOOLKIT_VERSION}"
@@ -49,25 +47,12 @@ RUNTIME_REQUIREMENTS = (
     "fast-histogram>=0.11",
     "typing-extensions>=4.10",
 )
-MARKER = ".vlmprune-ready.json"
 WORKER = Path(__file__).with_name("rknn_worker.py")
 PYTHON_ENV = "VLMPRUNE_RKNN_PYTHON"  # use an rknn environment you manage yourself
 
 
 class RknnError(RuntimeError):
     """The rknn environment or worker failed; the message is one line with the log path."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("VLMPRUNE_CACHE") or Path.home() / ".cache" / "vlmprune")
-
-
-def venv_dir() -> Path:
-    return cache_dir() / f"rknn-venv-{RKNN_TOOLKIT_VERSION}"
-
-
-def _venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
 
 
 def _platform_problem() -> str | None:
@@ -79,19 +64,9 @@ def _platform_problem() -> str | None:
     return None
 
 
-def available() -> tuple[bool, str]:
-    """Whether an rknn environment is ready now; never installs anything."""
-    custom = os.environ.get(PYTHON_ENV)
-    if custom:
-        ok = Path(custom).is_file()
-        return ok, f"{PYTHON_ENV}={custom}" + ("" if ok else " does not exist")
-    problem = _platform_problem()
-    if problem:
-        return False, problem
-    venv = venv_dir()
-    if not (venv / MARKER).is_file() or not _venv_python(venv).is_file():
-        return False, f"rknn venv not created yet at {venv} (rknn_env.rknn_python() creates it)"
-    return True, f"rknn venv at {venv}"
+ENV = IsolatedEnv("rknn venv", f"rknn-venv-{RKNN_TOOLKIT_VERSION}", "rknn-toolkit2", RKNN_TOOLKIT_VERSION, PYTHON_ENV,
+                  RknnError, _platform_problem, "rknn_env.rknn_python()")
+venv_dir, available, index_reachable, venv_info = ENV.venv_dir, ENV.available, ENV.index_reachable, ENV.info
 
 
 def creatable() -> tuple[bool, str]:
@@ -105,76 +80,24 @@ def creatable() -> tuple[bool, str]:
     return True, f"rknn venv is created on first use at {venv_dir()} (~45 s, ~600 MB; torch linked, not downloaded)"
 
 
-def index_reachable(timeout: float = 60) -> tuple[bool, str]:
-    """Whether pip's package index (as this machine configures it) serves rknn-toolkit2 2.5.0; installs nothing.
-
-    Creating the venv downloads ~600 MB; on a machine without the registry that fails
-    after minutes of retries, so callers that may skip (the tests) ask this first.
-    """
-    cmd = [sys.executable, "-m", "pip", "index", "versions", "rknn-toolkit2", "--timeout", "10", "--retries", "1",
-           "--disable-pip-version-check"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_clean_env())
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"pip index versions rknn-toolkit2 did not answer ({type(exc).__name__})"
-    if RKNN_TOOLKIT_VERSION in proc.stdout:
-        return True, "the package index serves rknn-toolkit2 " + RKNN_TOOLKIT_VERSION
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no answer"]
-    return False, f"the package index does not serve rknn-toolkit2 {RKNN_TOOLKIT_VERSION} here ({tail[0]})"
-
-
-def venv_info() -> dict:
-    """The marker's record: toolkit version, install seconds, size, torch source."""
-    marker = venv_dir() / MARKER
-    return json.loads(marker.read_text()) if marker.is_file() else {}
-
-
 def rknn_python() -> Path:
     """The rknn environment's interpreter, creating the venv first if it is missing."""
-    custom = os.environ.get(PYTHON_ENV)
-    if custom:
-        return Path(custom)
-    problem = _platform_problem()
-    if problem:
-        raise RknnError(problem)
-    venv = venv_dir()
-    if not (venv / MARKER).is_file():
-        create_venv(venv)
-    return _venv_python(venv)
+    return ENV.python(create_venv)
 
 
 def create_venv(venv: Path) -> dict:
-    """Build the venv in place under a lock; another process waits and reuses the result."""
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (venv / MARKER).is_file():
-            return json.loads((venv / MARKER).read_text())
-        if venv.exists():
-            shutil.rmtree(venv)  # left by a build that did not finish
-        t0 = time.perf_counter()
-        try:
-            _run([sys.executable, "-m", "venv", str(venv)], "create venv")
-            pip = [str(_venv_python(venv)), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-            _run([*pip, "--no-deps", TOOLKIT_REQUIREMENT], "install rknn-toolkit2")
-            _run([*pip, *RUNTIME_REQUIREMENTS], "install rknn runtime requirements")
-            torch_source = _link_host_torch(venv)
-            _run([str(_venv_python(venv)), "-c", "from rknn.api import RKNN"], "import rknn.api")
-        except BaseException:
-            shutil.rmtree(venv, ignore_errors=True)
-            raise
-        info = {
-            "rknn_toolkit2": RKNN_TOOLKIT_VERSION,
-            "install_seconds": round(time.perf_counter() - t0, 1),
-            "size_bytes": _tree_size(venv),
-            "requirements": [TOOLKIT_REQUIREMENT, *RUNTIME_REQUIREMENTS],
-            "torch": torch_source,
-            "python": sys.version.split()[0],
-        }
-        tmp = venv / f"{MARKER}.tmp"
-        tmp.write_text(json.dumps(info, indent=1))
-        os.replace(tmp, venv / MARKER)
-        return info
+    """Build the venv (the toolkit without its deps, its ONNX path's requirements, the host's torch linked)."""
+    def install(venv: Path) -> dict:
+        ENV.run([sys.executable, "-m", "venv", str(venv)], "create venv")
+        pip = [str(venv_python(venv)), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        ENV.run([*pip, "--no-deps", TOOLKIT_REQUIREMENT], "install rknn-toolkit2")
+        ENV.run([*pip, *RUNTIME_REQUIREMENTS], "install rknn runtime requirements")
+        torch_source = _link_host_torch(venv)
+        ENV.run([str(venv_python(venv)), "-c", "from rknn.api import RKNN"], "import rknn.api")
+        return {"rknn_toolkit2": RKNN_TOOLKIT_VERSION, "requirements": [TOOLKIT_REQUIREMENT, *RUNTIME_REQUIREMENTS],
+                "torch": torch_source}
+
+    return ENV.build(venv, install)
 
 
 def _site_packages(venv: Path) -> Path:
@@ -195,31 +118,6 @@ def _link_host_torch(venv: Path) -> str:
         if target.is_dir() and not (site / top).exists():
             (site / top).symlink_to(target, target_is_directory=True)
     return f"torch {dist.version} linked from {Path(dist.locate_file('torch'))}"
-
-
-def _tree_size(path: Path) -> int:
-    """Bytes under path, not following symlinks (the linked torch is not the venv's)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            p = os.path.join(root, name)
-            if not os.path.islink(p):
-                total += os.path.getsize(p)
-    return total
-
-
-def _run(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env())
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-        raise RknnError(f"rknn venv: {what} failed (exit {proc.returncode}): {tail[0]}")
-
-
-def _clean_env() -> dict:
-    """Keep this environment's packages out of the venv's interpreter."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["PYTHONNOUSERSITE"] = "1"
-    return env
 
 
 def run_worker(request: dict, timeout: float = 1800) -> dict:
@@ -247,7 +145,7 @@ def run_worker(request: dict, timeout: float = 1800) -> dict:
     resp_path.unlink(missing_ok=True)
     try:
         proc = subprocess.run([str(python), str(WORKER), str(req_path), str(resp_path)], cwd=out_dir,
-                              capture_output=True, text=True, timeout=timeout, env=_clean_env())
+                              capture_output=True, text=True, timeout=timeout, env=clean_env())
     except subprocess.TimeoutExpired:
         raise RknnError(f"rknn worker timed out after {timeout:.0f} s (log: {out_dir / 'rknn_build.log'})") from None
     if not resp_path.is_file():

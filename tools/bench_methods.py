@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from machine_load import CpuMeter, busy_line, physical_cores
+from machine_load import CpuMeter, busy_line, interleaved, physical_cores
 from vlmprune.compiler.frontend import export_onnx, load_source
 from vlmprune.compiler.frontend.images import parity_inputs
 from vlmprune.compiler.pipeline import CompileOptions
@@ -72,17 +71,10 @@ def site_graph(method, params, tokens: int, width: int, heads: int, head_dim: in
 
 
 def _interleaved_medians(runs: dict, repeats: int, settle_s: float) -> dict[str, float]:
-    """Median ms of each run; every round runs each once, a pause before each (ORT's pool threads spin after a run)."""
+    """Median ms of each run after one warm-up call each (machine_load.interleaved)."""
     for fn in runs.values():
         fn()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            time.sleep(settle_s)
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in interleaved(runs, repeats, settle_s).items()}
 
 
 def main() -> int:

@@ -68,3 +68,23 @@ def busy_line(load: tuple[float, float] | None) -> str | None:
     flag = "  WARNING: the machine was busy, these figures are not a quiet-machine measurement" \
         if others > BUSY_WARNING else ""
     return f"other processes used {others:.0%} of the {os.cpu_count()} CPUs while timing, steal {steal:.0%}{flag}"
+
+
+def interleaved(runs: dict, repeats: int, settle_s: float, log=None) -> dict[str, list[float]]:
+    """ms per call of every run, round by round (A B C, A B C, ...), a pause before each call.
+
+    Why interleaved: a load that comes and goes then hits every row alike, so the ratios of
+    one run hold even where the absolute times drift; why the pause: ONNX Runtime's pool
+    threads spin for a while after a run and would tax the next one. Callers warm up first.
+    """
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(repeats):
+        for name, fn in runs.items():
+            time.sleep(settle_s)
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+        if log is not None:
+            log(f"  round {i + 1}: " + ", ".join(f"{name} {t[-1]:.0f}" for name, t in times.items()) + " ms")
+    return times
+

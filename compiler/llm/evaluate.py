@@ -9,10 +9,14 @@ prefix as a share of the dense answer's length.
 What is pruned: each method's plain-torch reference on the checkpoint's own tower (the
 parity reference; every compiled bundle matches it within the tolerances its parity.json
 reports), with the pruned rows fed at their original positions as `vlmprune generate`
-feeds a bundle's (handoff.image_positions). The dense side is the Hugging Face model's
-own image features. A harness check rides along: the dense path fed through this splice
-against LlavaForConditionalGeneration's own forward on input_ids + pixel_values; its KL
-is reported (`harness_kl_max`, 0 up to float rounding) so a number is never trusted
+feeds a bundle's (generate.pruned_image: handoff's rule of the family; LLaVA-1.5 1-D
+indices, Qwen2-VL mRoPE (t, h, w), LLaVA-NeXT rows assembled over the crops). Images
+are preprocessed as generate does (Qwen2-VL at --image-size, default a bundle's or 448;
+LLaVA-NeXT at one --grid, default a bundle's or the model's largest). The dense side is
+the Hugging Face model's own image features. A harness check rides along: the dense path
+fed through this splice against the model's own forward (Llava/LlavaNext/Qwen2VL
+ForConditionalGeneration on input_ids + pixel_values, image_sizes / image_grid_thw); its
+KL is reported (`harness_kl_max`, 0 up to float rounding) so a number is never trusted
 that the splice itself would have moved.
 
 `--bundle DIR` adds a row per compiled bundle of the same model: its own graph, run by its
@@ -35,7 +39,6 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.llm import generate as gen
-from vlmprune.compiler.llm import handoff
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".gif")
 
@@ -79,9 +82,11 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def settings_for(source, methods: list[str], keeps: list[int]) -> list[Setting]:
-    """Every method x K, parsed and checked against the tower as `compile` would (one line for one it cannot serve)."""
+    """Every method x K, parsed and checked against the tower as `compile` would (one line for one it cannot serve);
+    over an anyres source's crops, under one global budget with the method's default split, as compile does."""
     from vlmprune.passes.methods import get_method
     from vlmprune.passes.methods.base import BLOCK, SiteSpec
+    from vlmprune.passes.methods.crops import CropBudget, crop_params, default_budget
 
     if not methods or not keeps:
         raise InputError("eval needs at least one --method and one --keep")
@@ -89,12 +94,16 @@ def settings_for(source, methods: list[str], keeps: list[int]) -> list[Setting]:
     out = []
     for name in methods:
         method = get_method(name)
+        if source.crops is not None:
+            method = CropBudget(method)
         for keep in keeps:
             params = method.parse(keep, {})
+            if source.crops is not None:
+                params = crop_params(params, source.crops, default_budget(method))
             needs = method.needs(params)
             prefix = pipe.prefix if needs.site == BLOCK or not pipe.drop_cls else 0
             method.check(params, SiteSpec(source.num_patches, bool(source.has_cls and prefix), source.num_blocks,
-                                          source.num_blocks, prefix=prefix))
+                                          source.num_blocks, prefix=prefix, merge=source.spatial_merge))
             out.append(Setting(method, params, needs.site, source.num_blocks if needs.site == BLOCK else None))
     return out
 
@@ -116,48 +125,45 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str], keeps: list[int],
-             max_new_tokens: int = 8, progress=lambda _m: None, bundles: list[Path] = ()) -> dict:
+             max_new_tokens: int = 8, progress=lambda _m: None, bundles: list[Path] = (),
+             image_size: int | None = None, grid: str | None = None) -> dict:
     """The report behind `vlmprune eval`: per method and K, KL and agreement over every image x prompt.
 
     bundles: compiled bundles of the same model, evaluated beside the references (their own
     tower run by their target's runner here), one row each.
+    image_size (Qwen2-VL) and grid (LLaVA-NeXT): the static input, default the first bundle's, else the family's.
     """
     from vlmprune.compiler.bundle import load_manifest
-    from vlmprune.compiler.frontend.images import load_image_file
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
     images, prompts = list_images(images_dir), read_prompts(prompts_file)
-    vlm = gen.load_vlm(model)
+    manifests = [(Path(b), load_manifest(b, verify=True)) for b in bundles]
+    vlm = gen.load_vlm(model, image_size, grid, bundle=manifests[0][1] if manifests else None)
     source = vlm.source
     settings = settings_for(source, methods, keeps) if methods or keeps or not bundles else []
-    manifests = [(Path(b), load_manifest(b, verify=True)) for b in bundles]
     for path, manifest in manifests:
         if manifest["model"]["sha256"] != source.content_hash or manifest["method"]["name"] == "none":
             raise InputError(f"--bundle {path}: " + ("a dense bundle has nothing to compare"
                                                      if manifest["method"]["name"] == "none" else
                                                      f"not compiled from {model} (its content hash differs)"))
+        _same_input(path, manifest, source)
     built = [gen.build_prompt(vlm, p) for p in prompts]
-    pixels = []
-    for image in images:
-        try:
-            pixels.append(load_image_file(str(image), source.image_size, source.mean, source.std)[0])
-        except Exception as exc:
-            raise InputError(f"{image}: cannot read the image ({gen._first_line(exc)})") from None
+    pixels = [gen.load_pixels(vlm, image)[0] for image in images]
     progress(f"{len(images)} images x {len(prompts)} prompts, {len(settings) + len(manifests)} settings, "
              f"{max_new_tokens} greedy tokens each")
     dense_runs, harness = {}, []
     for i, pixel in enumerate(pixels):
-        features = gen.dense_features(vlm, pixel)
+        image = gen.dense_image(vlm, pixel)
         for j, prompt in enumerate(built):
-            positions, text_start = handoff.image_positions(len(prompt.before), len(features), 0, None, 0)
-            dense_runs[i, j] = gen.answer(vlm, prompt, features, positions, text_start, max_new_tokens)
-            harness.append(kl_divergence(_hf_first_logits(vlm, prompt, pixel, len(features)),
+            positions, text_start = image.place(len(prompt.before))
+            dense_runs[i, j] = gen.answer(vlm, prompt, image.rows, positions, text_start, max_new_tokens)
+            harness.append(kl_divergence(hf_first_logits(vlm, prompt, pixel, len(image.rows)),
                                          dense_runs[i, j].first_logits))
     rows = []
-    runs = [(s.name, s.params["keep"], "reference", _reference_rows(source, s)) for s in settings]
+    runs = [(s.name, s.params["keep"], "reference", _reference_rows(vlm, s)) for s in settings]
     runs += [(m["method"]["name"], m["method"]["keep"], f"bundle {p.name} ({m['target']['name']})",
-              _bundle_rows(p, m)) for p, m in manifests]
+              _bundle_rows(p, m, vlm)) for p, m in manifests]
     for name, keep, origin, rows_of in runs:
         samples = []
         for i, pixel in enumerate(pixels):
@@ -183,10 +189,22 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
             "harness_kl_max": max(harness), "results": rows}
 
 
-def _reference_rows(source, setting: Setting):
+def _same_input(path: Path, manifest: dict, source) -> None:
+    """A bundle of the model at another --image-size (Qwen2-VL) or --grid (LLaVA-NeXT) takes other pixels: one line."""
+    model = manifest["model"]
+    if source.family == "qwen2_vl" and model["image_size"] != source.image_size:
+        raise InputError(f"--bundle {path}: compiled at --image-size {model['image_size']}, eval runs at "
+                         f"{source.image_size} (pass --image-size {model['image_size']})")
+    if source.crops is not None and model.get("grid") != source.details.get("grid"):
+        raise InputError(f"--bundle {path}: compiled for --grid {model.get('grid')}, eval runs "
+                         f"{source.details.get('grid')} (pass --grid {model.get('grid')})")
+
+
+def _reference_rows(vlm, setting: Setting):
     """pixel -> (the method reference's rows of one image, positions(offset) -> (image positions, text start))."""
     from vlmprune.compiler.reference import MethodPruner
 
+    source = vlm.source
     pipeline = source.pipeline.with_pruner(MethodPruner(setting.method, setting.params, setting.site, setting.layer))
     out_tokens = setting.method.output_tokens(setting.params)
 
@@ -194,24 +212,28 @@ def _reference_rows(source, setting: Setting):
         with torch.inference_mode():
             features, kept = pipeline(torch.from_numpy(pixel))
         prefix, extra = features.shape[1] - out_tokens, out_tokens - kept.shape[1]
-        return features[0], lambda offset: handoff.image_positions(offset, prefix + source.num_patches, prefix,
-                                                                   kept[0].numpy(), extra)
+        image = gen.pruned_image(vlm, features[0], kept[0].numpy(), None, prefix, extra)
+        return image.rows, image.place
     return rows_of
 
 
-def _bundle_rows(bundle_dir: Path, manifest: dict):
+def _bundle_rows(bundle_dir: Path, manifest: dict, vlm):
     def rows_of(pixel):
-        tokens = gen.bundle_tokens(bundle_dir, manifest, pixel)
+        tokens = gen.bundle_tokens(bundle_dir, manifest, pixel, vlm)
         return tokens.features, lambda offset: gen.bundle_positions(tokens, offset)
     return rows_of
 
 
-def _hf_first_logits(vlm, prompt: gen.Prompt, pixel: np.ndarray, tokens: int) -> torch.Tensor:
-    """LlavaForConditionalGeneration's own forward on the expanded input_ids and the pixels: the harness check."""
-    ids = prompt.before + [vlm.model.config.image_token_index] * tokens + prompt.after
+def hf_first_logits(vlm, prompt: gen.Prompt, pixel: np.ndarray, tokens: int) -> torch.Tensor:
+    """The model's own forward (Llava / LlavaNext / Qwen2VL ForConditionalGeneration) on the expanded input_ids and
+    the pixels (with image_sizes / image_grid_thw): the harness check."""
     with torch.inference_mode():
-        out = vlm.model(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixel), logits_to_keep=1)
+        out = vlm.model(**gen.hf_forward_ids(vlm, prompt, tokens), **gen.hf_image_inputs(vlm, pixel),
+                        logits_to_keep=1)
     return out.logits[0, -1].float()
+
+
+_hf_first_logits = hf_first_logits
 
 
 def _summary(name: str, keep: int, origin: str, samples: list[dict]) -> dict:

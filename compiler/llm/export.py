@@ -27,6 +27,8 @@ layers themselves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import io
 import logging
 import warnings
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 
 from vlmprune.compiler.errors import InputError, VlmpruneError
-from vlmprune.compiler.llm.fastv import FastVSpec, check_family, decoder_of
+from vlmprune.compiler.llm.fastv import FastVSpec, check_family, decoder_of, default_positions, gather_positions, uses_mrope
 
 WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx
 PREFILL, DECODE = "prefill.onnx", "decode.onnx"
@@ -136,7 +138,7 @@ class PrefillGraph(_Decoder):
                                    .expand(b, length - spec.image_end)],
                                   dim=1)
                 hidden = torch.gather(hidden, 1, index.unsqueeze(-1).expand(b, index.shape[1], width))
-                rope = self.inner.rotary_emb(hidden, torch.gather(position_ids, 1, index))  # original positions
+                rope = self.inner.rotary_emb(hidden, gather_positions(position_ids, index))  # original positions
         logits = self.head(hidden[:, -1:])
         return (logits, kept, *presents) if spec is not None else (logits, *presents)
 
@@ -184,13 +186,14 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
     _inner, config = decoder_of(model)
     start = spec.image_end + 1 if spec is not None else 1
     example = torch.zeros(2, start + 2, config.hidden_size)
-    positions = torch.arange(start + 2).expand(2, -1)
+    positions = default_positions(config, 2, start + 2).clone()
     batch = torch.export.Dim("batch", min=1, max=1024)
     sequence = torch.export.Dim("sequence", min=start, max=config.max_position_embeddings)
     outputs = ["logits", *(["kept_image_indices"] if spec is not None else []),
                *cache_names(graph.num_layers, "present")]
+    position_dims = {1: batch, 2: sequence} if uses_mrope(config) else {0: batch, 1: sequence}
     return _export(graph, (example, positions), ["inputs_embeds", "position_ids"], outputs,
-                   ({0: batch, 1: sequence}, {0: batch, 1: sequence}), opset)
+                   ({0: batch, 1: sequence}, position_dims), opset)
 
 
 def export_decode(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
@@ -205,8 +208,10 @@ def export_decode(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
     past = [torch.zeros(2, graph.kv_heads, n, d) for n in lengths for _ in range(2)]
     dims = [{0: batch, 2: full if spec is None or i < spec.layer else kept}
             for i in range(graph.num_layers) for _ in range(2)]
-    args = (torch.zeros(2, 1, config.hidden_size), torch.full((2, 1), 9, dtype=torch.long), *past)
-    dynamic = ({0: batch}, {0: batch}, tuple(dims))  # *past is one argument to torch.export
+    mrope = uses_mrope(config)
+    position = torch.full((3, 2, 1) if mrope else (2, 1), 9, dtype=torch.long)
+    args = (torch.zeros(2, 1, config.hidden_size), position, *past)
+    dynamic = ({0: batch}, {1: batch} if mrope else {0: batch}, tuple(dims))  # *past is one argument to torch.export
     return _export(graph, args, ["inputs_embeds", "position_ids", *cache_names(graph.num_layers, "past_key_values")],
                    ["logits", *cache_names(graph.num_layers, "present")], dynamic, opset)
 
@@ -272,7 +277,15 @@ def _io(model: ir.Model) -> dict:
 # ------------------------------------------------------------------------------ the bundle's llm/
 
 LLM_DIR = "llm"
-LLM_TARGETS = ("ort",)  # where the bundle's LLM graphs are what users deploy (plain ONNX Runtime)
+# Where the bundle's LLM is what users deploy: ort, the torch.onnx graphs in plain ONNX Runtime;
+# orin, TensorRT Edge-LLM's own graph (compiler.llm.edgellm).
+LLM_TARGETS = ("ort", "orin")
+NO_LLM_WHY = {  # why the others refuse, in the refusal's words
+    "xavier": "TensorRT Edge-LLM does not run on JetPack 5 / TensorRT 8.5",
+    "rk3588": "RKLLM's converter, rkllm-toolkit, is not on the package index",
+    "qnn": "onnxruntime-genai's builder has no QNN execution provider, and an HTP LLM needs static, "
+           "quantized, split graphs",
+}
 PARITY_ATOL = 1e-4  # fp32 logits and caches, as the tower's fp32 stages
 DECODE_STEPS = 3
 
@@ -284,19 +297,31 @@ def check_llm_options(options) -> FastVSpec | None:
     """
     with_llm = getattr(options, "with_llm", False)
     layer, keep, start = (getattr(options, name, None) for name in ("fastv_layer", "fastv_keep", "image_start"))
+    exporter = getattr(options, "llm_exporter", None)
     if not with_llm:
-        given = [flag for flag, v in (("--fastv-layer", layer), ("--fastv-keep", keep), ("--image-start", start))
-                 if v is not None]
+        given = [flag for flag, v in (("--llm-exporter", exporter), ("--fastv-layer", layer), ("--fastv-keep", keep),
+                                      ("--image-start", start)) if v is not None]
         if given:
             raise InputError(f"{given[0]} applies to the language model: add --with-llm")
         return None
     if options.target not in LLM_TARGETS:
         raise InputError(f"--with-llm: target {options.target} does not take the language model yet "
-                         f"(supported: {', '.join(LLM_TARGETS)})")
+                         f"({NO_LLM_WHY.get(options.target, 'no LLM toolchain')}; supported: {', '.join(LLM_TARGETS)})")
+    if exporter not in (None, "torch", "genai"):
+        raise InputError(f"--llm-exporter is torch or genai, got {exporter!r}")
+    if exporter is not None and options.target != "ort":
+        raise InputError(f"--llm-exporter applies to target ort; target {options.target}'s language model is "
+                         f"exported with {'TensorRT Edge-LLM' if options.target == 'orin' else 'its own toolchain'}")
+    if exporter == "genai" and layer is not None:
+        raise InputError("--fastv-layer: FastV cannot be compiled into onnxruntime-genai's graph (one cache length "
+                         "for every layer); use --llm-exporter torch for FastV")
     if layer is None:
         if keep is not None:
             raise InputError("--fastv-keep needs --fastv-layer (FastV is off without it)")
         return None
+    if options.target == "orin":
+        raise InputError("--fastv-layer: FastV is not part of TensorRT Edge-LLM's language-model graph (target "
+                         "orin); prune in the tower instead, or use target ort for FastV")
     if start is None:
         raise InputError("FastV needs --image-start: the number of prompt tokens before the image "
                          "(the image span is compiled into the graph)")
@@ -305,37 +330,61 @@ def check_llm_options(options) -> FastVSpec | None:
     return spec
 
 
+class CausalLM(nn.Module):
+    """A VLM's own text model and head, seen as a causal LM (no copy of the weights).
+
+    For the VLMs whose text model has no causal-LM class of its own (Qwen2-VL's and
+    Qwen2.5-VL's take mRoPE positions): what decoder_of, the reference and the graphs read.
+    """
+
+    def __init__(self, model: nn.Module, lm_head: nn.Module, config):
+        super().__init__()
+        self.model, self.lm_head, self.config = model, lm_head, config
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+
+LLM_MODEL_TYPES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")  # checkpoints whose language model --with-llm exports
+
+
 def language_model(spec: str):
-    """The causal LM of MODEL (`demo` or a LLaVA checkpoint): the VLM's own language model and head, no copy."""
+    """The causal LM of MODEL (`demo`, a LLaVA(-NeXT) or Qwen2-VL / Qwen2.5-VL checkpoint): the VLM's own, no copy."""
     from vlmprune.compiler.frontend.source import no_init_weights, quiet_transformers
 
     quiet_transformers()
     if spec == "demo":
         from vlmprune.compiler.frontend.presets import demo_model
 
-        llava = demo_model()
+        vlm = demo_model()
     else:
-        from transformers import LlavaForConditionalGeneration
-
         from vlmprune.compiler.frontend.adapter import Checkpoint
         from vlmprune.compiler.frontend.source import from_pretrained
 
         path = Path(spec)
         checkpoint = Checkpoint(path) if path.is_dir() else None
-        if checkpoint is None or checkpoint.model_type != "llava":
+        if checkpoint is None or checkpoint.model_type not in LLM_MODEL_TYPES:
             kind = f"model type {checkpoint.model_type!r}" if checkpoint is not None else "not a checkpoint directory"
-            raise InputError(f"--with-llm needs `demo` or a LLaVA checkpoint (LlavaForConditionalGeneration) that "
-                             f"holds its language model; {spec} is {kind}")
-        llava = from_pretrained(LlavaForConditionalGeneration, checkpoint, "LLaVA checkpoint")
-    from transformers import AutoModelForCausalLM
-
-    text = llava.config.text_config
+            raise InputError(f"--with-llm needs `demo` or a LLaVA, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL checkpoint that holds its "
+                             f"language model; {spec} is {kind}")
+        if checkpoint.model_type == "llava":
+            from transformers import LlavaForConditionalGeneration as model_class
+        elif checkpoint.model_type == "llava_next":
+            from transformers import LlavaNextForConditionalGeneration as model_class
+        else:
+            from transformers import AutoModelForImageTextToText as model_class
+        vlm = from_pretrained(model_class, checkpoint, "checkpoint")
+    text = vlm.config.text_config
     check_family(text)
-    with no_init_weights():
-        lm = AutoModelForCausalLM.from_config(text)
-    lm.model = llava.model.language_model
-    lm.lm_head = llava.lm_head
-    return lm.eval()
+    if text.model_type in ("llama", "qwen2"):
+        from transformers import AutoModelForCausalLM
+
+        with no_init_weights():
+            lm = AutoModelForCausalLM.from_config(text)
+        lm.model = vlm.model.language_model
+        lm.lm_head = vlm.lm_head
+        return lm.eval()
+    return CausalLM(vlm.model.language_model, vlm.lm_head, text).eval()
 
 
 def emit_llm(model_spec: str, manifest: dict, options, folder: Path, progress=lambda _m: None) -> dict:
@@ -346,6 +395,10 @@ def emit_llm(model_spec: str, manifest: dict, options, folder: Path, progress=la
     from vlmprune.compiler.errors import ParityError
 
     spec = check_llm_options(options)
+    if options.target == "orin":
+        return _emit_edgellm(model_spec, manifest, options, folder, progress)
+    if getattr(options, "llm_exporter", None) == "genai":
+        return _emit_genai(model_spec, manifest, folder, progress)
     lm = language_model(model_spec)
     _inner, config = decoder_of(lm)
     tokens = manifest.get("llm", {}).get("image_tokens")
@@ -354,10 +407,7 @@ def emit_llm(model_spec: str, manifest: dict, options, folder: Path, progress=la
             raise InputError(f"FastV needs a fixed image-token count; this bundle's is {tokens!r}")
         spec = FastVSpec(spec.image_start, tokens, spec.layer, spec.keep)
         spec.check(config.num_hidden_layers)
-    hidden = manifest.get("llm", {}).get("hidden_size")
-    if isinstance(hidden, int) and hidden != config.hidden_size:
-        raise InputError(f"the bundle's image features are {hidden} wide, "
-                         f"its language model takes {config.hidden_size}")
+    _check_width(manifest, config)
     progress(f"export LLM ({config.model_type}, {config.num_hidden_layers} layers"
              + (f", FastV after layer {spec.layer} keeping {spec.kept} of {spec.image_len} image tokens)"
                 if spec is not None else ", dense)") + " with torch.onnx (dynamo)")
@@ -371,7 +421,8 @@ def emit_llm(model_spec: str, manifest: dict, options, folder: Path, progress=la
     return {
         "exporter": f"torch.onnx (dynamo) {torch.__version__}, opset {options.opset}",
         "runtime": "ONNX Runtime (any execution provider), standard ops only",
-        "family": config.model_type, "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+        "family": config.model_type, "mrope": uses_mrope(config), "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
         "kv_heads": config.num_key_value_heads, "head_dim": getattr(config, "head_dim", None)
         or config.hidden_size // config.num_attention_heads, "vocab_size": config.vocab_size,
         "files": {k: f"{LLM_DIR}/{written[k]}" for k in ("prefill", "decode", "weights")},
@@ -385,6 +436,63 @@ def emit_llm(model_spec: str, manifest: dict, options, folder: Path, progress=la
     }
 
 
+def parity_positions(config, batch: int, length: int, image_start: int, image_tokens: int) -> torch.Tensor:
+    """The parity prompt's positions: 0..T-1, or for mRoPE an image span laid out as a grid.
+
+    mRoPE: text tokens have t = h = w; image token j of a g-wide grid sits at (s, s + j // g, s + j % g)
+    and the text after it resumes at the span's largest position + 1, as Qwen2-VL numbers a prompt,
+    so the three sections of the rotary embedding see different positions.
+    """
+    positions = default_positions(config, batch, length).clone()
+    if positions.dim() == 3 and image_tokens > 0:
+        g = max(1, math.isqrt(image_tokens - 1) + 1)
+        j = torch.arange(image_tokens)
+        span = slice(image_start, image_start + image_tokens)
+        positions[0, :, span] = image_start
+        positions[1, :, span] = image_start + (j // g)
+        positions[2, :, span] = image_start + (j % g)
+        resume = int(positions[:, :, span].max()) + 1
+        positions[:, :, image_start + image_tokens:] = resume + torch.arange(length - image_start - image_tokens)
+    return positions
+
+
+def _tokenizer_dir(model_spec: str) -> Path | None:
+    """The checkpoint directory when it holds tokenizer files (the genai builder copies them), else None."""
+    path = Path(model_spec)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    return path if model_spec != "demo" and path.is_dir() and any((path / n).is_file() for n in names) else None
+
+
+def _emit_genai(model_spec: str, manifest: dict, folder: Path, progress) -> dict:
+    """The dense LLM through onnxruntime-genai's builder (last-token logits: prune_lm_head, as the prefill graph)."""
+    from vlmprune.compiler.llm import genai
+
+    lm = language_model(model_spec)
+    _check_width(manifest, lm.config)
+    info = genai.export_genai(lm, folder / LLM_DIR, tokenizer=_tokenizer_dir(model_spec), last_logits_only=True,
+                              progress=progress)
+    info["files"] = {"model": f"{LLM_DIR}/{genai.MODEL}", "config": f"{LLM_DIR}/{genai.CONFIG}",
+                     "all": [f"{LLM_DIR}/{name}" for name in info["files"]]}
+    return info
+
+
+def _check_width(manifest: dict, config) -> None:
+    hidden = manifest.get("llm", {}).get("hidden_size")
+    if isinstance(hidden, int) and hidden != config.hidden_size:
+        raise InputError(f"the bundle's image features are {hidden} wide, "
+                         f"its language model takes {config.hidden_size}")
+
+
+def _emit_edgellm(model_spec: str, manifest: dict, options, folder: Path, progress) -> dict:
+    from vlmprune.compiler.errors import ToolchainError
+    from vlmprune.compiler.llm import edgellm, edgellm_env
+
+    try:
+        return edgellm.export_edgellm(model_spec, manifest, options, folder, progress)
+    except edgellm_env.EdgeLlmError as exc:
+        raise ToolchainError(str(exc)) from None
+
+
 @torch.no_grad()
 def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int) -> dict:
     """Prefill logits, every present, kept tokens and greedy decode of the graphs vs the reference, batch 2, seed 0."""
@@ -396,7 +504,8 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int) -> d
     _inner, config = decoder_of(lm)
     length = (spec.image_end if spec is not None else image_tokens) + 4
     embeds = torch.randn(2, length, config.hidden_size, generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(length).expand(2, -1)
+    positions = parity_positions(config, 2, length, spec.image_start if spec is not None else 0,
+                                 spec.image_len if spec is not None else image_tokens)
     ref = reference_prefill(lm, embeds, spec, positions)
     prefill = ort_session(folder / PREFILL)
     names = [o.name for o in prefill.get_outputs()]
@@ -414,7 +523,7 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int) -> d
     tokens = [got["logits"][:, 0].argmax(-1)]
     for step in range(1, DECODE_STEPS):
         feed = {"inputs_embeds": table[tokens[-1]][:, None],
-                "position_ids": np.full((2, 1), length + step - 1, dtype=np.int64), **past}
+                "position_ids": (positions[..., -1:] + step).numpy(), **past}
         outs = dict(zip(out_names, decode.run(None, feed)))
         tokens.append(outs["logits"][:, 0].argmax(-1))
         past = {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in outs.items() if k.startswith("present.")}
@@ -422,6 +531,111 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int) -> d
     return {"batch": 2, "prompt_tokens": length, "seed": 0, "logits_max_abs": worst, "tolerance": PARITY_ATOL,
             "kept_identical": kept_ok, "decode_steps": DECODE_STEPS, "tokens_identical": same,
             "passed": worst <= PARITY_ATOL and kept_ok and same}
+
+
+def spec_of(llm: dict) -> FastVSpec | None:
+    """The FastVSpec a bundle's llm_graphs section was compiled with (None: a dense decoder)."""
+    fastv = llm.get("fastv")
+    if not fastv:
+        return None
+    return FastVSpec(fastv["image_start"], fastv["image_tokens"], fastv["layer"], fastv["keep"])
+
+
+def check_llm(model_spec: str, bundle_dir: Path, manifest: dict):
+    """`vlmprune check` for the language model: llm_parity again on the bundle's own graphs, as one stage.
+
+    Why a stage of its own and not a figure in the tower's: the LLM graphs take embeddings, not
+    pixels, so they are compared on seeded embeddings against the reference decoder (the
+    compile-time check, repeated on the files the manifest hashes).
+    """
+    from vlmprune.compiler.parity import DEFAULT_TOLERANCES, StageResult
+
+    llm = manifest["llm_graphs"]
+    if is_edgellm(llm):
+        return _check_edgellm(model_spec, bundle_dir, manifest)
+    if is_genai(llm):
+        return _check_genai(model_spec, bundle_dir)
+    tolerance = dataclasses.replace(DEFAULT_TOLERANCES["fp32"], max_abs=PARITY_ATOL)
+    runtime = "onnxruntime (prefill + decode)"
+    try:
+        lm = language_model(model_spec)
+        tokens = manifest.get("llm", {}).get("image_tokens")
+        got = llm_parity(lm, spec_of(llm), Path(bundle_dir) / LLM_DIR, tokens if isinstance(tokens, int) else 8)
+    except InputError:
+        raise
+    except Exception as exc:  # the graphs failed to run: a failed stage with its reason
+        return StageResult("llm", runtime, "fp32", tolerance, False,
+                           error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    close = got["logits_max_abs"] <= PARITY_ATOL
+    outputs = {
+        "logits + present": {"note": f"max-abs {got['logits_max_abs']:.3g} (≤ {PARITY_ATOL:g}), batch {got['batch']}, "
+                                     f"{got['prompt_tokens']} prompt tokens, seed {got['seed']}", "passed": close},
+        "greedy tokens": {"note": f"{got['decode_steps']} decode steps "
+                                  + ("identical" if got["tokens_identical"] else "DIFFER"),
+                          "passed": got["tokens_identical"]},
+    }
+    if llm.get("fastv"):
+        outputs["kept_image_indices"] = {"note": "identical" if got["kept_identical"] else "DIFFER",
+                                         "passed": got["kept_identical"]}
+    return StageResult("llm", runtime, "fp32", tolerance, got["passed"], outputs=outputs)
+
+
+def is_genai(llm: dict) -> bool:
+    return str(llm.get("exporter", "")).startswith("onnxruntime-genai")
+
+
+def _check_genai(model_spec: str, bundle_dir: Path):
+    """The genai graph's parity again (plain ONNX Runtime vs Hugging Face at contiguous positions, batch 1 and 2)."""
+    from vlmprune.compiler.llm import genai
+    from vlmprune.compiler.parity import DEFAULT_TOLERANCES, StageResult
+
+    tolerance = dataclasses.replace(DEFAULT_TOLERANCES["fp32"], max_abs=genai.PARITY_ATOL)
+    runtime = "onnxruntime (onnxruntime-genai's graph)"
+    try:
+        got = genai.genai_parity(language_model(model_spec), Path(bundle_dir) / LLM_DIR)
+    except InputError:
+        raise
+    except Exception as exc:
+        return StageResult("llm", runtime, "fp32", tolerance, False, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    outputs = {"logits": {"note": f"max-abs {got['logits_max_abs']:.3g} (≤ {genai.PARITY_ATOL:g}), batch "
+                                  f"{' and '.join(map(str, got['batches']))}, {got['prompt_tokens']} prompt tokens, "
+                                  f"contiguous positions", "passed": got["logits_max_abs"] <= genai.PARITY_ATOL},
+               "greedy tokens": {"note": f"{got['decode_steps']} decode steps "
+                                         + ("identical" if got["tokens_identical"] else "DIFFER"),
+                                 "passed": got["tokens_identical"]}}
+    return StageResult("llm", runtime, "fp32", tolerance, got["passed"], outputs=outputs)
+
+
+def is_edgellm(llm: dict) -> bool:
+    return str(llm.get("exporter", "")).startswith("TensorRT Edge-LLM")
+
+
+def _check_edgellm(model_spec: str, bundle_dir: Path, manifest: dict):
+    """The Edge-LLM graph's checks that run without TensorRT, as one stage (fp16 weights; the plugins need the device)."""
+    from vlmprune.compiler.llm import edgellm
+    from vlmprune.compiler.parity import DEFAULT_TOLERANCES, StageResult
+
+    tolerance = dataclasses.replace(DEFAULT_TOLERANCES["fp16"], max_abs=edgellm.PARITY_ATOL)
+    runtime = "onnx + onnxruntime (graph cut at the TensorRT Edge-LLM plugins)"
+    try:
+        got = edgellm.recheck(model_spec, bundle_dir, manifest)
+    except InputError:
+        raise
+    except Exception as exc:
+        return StageResult("llm", runtime, "fp16", tolerance, False, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    weights, ops = got["weights"], got["standard_ops"]
+    outputs = {"weights": {"note": f"{weights['tensors_checked']} checkpoint tensors in the graph, max-abs "
+                                   f"{weights['max_abs']:.3g} in fp16"
+                                   + (f", missing {', '.join(weights['missing'])}" if weights["missing"] else ""),
+                           "passed": bool(weights["passed"])}}
+    if ops.get("ran"):
+        outputs["standard ops"] = {"note": f"graph minus plugins in ONNX Runtime: QKV max-abs {ops['qkv_max_abs']:.3g}, "
+                                           f"logits max-abs {ops['logits_max_abs']:.3g} (≤ {edgellm.PARITY_ATOL:g})",
+                                   "passed": bool(ops["passed"])}
+    else:
+        outputs["standard ops"] = {"note": f"not run: {ops.get('reason')}", "passed": None}
+    outputs["device"] = {"note": "not run here: " + "; ".join(got["needs_device"]), "passed": None}
+    return StageResult("llm", runtime, "fp16", tolerance, got["passed"], outputs=outputs)
 
 
 def _layers(first: int, last: int) -> str:
@@ -433,6 +647,14 @@ def readme_section(manifest: dict) -> str:
     llm = manifest.get("llm_graphs")
     if not llm:
         return ""
+    if is_edgellm(llm):
+        from vlmprune.compiler.llm import edgellm
+
+        return edgellm.readme_section(manifest)
+    if is_genai(llm):
+        from vlmprune.compiler.llm import genai
+
+        return genai.readme_section(manifest)
     files, fastv = llm["files"], llm["fastv"]
     n = llm["layers"]
     if fastv:
@@ -444,6 +666,12 @@ def readme_section(manifest: dict) -> str:
                f"The prompt must put the image at token {fastv['image_start']} and end with text after it.")
     else:
         how = "The decoder is dense (every prompt token in every layer)."
+    if llm.get("mrope"):
+        positions, step = "[3, batch, sequence]", "[3, batch, 1]"
+        how += (" Positions are mRoPE's (t, h, w) rows: text tokens have t = h = w, image tokens the bundle's "
+                "`kept_positions` (offset by the image's place in the prompt).")
+    else:
+        positions, step = "[batch, sequence]", "[batch, 1]"
     return f"""
 ## The language model (`--with-llm`)
 
@@ -451,10 +679,10 @@ def readme_section(manifest: dict) -> str:
 `{files['weights']}`), exported with {llm['exporter']}; they run in plain ONNX Runtime. {how}
 
 - prefill: `inputs_embeds` [batch, sequence, {llm['hidden_size']}] (text embeddings with `image_features` in
-  the image's place) and `position_ids` [batch, sequence] (the positions above) -> `logits` [batch, 1,
+  the image's place) and `position_ids` {positions} (the positions above) -> `logits` [batch, 1,
   {llm['vocab_size']}] of the last prompt token, and `present.{{i}}.key` / `.value` [batch, {llm['kv_heads']},
   length_i, {llm['head_dim']}] per layer.
-- decode: `inputs_embeds` [batch, 1, {llm['hidden_size']}], `position_ids` [batch, 1] (the prompt's last position
+- decode: `inputs_embeds` [batch, 1, {llm['hidden_size']}], `position_ids` {step} (the prompt's last position
   + 1, then + 1 per step: with FastV the later layers' caches are shorter than the position),
   `past_key_values.{{i}}.key` / `.value` (the presents) -> `logits` and the presents with the new token.
 
@@ -464,7 +692,7 @@ prefill = ort.InferenceSession("{files['prefill']}"); decode = ort.InferenceSess
 names = [o.name for o in prefill.get_outputs()]
 out = dict(zip(names, prefill.run(None, {{"inputs_embeds": embeds, "position_ids": positions}})))
 past = {{"past_key_values." + k[len("present."):]: v for k, v in out.items() if k.startswith("present.")}}
-token, position = out["logits"][:, -1].argmax(-1), positions[:, -1:] + 1
+token, position = out["logits"][:, -1].argmax(-1), positions[..., -1:] + 1
 # each step: decode.run(None, {{"inputs_embeds": embed(token)[:, None], "position_ids": position, **past}})
 ```
 

@@ -41,7 +41,11 @@ import torch
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods.selection import topk_lower_index
 
-FAMILIES = ("llama", "qwen2")  # Hugging Face model_type values whose decoder layer this module knows
+# Hugging Face model_type values whose decoder layer this module knows: Llama and Qwen2, and the
+# language models of Qwen2-VL / Qwen2.5-VL (Qwen2's layer; their rotary embedding takes mRoPE's
+# (t, h, w) positions, [3, B, T], and hands the layers ordinary cos/sin).
+FAMILIES = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,24 @@ class FastVSpec:
         if length <= self.image_end:
             raise InputError(f"the prompt ({length} tokens) must end with text after the image span "
                              f"[{self.image_start}, {self.image_end}): FastV scores from the last prompt token")
+
+
+def uses_mrope(config) -> bool:
+    """Positions are [3, B, T] (t, h, w) rather than [B, T]."""
+    return getattr(config, "model_type", None) in MROPE
+
+
+def default_positions(config, batch: int, length: int) -> torch.Tensor:
+    """0..T-1 for every token (a dense text prompt): [B, T], or [3, B, T] with t = h = w for mRoPE."""
+    positions = torch.arange(length).expand(batch, -1)
+    return positions.expand(3, batch, length) if uses_mrope(config) else positions
+
+
+def gather_positions(positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """positions [B, T] or [3, B, T] at index [B, T'] along the sequence."""
+    if positions.dim() == 3:
+        return torch.gather(positions, 2, index.unsqueeze(0).expand(positions.shape[0], -1, -1))
+    return torch.gather(positions, 1, index)
 
 
 def decoder_of(model):
@@ -135,7 +157,7 @@ def keep_index(kept: torch.Tensor, spec: FastVSpec, length: int) -> torch.Tensor
 class Prefill:
     logits: torch.Tensor  # [B, V], the last prompt token's
     cache: object  # transformers DynamicCache: full length for layers < K, shortened from K on (0-based)
-    positions: torch.Tensor  # [B, T'] positions of the tokens the pruned layers cache (as given to the prompt)
+    positions: torch.Tensor  # [B, T'] (mRoPE: [3, B, T']) positions of the tokens the later layers cache
     kept: torch.Tensor | None  # [B, R] kept image tokens, indices within the span (None: dense)
     scores: torch.Tensor | None  # [B, N] layer K's attention over the image span (None: dense)
 
@@ -157,8 +179,8 @@ def reference_prefill(model, embeds: torch.Tensor, spec: FastVSpec | None,
                       positions: torch.Tensor | None = None) -> Prefill:
     """The prompt through the HF model's layers, FastV applied after layer K (spec None: dense).
 
-    positions [B, T]: each token's position (default 0..T-1; a tower-pruned image keeps its
-    patches' original positions, with gaps).
+    positions [B, T] ([3, B, T] for mRoPE): each token's position (default 0..T-1; a tower-pruned
+    image keeps its patches' original positions, with gaps).
     """
     from transformers import DynamicCache
 
@@ -169,7 +191,7 @@ def reference_prefill(model, embeds: torch.Tensor, spec: FastVSpec | None,
         spec.check_prompt(length)
     cache = DynamicCache()
     if positions is None:
-        positions = torch.arange(length).expand(b, -1)
+        positions = default_positions(config, b, length)
     hidden = embeds
     kept = scores = None
     with eager_attention(model):
@@ -182,10 +204,10 @@ def reference_prefill(model, embeds: torch.Tensor, spec: FastVSpec | None,
                 scores = row
                 kept = topk_lower_index(row, spec.kept).sort(dim=-1).values
                 index = keep_index(kept, spec, length)
-                positions = torch.gather(positions, 1, index)
+                positions = gather_positions(positions, index)
                 hidden = torch.gather(hidden, 1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
                 rope = inner.rotary_emb(hidden, positions)
-                mask = causal_mask(positions.shape[1], hidden.dtype)
+                mask = causal_mask(positions.shape[-1], hidden.dtype)
                 continue
             hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, cache=cache)
         logits = model.lm_head(inner.norm(hidden[:, -1:]))[:, 0]
@@ -194,7 +216,7 @@ def reference_prefill(model, embeds: torch.Tensor, spec: FastVSpec | None,
 
 @torch.no_grad()
 def reference_decode(model, embeds: torch.Tensor, position: torch.Tensor, cache) -> torch.Tensor:
-    """One decode step: embeds [B, 1, D] at original position [B, 1], appended to each layer's own cache."""
+    """One decode step: embeds [B, 1, D] at position [B, 1] ([3, B, 1]), appended to each layer's own cache."""
     inner, _config = decoder_of(model)
     with eager_attention(model):
         rope = inner.rotary_emb(embeds, position)
@@ -214,8 +236,9 @@ def reference_generate(model, embeds: torch.Tensor, spec: FastVSpec | None, step
     first = reference_prefill(model, embeds, spec, positions)
     tokens = [first.logits.argmax(-1)]
     embed = model.get_input_embeddings()
-    last = embeds.shape[1] - 1 if positions is None else positions[:, -1:]
-    position = torch.zeros(embeds.shape[0], 1, dtype=torch.long) + last + 1
+    if positions is None:
+        positions = default_positions(decoder_of(model)[1], embeds.shape[0], embeds.shape[1])
+    position = positions[..., -1:] + 1  # the last prompt token is text: for mRoPE t = h = w there
     for _ in range(steps - 1):
         logits = reference_decode(model, embed(tokens[-1])[:, None], position, first.cache)
         tokens.append(logits.argmax(-1))

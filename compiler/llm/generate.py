@@ -2,26 +2,46 @@
 
 The bundle's tower runs under its own runner (the target's runtime here); its
 `image_features` rows replace the image placeholder in the prompt's embeddings, and every
-row gets its original position (handoff.image_positions): the LLM sees the pruned image
-where the dense one was, with gaps where the pruned patches were. `--dense` feeds the
-Hugging Face model's own image-feature path instead (consecutive positions), which is
-exactly what LlavaForConditionalGeneration.generate computes.
+row gets its original position, by the rules of handoff (one function per family): the LLM
+sees the pruned image where the dense one was, with gaps where the pruned tokens were.
+
+- LLaVA-1.5 (LlavaForConditionalGeneration, and the `demo` preset): 1-D positions from
+  kept_indices (handoff.image_positions).
+- Qwen2-VL / Qwen2.5-VL (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration):
+  the merged tokens at their dense mRoPE (t, h, w) positions from kept_positions, 3 x seq
+  position ids, the text resuming at the dense image's largest position + 1
+  (handoff.thw_positions). The checkpoint is loaded at the bundle's --image-size, and an
+  image is resized and centre-cropped to it, as `vlmprune run` feeds the bundle.
+- LLaVA-NeXT (LlavaNextForConditionalGeneration): the kept rows assembled as the bundle
+  README's anyres rule packs them (frontend.llava_next.assemble_llm_input: base tokens,
+  grid tokens, image_newline after each row that keeps one), each at its position in the
+  dense packed sequence (handoff.anyres_positions). The image is centre-cropped to the
+  bundle grid's aspect and resized to its resolution (as parity feeds it), so that nothing
+  is padded: the dense sequence is then the static one the manifest counts
+  (dense_image_tokens), and transformers' own path selects the same grid for it.
+
+`--dense` feeds the Hugging Face model's own image-feature path instead (get_image_features
+with image_sizes / image_grid_thw; consecutive positions, or the full mRoPE grid), which is
+exactly what the model's own forward on pixel_values computes (eval's harness check).
 
 Decoding is greedy, with a KV cache, one token at a time, positions continuing from the
-prompt's last position + 1 (so the pruned prompt's shorter length does not shift the
-answer's positions). Checkpoints: LLaVA (LlavaForConditionalGeneration) directories and
-the `demo` preset (its LLM is seeded, so its answers are token ids, not language).
+prompt's largest position + 1 (so the pruned prompt's shorter length does not shift the
+answer's positions; on every mRoPE axis alike, as Qwen's rope_deltas continue).
 
-The prompt: the checkpoint's processor chat template, else its tokenizer's, else
-LLaVA-1.5's `USER: <image>\\n{prompt} ASSISTANT:`. A checkpoint without a tokenizer
-(the demo, tiny test models) is given the prompt's UTF-8 bytes as token ids (a vocabulary
-of at least 256 is needed), and its answer is printed as token ids.
+The prompt: the checkpoint's processor chat template, else its tokenizer's, else the
+family's convention (LLaVA's `USER: <image>\\n{prompt} ASSISTANT:`; Qwen's im_start/im_end
+turns with `<|vision_start|><|image_pad|><|vision_end|>`). The placeholder is expanded to the
+image rows fed (for Qwen: as many <|image_pad|> as rows, between vision_start and vision_end).
+A checkpoint without a tokenizer (the demo, tiny test models) is given the prompt's UTF-8
+bytes as token ids (a vocabulary of at least 256 is needed; Qwen's vision_start/vision_end
+keep their own ids), and its answer is printed as token ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,20 +50,27 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.llm import handoff
 
 LLAVA_PROMPT = "USER: <image>\n{prompt} ASSISTANT:"
+QWEN_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+               "<|vision_start|><|image_pad|><|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n")
 IMAGE_MARK = "<image>"
+QWEN_MARK, QWEN_START, QWEN_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _PROCESSOR_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
+FAMILIES = {"llava": "llava", "llava_next": "llava_next", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
+SUPPORTED = "LLaVA-1.5, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL checkpoints (their ...ForConditionalGeneration)"
+_KINDS = {"llava": "indices", "llava_next": "cyx", "qwen2_vl": "thw"}  # the manifest's llm.positions.kind
 
 
 @dataclasses.dataclass
 class Vlm:
-    """A full LLaVA model (tower, projector, LLM), its tokenizer where it has one, and its vision Source."""
+    """A full VLM (tower, projector, LLM), its tokenizer where it has one, and its vision Source."""
 
     model: torch.nn.Module
     tokenizer: object | None
     chat_template: object | None  # a processor or tokenizer with a chat template, or None
     source: object  # compiler.frontend.Source of the same weights (hash, preprocessing, dense pipeline)
     spec: str
+    family: str = "llava"  # "llava" | "llava_next" | "qwen2_vl" (Qwen2.5-VL included)
 
 
 @dataclasses.dataclass
@@ -62,35 +89,86 @@ class Answer:
 
     tokens: list[int]
     first_logits: torch.Tensor  # [V] float32, the distribution of the first answer token
-    position_ids: list[int]  # every prompt position fed to the LLM
+    position_ids: list  # every prompt position fed to the LLM ([L]; mRoPE: [3][L], (t, h, w))
     image_tokens: int
     text: str | None = None
 
 
-def load_vlm(spec: str) -> Vlm:
-    """`demo`, or a local LlavaForConditionalGeneration directory; anything else is one line."""
+@dataclasses.dataclass
+class ImageRows:
+    """What replaces the placeholder: the rows in sequence order, and their positions given the placeholder's."""
+
+    rows: torch.Tensor  # [T, D]
+    place: Callable[[int], tuple[np.ndarray, int]]  # offset -> (positions [T] or [3, T], text start)
+    kept: list[int] | None = None
+
+
+def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, bundle: dict | None = None) -> Vlm:
+    """`demo`, or a local LLaVA / LLaVA-NeXT / Qwen2-VL directory; anything else is one line.
+
+    image_size: Qwen2-VL's static size (default 448); grid: LLaVA-NeXT's crops grid (default its largest).
+    bundle: a manifest the model must be the source of: its family is checked before any weight is read,
+    and its --image-size / --grid are the defaults.
+    """
     from vlmprune.compiler.frontend.adapter import Checkpoint
     from vlmprune.compiler.frontend.llava import LlavaAdapter
     from vlmprune.compiler.frontend.presets import demo_model
     from vlmprune.compiler.frontend.source import from_pretrained, quiet_transformers
 
     quiet_transformers()
+    family = None if bundle is None or bundle["model"]["kind"] == "onnx" else bundle["model"]["family"]
     if spec == "demo":
+        _bundle_family(spec, "llava", bundle)
+        if image_size is not None or grid is not None:
+            raise InputError("--image-size and --grid do not apply to `demo` (a LLaVA-1.5 model)")
         model = demo_model()
         return Vlm(model, None, None, LlavaAdapter.from_model("demo", model), "demo")
     path = Path(spec)
     if not path.is_dir():
-        raise InputError(f"{spec}: not a LLaVA checkpoint directory (nor `demo`)")
+        raise InputError(f"{spec}: not a checkpoint directory (nor `demo`); generate and eval run {SUPPORTED}")
     checkpoint = Checkpoint(path)
-    if checkpoint.model_type != "llava":
-        raise InputError(f"{spec}: generate and eval run LLaVA checkpoints (LlavaForConditionalGeneration); "
-                         f"this one is {checkpoint.model_type!r}")
-    from transformers import LlavaForConditionalGeneration
+    mine = FAMILIES.get(checkpoint.model_type)
+    if mine is None:
+        raise InputError(f"{spec}: generate and eval run {SUPPORTED}; this one is {checkpoint.model_type!r}")
+    _bundle_family(spec, mine, bundle)
+    if family == "qwen2_vl" and image_size is None:
+        image_size = bundle["model"]["image_size"]
+    if family == "llava_next" and grid is None:
+        grid = bundle["model"].get("grid")
+    if image_size is not None and mine != "qwen2_vl":
+        raise InputError(f"--image-size applies to Qwen2-VL / Qwen2.5-VL checkpoints, not to {spec} ({mine})")
+    if grid is not None and mine != "llava_next":
+        raise InputError(f"--grid applies to LLaVA-NeXT checkpoints, not to {spec} ({mine})")
+    if mine == "llava":
+        from transformers import LlavaForConditionalGeneration as model_class
 
-    source = LlavaAdapter().load(checkpoint, None)
-    model = from_pretrained(LlavaForConditionalGeneration, checkpoint, "LLaVA checkpoint")
+        source = LlavaAdapter().load(checkpoint, None)
+    elif mine == "llava_next":
+        from transformers import LlavaNextForConditionalGeneration as model_class
+
+        from vlmprune.compiler.frontend.llava_next import LlavaNextAdapter
+
+        source = LlavaNextAdapter().load(checkpoint, None)
+        if grid is not None:
+            source.regrid(grid)
+    else:
+        import transformers
+
+        from vlmprune.compiler.frontend.qwen2_vl import Qwen2VLAdapter
+
+        model_class = (transformers.Qwen2VLForConditionalGeneration if checkpoint.model_type == "qwen2_vl"
+                       else transformers.Qwen2_5_VLForConditionalGeneration)
+        source = Qwen2VLAdapter().load(checkpoint, None, image_size=image_size)
+    model = from_pretrained(model_class, checkpoint, f"{mine} checkpoint")
     tokenizer = _tokenizer(path)
-    return Vlm(model, tokenizer, _chat_template(path, tokenizer), source, str(path))
+    return Vlm(model, tokenizer, _chat_template(path, tokenizer), source, str(path), mine)
+
+
+def _bundle_family(spec: str, family: str, bundle: dict | None) -> None:
+    """A checkpoint of another family than the bundle's model, in one line (an .onnx tower's bundle: any LLaVA)."""
+    if bundle is not None and bundle["model"]["kind"] != "onnx" and bundle["model"]["family"] != family:
+        raise InputError(f"{spec} is not the model this bundle was compiled from ({bundle['model']['source']}): it is "
+                         f"a {family} checkpoint, the bundle's model a {bundle['model']['family']} one")
 
 
 def _tokenizer(path: Path):
@@ -121,6 +199,11 @@ def _first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def image_token_id(vlm: Vlm) -> int:
+    config = vlm.model.config
+    return config.image_token_id if vlm.family == "qwen2_vl" else config.image_token_index
+
+
 # ---------------------------------------------------------------------------------- prompt
 
 
@@ -128,16 +211,19 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     """The prompt's token ids before and after the image placeholder (see the module docstring)."""
     if not prompt.strip():
         raise InputError("--prompt is empty")
-    image_token = vlm.model.config.image_token_index
-    mark = IMAGE_MARK
+    qwen = vlm.family == "qwen2_vl"
+    image_token = image_token_id(vlm)
+    default_mark = QWEN_MARK if qwen else IMAGE_MARK
+    mark = default_mark
     if vlm.tokenizer is not None:
         try:
-            mark = vlm.tokenizer.convert_ids_to_tokens(image_token) or IMAGE_MARK
+            mark = vlm.tokenizer.convert_ids_to_tokens(image_token) or default_mark
         except (IndexError, KeyError, TypeError):  # an id the tokenizer does not know: the processor's mark
-            mark = IMAGE_MARK
+            mark = default_mark
     if vlm.chat_template is not None:
         text, how = None, "the checkpoint's chat template"
-        for content in ([{"type": "image"}, {"type": "text", "text": prompt}], f"{mark}\n{prompt}"):
+        wrapped = f"{QWEN_START}{mark}{QWEN_END}{prompt}" if qwen else f"{mark}\n{prompt}"
+        for content in ([{"type": "image"}, {"type": "text", "text": prompt}], wrapped):
             try:  # a processor's template takes typed content; a tokenizer's often only text
                 text = vlm.chat_template.apply_chat_template([{"role": "user", "content": content}],
                                                              add_generation_prompt=True, tokenize=False)
@@ -147,6 +233,8 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
                 break
         if not isinstance(text, str):
             raise InputError(f"{vlm.spec}: its chat template cannot render an image and a prompt")
+    elif qwen:
+        text, how = QWEN_PROMPT.format(prompt=prompt).replace(QWEN_MARK, mark), "Qwen2-VL's chat convention"
     else:
         text, how = LLAVA_PROMPT.format(prompt=prompt), "LLaVA-1.5's USER/ASSISTANT convention"
     if text.count(mark) != 1:
@@ -156,7 +244,11 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
         if vocab < 256:
             raise InputError(f"{vlm.spec} has no tokenizer, and its vocabulary ({vocab}) is too small to take the "
                              "prompt as UTF-8 bytes; add a tokenizer to the checkpoint")
-        before, after = (list(part.encode("utf-8")) for part in text.split(mark))
+        specials = {}
+        if qwen:
+            config = vlm.model.config
+            specials = {QWEN_START: config.vision_start_token_id, QWEN_END: config.vision_end_token_id}
+        before, after = (_bytes(part, specials) for part in text.split(mark))
         return Prompt(before, after, text, how + "; no tokenizer: UTF-8 bytes as token ids")
     # A template that writes the BOS token itself must not get a second one from the tokenizer.
     special = not (vlm.tokenizer.bos_token and text.startswith(vlm.tokenizer.bos_token))
@@ -170,6 +262,74 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
                   text, how)
 
 
+def _bytes(text: str, specials: dict[str, int]) -> list[int]:
+    """UTF-8 bytes as token ids, the family's special markers (Qwen's vision_start/end) as their own ids."""
+    for mark, token in specials.items():
+        if mark in text:
+            parts = [_bytes(part, specials) for part in text.split(mark)]
+            out = parts[0]
+            for part in parts[1:]:
+                out = out + [token] + part
+            return out
+    return list(text.encode("utf-8"))
+
+
+# ------------------------------------------------------------------------------ image input
+
+
+def load_pixels(vlm: Vlm, image: Path, preprocess: dict | None = None) -> tuple[np.ndarray, str]:
+    """An image file preprocessed for the source's tower: [1, 3, S, S], or LLaVA-NeXT's crops [C, 3, S, S].
+
+    preprocess: a bundle manifest's size, mean and std (one image, not crops), else the source's.
+    """
+    from vlmprune.compiler.frontend.images import anyres_crops, load_image_file
+
+    source = vlm.source
+    try:
+        if source.crops is None:
+            pre = preprocess or {"size": source.image_size, "mean": source.mean, "std": source.std}
+            pixel, described, _scale = load_image_file(str(image), pre["size"], pre["mean"], pre["std"])
+            return pixel, described
+        from PIL import Image
+
+        with Image.open(image) as img:
+            rgb = np.asarray(img.convert("RGB"))
+        pixel = anyres_crops(rgb, source.crops, source.image_size, source.mean, source.std, fill=True)
+    except Exception as exc:
+        raise InputError(f"{image}: cannot read the image ({_first_line(exc)})") from None
+    (height, width), (rows, cols) = source.crops["resolution"], source.crops["grid"]
+    return pixel, (f"{rgb.shape[1]}x{rgb.shape[0]} image: centre-cropped to the {rows}x{cols} grid's aspect and "
+                   f"resized to {width}x{height} (nothing padded), LlavaNextImageProcessor's {source.crops['count']} "
+                   f"crops of {source.image_size}x{source.image_size}")
+
+
+def hf_image_inputs(vlm: Vlm, pixel: np.ndarray) -> dict:
+    """The model's own forward's image arguments for one preprocessed image (pixel: load_pixels' array)."""
+    x = torch.from_numpy(pixel)
+    if vlm.family == "llava":
+        return {"pixel_values": x}
+    if vlm.family == "llava_next":
+        return {"pixel_values": x[None], "image_sizes": torch.tensor([vlm.source.crops["resolution"]])}
+    from transformers import Qwen2VLImageProcessorPil
+
+    vcfg = vlm.model.config.vision_config
+    processor = Qwen2VLImageProcessorPil(do_resize=False, do_rescale=False, do_normalize=False, do_convert_rgb=False,
+                                         patch_size=vcfg.patch_size, merge_size=vcfg.spatial_merge_size,
+                                         temporal_patch_size=vcfg.temporal_patch_size)
+    inputs = processor(images=list(pixel), return_tensors="pt", input_data_format="channels_first")
+    return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+
+
+def hf_forward_ids(vlm: Vlm, prompt: Prompt, tokens: int) -> dict:
+    """input_ids (the placeholder expanded to `tokens`, as the family's processor expands it) for the model's own
+    forward, with Qwen's mm_token_type_ids."""
+    ids = torch.tensor([prompt.before + [image_token_id(vlm)] * tokens + prompt.after])
+    out = {"input_ids": ids}
+    if vlm.family == "qwen2_vl":
+        out["mm_token_type_ids"] = (ids == image_token_id(vlm)).int()
+    return out
+
+
 # --------------------------------------------------------------------------------- decoding
 
 
@@ -181,43 +341,112 @@ def eos_ids(model) -> set[int]:
 @torch.inference_mode()
 def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np.ndarray, text_start: int,
            max_new_tokens: int) -> Answer:
-    """Greedy decoding: `features` [T, D] in place of the placeholder, at image_positions; the text after it
-    from text_start."""
+    """Greedy decoding: `features` [T, D] in place of the placeholder, at image_positions ([T], or [3, T] for
+    mRoPE); the text after it from text_start."""
     model = vlm.model
     embed = model.get_input_embeddings()
     ids = lambda values: torch.tensor([values], dtype=torch.long)  # noqa: E731
     embeds = torch.cat([embed(ids(prompt.before)), features[None].to(embed.weight.dtype), embed(ids(prompt.after))],
                        dim=1)
     offset = len(prompt.before)
+    image_positions = np.asarray(image_positions, dtype=np.int64)
     if image_positions.size and image_positions.min() < offset:
         raise ValueError("image positions must start at the placeholder's position")
-    positions = np.concatenate([np.arange(offset), image_positions, text_start + np.arange(len(prompt.after))])
-    out = model(inputs_embeds=embeds, position_ids=torch.from_numpy(positions)[None], use_cache=True,
-                logits_to_keep=1)
+    if image_positions.shape[-1] != len(features):
+        raise ValueError(f"{image_positions.shape[-1]} image positions for {len(features)} rows")
+    text = [np.arange(offset), image_positions, text_start + np.arange(len(prompt.after))]
+    if image_positions.ndim == 2:  # mRoPE: the text takes the same position on each axis
+        text[0], text[2] = (np.broadcast_to(t, (len(image_positions), len(t))) for t in (text[0], text[2]))
+        positions = np.concatenate(text, axis=1)
+        position_ids = torch.from_numpy(positions)[:, None]  # [3, 1, L]
+        step_ids = lambda p: torch.full((len(positions), 1, 1), p, dtype=torch.long)  # noqa: E731
+        position = int(positions.max()) + 1
+    else:
+        positions = np.concatenate(text)
+        position_ids = torch.from_numpy(positions)[None]
+        step_ids = lambda p: torch.tensor([[p]])  # noqa: E731
+        position = int(positions[-1]) + 1
+    out = model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1].float()
-    first, cache, position, tokens, stop = logits.clone(), out.cache, int(positions[-1]) + 1, [], eos_ids(model)
+    first, cache, tokens, stop = logits.clone(), out.cache, [], eos_ids(model)
     for step in range(max_new_tokens):
         token = int(torch.argmax(logits))
         tokens.append(token)
         if token in stop or step == max_new_tokens - 1:
             break
-        out = model(inputs_embeds=embed(ids([token])), position_ids=torch.tensor([[position]]), cache=cache,
-                    use_cache=True)
+        out = model(inputs_embeds=embed(ids([token])), position_ids=step_ids(position), cache=cache, use_cache=True)
         cache, position, logits = out.cache, position + 1, out.logits[0, -1].float()
     text = vlm.tokenizer.decode(tokens, skip_special_tokens=True) if vlm.tokenizer is not None else None
     return Answer(tokens, first, positions.tolist(), len(features), text)
 
 
 def dense_features(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None) -> torch.Tensor:
-    """The Hugging Face model's own image features for one image ([T, D]): LLaVA's get_image_features."""
+    """The Hugging Face model's own image features for one image ([T, D]): its get_image_features (LLaVA-NeXT:
+    packed with image_newline, as pack_image_features does; Qwen: the merger's output on the processor's patches)."""
     config = vlm.model.config
+    kwargs = hf_image_inputs(vlm, pixel)
+    if vlm.family != "qwen2_vl":
+        kwargs["vision_feature_layer"] = config.vision_feature_layer if feature_layer is None else feature_layer
+        kwargs["vision_feature_select_strategy"] = config.vision_feature_select_strategy
     with torch.inference_mode():
-        out = vlm.model.model.get_image_features(
-            pixel_values=torch.from_numpy(pixel), vision_feature_layer=config.vision_feature_layer
-            if feature_layer is None else feature_layer,
-            vision_feature_select_strategy=config.vision_feature_select_strategy)
+        out = vlm.model.model.get_image_features(**kwargs)
     features = out.pooler_output if hasattr(out, "pooler_output") else out
     return features[0]
+
+
+def dense_place(vlm: Vlm, tokens: int) -> Callable[[int], tuple[np.ndarray, int]]:
+    """Positions of a dense image of `tokens` rows: consecutive; for mRoPE the whole merged grid (thw_positions)."""
+    if vlm.family == "qwen2_vl":
+        table, grid = vlm.source.position_table, _merged_grid(vlm)
+        if len(table) != tokens:
+            raise ValueError(f"{tokens} dense rows for a {grid} merged grid")
+        return lambda offset: handoff.thw_positions(offset, table, grid)
+    return lambda offset: handoff.image_positions(offset, tokens, 0, None, 0)
+
+
+def dense_image(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None) -> ImageRows:
+    """The model's own dense image (`--dense`): its features and their positions."""
+    features = dense_features(vlm, pixel, feature_layer)
+    return ImageRows(features, dense_place(vlm, len(features)))
+
+
+def pruned_image(vlm: Vlm, features: torch.Tensor, kept: np.ndarray, kept_positions: np.ndarray | None,
+                 prefix: int, extra: int) -> ImageRows:
+    """A pruned image's rows (prefix, K kept, extra, as a bundle or a method reference gives them) in the order and
+    at the positions the family's rule says (handoff; LLaVA-NeXT: assembled by assemble_llm_input).
+
+    kept: the kept indices [K]; kept_positions [K, 3] (the bundle's output; None: the source's position table).
+    """
+    source = vlm.source
+    kept = np.asarray(kept, dtype=np.int64)
+    if vlm.family == "llava":
+        dense = prefix + source.num_patches
+        return ImageRows(features, lambda offset: handoff.image_positions(offset, dense, prefix, kept, extra),
+                         kept.tolist())
+    if kept_positions is None:
+        kept_positions = np.asarray(source.position_table)[kept]
+    kept_positions = np.asarray(kept_positions, dtype=np.int64)
+    if prefix:
+        raise ValueError(f"{vlm.family} features have no prefix rows")
+    if vlm.family == "qwen2_vl":
+        grid = _merged_grid(vlm)
+        return ImageRows(features, lambda offset: handoff.thw_positions(offset, kept_positions, grid, extra),
+                         kept.tolist())
+    from vlmprune.compiler.frontend.llava_next import assemble_llm_input
+
+    grid, side = tuple(source.crops["grid"]), source.crops["side"]
+    k = len(kept)
+    newline = source.pipeline.image_newline
+    rows = torch.cat([assemble_llm_input(features[:k], torch.from_numpy(kept_positions), newline, grid, side),
+                      features[k:]])
+    place = lambda offset: handoff.anyres_positions(offset, kept_positions, grid, side, extra)  # noqa: E731
+    if len(place(0)[0]) != len(rows):
+        raise ValueError(f"the assembly gives {len(rows)} rows, the positions rule {len(place(0)[0])}")
+    return ImageRows(rows, place, kept.tolist())
+
+
+def _merged_grid(vlm: Vlm) -> tuple[int, int, int]:
+    return tuple(vlm.source.details["token_counts"]["merged_grid_thw"])
 
 
 # ----------------------------------------------------------------------------------- bundle
@@ -225,34 +454,48 @@ def dense_features(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None
 
 @dataclasses.dataclass
 class BundleTokens:
-    """One image's rows from a bundle, their kept indices (None: dense), the llm section and the runtime used."""
+    """One image's rows from a bundle (in the order the LLM takes them), their kept indices (None: dense), the llm
+    section, the runtime used and, for the families with kept_positions, their placement."""
 
     features: torch.Tensor
     kept: np.ndarray | None
     llm: dict
     runtime: str
+    place: Callable[[int], tuple[np.ndarray, int]] | None = None
 
 
-def bundle_tokens(bundle_dir: Path, manifest: dict, pixel: np.ndarray) -> BundleTokens:
-    """Run the bundle's tower on one preprocessed image ([1, 3, S, S]) with its target's runner here."""
+def bundle_tokens(bundle_dir: Path, manifest: dict, pixel: np.ndarray, vlm: Vlm | None = None) -> BundleTokens:
+    """Run the bundle's tower on one preprocessed image (load_pixels) with its target's runner here.
+
+    vlm: the bundle's model, needed for mRoPE and anyres bundles (their grid, position table, image_newline).
+    """
     from vlmprune.targets import get_target
 
     llm = manifest.get("llm") or handoff.llm_section(manifest)
     kind = llm["positions"]["kind"]
-    if kind != "indices":
-        raise InputError(f"this bundle's positions are {kind!r} (mRoPE or crops); generate places 1-D "
-                         "positions (`indices`) only")
+    if kind not in _KINDS.values():
+        raise InputError(f"this bundle's positions are {kind!r}; generate places {', '.join(_KINDS.values())}")
+    if kind != "indices" and (vlm is None or _KINDS[vlm.family] != kind):
+        raise ValueError(f"a {kind!r} bundle needs its own model's Vlm to place its tokens")
     static = manifest["inputs"][0]["shape"][0]
-    if isinstance(static, int) and static > 1:  # a static batch: fill it with the one image, read slot 0
+    if kind != "cyx" and isinstance(static, int) and static > 1:  # a static batch: the image in every slot, slot 0
         pixel = np.repeat(pixel, static, axis=0)
     runner, runtime = get_target(manifest["target"]["name"]).runner(Path(bundle_dir), manifest)
     outputs = runner(pixel)
     kept = outputs[handoff.KEPT][0] if handoff.KEPT in outputs else None
-    return BundleTokens(torch.from_numpy(np.ascontiguousarray(outputs[llm["features_output"]][0])), kept, llm,
-                        runtime)
+    features = torch.from_numpy(np.ascontiguousarray(outputs[llm["features_output"]][0]))
+    if kind == "indices":
+        return BundleTokens(features, kept, llm, runtime)
+    if kept is None:  # a dense bundle: its features are the dense sequence
+        return BundleTokens(features, None, llm, runtime, dense_place(vlm, len(features)))
+    positions = outputs[handoff.KEPT_POSITIONS][0] if handoff.KEPT_POSITIONS in outputs else None
+    image = pruned_image(vlm, features, kept, positions, llm["rows"]["prefix"], llm["rows"]["extra"])
+    return BundleTokens(image.rows, kept, llm, runtime, image.place)
 
 
 def bundle_positions(tokens: BundleTokens, offset: int) -> tuple[np.ndarray, int]:
+    if tokens.place is not None:
+        return tokens.place(offset)
     rows = tokens.llm["rows"]
     if tokens.kept is None:
         return handoff.image_positions(offset, len(tokens.features), 0, None, 0)
@@ -261,9 +504,10 @@ def bundle_positions(tokens: BundleTokens, offset: int) -> tuple[np.ndarray, int
 
 
 def default_model(manifest: dict) -> str:
-    """The bundle's own source, when it is a full LLaVA model (the demo preset or a LLaVA directory)."""
+    """The bundle's own source, when it is a full VLM (the demo preset, or a LLaVA / LLaVA-NeXT / Qwen2-VL
+    directory)."""
     model = manifest["model"]
-    if model["family"] == "llava" and (model["kind"] == "hf" or model["source"] == "demo"):
+    if model["family"] in _KINDS and (model["kind"] == "hf" or model["source"] == "demo"):
         return model["source"]
     raise InputError(f"--model is needed: the bundle was compiled from {model['source']} ({model['kind']}, "
                      f"family {model['family']}), which holds no language model")
@@ -282,7 +526,6 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
              max_new_tokens: int = 32, progress=lambda _m: None) -> GenerateResult:
     """The library call behind `vlmprune generate` (see the module docstring)."""
     from vlmprune.compiler.bundle import load_manifest
-    from vlmprune.compiler.frontend.images import load_image_file
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -291,7 +534,7 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
     if not image.is_file():
         raise InputError(f"{image}: no such image file")
     spec = model or default_model(manifest)
-    vlm = load_vlm(spec)
+    vlm = load_vlm(spec, bundle=manifest)
     if manifest["model"]["kind"] != "onnx" and vlm.source.content_hash != manifest["model"]["sha256"]:
         raise InputError(f"{spec} is not the model this bundle was compiled from ({manifest['model']['source']}): "
                          "its content hash differs, and its LLM expects its own tower's features")
@@ -299,21 +542,16 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
     width = (manifest.get("llm") or handoff.llm_section(manifest))["hidden_size"]
     if width != hidden:
         raise InputError(f"the bundle's image_features are {width} wide, but the LLM of {spec} takes {hidden}")
-    pre = manifest["preprocess"]
-    try:
-        pixel, described, _scale = load_image_file(str(image), pre["size"], pre["mean"], pre["std"])
-    except Exception as exc:
-        raise InputError(f"{image}: cannot read the image ({_first_line(exc)})") from None
+    pixel, described = load_pixels(vlm, image, manifest["preprocess"])
     progress(f"{image}: {described}")
     built = build_prompt(vlm, prompt)
     progress(f"prompt ({built.how}): {built.text!r}")
     offset = len(built.before)
     if dense:
-        features = dense_features(vlm, pixel, manifest["model"].get("feature_layer_override"))
-        positions, text_start = handoff.image_positions(offset, len(features), 0, None, 0)
-        result = answer(vlm, built, features, positions, text_start, max_new_tokens)
+        rows = dense_image(vlm, pixel, manifest["model"].get("feature_layer_override"))
+        result = answer(vlm, built, rows.rows, *rows.place(offset), max_new_tokens)
         return GenerateResult(result, built, "transformers (the model's own image features, dense)", "dense", None)
-    tokens = bundle_tokens(bundle_dir, manifest, pixel)
+    tokens = bundle_tokens(bundle_dir, manifest, pixel, vlm)
     positions, text_start = bundle_positions(tokens, offset)
     result = answer(vlm, built, tokens.features, positions, text_start, max_new_tokens)
     kept = None if tokens.kept is None else tokens.kept.tolist()

@@ -18,7 +18,18 @@ to without pruning), prefix row r sits at offset + r, kept row j at offset + pre
 kept_indices[j], extra row e right after the last patch, at offset + Nd + e, and the text
 after the image continues at offset + Nd + extra. A dense bundle gets offset, offset + 1,
 ... as the unpruned model does; a pruned one leaves gaps where the pruned patches were,
-as TensorRT Edge-LLM keeps pruned visual tokens' positions.
+as TensorRT Edge-LLM keeps pruned visual tokens' positions. The same rule for the two
+families whose tokens carry `kept_positions`, one function each (what `vlmprune generate`
+and `vlmprune eval` feed, and what the manifest and README say):
+
+- mRoPE (Qwen2-VL, thw_positions): kept row j at offset + (t, h, w)_j on the three axes,
+  the text resuming at offset + max(t, h, w) of the dense merged grid (get_rope_index:
+  the dense image's largest position + 1), after the method's extra rows;
+- anyres crops (LLaVA-NeXT, anyres_positions): the rows assembled as
+  frontend.llava_next.assemble_llm_input packs them (base tokens, grid tokens by row,
+  image_newline after each row that keeps one), each at its position in the dense packed
+  sequence (base, tiles, newlines, as transformers' pack_image_features lays them out for
+  an image of the grid's resolution), the text resuming after the dense packed length.
 """
 
 from __future__ import annotations
@@ -38,11 +49,14 @@ _MEANING = {
 POSITIONS_RULE = ("prefix row r at offset + r; kept row j at offset + prefix + kept_indices[j]; extra row e at "
                   "offset + dense_image_tokens + e; text after the image from offset + dense_image_tokens + extra")
 _RULES = {"indices": POSITIONS_RULE,
-          "thw": "row prefix + j at offset + kept_positions[j] on each mRoPE axis (t, h, w); text after the image "
-                 "from offset + max(t, h, w) of the dense merged grid",
+          "thw": "row prefix + j at offset + kept_positions[j] on each mRoPE axis (t, h, w); extra row e at "
+                 "offset + max(t, h, w) of the dense merged grid + e on every axis; text after the image from "
+                 "offset + max(t, h, w) + extra",
           "cyx": "assemble the sequence as the anyres section of the bundle README says (base tokens, then the "
-                 "tiles' tokens by global row and column with image_newline after each row that keeps one); "
-                 "positions are consecutive over that assembled sequence, as LLaVA-NeXT's are"}
+                 "tiles' tokens by global row and column with image_newline after each row that keeps one); each "
+                 "assembled row (newlines included) at offset + its position in the dense packed sequence (base "
+                 "r * s + x; grid N + Y * (cols * s + 1) + X; row Y's newline N + Y * (cols * s + 1) + cols * s); "
+                 "extra row e at offset + dense_image_tokens + e; text from offset + dense_image_tokens + extra"}
 
 
 def llm_section(manifest: dict) -> dict:
@@ -67,10 +81,10 @@ def llm_section(manifest: dict) -> dict:
     resumes = None if dense is None else dense + extra
     grid = (model.get("token_counts") or {}).get("merged_grid_thw")
     if kind == "thw":  # mRoPE: the text resumes after the dense grid's largest axis (thw_positions)
-        resumes = max(grid) if grid else None
+        resumes = max(grid) + extra if grid else None
     if kind == "cyx" and model.get("grid"):  # anyres: HF's packed sequence of one image at the grid's resolution
         dense = _anyres_dense(model)
-        resumes = None  # consecutive after the assembly (the bundle README's anyres section), not a fixed offset
+        resumes = None if dense is None else dense + extra  # anyres_positions
     return {
         "features_output": features["name"],
         "image_tokens": tokens,  # an int, or the dimension's name where it is symbolic (a variable K)
@@ -93,8 +107,13 @@ def _anyres_dense(model: dict) -> int | None:
     size, patch = model.get("image_size"), model.get("patch_size")
     if not (size and patch):
         return None
-    side = size // patch
-    rows, cols = parse_grid(model["grid"])
+    return anyres_dense_tokens(parse_grid(model["grid"]), size // patch)
+
+
+def anyres_dense_tokens(grid: tuple[int, int], side: int) -> int:
+    """The length of HF's packed sequence for one image at the grid's resolution: N base + the grid rows, each
+    followed by image_newline."""
+    rows, cols = grid
     return side * side + rows * side * (cols * side + 1)
 
 
@@ -114,15 +133,48 @@ def image_positions(offset: int, dense_tokens: int, prefix: int, kept: np.ndarra
     return np.concatenate(rows).astype(np.int64), offset + dense_tokens + extra
 
 
-def thw_positions(offset: int, kept_positions: np.ndarray, grid_thw: tuple[int, int, int]) -> tuple[np.ndarray, int]:
-    """mRoPE (Qwen2-VL): ([3, K] (t, h, w) positions of the kept rows, the text position after the image).
+def thw_positions(offset: int, kept_positions: np.ndarray, grid_thw: tuple[int, int, int], extra: int = 0,
+                  ) -> tuple[np.ndarray, int]:
+    """mRoPE (Qwen2-VL): ([3, K + extra] (t, h, w) positions of the rows, the text position after the image).
 
     As Qwen2-VL's get_rope_index places an image: each axis starts at the placeholder's position,
     and the text resumes one past the largest position of the dense grid, offset + max(t, h, w).
-    Ready for bundles with a `kept_positions` output; generate itself runs 1-D positions only.
+    Extra rows (a method's summary token) sit there, equal on every axis, and the text after them.
+    A dense image is kept_positions = the whole position table (Source.position_table).
     """
-    kept_positions = np.asarray(kept_positions, dtype=np.int64)
-    return (offset + kept_positions.T).astype(np.int64), offset + max(grid_thw)
+    kept_positions = np.asarray(kept_positions, dtype=np.int64).reshape(-1, 3)
+    after = offset + max(grid_thw)
+    tail = np.broadcast_to(after + np.arange(extra, dtype=np.int64), (3, extra))
+    return np.concatenate([offset + kept_positions.T, tail], axis=1).astype(np.int64), after + extra
+
+
+def anyres_positions(offset: int, kept_positions: np.ndarray, grid: tuple[int, int], side: int, extra: int = 0,
+                     ) -> tuple[np.ndarray, int]:
+    """Anyres crops (LLaVA-NeXT): (1-D position of every row of the assembled sequence, the text position after it).
+
+    The assembled sequence is frontend.llava_next.assemble_llm_input's (image at the grid's
+    resolution, nothing unpadded): the base tokens (crop 0) in the order given, the grid tokens
+    by (row Y, column X), image_newline after each grid row that keeps a token; then `extra`
+    rows. Each row sits where it sits in the dense packed sequence (pack_image_features):
+    base token (r, x) at r * side + x, grid token (Y, X) at N + Y * (W + 1) + X and row Y's
+    newline at N + Y * (W + 1) + W (N = side², W = cols * side); extra row e at dense + e,
+    the text at dense + extra, all from offset. With every token kept: offset, offset + 1, ...
+    """
+    rows, cols = grid
+    n, width = side * side, cols * side
+    kept_positions = np.asarray(kept_positions, dtype=np.int64).reshape(-1, 3)
+    crop, r, x = kept_positions.T
+    base = crop == 0
+    tile = np.maximum(crop - 1, 0)
+    y, xg = (tile // cols * side + r)[~base], (tile % cols * side + x)[~base]
+    grid_positions = np.sort(n + y * (width + 1) + xg, kind="stable")  # by (Y, X), as the assembly orders them
+    grid_rows = (grid_positions - n) // (width + 1)
+    out = [r[base] * side + x[base]]
+    for row in np.unique(grid_rows):
+        out += [grid_positions[grid_rows == row], np.array([n + row * (width + 1) + width])]
+    dense = anyres_dense_tokens(grid, side)
+    out.append(dense + np.arange(extra))
+    return (offset + np.concatenate(out)).astype(np.int64), offset + dense + extra
 
 
 def readme_section(manifest: dict) -> str:
@@ -138,10 +190,13 @@ def readme_section(manifest: dict) -> str:
                   f"- merged row e: offset + {dense} + e\n- the text after the image: from offset + {after}")
         if llm["positions"]["kind"] == "thw":
             places = (f"- row {rows['prefix']} + j: offset + kept_positions[j] on each mRoPE axis (t, h, w)\n"
+                      f"- merged row e: offset + {after - rows['extra'] if isinstance(after, int) else after} + e "
+                      "on every axis\n"
                       f"- the text after the image: from offset + {after}")
         if llm["positions"]["kind"] == "cyx":
-            places = ("- the rows are assembled as the anyres section below says, and take consecutive positions "
-                      "from offset over the assembled sequence")
+            places = ("- the rows are assembled as the anyres section below says; each assembled row (image_newline "
+                      f"included) takes offset + its position in the dense packed sequence of {dense} rows\n"
+                      f"- merged row e: offset + {dense} + e\n- the text after the image: from offset + {after}")
     else:
         layout = "every patch, in raster order (a dense bundle)"
         places = f"- row r: offset + r\n- the text after the image: from offset + {after}"

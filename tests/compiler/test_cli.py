@@ -81,6 +81,9 @@ def test_targets_lists_availability():
         ok, why = cls().available()
         status = lines[name].split(None, 1)[1]
         assert status.startswith("available ") if ok else status.startswith(f"unavailable: {why[:20]}"), lines[name]
+    llm = result.output.split("--with-llm (the language model):\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in llm] == ["ort", "ort", "orin", "xavier", "rk3588", "qnn"]
+    assert "not supported" in llm[3] and "TensorRT Edge-LLM 0.11.0 exporter" in llm[2]
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -13,22 +13,17 @@ import pytest
 import torch
 from test_generate import PROMPT, tiny_vlm
 
-from cli_helpers import one_line_error as _one_line_error, run_cli as _run
+from cli_helpers import eval_inputs, one_line_error as _one_line_error, run_cli as _run
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from PIL import Image
     from skimage import data
 
     root = tmp_path_factory.mktemp("eval")
-    images = root / "images"
-    images.mkdir()
-    Image.fromarray(data.astronaut()).save(images / "astronaut.png")
-    Image.fromarray(data.coffee()).save(images / "coffee.jpg")
+    images, prompts = eval_inputs(root, {"astronaut.png": data.astronaut(), "coffee.jpg": data.coffee()},
+                                  [PROMPT, "", "describe the picture"])
     (images / "notes.txt").write_text("not an image")
-    prompts = root / "prompts.txt"
-    prompts.write_text(f"{PROMPT}\n\ndescribe the picture\n")
     return {"model": tiny_vlm(root / "model", seed=3), "images": images, "prompts": prompts, "root": root}
 
 

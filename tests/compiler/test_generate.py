@@ -207,7 +207,7 @@ def test_generate_bad_input(setup, tiny_clip_dir):
                     "--max-new-tokens must be an integer >= 1")
     _one_line_error(_run("generate", bundle, "--image", image, "--prompt", "  "), "--prompt is empty")
     _one_line_error(_run("generate", bundle, "--image", image, "--prompt", PROMPT, "--model", tiny_clip_dir),
-                    "generate and eval run LLaVA checkpoints")
+                    "generate and eval run LLaVA-1.5, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL")
     other = tiny_vlm(setup["root"] / "other", seed=2)
     _one_line_error(_run("generate", bundle, "--image", image, "--prompt", PROMPT, "--model", other),
                     "is not the model this bundle was compiled from")

@@ -296,3 +296,19 @@ def test_cli_refusal_is_one_line(llava_next_dir, tmp_path):
                                        str(tmp_path / "b")])
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "error: --crop-budget" in result.output
+
+
+def test_with_llm_exports_llava_next_language_model(llava_next_dir, tmp_path):
+    """--with-llm takes a LLaVA-NeXT checkpoint's language model (dense: the assembled count varies with K's rows)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from vlmprune.compiler.cli import main
+
+    out = tmp_path / "b"
+    result = CliRunner().invoke(main, ["compile", str(llava_next_dir), "--target", "ort", "--keep", "30",
+                                       "--with-llm", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    graphs = json.loads((out / "manifest.json").read_text())["llm_graphs"]
+    assert graphs["family"] == "llama" and graphs["parity"]["passed"] and graphs["fastv"] is None

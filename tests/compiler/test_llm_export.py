@@ -115,11 +115,18 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--target", "orin", "--with-llm"], "--with-llm: target orin does not take the language model yet"),
+    (["--target", "xavier", "--with-llm"], "--with-llm: target xavier does not take the language model yet"),
+    (["--target", "orin", "--with-llm", "--fastv-layer", "1", "--image-start", "3"],
+     "FastV is not part of TensorRT Edge-LLM's language-model graph"),
     (["--fastv-layer", "1"], "--fastv-layer applies to the language model: add --with-llm"),
     (["--with-llm", "--fastv-layer", "1"], "FastV needs --image-start"),
     (["--with-llm", "--fastv-layer", "1", "--image-start", "3", "--fastv-keep", "1.5"], "--fastv-keep is the share"),
     (["--with-llm", "--fastv-keep", "0.5"], "--fastv-keep needs --fastv-layer"),
+    (["--llm-exporter", "genai"], "--llm-exporter applies to the language model: add --with-llm"),
+    (["--with-llm", "--llm-exporter", "genai", "--fastv-layer", "1", "--image-start", "3"],
+     "FastV cannot be compiled into onnxruntime-genai's graph"),
+    (["--target", "orin", "--with-llm", "--llm-exporter", "torch"], "--llm-exporter applies to target ort"),
+    (["--target", "qnn", "--with-llm"], "has no QNN execution provider"),
 ])
 def test_llm_options_are_refused_in_one_line_before_any_work(tmp_path, args, needle):
     result = _cli("compile", "demo", *args, "-o", tmp_path / "b")
@@ -143,9 +150,85 @@ def test_with_llm_adds_the_decoder_to_the_bundle_and_the_manifest_hashes_it(tiny
     assert graphs["parity"]["passed"] and graphs["parity"]["tokens_identical"] and graphs["fastv"] is None
     assert "## The language model (`--with-llm`)" in (out / "README.md").read_text()
     assert json.loads(result.stdout)["parity"]["passed"] is True
+    checked = _cli("check", out, "--json", "--junit", tmp_path / "check.xml")  # check re-runs the LLM's parity
+    assert checked.exit_code == 0, checked.output
+    stages = {s["stage"]: s for s in json.loads(checked.stdout)["stages"]}
+    assert stages["llm"]["passed"] and stages["llm"]["runtime"] == "onnxruntime (prefill + decode)"
+    assert set(stages["llm"]["outputs"]) == {"logits + present", "greedy tokens"}
+    assert 'classname="vlmprune.parity.llm"' in (tmp_path / "check.xml").read_text()
     with open(out / "llm" / "llm.weights.bin", "r+b") as f:  # one flipped byte: the bundle is refused
         first = f.read(1)
         f.seek(0)
         f.write(bytes([first[0] ^ 1]))
     with pytest.raises(InputError, match="llm/llm.weights.bin"):
         bundle.load_manifest(out, verify=True)
+
+
+def test_fastv_bundle_carries_its_span_and_check_repeats_its_parity(tmp_path):
+    import json
+
+    out = tmp_path / "b"
+    result = _cli("compile", "demo", "--target", "ort", "--keep", 64, "--with-llm", "--fastv-layer", 1,
+                  "--image-start", 3, "--fastv-keep", 0.25, "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    graphs = json.loads((out / "manifest.json").read_text())["llm_graphs"]
+    assert graphs["fastv"] == {**graphs["fastv"], "layer": 1, "image_start": 3, "image_tokens": 65, "kept": 16}
+    assert graphs["parity"]["kept_identical"] and graphs["parity"]["tokens_identical"]
+    assert "kept_image_indices" in [o["name"] for o in graphs["io"]["prefill"]["outputs"]]
+    checked = _cli("check", out, "--json")
+    assert checked.exit_code == 0, checked.output
+    llm = [s for s in json.loads(checked.stdout)["stages"] if s["stage"] == "llm"]
+    assert len(llm) == 1 and llm[0]["passed"] and llm[0]["outputs"]["kept_image_indices"]["passed"]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen25_dir(tmp_path_factory):
+    """A tiny Qwen2.5-VL with a 2-layer language model (FastV needs a layer after the one that scores)."""
+    from tiny_models import spread, tiny_qwen
+
+    path = tiny_qwen(tmp_path_factory.mktemp("tiny_qwen25_llm"), "qwen2_5_vl", 5, num_hidden_layers=2,
+                     num_attention_heads=4,
+                     rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 10000.0})
+    # attention near-uniform is blind to positions: sharpen the language model's q and k, and save again
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    spread(model, suffixes=("q_proj.weight", "k_proj.weight"), std=0.3)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_qwen_language_model_takes_mrope_positions_with_fastv(tiny_qwen25_dir, tmp_path):
+    """Qwen2.5-VL's LLM: position_ids [3, batch, sequence] (t, h, w), FastV inside, parity at compile and in check."""
+    import json
+
+    out = tmp_path / "b"
+    result = _cli("compile", tiny_qwen25_dir, "--target", "ort", "--method", "divprune", "--keep", 8,
+                  "--image-size", 112, "--with-llm", "--fastv-layer", 1, "--image-start", 2, "-o", out, "-q")
+    assert result.exit_code == 0, result.output
+    graphs = json.loads((out / "manifest.json").read_text())["llm_graphs"]
+    assert graphs["family"] == "qwen2_5_vl_text" and graphs["mrope"] is True
+    inputs = {v["name"]: v["shape"] for v in graphs["io"]["prefill"]["inputs"]}
+    assert len(inputs["position_ids"]) == 3 and inputs["position_ids"][0] == 3
+    assert graphs["fastv"]["kept"] == 4 and graphs["parity"]["passed"] and graphs["parity"]["kept_identical"]
+    assert "[3, batch, sequence]" in (out / "README.md").read_text()
+    checked = _cli("check", out, "--json")
+    assert checked.exit_code == 0, checked.output
+    assert [s["passed"] for s in json.loads(checked.stdout)["stages"] if s["stage"] == "llm"] == [True]
+
+
+def test_mrope_positions_are_not_the_1d_ones(tiny_qwen25_dir, tmp_path):
+    """The parity prompt's image span has h and w that differ from t: 1-D positions would give other logits."""
+    from vlmprune.compiler.llm.export import language_model, parity_positions
+    from vlmprune.compiler.llm.fastv import reference_prefill
+
+    lm = language_model(str(tiny_qwen25_dir))
+    positions = parity_positions(lm.config, 1, 14, 2, 9)
+    assert positions.shape == (3, 1, 14)
+    assert positions[:, 0, 2].tolist() == [2, 2, 2] and positions[:, 0, 10].tolist() == [2, 4, 4]
+    assert positions[:, 0, 11].tolist() == [5, 5, 5]  # text resumes after the span's largest position
+    embeds = torch.randn(1, 14, 48, generator=torch.Generator().manual_seed(0))
+    grid = reference_prefill(lm, embeds, None, positions).cache.layers[0].keys  # [1, kv_heads, T, d] after RoPE
+    flat = reference_prefill(lm, embeds, None, positions[0:1].expand(3, -1, -1)).cache.layers[0].keys
+    torch.testing.assert_close(grid[:, :, :3], flat[:, :, :3], rtol=0, atol=0)  # t = h = w there: the same rotation
+    assert (grid[:, :, 3:11] - flat[:, :, 3:11]).abs().max() > 1e-2  # h, w != t: the other sections rotate

@@ -18,6 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from tiny_models import tiny_qwen
 from vlmprune.compiler.cli import main
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
@@ -32,28 +33,7 @@ IMAGE, VIDEO, START, END = 120, 121, 122, 123  # the tiny vocabulary's special t
 
 
 def _save(factory, family: str, seed: int):
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration)
-
-    text = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=2, vocab_size=128,
-                rope_parameters={"rope_type": "default", "mrope_section": [4, 4, 4], "rope_theta": 10000.0})
-    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-    if family == "qwen2_vl":
-        vision = dict(depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2)
-        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(vision_config=vision, text_config=text, **ids))
-    else:
-        vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=48, num_heads=2, window_size=56,
-                      fullatt_block_indexes=[1])
-        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(vision_config=vision, text_config=text, **ids))
-    torch.manual_seed(seed)
-    with torch.no_grad():  # transformers' init leaves the tiny tower near-uniform; spread the weights
-        for name, param in model.named_parameters():
-            if name.startswith(("visual.", "model.visual.")) and param.ndim > 1:
-                param.normal_(0.0, 0.2)
-    path = factory.mktemp(f"tiny_{family}")
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return path
+    return tiny_qwen(factory.mktemp(f"tiny_{family}"), family, seed)
 
 
 @pytest.fixture(scope="module")

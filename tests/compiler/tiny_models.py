@@ -1,0 +1,50 @@
+"""Tiny Qwen2-VL / Qwen2.5-VL checkpoints built offline from configs, for the tests that need one.
+
+One builder so that every test's tiny Qwen has the same tower shapes (Qwen2-VL: 2 blocks;
+Qwen2.5-VL: 3 blocks, windows of 56 px, block 2 full attention) and differs only where the
+test says (the language model's size, the vocabulary, which weights are spread).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+QWEN_IDS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+
+
+def spread(model, prefixes: tuple[str, ...] = (), suffixes: tuple[str, ...] = (), std: float = 0.2) -> None:
+    """transformers' init leaves tiny models near-uniform (attention blind to content and position): spread them."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim > 1 and (name.startswith(prefixes) if prefixes else True) \
+                    and (name.endswith(suffixes) if suffixes else True):
+                param.normal_(0.0, std)
+
+
+def tiny_qwen(path: Path, family: str = "qwen2_vl", seed: int = 0, ids: dict | None = None, **text) -> Path:
+    """A seeded tiny Qwen2-VL or Qwen2.5-VL saved (safetensors) at path, its tower's weights spread.
+
+    text: overrides of the language model's config (default: 1 layer, 48 wide, 2 heads, vocab 128,
+    mRoPE sections [4, 4, 4]).
+    """
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+
+    config = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=128,
+                  rope_parameters={"rope_type": "default", "mrope_section": [4, 4, 4], "rope_theta": 10000.0})
+    config.update(text)
+    ids = QWEN_IDS if ids is None else ids
+    torch.manual_seed(seed)
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2)
+        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(vision_config=vision, text_config=config, **ids))
+    else:
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=config["hidden_size"],
+                      num_heads=2, window_size=56, fullatt_block_indexes=[1])
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(vision_config=vision, text_config=config, **ids))
+    spread(model, ("visual.", "model.visual."))
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return Path(path)
