@@ -17,7 +17,6 @@ under a lock, a marker written last).
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import platform
@@ -26,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vlmprune.targets.venvs import IsolatedEnv, clean_env, venv_python
+from vlmprune.targets.venvs import IsolatedEnv, clean_env, link_host_torch, venv_python
 
 RKNN_TOOLKIT_VERSION = "2.5.0"
 TOOLKIT_REQUIREMENT = f"rknn-toolkit2=={RKNN_TOOLKIT_VERSION}"
@@ -92,32 +91,14 @@ def create_venv(venv: Path) -> dict:
         pip = [str(venv_python(venv)), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         ENV.run([*pip, "--no-deps", TOOLKIT_REQUIREMENT], "install rknn-toolkit2")
         ENV.run([*pip, *RUNTIME_REQUIREMENTS], "install rknn runtime requirements")
-        torch_source = _link_host_torch(venv)
+        torch_source = link_host_torch(venv, RknnError("rknn-toolkit2 imports torch at module level: install "
+                                                         "the CPU torch wheel in this environment first (it is "
+                                                         "linked into the rknn venv, not downloaded)"))
         ENV.run([str(venv_python(venv)), "-c", "from rknn.api import RKNN"], "import rknn.api")
         return {"rknn_toolkit2": RKNN_TOOLKIT_VERSION, "requirements": [TOOLKIT_REQUIREMENT, *RUNTIME_REQUIREMENTS],
                 "torch": torch_source}
 
     return ENV.build(venv, install)
-
-
-def _site_packages(venv: Path) -> Path:
-    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-
-
-def _link_host_torch(venv: Path) -> str:
-    """Symlink this environment's torch distribution (torch, torchgen, functorch, dist-info)."""
-    try:
-        dist = importlib.metadata.distribution("torch")
-    except importlib.metadata.PackageNotFoundError:
-        raise RknnError("rknn-toolkit2 imports torch at module level: install the CPU torch wheel "
-                        "in this environment first (it is linked into the rknn venv, not downloaded)") from None
-    tops = sorted({f.parts[0] for f in dist.files or () if f.parts[0] != ".."})
-    site = _site_packages(venv)
-    for top in tops:
-        target = Path(dist.locate_file(top))
-        if target.is_dir() and not (site / top).exists():
-            (site / top).symlink_to(target, target_is_directory=True)
-    return f"torch {dist.version} linked from {Path(dist.locate_file('torch'))}"
 
 
 def run_worker(request: dict, timeout: float = 1800) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import importlib.metadata
 import json
 import os
 import shutil
@@ -51,6 +52,30 @@ def tree_size(path: Path) -> int:
             if not os.path.islink(p):
                 total += os.path.getsize(p)
     return total
+
+
+def site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def link_host_torch(venv: Path, missing: Exception) -> str:
+    """Symlink this environment's torch distribution (torch, torchgen, functorch, dist-info) into venv.
+
+    Why: a toolchain that needs torch gets the CPU build this project installs; pip in the
+    venv then sees torch installed and does not fetch PyPI's default (multi-GB CUDA) wheel.
+    missing: raised when this environment has no torch.
+    """
+    try:
+        dist = importlib.metadata.distribution("torch")
+    except importlib.metadata.PackageNotFoundError:
+        raise missing from None
+    tops = sorted({f.parts[0] for f in dist.files or () if f.parts[0] != ".."})
+    site = site_packages(venv)
+    for top in tops:
+        target = Path(dist.locate_file(top))
+        if target.is_dir() and not (site / top).exists():
+            (site / top).symlink_to(target, target_is_directory=True)
+    return f"torch {dist.version} linked from {Path(dist.locate_file('torch'))}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,9 +3,11 @@
 Why a separate environment: the exporter pins transformers==5.14.1, onnx==1.19.0,
 onnxscript==0.7.1, onnx-graphsurgeon==0.6.1 and numpy==2.2.6, which clash with this
 project's environment (transformers 5.2x, onnx 1.2x). Its torch pin (2.13.0) is the torch
-this project installs, so the venv is made with --system-site-packages and pip reuses the
-host's CPU torch instead of downloading a CUDA build; everything else the exporter pins is
-installed into the venv, where it shadows the host's copies.
+this project installs, so this environment's CPU torch is linked into the venv (as for
+rknn-toolkit2) and pip takes it as installed instead of downloading PyPI's CUDA build;
+everything else the exporter pins is installed into the venv. Why a link and not
+--system-site-packages: that would see the base interpreter's packages, not those of the
+virtual environment vlmprune itself may run in.
 
 It is driven through its console script (`tensorrt-edgellm-export`) by subprocess, as
 rk3588's toolkit is, and built as every isolated toolchain's venv is (vlmprune.targets.venvs:
@@ -25,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from vlmprune.targets.venvs import IsolatedEnv, venv_python
+from vlmprune.targets.venvs import IsolatedEnv, link_host_torch, venv_python
 
 EDGELLM_VERSION = "0.11.0"
 REQUIREMENT = f"tensorrt-edgellm[export]=={EDGELLM_VERSION}"
@@ -75,7 +77,7 @@ def creatable() -> tuple[bool, str]:
         return False, problem
     if os.environ.get(CREATE_ENV, "1") == "0":
         return False, f"Edge-LLM venv not created and {CREATE_ENV}=0"
-    return True, f"Edge-LLM venv is created on first use at {venv_dir()} (~40 s; host torch reused, not downloaded)"
+    return True, f"Edge-LLM venv is created on first use at {venv_dir()} (~65 s, ~800 MB; torch linked, not downloaded)"
 
 
 def edgellm_python() -> Path:
@@ -95,13 +97,15 @@ def export_command() -> list[str]:
 
 
 def create_venv(venv: Path) -> dict:
-    """Build the venv over the host's site-packages (its torch is reused); the exporter's pins shadow the rest."""
+    """Build the venv: this environment's torch linked in, the exporter and its pins installed."""
     problem = _host_torch_problem()
     if problem:
         raise EdgeLlmError(problem)
 
     def install(venv: Path) -> dict:
-        ENV.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], "create venv")
+        ENV.run([sys.executable, "-m", "venv", str(venv)], "create venv")
+        torch_source = link_host_torch(venv, EdgeLlmError("torch is not installed here (the Edge-LLM venv links "
+                                                          "this environment's CPU torch 2.13.0)"))
         python = str(venv_python(venv))
         ENV.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", REQUIREMENT],
                 f"pip install {REQUIREMENT}")
@@ -111,7 +115,7 @@ def create_venv(venv: Path) -> dict:
         if not (venv / "bin" / EXPORT_SCRIPT).is_file():
             raise EdgeLlmError(f"Edge-LLM venv: pip install {REQUIREMENT} did not install {EXPORT_SCRIPT}")
         return {"tensorrt_edgellm": EDGELLM_VERSION, "requirement": REQUIREMENT, "pins": list(PINS),
-                "torch": f"host torch {importlib.metadata.version('torch')} reused from {Path(out[0]).parent}",
+                "torch": f"{torch_source} (imported from {Path(out[0]).parent})",
                 "transformers": out[1] if len(out) > 1 else None}
 
     return ENV.build(venv, install)
