@@ -192,16 +192,16 @@ def test_qwen2_5_vl_language_model_goes_through_skip_visual(edgellm_ready, tmp_p
     assert "--vlm" in readme_section({"llm_graphs": info})
 
 
-def test_compile_orin_with_llm_and_check_repeat_the_edgellm_checks(edgellm_ready, tmp_path):
-    """The CLI end to end: `compile demo --target orin --with-llm` puts Edge-LLM's graph in the bundle; check re-runs it."""
+def test_compile_orin_with_llm_and_check_repeat_the_edgellm_checks(edgellm_ready, tiny_llava_dir, tmp_path):
+    """The CLI end to end: `compile --target orin --with-llm` puts Edge-LLM's graph in the bundle; check re-runs it."""
     from click.testing import CliRunner
 
     from vlmprune.compiler import bundle
     from vlmprune.compiler.cli import main
 
     out = tmp_path / "b"
-    result = CliRunner().invoke(main, ["compile", "demo", "--target", "orin", "--keep", "64", "--with-llm", "-o",
-                                       str(out), "-q"])
+    result = CliRunner().invoke(main, ["compile", str(tiny_llava_dir), "--target", "orin", "--keep", "16",
+                                       "--with-llm", "-o", str(out), "-q"])
     assert result.exit_code == 0, result.output
     manifest = bundle.load_manifest(out, verify=True)  # llm/ is hashed like every other file
     assert {"llm/model.onnx", "llm/model.onnx.data", "llm/embedding.safetensors"} <= set(manifest["files"])

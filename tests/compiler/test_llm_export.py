@@ -164,23 +164,6 @@ def test_with_llm_adds_the_decoder_to_the_bundle_and_the_manifest_hashes_it(tiny
         bundle.load_manifest(out, verify=True)
 
 
-def test_fastv_bundle_carries_its_span_and_check_repeats_its_parity(tmp_path):
-    import json
-
-    out = tmp_path / "b"
-    result = _cli("compile", "demo", "--target", "ort", "--keep", 64, "--with-llm", "--fastv-layer", 1,
-                  "--image-start", 3, "--fastv-keep", 0.25, "-o", out, "--json")
-    assert result.exit_code == 0, result.output
-    graphs = json.loads((out / "manifest.json").read_text())["llm_graphs"]
-    assert graphs["fastv"] == {**graphs["fastv"], "layer": 1, "image_start": 3, "image_tokens": 65, "kept": 16}
-    assert graphs["parity"]["kept_identical"] and graphs["parity"]["tokens_identical"]
-    assert "kept_image_indices" in [o["name"] for o in graphs["io"]["prefill"]["outputs"]]
-    checked = _cli("check", out, "--json")
-    assert checked.exit_code == 0, checked.output
-    llm = [s for s in json.loads(checked.stdout)["stages"] if s["stage"] == "llm"]
-    assert len(llm) == 1 and llm[0]["passed"] and llm[0]["outputs"]["kept_image_indices"]["passed"]
-
-
 @pytest.fixture(scope="module")
 def tiny_qwen25_dir(tmp_path_factory):
     """A tiny Qwen2.5-VL with a 2-layer language model (FastV needs a layer after the one that scores)."""
