@@ -232,6 +232,11 @@ assembled with the same layout rule, keeping only the kept tokens:
 4. The LLM input is: base tokens, grid tokens with their newlines{", then the summary token" if summary else ""}.
    Its length is {keep + summary} + (grid rows holding a kept token): set the prompt's image placeholder count
    from it, per image.
+5. Positions (a runtime that takes them; others renumber): each assembled row keeps its place in the dense
+   packed sequence of an image of {height}x{width}: base token (r, x) at offset + r * {s} + x, grid token (Y, X) at
+   offset + {s * s} + Y * {cols * s + 1} + X, row Y's newline at offset + {s * s} + Y * {cols * s + 1} + {cols * s};
+   {f"the summary token at offset + {dense}; " if summary else ""}the text after the image from offset + {dense + summary}
+   (the manifest's `llm.positions`; `vlmprune generate` feeds exactly these).
 
 The budget K is split over the crops by `{method["params"]["crops"]["budget"]}` (manifest `method.params.crops`);
 padded tokens, when there are any, count in K and are dropped by rule 2.
