@@ -23,6 +23,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.llava_next import packed_length, parse_grid
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
 from vlmprune.passes.outputs import BatchDimNamePass
@@ -188,12 +189,12 @@ def anyres_readme(manifest: dict) -> str:
     model = manifest["model"]
     if not model.get("grid") or not model.get("crops"):
         return ""
-    rows, cols = (int(v) for v in model["grid"].split("x"))
+    rows, cols = parse_grid(model["grid"])
     count, size, patch = model["crops"], model["image_size"], model["patch_size"]
     s = size // patch
     height, width = model.get("resolution", [rows * size, cols * size])
     method = manifest["method"]
-    dense = s * s + rows * s * (cols * s + 1)
+    dense = packed_length((rows, cols), s)
     head = f"""
 ## Assembling the LLM input (LLaVA-NeXT anyres crops)
 

@@ -31,6 +31,34 @@ def projector_for(config) -> Projector:
     return projector
 
 
+def check_tower(vcfg, what: str) -> None:
+    """One line for a vision tower type a LLaVA-style checkpoint may not bring here (CLIP or SigLIP only)."""
+    if vcfg.model_type not in TOWERS:
+        raise InputError(f"{what} vision tower type {vcfg.model_type!r} is not supported (CLIP or SigLIP)")
+
+
+def tower_state(checkpoint: Checkpoint) -> dict:
+    """The tower's weights of a LLaVA-style checkpoint, keyed as the bare vision model's."""
+    return strip_prefix(read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower.")), "vision_model.")
+
+
+def load_vision(checkpoint: Checkpoint, state: dict):
+    """(tower, projector) of a LLaVA-style checkpoint built from its config and loaded (state: tower_state's)."""
+    config = checkpoint.config
+    tower = build_tower(config.vision_config)
+    load_state(inner_tower(tower), state, "vision tower")
+    projector = projector_for(config)
+    pstate = read_safetensors(checkpoint.weights, ("model.multi_modal_projector.", "multi_modal_projector."))
+    load_state(projector, pstate, "projector")
+    return tower, projector.eval()
+
+
+def tower_normalization(checkpoint: Checkpoint) -> tuple:
+    """(mean, std): the checkpoint's processor's, else CLIP's or SigLIP's by the tower type."""
+    siglip = checkpoint.config.vision_config.model_type == "siglip_vision_model"
+    return checkpoint.preprocessing(SIGLIP_MEAN if siglip else CLIP_MEAN, SIGLIP_STD if siglip else CLIP_STD)
+
+
 def pipeline_for(config, tower, projector, feature_layer: int | None) -> tuple[VisionPipeline, int, str]:
     vcfg = config.vision_config
     fl = config.vision_feature_layer if feature_layer is None else feature_layer
@@ -55,20 +83,13 @@ class LlavaAdapter(ModelAdapter):
     def load(self, checkpoint: Checkpoint, feature_layer: int | None) -> Source:
         config = checkpoint.config
         vcfg = config.vision_config
-        if vcfg.model_type not in TOWERS:
-            raise InputError(f"LLaVA vision tower type {vcfg.model_type!r} is not supported (CLIP or SigLIP)")
-        state = strip_prefix(read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower.")),
-                             "vision_model.")
+        check_tower(vcfg, "LLaVA")
+        state = tower_state(checkpoint)
         if getattr(vcfg, "vision_use_head", False) and not any(k.startswith("head.") for k in state):
             vcfg.vision_use_head = False  # LLaVA checkpoints usually drop SigLIP's pooling head: no --score probe
-        tower = build_tower(vcfg)
-        load_state(inner_tower(tower), state, "vision tower")
-        projector = projector_for(config)
-        pstate = read_safetensors(checkpoint.weights, ("model.multi_modal_projector.", "multi_modal_projector."))
-        load_state(projector, pstate, "projector")
-        pipeline, fl, strategy = pipeline_for(config, tower, projector.eval(), feature_layer)
-        siglip = vcfg.model_type == "siglip_vision_model"
-        mean, std = checkpoint.preprocessing(SIGLIP_MEAN if siglip else CLIP_MEAN, SIGLIP_STD if siglip else CLIP_STD)
+        tower, projector = load_vision(checkpoint, state)
+        pipeline, fl, strategy = pipeline_for(config, tower, projector, feature_layer)
+        mean, std = tower_normalization(checkpoint)
         return Source(str(checkpoint.path.resolve()), "hf", self.family, sha256_files(checkpoint.files()),
                       vcfg.image_size, vcfg.patch_size, pipeline.has_cls, mean, std, pipeline=pipeline,
                       details={"model_type": "llava", "feature_layer": fl, "select_strategy": strategy,

@@ -37,10 +37,9 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.clip import SIGLIP_MEAN, SIGLIP_STD, build_tower, tower_parts
-from vlmprune.compiler.frontend.llava import TOWERS, projector_for
-from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, inner_tower, load_state,
-                                               read_safetensors, sha256_files, strip_prefix)
+from vlmprune.compiler.frontend.clip import tower_parts
+from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
+from vlmprune.compiler.frontend.source import Source, feature_blocks, read_safetensors, sha256_files
 from vlmprune.compiler.frontend.tower import VisionPipeline
 
 
@@ -128,8 +127,7 @@ class LlavaNextAdapter(ModelAdapter):
     def load(self, checkpoint: Checkpoint, feature_layer: int | None) -> Source:
         config = checkpoint.config
         vcfg = config.vision_config
-        if vcfg.model_type not in TOWERS:
-            raise InputError(f"LLaVA-NeXT vision tower type {vcfg.model_type!r} is not supported (CLIP or SigLIP)")
+        check_tower(vcfg, "LLaVA-NeXT")
         strategy = config.vision_feature_select_strategy
         if strategy != "default":
             raise InputError(f"vision_feature_select_strategy {strategy!r} is not supported for LLaVA-NeXT: its "
@@ -137,12 +135,7 @@ class LlavaNextAdapter(ModelAdapter):
         fl = config.vision_feature_layer if feature_layer is None else feature_layer
         if not isinstance(fl, int):
             raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
-        tower = build_tower(vcfg)
-        state = read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower."))
-        load_state(inner_tower(tower), strip_prefix(state, "vision_model."), "vision tower")
-        projector = projector_for(config)
-        pstate = read_safetensors(checkpoint.weights, ("model.multi_modal_projector.", "multi_modal_projector."))
-        load_state(projector, pstate, "projector")
+        tower, projector = load_vision(checkpoint, tower_state(checkpoint))
         newline = read_safetensors(checkpoint.weights, ("model.image_newline", "image_newline")).get("")
         d_text = config.text_config.hidden_size
         if newline is None or tuple(newline.shape) != (d_text,):
@@ -150,10 +143,9 @@ class LlavaNextAdapter(ModelAdapter):
                              "(LLaVA-NeXT's row separator)")
         grid = choose_grid(config, None)
         has_cls = vcfg.model_type == "clip_vision_model"
-        pipeline = AnyresPipeline(tower_parts(tower), projector.eval(), feature_blocks(fl, vcfg.num_hidden_layers),
+        pipeline = AnyresPipeline(tower_parts(tower), projector, feature_blocks(fl, vcfg.num_hidden_layers),
                                   True, has_cls, vcfg.patch_size, image_newline=newline.float(), grid=grid).eval()
-        siglip = vcfg.model_type == "siglip_vision_model"
-        mean, std = checkpoint.preprocessing(SIGLIP_MEAN if siglip else CLIP_MEAN, SIGLIP_STD if siglip else CLIP_STD)
+        mean, std = tower_normalization(checkpoint)
         source = Source(str(checkpoint.path.resolve()), "hf", self.family, sha256_files(checkpoint.files()),
                         vcfg.image_size, vcfg.patch_size, has_cls, mean, std, pipeline=pipeline, positions="cyx",
                         details={"model_type": "llava_next", "feature_layer": fl, "select_strategy": strategy,
@@ -162,6 +154,13 @@ class LlavaNextAdapter(ModelAdapter):
         set_grid(source, grid)
         source.regrid = lambda text: set_grid(source, choose_grid(config, text))
         return source
+
+
+def packed_length(grid: tuple[int, int], side: int) -> int:
+    """The length of transformers' packed sequence of one image at the grid's resolution (pack_image_features):
+    side² base tokens, then the rows·side grid rows of cols·side tokens, each followed by image_newline."""
+    rows, cols = grid
+    return side * side + rows * side * (cols * side + 1)
 
 
 def set_grid(source: Source, grid: tuple[int, int]) -> None:

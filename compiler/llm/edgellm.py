@@ -177,8 +177,7 @@ def _resolve(model):
                              f"is not supported (supported: {', '.join(TEXT_FAMILIES)})")
     from vlmprune.compiler.llm.export import language_model
 
-    lm = language_model(spec)  # one line for anything that is neither `demo` nor a LLaVA checkpoint
-    check_family(lm.config)
+    lm = language_model(spec)  # one line for anything else; it checks the family (check_family) too
     return "lm", lm, (path if spec != "demo" and path.is_dir() else None), lm.config
 
 

@@ -458,9 +458,10 @@ def parity_positions(config, batch: int, length: int, image_start: int, image_to
 
 def _tokenizer_dir(model_spec: str) -> Path | None:
     """The checkpoint directory when it holds tokenizer files (the genai builder copies them), else None."""
+    from vlmprune.compiler.llm.generate import has_tokenizer
+
     path = Path(model_spec)
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    return path if model_spec != "demo" and path.is_dir() and any((path / n).is_file() for n in names) else None
+    return path if model_spec != "demo" and path.is_dir() and has_tokenizer(path) else None
 
 
 def _emit_genai(model_spec: str, manifest: dict, folder: Path, progress) -> dict:
@@ -542,87 +543,86 @@ def spec_of(llm: dict) -> FastVSpec | None:
 
 
 def check_llm(model_spec: str, bundle_dir: Path, manifest: dict):
-    """`vlmprune check` for the language model: llm_parity again on the bundle's own graphs, as one stage.
+    """`vlmprune check` for the language model: its exporter's compile-time check again, on the bundle's own files.
 
     Why a stage of its own and not a figure in the tower's: the LLM graphs take embeddings, not
     pixels, so they are compared on seeded embeddings against the reference decoder (the
-    compile-time check, repeated on the files the manifest hashes).
+    compile-time check, repeated on the files the manifest hashes). One stage whatever the
+    exporter; each gives its runtime, precision, tolerance and figures (as notes).
     """
     from vlmprune.compiler.parity import DEFAULT_TOLERANCES, StageResult
 
     llm = manifest["llm_graphs"]
     if is_edgellm(llm):
-        return _check_edgellm(model_spec, bundle_dir, manifest)
-    if is_genai(llm):
-        return _check_genai(model_spec, bundle_dir)
-    tolerance = dataclasses.replace(DEFAULT_TOLERANCES["fp32"], max_abs=PARITY_ATOL)
-    runtime = "onnxruntime (prefill + decode)"
+        from vlmprune.compiler.llm import edgellm
+
+        runtime, precision, atol, figures = ("onnx + onnxruntime (graph cut at the TensorRT Edge-LLM plugins)", "fp16",
+                                             edgellm.PARITY_ATOL, _edgellm_figures)
+    elif is_genai(llm):
+        from vlmprune.compiler.llm import genai
+
+        runtime, precision, atol, figures = ("onnxruntime (onnxruntime-genai's graph)", "fp32", genai.PARITY_ATOL,
+                                             _genai_figures)
+    else:
+        runtime, precision, atol, figures = "onnxruntime (prefill + decode)", "fp32", PARITY_ATOL, _torch_figures
+    tolerance = dataclasses.replace(DEFAULT_TOLERANCES[precision], max_abs=atol)
     try:
-        lm = language_model(model_spec)
-        tokens = manifest.get("llm", {}).get("image_tokens")
-        got = llm_parity(lm, spec_of(llm), Path(bundle_dir) / LLM_DIR, tokens if isinstance(tokens, int) else 8)
+        passed, outputs = figures(model_spec, Path(bundle_dir), manifest)
     except InputError:
         raise
     except Exception as exc:  # the graphs failed to run: a failed stage with its reason
-        return StageResult("llm", runtime, "fp32", tolerance, False,
+        return StageResult("llm", runtime, precision, tolerance, False,
                            error=f"{type(exc).__name__}: {exc}".splitlines()[0])
-    close = got["logits_max_abs"] <= PARITY_ATOL
+    return StageResult("llm", runtime, precision, tolerance, passed, outputs=outputs)
+
+
+def _tokens_note(got: dict) -> dict:
+    return {"note": f"{got['decode_steps']} decode steps " + ("identical" if got["tokens_identical"] else "DIFFER"),
+            "passed": got["tokens_identical"]}
+
+
+def _torch_figures(model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
+    llm = manifest["llm_graphs"]
+    tokens = manifest.get("llm", {}).get("image_tokens")
+    got = llm_parity(language_model(model_spec), spec_of(llm), bundle_dir / LLM_DIR,
+                     tokens if isinstance(tokens, int) else 8)
     outputs = {
         "logits + present": {"note": f"max-abs {got['logits_max_abs']:.3g} (≤ {PARITY_ATOL:g}), batch {got['batch']}, "
-                                     f"{got['prompt_tokens']} prompt tokens, seed {got['seed']}", "passed": close},
-        "greedy tokens": {"note": f"{got['decode_steps']} decode steps "
-                                  + ("identical" if got["tokens_identical"] else "DIFFER"),
-                          "passed": got["tokens_identical"]},
+                                     f"{got['prompt_tokens']} prompt tokens, seed {got['seed']}",
+                             "passed": got["logits_max_abs"] <= PARITY_ATOL},
+        "greedy tokens": _tokens_note(got),
     }
     if llm.get("fastv"):
         outputs["kept_image_indices"] = {"note": "identical" if got["kept_identical"] else "DIFFER",
                                          "passed": got["kept_identical"]}
-    return StageResult("llm", runtime, "fp32", tolerance, got["passed"], outputs=outputs)
+    return got["passed"], outputs
 
 
 def is_genai(llm: dict) -> bool:
     return str(llm.get("exporter", "")).startswith("onnxruntime-genai")
 
 
-def _check_genai(model_spec: str, bundle_dir: Path):
+def _genai_figures(model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
     """The genai graph's parity again (plain ONNX Runtime vs Hugging Face at contiguous positions, batch 1 and 2)."""
     from vlmprune.compiler.llm import genai
-    from vlmprune.compiler.parity import DEFAULT_TOLERANCES, StageResult
 
-    tolerance = dataclasses.replace(DEFAULT_TOLERANCES["fp32"], max_abs=genai.PARITY_ATOL)
-    runtime = "onnxruntime (onnxruntime-genai's graph)"
-    try:
-        got = genai.genai_parity(language_model(model_spec), Path(bundle_dir) / LLM_DIR)
-    except InputError:
-        raise
-    except Exception as exc:
-        return StageResult("llm", runtime, "fp32", tolerance, False, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    got = genai.genai_parity(language_model(model_spec), bundle_dir / LLM_DIR)
     outputs = {"logits": {"note": f"max-abs {got['logits_max_abs']:.3g} (≤ {genai.PARITY_ATOL:g}), batch "
                                   f"{' and '.join(map(str, got['batches']))}, {got['prompt_tokens']} prompt tokens, "
                                   f"contiguous positions", "passed": got["logits_max_abs"] <= genai.PARITY_ATOL},
-               "greedy tokens": {"note": f"{got['decode_steps']} decode steps "
-                                         + ("identical" if got["tokens_identical"] else "DIFFER"),
-                                 "passed": got["tokens_identical"]}}
-    return StageResult("llm", runtime, "fp32", tolerance, got["passed"], outputs=outputs)
+               "greedy tokens": _tokens_note(got)}
+    return got["passed"], outputs
 
 
 def is_edgellm(llm: dict) -> bool:
     return str(llm.get("exporter", "")).startswith("TensorRT Edge-LLM")
 
 
-def _check_edgellm(model_spec: str, bundle_dir: Path, manifest: dict):
-    """The Edge-LLM graph's checks that run without TensorRT, as one stage (fp16 weights; the plugins need the device)."""
+def _edgellm_figures(model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
+    """The Edge-LLM graph's checks that run without TensorRT (fp16 weights; the plugins need the device)."""
     from vlmprune.compiler.llm import edgellm
-    from vlmprune.compiler.parity import DEFAULT_TOLERANCES, StageResult
 
-    tolerance = dataclasses.replace(DEFAULT_TOLERANCES["fp16"], max_abs=edgellm.PARITY_ATOL)
-    runtime = "onnx + onnxruntime (graph cut at the TensorRT Edge-LLM plugins)"
-    try:
-        got = edgellm.recheck(model_spec, bundle_dir, manifest)
-    except InputError:
-        raise
-    except Exception as exc:
-        return StageResult("llm", runtime, "fp16", tolerance, False, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    got = edgellm.recheck(model_spec, bundle_dir, manifest)
     weights, ops = got["weights"], got["standard_ops"]
     outputs = {"weights": {"note": f"{weights['tensors_checked']} checkpoint tensors in the graph, max-abs "
                                    f"{weights['max_abs']:.3g} in fp16"
@@ -635,7 +635,7 @@ def _check_edgellm(model_spec: str, bundle_dir: Path, manifest: dict):
     else:
         outputs["standard ops"] = {"note": f"not run: {ops.get('reason')}", "passed": None}
     outputs["device"] = {"note": "not run here: " + "; ".join(got["needs_device"]), "passed": None}
-    return StageResult("llm", runtime, "fp16", tolerance, got["passed"], outputs=outputs)
+    return got["passed"], outputs
 
 
 def _layers(first: int, last: int) -> str:

@@ -54,7 +54,7 @@ QWEN_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im
                "<|vision_start|><|image_pad|><|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n")
 IMAGE_MARK = "<image>"
 QWEN_MARK, QWEN_START, QWEN_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one: it has one
 _PROCESSOR_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
 FAMILIES = {"llava": "llava", "llava_next": "llava_next", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
 SUPPORTED = "LLaVA-1.5, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL checkpoints (their ...ForConditionalGeneration)"
@@ -171,8 +171,12 @@ def _bundle_family(spec: str, family: str, bundle: dict | None) -> None:
                          f"a {family} checkpoint, the bundle's model a {bundle['model']['family']} one")
 
 
+def has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
 def _tokenizer(path: Path):
-    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+    if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 

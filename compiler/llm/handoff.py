@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlmprune.compiler.frontend.llava_next import parse_grid
+from vlmprune.compiler.frontend.llava_next import packed_length, parse_grid
 from vlmprune.compiler.reference import FEATURES, KEPT, KEPT_POSITIONS  # [B, K, 3]: (t, h, w) or (crop, row, col)
 
 
@@ -107,14 +107,7 @@ def _anyres_dense(model: dict) -> int | None:
     size, patch = model.get("image_size"), model.get("patch_size")
     if not (size and patch):
         return None
-    return anyres_dense_tokens(parse_grid(model["grid"]), size // patch)
-
-
-def anyres_dense_tokens(grid: tuple[int, int], side: int) -> int:
-    """The length of HF's packed sequence for one image at the grid's resolution: N base + the grid rows, each
-    followed by image_newline."""
-    rows, cols = grid
-    return side * side + rows * side * (cols * side + 1)
+    return packed_length(parse_grid(model["grid"]), size // patch)
 
 
 def _patches(model: dict) -> int | None:
@@ -172,7 +165,7 @@ def anyres_positions(offset: int, kept_positions: np.ndarray, grid: tuple[int, i
     out = [r[base] * side + x[base]]
     for row in np.unique(grid_rows):
         out += [grid_positions[grid_rows == row], np.array([n + row * (width + 1) + width])]
-    dense = anyres_dense_tokens(grid, side)
+    dense = packed_length(grid, side)
     out.append(dense + np.arange(extra))
     return (offset + np.concatenate(out)).astype(np.int64), offset + dense + extra
 

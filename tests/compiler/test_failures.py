@@ -17,6 +17,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
+from tiny_models import edited_copy
 from vlmprune.compiler import bundle
 from vlmprune.compiler.cli import main
 
@@ -59,11 +60,7 @@ def test_two_compiles_into_one_output(tiny_llava_dir, tmp_path):
 # --- 2. tracebacks that became one line -----------------------------------------------------
 
 def test_safetensors_that_disagree_with_config(tiny_clip_dir, tmp_path):
-    copy = tmp_path / "clip"
-    shutil.copytree(tiny_clip_dir, copy)
-    config = json.loads((copy / "config.json").read_text())
-    config["intermediate_size"] = 80
-    (copy / "config.json").write_text(json.dumps(config))
+    copy = edited_copy(tiny_clip_dir, tmp_path / "clip", lambda config: config.update(intermediate_size=80))
     _one_line_error(_run("compile", copy, "--keep", 8, "-o", tmp_path / "b"), "the checkpoint and config disagree")
     assert not (tmp_path / "b").exists()
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tiny_models import edited_copy
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -67,14 +68,7 @@ def test_siglip_refuses_cls_methods(tiny_siglip_dir, tmp_path, method):
 
 
 def test_vit_checkpoint_with_a_wrong_shape_is_one_line(tiny_vit_dir, tmp_path):
-    import json
-    import shutil
-
-    copy = tmp_path / "vit"
-    shutil.copytree(tiny_vit_dir, copy)
-    config = json.loads((copy / "config.json").read_text())
-    config["intermediate_size"] = 80
-    (copy / "config.json").write_text(json.dumps(config))
+    copy = edited_copy(tiny_vit_dir, tmp_path / "vit", lambda config: config.update(intermediate_size=80))
     with pytest.raises(InputError, match="the checkpoint and config disagree"):
         load_source(str(copy))
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tiny_models import edited_copy
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -37,13 +38,8 @@ def test_llava_dir_weights_really_loaded(tiny_llava_dir):
 
 
 def test_full_select_strategy_keeps_cls(tiny_llava_dir, tmp_path):
-    import shutil
-
-    copy = tmp_path / "llava_full"
-    shutil.copytree(tiny_llava_dir, copy)
-    cfg = json.loads((copy / "config.json").read_text())
-    cfg["vision_feature_select_strategy"] = "full"
-    (copy / "config.json").write_text(json.dumps(cfg))
+    copy = edited_copy(tiny_llava_dir, tmp_path / "llava_full",
+                       lambda cfg: cfg.update(vision_feature_select_strategy="full"))
     result = compile_model(str(copy), tmp_path / "b", CompileOptions(keep=10, layer=2))
     assert result.report.passed
     features = next(o for o in result.manifest["outputs"] if o["name"] == "image_features")

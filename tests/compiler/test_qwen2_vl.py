@@ -18,7 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from tiny_models import tiny_qwen
+from tiny_models import edited_copy, tiny_qwen
 from vlmprune.compiler.cli import main
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
@@ -218,13 +218,8 @@ def test_image_size_is_refused_by_fixed_size_sources(tiny_clip_dir):
 
 
 def test_vision_weights_only_and_shapes_checked(qwen_dirs, tmp_path):
-    import shutil
-
-    copy = tmp_path / "q"
-    shutil.copytree(qwen_dirs["qwen2_5_vl"], copy)
-    config = json.loads((copy / "config.json").read_text())
-    config["vision_config"]["intermediate_size"] = 40
-    (copy / "config.json").write_text(json.dumps(config))
+    copy = edited_copy(qwen_dirs["qwen2_5_vl"], tmp_path / "q",
+                       lambda config: config["vision_config"].update(intermediate_size=40))
     with pytest.raises(InputError, match="the checkpoint and config disagree"):
         load_source(str(copy))
 

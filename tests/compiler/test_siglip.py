@@ -14,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from tiny_models import edited_copy
 from vlmprune.compiler.cli import main
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
@@ -125,11 +126,8 @@ def test_probe_refused_without_a_head(tiny_clip_dir, llava_siglip_dir, tmp_path)
 
 
 def test_refused_configurations(llava_siglip_dir, tmp_path):
-    copy = tmp_path / "default"
-    shutil.copytree(llava_siglip_dir, copy)
-    config = json.loads((copy / "config.json").read_text())
-    config["vision_feature_select_strategy"] = "default"
-    (copy / "config.json").write_text(json.dumps(config))
+    copy = edited_copy(llava_siglip_dir, tmp_path / "default",
+                       lambda config: config.update(vision_feature_select_strategy="default"))
     with pytest.raises(InputError, match="'default' on a SigLIP tower drops its first patch token"):
         load_source(str(copy))
     idefics = tmp_path / "idefics3"

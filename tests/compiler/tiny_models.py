@@ -48,3 +48,15 @@ def tiny_qwen(path: Path, family: str = "qwen2_vl", seed: int = 0, ids: dict | N
     spread(model, ("visual.", "model.visual."))
     model.eval().save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def edited_copy(source: Path, copy: Path, edit) -> Path:
+    """A copy of the checkpoint folder source at copy, its config.json changed in place by edit(config dict)."""
+    import json
+    import shutil
+
+    shutil.copytree(source, copy)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
