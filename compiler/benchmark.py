@@ -70,6 +70,9 @@ def load_inputs(path: Path, manifest: dict) -> np.ndarray:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"--load-inputs {path}: no such file")
+    not_npz = f"--load-inputs {path}: not an .npz file of input arrays"
+    if not zipfile.is_zipfile(path):  # np.load would take it as a .npy, or offer to unpickle it
+        raise InputError(f"{not_npz} (not a zip archive, which numpy.savez writes)")
     try:
         with np.load(path, allow_pickle=False) as data:
             names = list(data.files)
@@ -83,7 +86,9 @@ def load_inputs(path: Path, manifest: dict) -> np.ndarray:
     except InputError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise InputError(f"--load-inputs {path}: not a readable .npz file ({str(exc).splitlines()[0]})") from None
+        why = ("it holds pickled Python objects, which are never loaded" if "pickle" in str(exc)
+               else (str(exc).splitlines() or [type(exc).__name__])[0])
+        raise InputError(f"{not_npz} ({why})") from None
     shape = spec["shape"]
     if array.dtype != np.float32:
         raise InputError(f"--load-inputs {path}: {spec['name']} is {array.dtype}, the bundle takes float32")

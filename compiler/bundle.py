@@ -7,7 +7,8 @@ lock, and refuses in one line while the first is alive; a staging directory whos
 lock is free was left by a writer that died, and is reclaimed. The finished bundle
 is renamed into place, so an interrupted or failed compile never leaves a half-written
 bundle, and `--force` replaces only a complete bundle (one with a manifest), never a
-directory that is something else.
+directory that is something else. An empty directory is taken as the output (as build
+tools take a `mkdir build`), and missing parents are created (removed again on failure).
 
 Every file's sha256 is recorded in manifest.json, and the manifest records the digest
 of its own content, so an edited manifest (keep changed by hand, a file list trimmed)
@@ -30,6 +31,7 @@ from vlmprune.compiler.errors import InputError
 MANIFEST = "manifest.json"
 DIGEST_KEY = "manifest_sha256"
 _LOCK = ".vlmprune-writing"
+_complete: list[str] | None = None  # while tracking(): the outputs complete so far, as the interrupt line names them
 
 
 def sha256_file(path: Path) -> str:
@@ -48,25 +50,88 @@ def _is_bundle(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST).is_file()
 
 
+def check_parent(path: Path, label: str) -> None:
+    """One line unless path's parent exists or can be made: the nearest folder above it that exists must be
+    a directory one can create things in."""
+    base = Path(path).parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise InputError(f"{label}: {base} is not a directory")
+    # os.access says yes to root everywhere; creating something is the real test.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{Path(path).name}.", suffix=".probe", dir=base))
+    except OSError as exc:
+        raise InputError(f"{label}: {base} is not writable ({exc.strerror})") from None
+
+
+@contextlib.contextmanager
+def parents_made(path: Path):
+    """Create path's missing parent folders; if the block fails or is interrupted, remove the ones made here."""
+    missing, folder = [], Path(path).parent
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    made = []
+    try:
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                continue  # made meanwhile by another writer: not ours to remove
+            except OSError as exc:
+                raise InputError(f"{folder}: cannot create the directory ({exc.strerror})") from None
+            made.append(folder)
+        yield
+    except BaseException:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):  # rmdir: only while empty, so another writer's output stays
+                folder.rmdir()
+        raise
+
+
+@contextlib.contextmanager
+def tracking(complete: list[str]):
+    """Within one command, append each output to complete once it is whole (bundle.staging, write_file)."""
+    global _complete
+    outer, _complete = _complete, complete
+    try:
+        yield complete
+    finally:
+        _complete = outer
+
+
+def record_complete(what: str) -> None:
+    if _complete is not None:
+        _complete.append(what)
+
+
+def interrupted_line(complete: list[str]) -> str:
+    """What an interrupted command says: nothing was written, or which outputs are complete."""
+    if not complete:
+        return "interrupted; nothing was written"
+    return f"interrupted; {' and '.join(complete)} {'is' if len(complete) == 1 else 'are'} complete"
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def _not_a_bundle(output: Path) -> InputError:
+    return InputError(f"{output} exists and is not a vlmprune bundle (no {MANIFEST}), and --force replaces only a "
+                      "bundle: choose another -o or remove it")
+
+
 def prepare_output(output: Path, force: bool) -> None:
     """Fail early, with one line, if the bundle cannot be written where asked."""
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise InputError(f"{output} exists and is not a directory")
-    if output.exists() and not force:
+    if output.exists() and not _is_bundle(output) and not _is_empty_dir(output):
+        raise _not_a_bundle(output)
+    if _is_bundle(output) and not force:
         raise InputError(f"{output} already exists (use --force to replace it)")
-    if output.exists() and not _is_bundle(output):
-        raise InputError(f"{output} exists and is not a vlmprune bundle (no {MANIFEST}); refusing to replace it")
-    parent = _parent(output)
-    if not parent.exists():
-        raise InputError(f"{parent}: parent directory does not exist")
-    if not parent.is_dir():
-        raise InputError(f"{parent}: not a directory")
-    # os.access says yes to root everywhere; creating something is the real test.
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".probe", dir=parent))
-    except OSError as exc:
-        raise InputError(f"{parent}: directory is not writable ({exc.strerror})") from None
+    check_parent(output, str(output))
 
 
 def _claim(staging: Path, output: Path) -> int:
@@ -131,31 +196,37 @@ def staging(output: Path, force: bool):
     """
     output = Path(output)
     prepare_output(output, force)
-    tmp = _parent(output) / f".{output.name}.partial"
-    fd = _claim(tmp, output)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is not what a bundle should end up with
-        yield tmp
-        _publish(tmp, output, force)
-        (output / _LOCK).unlink(missing_ok=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        os.close(fd)
+    with parents_made(output):
+        tmp = _parent(output) / f".{output.name}.partial"
+        fd = _claim(tmp, output)
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is not what a bundle should end up with
+            yield tmp
+            _publish(tmp, output, force)
+            record_complete(f"the bundle at {output}")
+            (output / _LOCK).unlink(missing_ok=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            os.close(fd)
 
 
 def _publish(tmp: Path, output: Path, force: bool) -> None:
-    if not output.exists():
-        os.rename(tmp, output)
-        return
+    if not output.exists() or _is_empty_dir(output):
+        try:
+            os.rename(tmp, output)  # a rename replaces an empty directory, and fails on a non-empty one
+            return
+        except OSError:
+            if not output.exists() or _is_empty_dir(output):
+                raise
     # Only this writer holds the claim, but the directory may have changed since the start.
+    if not _is_bundle(output):
+        raise _not_a_bundle(output)
     if not force:
         raise InputError(f"{output} appeared while compiling (use --force to replace it)")
-    if not _is_bundle(output):
-        raise InputError(f"{output} exists and is not a vlmprune bundle; refusing to replace it")
     old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=_parent(output)))
     os.replace(output, old / output.name)
     os.rename(tmp, output)
@@ -178,6 +249,16 @@ def write_manifest(bundle_dir: Path, manifest: dict) -> dict:
     manifest[DIGEST_KEY] = manifest_digest(manifest)
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def source_of(manifest: dict, model: str | None = None, how: str = "pass --model PATH") -> str:
+    """The model to load for a bundle: model where given (its source moved; the content hash is still compared
+    after loading), else the recorded source, which must still be where it was compiled from."""
+    recorded = manifest["model"]["source"]
+    spec = recorded if model is None else str(model)
+    if spec == recorded and manifest["model"]["kind"] != "preset" and not Path(spec).exists():
+        raise InputError(f"the bundle's source {spec} was not found (moved?); {how}")
+    return spec
 
 
 def load_manifest(bundle_dir: Path, verify: bool = True) -> dict:

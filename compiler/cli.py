@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import os
@@ -19,17 +20,22 @@ def _one_line_errors(fn):
     """The CLI's one error boundary: a user error is one line on stderr and exit code 2, never a traceback.
 
     Anything else is a bug in vlmprune: it is reported in one line too, with exit
-    code 1 and how to see the traceback (VLMPRUNE_DEBUG=1 re-raises it).
+    code 3 (not 1, parity failed: a CI gate must tell a crash from a failing figure)
+    and how to see the traceback (VLMPRUNE_DEBUG=1 re-raises it).
     """
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from vlmprune.compiler.bundle import interrupted_line, tracking
+
+        complete: list[str] = []  # the outputs written whole so far, for a true interrupt line
         try:
-            return fn(*args, **kwargs)
+            with tracking(complete):
+                return fn(*args, **kwargs)
         except VlmpruneError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
-            click.echo("interrupted; nothing was written", err=True)
+            click.echo(interrupted_line(complete), err=True)
             sys.exit(130)
         except BrokenPipeError:  # `vlmprune inspect B | head`: the reader left; not an error of ours
             with contextlib.suppress(OSError, ValueError):
@@ -43,25 +49,34 @@ def _one_line_errors(fn):
             first = (str(exc).strip().splitlines() or [""])[0]
             click.echo(f"error: internal error ({type(exc).__name__}: {first}); this is a vlmprune bug: "
                        "rerun with VLMPRUNE_DEBUG=1 for the traceback and report it", err=True)
-            sys.exit(1)
+            sys.exit(3)
+        finally:
+            on_command_end()
     return wrapper
 
 
+# Called as a command's boundary is left, however it ended. The console script (compiler/__main__.py)
+# ignores Ctrl-C from then on, the command having said how it ended; in-process callers keep their own.
+on_command_end = lambda: None  # noqa: E731
+
+
 @contextlib.contextmanager
-def _stdout_for_data(enabled: bool):
-    """While enabled, everything but the data goes to stderr: file descriptor 1 is pointed at stderr
-    (native libraries, e.g. QNN's `# LIBNATIVE:` line) and so is sys.stdout (stray prints).
-    Yields the writer for the data itself, the one thing that reaches the real stdout."""
-    if not enabled:
+def _stdout_for_data():
+    """While a command works, everything but its data goes to stderr: file descriptor 1 is pointed at stderr
+    (native libraries, e.g. QNN's `# LIBNATIVE:` line) and so is sys.stdout (stray prints), with or
+    without --json. Yields the writer for the --json data, the one thing that reaches the real stdout
+    inside the block; the human summary is printed after it."""
+    original = sys.stdout
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all (`>&-`): nothing to keep clean
         yield click.echo
         return
-    original = sys.stdout
     original.flush()
     try:
         real = original.fileno() == 1
     except (AttributeError, OSError, ValueError):  # a captured stream (click's test runner)
         real = False
-    saved = os.dup(1)
     os.dup2(2, 1)
     data = os.fdopen(os.dup(saved), "w") if real else original
     sys.stdout = sys.stderr
@@ -69,6 +84,8 @@ def _stdout_for_data(enabled: bool):
         yield lambda text: (data.write(text + "\n"), data.flush())
     finally:
         sys.stderr.flush()
+        with contextlib.suppress(OSError, AttributeError):  # C stdio's buffer (a library's printf) goes too
+            ctypes.CDLL(None).fflush(None)
         sys.stdout = original
         os.dup2(saved, 1)
         os.close(saved)
@@ -80,7 +97,40 @@ def _progress(quiet: bool):
     return (lambda _m: None) if quiet else (lambda m: click.echo(m, err=True))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _UsageLine(click.ClickException):
+    """A click usage error, shown as every other bad input is: one `error:` line, exit code 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+
+
+class _Cli(click.Group):
+    """The `vlmprune` group: a bad type, an unknown option or a missing argument, in any command, is one line
+    naming where the usage is, instead of click's usage block (no arguments at all still print the help)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _usage_in_one_line():  # the group's own options
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx):
+        with _usage_in_one_line():  # the command's name, and its options and arguments
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _usage_in_one_line():
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "vlmprune"
+        raise _UsageLine(f"{' '.join(exc.format_message().split())} (see {where} --help)") from None
+
+
+@click.group(cls=_Cli, name="vlmprune", context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="vlmprune")
 def main():
     """Compile LLaVA-style vision towers into edge artifacts with visual-token pruning in the graph."""
@@ -165,11 +215,13 @@ def compile(model, target, method, keep, layer, no_prune, batch, opset, feature_
     grid, crop_budget = extra.pop("grid"), extra.pop("crop_budget")
     llm = {name: extra.pop(name) for name in ("with_llm", "llm_exporter", "fastv_layer", "fastv_keep", "image_start")}
     method_options, target_options = _split_options(extra)
+    if no_prune:
+        _refuse_pruning_options(method_options)
     options = CompileOptions(target=target, method=method, keep=keep, layer=layer, prune=not no_prune, batch=batch,
                              opset=opset, feature_layer=feature_layer, image_size=image_size, force=force,
                              debug=debug, cls=cls_token, method_options=method_options, target_options=target_options,
                              grid=grid, crop_budget=crop_budget, **llm)
-    with _stdout_for_data(as_json) as emit:
+    with _stdout_for_data() as emit:
         result = compile_model(model, output, options, _progress(quiet or as_json))
         manifest = result.manifest
         summary = {"bundle": str(result.bundle), "target": target, "method": manifest["method"],
@@ -181,6 +233,19 @@ def compile(model, target, method, keep, layer, no_prune, batch, opset, feature_
     if not result.report.passed:
         click.echo(f"error: parity failed (see {result.bundle / 'parity.json'})", err=True)
         sys.exit(1)
+
+
+def _refuse_pruning_options(method_options: dict) -> None:
+    """--no-prune compiles the dense tower: a pruning option given with it would be ignored without a word."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    given = [f"--{name}" for name in ("method", "keep", "layer")
+             if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
+    given += [f"--{name}" for name in method_options]
+    if given:
+        raise VlmpruneError(f"--no-prune compiles the dense tower: {', '.join(given)} "
+                            f"{'does' if len(given) == 1 else 'do'} not apply to it")
 
 
 def _later(method: dict) -> str:
@@ -200,21 +265,26 @@ def _print_summary(manifest: dict, result) -> None:
     if method["name"] == "none":
         click.echo("tokens: dense (no pruning)")
     elif method["site"] == "block":
-        where = (f"at the tower's end (after block {method['layer']}/{method['num_blocks']})"
+        where = (f"at the tower's end, after block {method['layer']}/{method['num_blocks']}"
                  if method["layer"] == method["num_blocks"] else
                  f"after block {method['layer']}/{method['num_blocks']}; " + _later(method))
-        click.echo(f"tokens: {method['num_patches']} patch tokens -> {method['summary'].split(' (')[0]} ({where})")
+        click.echo(f"tokens: {_tokens_in(method, 'patch tokens')} -> {method['summary'].split(' (')[0]} ({where})")
     else:
-        click.echo(f"tokens: {method['num_patches']} tokens -> {method['summary'].split(' (')[0]} "
+        click.echo(f"tokens: {_tokens_in(method, 'tokens')} -> {method['summary'].split(' (')[0]} "
                    "(on the projector output)")
+    from vlmprune.compiler.parity import DEFAULT_TOLERANCES, figure_text, summary_bounds
+
     for name, stage in manifest["parity"]["stages"].items():
         figures = []
+        default = DEFAULT_TOLERANCES.get(stage.get("precision"))  # compile holds every stage to its defaults
+        bounds = summary_bounds(default) if default else {}
         if "cosine_min" in stage:
-            figures.append(f"cosine {stage['cosine_min']:.7f}")
+            figures.append(f"cosine {figure_text(stage['cosine_min'], 7, **bounds.get('cosine_min', {}))}")
         if "max_abs" in stage:
-            figures.append(f"max-abs {stage['max_abs']:.2e}")
+            figures.append(f"max-abs {figure_text(stage['max_abs'], 3, **bounds.get('max_abs', {}))}")
         if "index_agreement" in stage:
-            figures.append(f"kept-index agreement {stage['index_agreement']:.4f}")
+            figures.append(f"kept-index agreement "
+                           f"{figure_text(stage['index_agreement'], 4, **bounds.get('index_agreement', {}))}")
             if stage.get("tie_resolved_images"):
                 images = ", ".join(map(str, stage["tie_resolved_images"]))
                 why = ("it diverges at a greedy step whose two best candidates tie" if "first_divergent_step" in stage
@@ -222,8 +292,36 @@ def _print_summary(manifest: dict, result) -> None:
                 figures.append(f"image {images}: {why}")
         status = "PASS" if stage["passed"] else "FAIL"
         click.echo(f"parity {name:<10} {status}  {', '.join(figures)}" + (f"  {stage['error']}" if "error" in stage else ""))
+    if manifest.get("llm_graphs"):
+        click.echo(_llm_parity_line(manifest["llm_graphs"]))
     _print_placement_summary(manifest)
     click.echo(f"bundle: {result.bundle} ({result.seconds:.1f}s)")
+
+
+def _tokens_in(method: dict, noun: str) -> str:
+    """The tokens the method ranks: N, or an anyres image's C crops of N each (num_patches is per crop)."""
+    n, crops = method["num_patches"], method["params"].get("crops")
+    return f"{crops['count'] * n} {noun} ({crops['count']} crops x {n})" if crops else f"{n} {noun}"
+
+
+def _llm_parity_line(llm: dict) -> str:
+    """The language model's compile-time check, in its exporter's figures (`check` repeats it as stage llm)."""
+    from vlmprune.compiler.parity import figure_text
+
+    parity = llm.get("parity")
+    if parity:  # torch.onnx or onnxruntime-genai: logits and greedy tokens against the reference decoder
+        passed = parity["passed"]
+        figures = [f"logits max-abs {figure_text(parity['logits_max_abs'], 3, at_most=parity.get('tolerance'))}",
+                   f"greedy tokens {'identical' if parity['tokens_identical'] else 'DIFFER'} over "
+                   f"{parity['decode_steps']} decode steps"]
+    else:  # TensorRT Edge-LLM: the graph's weights, and the graph minus its plugins where that runs here
+        weights, ops = llm["checks"]["weights"], llm["checks"]["standard_ops_in_onnxruntime"]
+        passed = weights["passed"] and (not ops.get("ran") or ops["passed"])
+        figures = [f"weights max-abs {weights['max_abs']:.2e} over {weights['tensors_checked']} tensors",
+                   f"standard-ops logits max-abs {figure_text(ops['logits_max_abs'], 3, at_most=ops.get('tolerance'))}"
+                   if ops.get("ran")
+                   else "standard ops not run here"]
+    return f"parity {'llm':<10} {'PASS' if passed else 'FAIL'}  {', '.join(figures)}"
 
 
 def _print_placement_summary(manifest: dict) -> None:
@@ -249,8 +347,10 @@ def _print_placement_summary(manifest: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the full parity report as JSON on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option("--engine", is_flag=True, help="TensorRT bundles: require the engine stage (run on the device).")
+@click.option("--model", default=None,
+              help="Where the bundle's source is now, if it moved since the compile (its content hash must match).")
 @_one_line_errors
-def check(bundle_dir, batch, report, junit, atol, rtol, cosine, force, as_json, quiet, engine):
+def check(bundle_dir, batch, report, junit, atol, rtol, cosine, force, as_json, quiet, engine, model):
     """Re-run BUNDLE's parity against the PyTorch reference; exit 1 if any stage fails."""
     import time
 
@@ -278,9 +378,9 @@ def check(bundle_dir, batch, report, junit, atol, rtol, cosine, force, as_json, 
         from vlmprune.targets.tensorrt import require_engine
 
         require_engine(bundle_dir)
-    with _stdout_for_data(as_json) as emit:
+    with _stdout_for_data() as emit:
         started = time.perf_counter()
-        result = check_bundle(bundle_dir, batch, _progress(quiet or as_json), tolerances)
+        result = check_bundle(bundle_dir, batch, _progress(quiet or as_json), tolerances, model)
         seconds = time.perf_counter() - started
         if engine and "engine" not in [s.stage for s in result.stages]:
             raise VlmpruneError("the engine stage did not run (see the progress lines above)")
@@ -295,8 +395,11 @@ def check(bundle_dir, batch, report, junit, atol, rtol, cosine, force, as_json, 
         elif report:
             page = reports.html_report(data, manifest, name, reports.parity_images(data, manifest))
             write_file(report, page.encode(), force)
+        if report:
+            click.echo(f"report written to {report}", err=True)
         if junit:
             write_file(junit, reports.junit_xml(data, manifest, name, seconds), force)
+            click.echo(f"JUnit written to {junit}", err=True)
         if as_json:
             emit(json.dumps(data, indent=2))
     if not as_json:
@@ -429,7 +532,8 @@ def run(bundle_dir, image_files, load_inputs, save_outputs, show, benchmark, war
         raise VlmpruneError("--show draws one patch grid per image; an anyres bundle (several crops per image) "
                             "cannot be drawn yet")
     # The runtime first: on a machine without it (TensorRT off the Jetson) that is the one line to say.
-    runner, runtime = get_target(m["target"]["name"]).runner(Path(bundle_dir), m)
+    with _stdout_for_data():  # a runtime that loads its libraries now (qnn) has them talk to stderr too
+        runner, runtime = get_target(m["target"]["name"]).runner(Path(bundle_dir), m)
     static = m["target"].get("batch") or m["inputs"][0]["shape"][0]
     if image_files and m["model"].get("grid"):  # an anyres bundle: one image is the input's crops
         if len(image_files) != 1:
@@ -444,7 +548,7 @@ def run(bundle_dir, image_files, load_inputs, save_outputs, show, benchmark, war
         pixel = bench.load_inputs(load_inputs, m)
         click.echo(f"{load_inputs}: {m['inputs'][0]['name']} {list(pixel.shape)} float32", err=True)
     summary = {"bundle": str(bundle_dir), "runtime": runtime, "batch": int(pixel.shape[0])}
-    with _stdout_for_data(as_json) as emit:
+    with _stdout_for_data() as emit:
         outputs = runner(pixel)
         summary["outputs"] = {name: {"shape": list(v.shape), "dtype": str(v.dtype)} for name, v in outputs.items()}
         if "kept_indices" in outputs:
@@ -556,15 +660,16 @@ def compare(bundle_dirs, image, output, columns, force):
         static = m["target"].get("batch") or m["inputs"][0]["shape"][0]
         if isinstance(static, int) and static > 1:  # a static batch: the same image in every slot
             pixel = np.repeat(pixel, static, axis=0)
-        runner, runtime = get_target(m["target"]["name"]).runner(Path(b), m)
-        click.echo(f"{b}: {runtime}", err=True)
-        kept = runner(pixel)["kept_indices"][:1]
+        with _stdout_for_data():  # as in run: a runtime's native chatter (qnn) goes to stderr
+            runner, runtime = get_target(m["target"]["name"]).runner(Path(b), m)
+            click.echo(f"{b}: {runtime}", err=True)
+            kept = runner(pixel)["kept_indices"][:1]
         sels, note = pictures.selections_for_run(m, pixel[:1], kept, Path(b).resolve().name)
         if note:
             click.echo(f"warning: {b}: {note}", err=True)
         tiles.append(pictures.picture(sels[0]))
     write_file(output, pictures.png_bytes(pictures.grid_of(tiles, columns)), force)
-    click.echo(f"{len(tiles)} pictures written to {output}")
+    click.echo(f"{len(tiles)} picture{'' if len(tiles) == 1 else 's'} written to {output}")
 
 
 @main.command()
@@ -588,13 +693,25 @@ def methods():
             if refused:
                 rows.append(f"{target_name} refuses it ({refused})")
                 continue
-            fused = [op for op, spelling in target.spellings.items() if method.fusion_rules({op: spelling})]
             parts = [] if target.formulation(method) == "standard" else [target.formulation(method)]
-            parts += [f"fused into {', '.join(fused)}"] if fused else []
-            rows.append(f"{target_name} ({', '.join(parts) or 'standard ops'})")
+            parts += [_fusion_text(method, target.spellings)]
+            rows.append(f"{target_name} ({', '.join(p for p in parts if p) or 'standard ops'})")
         click.echo("  targets:  " + ", ".join(rows))
         if method.official:
             click.echo(f"  official: {method.official}")
+
+
+def _fusion_text(method, spellings) -> str:
+    """What a target fuses the method into, per value of an option that changes it ('' where nothing is fused)."""
+    for option, values in method.choices.items():
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for value in values:
+            groups.setdefault(tuple(method.fused_into(spellings, method.parse(64, {option: value}))), []).append(value)
+        if len(groups) > 1:
+            return "; ".join(f"{'fused into ' + ', '.join(ops) if ops else 'standard ops'} with --{option} "
+                             f"{' or '.join(chosen)}" for ops, chosen in groups.items())
+    fused = method.fused_into(spellings, method.parse(64, {}))
+    return f"fused into {', '.join(fused)}" if fused else ""
 
 
 @main.command("build-engine")
@@ -633,14 +750,20 @@ def build_engine(bundle_dir, precision, calibration_cache, decomposed, workspace
 @_one_line_errors
 def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
     """Run BUNDLE on IMAGE and let the checkpoint's LLM answer PROMPT (greedy, transformers on the CPU)."""
+    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.llm.generate import fastv_mismatch
     from vlmprune.compiler.llm.generate import generate as run_generate
 
-    with _stdout_for_data(as_json) as emit:
+    with _stdout_for_data() as emit:
         result = run_generate(bundle_dir, model, Path(image), prompt, dense, max_new_tokens,
                               _progress(as_json))
+        mismatch = fastv_mismatch(load_manifest(bundle_dir, verify=False), result.image_start)
+        if mismatch:  # on stderr with --json too: the graph the bundle ships would drop the wrong tokens
+            click.echo(f"warning: {mismatch}", err=True)
         a = result.answer
         if as_json:
             emit(json.dumps({"path": result.path, "runtime": result.runtime, "prompt": result.prompt.text,
+                             "image_start": result.image_start,
                              "image_tokens": a.image_tokens, "kept_indices": result.kept,
                              "position_ids": a.position_ids, "tokens": a.tokens, "text": a.text}))
             return
@@ -680,24 +803,35 @@ def _comma_list(values, kind=str, what="value"):
 @click.option("--grid", default=None,
               help="LLaVA-NeXT: the crops' grid ROWSxCOLS. Default: the bundle's, else the model's largest.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON on stdout.")
-@click.option("--report", type=click.Path(path_type=Path), default=None, help="Also write the JSON report here.")
+@click.option("--report", type=click.Path(path_type=Path), default=None,
+              help="Also write the report here: .json (as --json prints it) or .html (one self-contained page).")
+@click.option("--force", is_flag=True, help="Replace an existing --report file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @_one_line_errors
 def eval_command(model, images_dir, prompts_file, methods, keeps, bundles, max_new_tokens, image_size, grid, as_json,
-                 report, quiet):
+                 report, force, quiet):
     """Per method and K: first-token KL and greedy-answer agreement of pruned vs dense on MODEL's own LLM
     (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL)."""
     from vlmprune.compiler.llm.evaluate import evaluate, table
+    from vlmprune.compiler.output_files import check_output_file, write_file
 
+    if report:
+        check_output_file(report, force, (".json", ".html", ".htm"), "--report")
     if not bundles:
         methods, keeps = methods or ("cls",), keeps or ("64",)
     methods = _comma_list(methods)
     keeps = _comma_list(keeps, int, "--keep")
-    with _stdout_for_data(as_json) as emit:
+    with _stdout_for_data() as emit:
         data = evaluate(model, Path(images_dir), Path(prompts_file), methods, keeps, max_new_tokens,
                         _progress(quiet or as_json), list(bundles), image_size, grid)
+        if report and report.suffix.lower() == ".json":
+            write_file(report, (json.dumps(data, indent=2) + "\n").encode(), force)
+        elif report:
+            from vlmprune.compiler.report import eval_html
+
+            write_file(report, eval_html(data).encode(), force)
         if report:
-            report.write_text(json.dumps(data, indent=2) + "\n")
+            click.echo(f"report written to {report}", err=True)
         if as_json:
             emit(json.dumps(data, indent=2))
             return
@@ -705,6 +839,9 @@ def eval_command(model, images_dir, prompts_file, methods, keeps, bundles, max_n
         click.echo(line)
     click.echo(f"({len(data['images'])} images x {len(data['prompts'])} prompts; dense: "
                f"{data['dense_image_tokens']} image tokens; harness check KL {data['harness_kl_max']:.2g})")
+    starts = sorted(set(data["image_start"]))
+    click.echo(f"(the image starts at prompt token {', '.join(map(str, starts))}: FastV's --image-start for "
+               f"{'these prompts' if len(starts) == 1 else 'the prompts, in order of value'})")
 
 
 if __name__ == "__main__":

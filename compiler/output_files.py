@@ -5,6 +5,10 @@ replaced only with --force, a directory never; the bytes go to a temporary file 
 the target and are renamed into place, so a reader never sees half a PNG or half a report,
 and an interrupted run leaves nothing behind. Without --force the rename is a hard link
 (fails if the name exists), so two writers cannot both claim a fresh name.
+
+Missing parent folders are created, as build tools do, and removed again if the write fails
+or is interrupted (bundle.parents_made, shared with bundles); each file is recorded once it
+is complete, for the interrupt line (bundle.interrupted_line).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from vlmprune.compiler.bundle import check_parent, parents_made, record_complete
 from vlmprune.compiler.errors import InputError
 
 
@@ -25,15 +30,19 @@ def check_output_file(path: Path, force: bool, suffixes: tuple[str, ...], flag: 
         raise InputError(f"{flag} {path}: is a directory")
     if path.exists() and not force:
         raise InputError(f"{flag} {path} already exists (use --force to replace it)")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"{flag} {path}: parent directory {parent} does not exist")
+    check_parent(path, f"{flag} {path}")
     return path
 
 
 def write_file(path: Path, data: bytes, force: bool) -> None:
-    """Write data to path atomically; refuse to replace an existing file unless force."""
+    """Write data to path atomically (making missing parents); refuse to replace an existing file unless force."""
     path = Path(path)
+    with parents_made(path):
+        _write_file(path, data, force)
+    record_complete(str(path))
+
+
+def _write_file(path: Path, data: bytes, force: bool) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=parent)

@@ -50,6 +50,31 @@ def tolerance_for(precision: str, overrides: dict | None = None) -> Tolerance:
     return dataclasses.replace(base, **(overrides or {}))
 
 
+def figure_text(value: float, digits: int = 7, at_least: float | None = None, at_most: float | None = None) -> str:
+    """value to `digits` significant digits, or as many more as the text needs to pass or fail the bound as the
+    value does: a cosine of 0.99999997 held to at least 1 must not read "1", nor a max-abs of 1.00004e-4 held to
+    at most 1e-4 read "0.0001"."""
+    def holds(x: float) -> bool:
+        return (at_least is None or x >= at_least) and (at_most is None or x <= at_most)
+
+    text = f"{value:.{digits}g}"
+    if np.isfinite(value):
+        while holds(float(text)) != holds(value):  # ends by 17 digits, which are exact
+            digits += 1
+            text = f"{value:.{digits}g}"
+    return text
+
+
+def summary_bounds(tol: Tolerance, features: dict | None = None) -> dict[str, dict]:
+    """figure_text's bound for each figure of stage_summary() (none where a figure is reported, not checked).
+
+    features: the stage's image_features comparison, which holds its own tolerance where check overrode it."""
+    if (features or {}).get("tolerance"):
+        tol = Tolerance(**features["tolerance"])
+    return {"cosine_min": {"at_least": tol.cosine_min}, "index_agreement": {"at_least": tol.index_agreement_min},
+            "max_abs": {"at_most": tol.max_abs} if tol.rtol is None else {}}
+
+
 def _agreement(ref: np.ndarray, cand: np.ndarray) -> list[float]:
     keep = ref.shape[1]
     return [len(np.intersect1d(r, c)) / keep for r, c in zip(ref, cand)]

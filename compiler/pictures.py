@@ -52,13 +52,13 @@ class Selection:
 
 
 def require_pillow() -> None:
-    """Pictures are drawn with Pillow (scikit-image brings it); one line, before any work, where it is missing."""
+    """Pictures are drawn with Pillow, a core dependency; one line, before any work, where it was uninstalled."""
     import importlib.util
 
     if importlib.util.find_spec("PIL") is None:
         from vlmprune.compiler.errors import ToolchainError
 
-        raise ToolchainError("drawing pictures needs Pillow: pip install pillow")
+        raise ToolchainError("drawing pictures needs Pillow, which vlmprune depends on: pip install 'pillow>=10'")
 
 
 def model_view(pixel: np.ndarray, mean, std) -> np.ndarray:
@@ -316,7 +316,18 @@ def token_grid(manifest: dict) -> int:
 
             raise InputError(f"this bundle's tokens form a {t}x{h}x{w} grid: pictures draw one square grid")
         return h
-    return size // manifest["model"]["patch_size"]
+    patch = manifest["model"].get("patch_size")
+    if patch:
+        return size // patch
+    # No patch size recorded (an .onnx source whose patches are not embedded by a Conv): the patch count's side.
+    count = manifest["method"].get("num_patches") or 0
+    side = int(round(count ** 0.5))
+    if count and side * side == count:
+        return side
+    from vlmprune.compiler.errors import InputError
+
+    raise InputError("this bundle records neither a patch size nor a square patch count: pictures cannot place "
+                     "its patches")
 
 
 def check_one_grid(kept, grid: int) -> None:

@@ -36,6 +36,7 @@ from vlmprune.passes.methods.crops import BUDGETS, CropBudget, crop_params, defa
 from vlmprune.passes.outputs import BatchDimNamePass, DropZeroAddPass, FeatureOutputPass
 from vlmprune.passes.positions import with_positions
 from vlmprune.passes.prune import prune_record
+from vlmprune.passes.shapes import FoldStaticDimsPass
 from vlmprune.passes.structure import find_tower_structure
 from vlmprune.targets import get_target
 from vlmprune.targets.base import PruneConfig, Target, anyres_readme
@@ -105,6 +106,7 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
     timer = _Timer(progress)
     output = Path(output)
     plan = validate_options(options)
+    llm_export.check_llm_model(model, options)  # --with-llm against the model's config, before any work
     target = plan.target
     ok, why = target.available()
     if not ok:
@@ -118,6 +120,8 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
             plan.config = dataclasses.replace(plan.config, head=source.head)  # for --score probe
             plan.config = _over_crops(source, plan.config, options)
             _check_against(source, plan.config)
+        elif plan.config is not None:  # an .onnx source: what needs a torch tower; the insertion checks its site
+            plan.config.method.check_onnx_source(plan.config.params)
         if source.kind == "onnx" and options.batch is not None:
             raise InputError("--batch cannot change an .onnx source; re-export it with the batch you need")
         dense = _dense_model(source, options, tmp, timer)
@@ -156,10 +160,11 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
 
 
 def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress = lambda _m: None,
-                 tolerances: dict[str, dict] | None = None) -> parity.ParityReport:
+                 tolerances: dict[str, dict] | None = None, model: str | None = None) -> parity.ParityReport:
     """Re-run every parity stage of a bundle against a freshly loaded reference.
 
     tolerances: per-output Tolerance overrides (parity.parse_overrides: check's --atol/--rtol/--cosine).
+    model: where the bundle's source is now (check's --model), if it moved; its content hash must match.
     """
     timer = _Timer(progress)
     bundle_dir = Path(bundle_dir)
@@ -168,12 +173,15 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
         raise InputError(f"--batch must be >= 1, got {batch}")
     parity_batch = _parity_batch(manifest, batch)  # refuses a batch the bundle cannot take, before any work
     target = get_target(manifest["target"]["name"])
-    source_spec = manifest["model"]["source"]
+    source_spec = bundle.source_of(manifest, model)
     timer.step(f"load {source_spec}")
     options = CompileOptions(**{**manifest["compile_options"], "debug": False})
     source = _load(source_spec, options)
     if source.content_hash != manifest["model"]["sha256"]:
-        raise InputError(f"{source_spec} has changed since the bundle was compiled (content hash differs)")
+        raise InputError(f"{source_spec} has changed since the bundle was compiled (content hash differs)"
+                         if model is None else
+                         f"--model {model} is not the bundle's source {manifest['model']['source']} "
+                         "(content hash differs)")
     with tempfile.TemporaryDirectory(prefix="vlmprune-") as scratch:
         _dense_model(source, options, Path(scratch), timer)
         timer.step("parity")
@@ -287,7 +295,8 @@ def _fix_crops(source: Source, options: CompileOptions) -> None:
              if value is not None]
     if source.crops is None:
         if given:
-            raise InputError(f"{given[0][0]} applies to anyres models (llava_next), not to this {source.family} model")
+            what = source.details.get("model_type", source.family)  # qwen2_5_vl, not its family's qwen2_vl
+            raise InputError(f"{given[0][0]} applies to anyres models (llava_next), not to this {what} model")
         return
     if options.grid is not None:
         source.regrid(options.grid)
@@ -337,7 +346,8 @@ def _dense_model(source: Source, options: CompileOptions, folder: Path, timer: _
     Every graph written later into the same folder (decomposed, target) refers to that
     one weights file instead of copying gigabytes per graph. An .onnx source is given
     the bundle's output contract first (passes.outputs); one exported with static shapes
-    has its run-time shape computations folded for that shape.
+    has its run-time shape computations folded for that shape, and under a dynamic batch
+    those that read static dims only (passes.shapes).
     """
     if source.kind == "onnx":
         timer.step(f"load {source.onnx_path.name} (ONNX, opset {_opset_of(source.onnx_path)})")
@@ -350,8 +360,11 @@ def _dense_model(source: Source, options: CompileOptions, folder: Path, timer: _
         if static and len(static) == len(model.graph.inputs):
             StaticBatchPass(static[0], "the .onnx tower")(model)
         ShapeInferencePass()(model)  # what the exporter left unannotated, for the rewrites below
+        FoldStaticDimsPass()(model)  # sizes computed from static dims (a dynamic batch left them unfolded)
         DropZeroAddPass()(model)
         structure = find_tower_structure(model.graph)
+        # The patch Conv's kernel, which the frontend cannot read without the passes' finder: pictures need it.
+        source.patch_size = source.patch_size or structure.patch_size
         FeatureOutputPass(drop_cls=_drop_cls(source, options), num_patches=structure.num_patches)(model)
         RemoveUnusedNodesPass()(model)  # what fed only the dropped outputs (e.g. SigLIP's pooling head)
         BatchDimNamePass()(model)
@@ -483,5 +496,7 @@ def _parity(source: Source, dense_path: Path, bundle_dir: Path, manifest: dict, 
 
 def _line(stage: parity.StageResult) -> str:
     s = parity.stage_summary(stage)
-    figures = ", ".join(f"{k} {v:.6g}" for k, v in s.items() if isinstance(v, float))
+    bounds = parity.summary_bounds(stage.tolerance, stage.outputs.get(parity.FEATURES))
+    figures = ", ".join(f"{k} {parity.figure_text(v, 6, **bounds.get(k, {}))}" for k, v in s.items()
+                        if isinstance(v, float))
     return f"  {stage.stage:<10} {'PASS' if stage.passed else 'FAIL'}  {figures}" + (f"  ({stage.error})" if stage.error else "")

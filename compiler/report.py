@@ -9,6 +9,8 @@ score heat map where the selection ranks scores (a greedy selection has no per-p
 
 The JUnit file has one test case per stage and output (classname vlmprune.parity.STAGE),
 the shape Jenkins, GitLab and GitHub test reporters read (tests/compiler/junit-10.xsd).
+
+`vlmprune eval --report e.html` is one page in the same styles: the eval table and every sample.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from xml.etree import ElementTree as ET
 import numpy as np
 
 from vlmprune.compiler import pictures
+from vlmprune.compiler.parity import figure_text
 from vlmprune.compiler.reference import KEPT
 
 EXTRA_RGB = (255, 0, 255)  # kept by the stage, not by the reference
@@ -34,16 +37,20 @@ HEAT_ALPHA = 0.7
 # ------------------------------------------------------------------ figures against tolerances
 
 
-def _fmt(value) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.7g}"
-    return html.escape(str(value))
+def _fmt(value, bound: dict | None = None) -> str:
+    return html.escape(_plain(value, bound))
+
+
+def _limit(value: float) -> str:
+    """A tolerance as given (--cosine 0.9999999 must not read 1)."""
+    return f"{value:.15g}"
 
 
 def figure_rows(stage: dict) -> list[dict]:
-    """One row per figure of a stage: output, figure, value, the tolerance it is held to, and its verdict."""
+    """One row per figure of a stage: output, figure, value, the tolerance it is held to, and its verdict.
+
+    bound: what the value is checked against (figure_text's at_least / at_most), so that it is shown
+    with the digits that make a failing figure read as failing."""
     tol = stage["tolerance"]
     rows = []
     if stage.get("error"):
@@ -53,8 +60,8 @@ def figure_rows(stage: dict) -> list[dict]:
     if idx:
         agree = idx.get("agreement")
         rows.append({"output": KEPT, "figure": "kept-index agreement", "value": agree,
-                     "tolerance": f"≥ {tol['index_agreement_min']:g} (tie-resolved images excepted)",
-                     "passed": idx.get("passed", False)})
+                     "tolerance": f"≥ {_limit(tol['index_agreement_min'])} (tie-resolved images excepted)",
+                     "passed": idx.get("passed", False), "bound": {"at_least": tol["index_agreement_min"]}})
         if idx.get("boundary_ties") is not None:
             rows.append({"output": KEPT, "figure": "near-ties at the K-th boundary", "value": idx["boundary_ties"],
                          "tolerance": f"scores within {tol['tie_rel_tol']:g} (relative)", "passed": None})
@@ -80,15 +87,17 @@ def figure_rows(stage: dict) -> list[dict]:
                          "value": out["rows_wrong"], "tolerance": "0 (exact)", "passed": out["passed"]})
             continue
         rows.append({"output": name, "figure": "min cosine over tokens", "value": out["cosine_min"],
-                     "tolerance": f"≥ {t['cosine_min']:g}", "passed": out["cosine_min"] >= t["cosine_min"]})
+                     "tolerance": f"≥ {_limit(t['cosine_min'])}", "passed": out["cosine_min"] >= t["cosine_min"],
+                     "bound": {"at_least": t["cosine_min"]}})
         if t.get("rtol") is None:
             rows.append({"output": name, "figure": "max-abs", "value": out["max_abs"],
-                         "tolerance": f"≤ {t['max_abs']:g}" if t.get("max_abs") is not None else "not checked",
-                         "passed": None if t.get("max_abs") is None else out["max_abs"] <= t["max_abs"]})
+                         "tolerance": f"≤ {_limit(t['max_abs'])}" if t.get("max_abs") is not None else "not checked",
+                         "passed": None if t.get("max_abs") is None else out["max_abs"] <= t["max_abs"],
+                         "bound": {"at_most": t.get("max_abs")}})
         else:
             rows.append({"output": name, "figure": "elements outside atol + rtol·|ref|",
                          "value": out.get("allclose_violations"),
-                         "tolerance": f"0 (atol {t.get('max_abs') or 0:g}, rtol {t['rtol']:g})",
+                         "tolerance": f"0 (atol {_limit(t.get('max_abs') or 0)}, rtol {_limit(t['rtol'])})",
                          "passed": out.get("allclose_violations") == 0})
             rows.append({"output": name, "figure": "max-abs", "value": out["max_abs"], "tolerance": "", "passed": None})
         rows.append({"output": name, "figure": "mean-abs", "value": out["mean_abs"], "tolerance": "", "passed": None})
@@ -114,15 +123,17 @@ def mismatch_explanations(report: dict) -> list[str]:
             if "first_divergent_step" in idx:
                 step, margin = idx["first_divergent_step"][i], idx["margin_at_divergence"][i]
                 tied = i in idx["tie_resolved_images"]
-                lines.append(f"{where}: agreement {agree:.4f}; the greedy selection first diverged at step {step}, "
-                             f"where the two best candidates were {_fmt(margin)} apart (relative); "
+                lines.append(f"{where}: agreement {_agreement(agree, tol)}; the greedy selection first diverged at "
+                             f"step {step}, where the two best candidates were "
+                             f"{_plain(margin, {'at_most': tol['tie_rel_tol']})} apart (relative); "
                              + (f"within the tie band ({tol['tie_rel_tol']:g}): a tie resolved differently, passes"
                                 if tied else f"outside the tie band ({tol['tie_rel_tol']:g}): a real divergence"))
                 continue
             scores = ref.get("scores")
             kept_ref, kept_c = ref.get("kept"), idx.get("kept")
             if scores is None or kept_ref is None or kept_c is None:
-                lines.append(f"{where}: agreement {agree:.4f} (no reference scores recorded to explain it)")
+                lines.append(f"{where}: agreement {_agreement(agree, tol)} "
+                             "(no reference scores recorded to explain it)")
                 continue
             boundary = ref.get("boundary") or len(kept_ref[i])
             s = np.asarray(scores[i], np.float64)
@@ -136,14 +147,18 @@ def mismatch_explanations(report: dict) -> list[str]:
             for label, idxs in (("kept only by the reference", np.setdiff1d(r, c)),
                                 ("kept only by this stage", np.setdiff1d(c, r))):
                 for p in idxs[:8]:
-                    parts.append(f"patch {int(p)} ({label}) scores {s[p]:.7g}, {abs(s[p] - cut):.3g} from the "
-                                 f"K-th boundary {cut:.7g}")
+                    parts.append(f"patch {int(p)} ({label}) scores {s[p]:.7g}, "
+                                 f"{figure_text(abs(s[p] - cut), 3, at_most=band)} from the K-th boundary {cut:.7g}")
             tied = i in idx.get("tie_resolved_images", [])
             verdict = (f"every differing patch lies within the tie band ±{band:.3g}: a boundary tie resolved "
                        "differently, passes" if tied else
                        f"some differing patch lies outside the tie band ±{band:.3g}: a real mismatch")
-            lines.append(f"{where}: agreement {agree:.4f}; " + "; ".join(parts) + f"; {verdict}")
+            lines.append(f"{where}: agreement {_agreement(agree, tol)}; " + "; ".join(parts) + f"; {verdict}")
     return lines
+
+
+def _agreement(agree: float, tol: dict) -> str:
+    return figure_text(agree, 4, at_least=tol["index_agreement_min"])
 
 
 # ------------------------------------------------------------------ pictures
@@ -242,7 +257,8 @@ def html_report(report: dict, manifest: dict, bundle_name: str, images: np.ndarr
         for row in figure_rows(stage):
             verdict = {True: ('ok', 'PASS'), False: ('bad', 'FAIL'), None: ('info', '')}[row["passed"]]
             out.append(f"<tr><td>{e(stage['stage'])}</td><td>{e(stage['runtime'])}</td><td>{e(stage['precision'])}</td>"
-                       f"<td>{e(row['output'])}</td><td>{e(row['figure'])}</td><td>{_fmt(row['value'])}</td>"
+                       f"<td>{e(row['output'])}</td><td>{e(row['figure'])}</td>"
+                       f"<td>{_fmt(row['value'], row.get('bound'))}</td>"
                        f"<td>{e(row['tolerance'])}</td><td class=\"{verdict[0]}\">{verdict[1]}</td></tr>")
     out.append("</tbody></table>")
     out.append("<h2>Index mismatches</h2>")
@@ -346,7 +362,8 @@ def junit_xml(report: dict, manifest: dict, bundle_name: str, seconds: float) ->
         for name in names:
             mine = [r for r in rows if r["output"] == name]
             failed = [r for r in mine if r["passed"] is False]
-            message = "; ".join(f"{r['figure']} {_plain(r['value'])} (needs {r['tolerance']})" for r in failed)
+            message = "; ".join(f"{r['figure']} {_plain(r['value'], r.get('bound'))} (needs {r['tolerance']})"
+                                for r in failed)
             cases.append((classname, name, "failure" if failed else None, message, mine))
     failures = sum(1 for c in cases if c[2] == "failure")
     errors = sum(1 for c in cases if c[2] == "error")
@@ -365,12 +382,51 @@ def junit_xml(report: dict, manifest: dict, bundle_name: str, seconds: float) ->
         if kind:
             ET.SubElement(case, kind, message=message, type="parity" if kind == "failure" else "stage").text = message
         ET.SubElement(case, "system-out").text = "\n".join(
-            f"{r['figure']}: {_plain(r['value'])}" + (f" (tolerance {r['tolerance']})" if r["tolerance"] else "")
+            f"{r['figure']}: {_plain(r['value'], r.get('bound'))}"
+            + (f" (tolerance {r['tolerance']})" if r["tolerance"] else "")
             for r in rows) or "no figures"
     ET.indent(root)
     return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="utf-8") + b"\n"
 
 
-def _plain(value) -> str:
-    return f"{value:.7g}" if isinstance(value, float) else str(value)
+def _plain(value, bound: dict | None = None) -> str:
+    """A figure as text: 7 significant digits, more where they decide the verdict against its bound."""
+    if value is None:
+        return "—"
+    return figure_text(value, 7, **(bound or {})) if isinstance(value, float) else str(value)
 
+
+
+# ------------------------------------------------------------------ eval
+
+
+def eval_html(data: dict) -> str:
+    """`vlmprune eval --report e.html`: the eval table, then every sample, as one self-contained page
+    (the parity report's styles; data: the report evaluate() returns, as --json prints it)."""
+    e = html.escape
+    m = data["max_new_tokens"]
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>vlmprune eval: {e(str(data['model']))}</title>", f"<style>{_STYLE}</style></head><body>",
+           f"<h1>vlmprune eval: {e(str(data['model']))}</h1>", "<dl>",
+           f"<dt>images</dt><dd>{e(', '.join(data['images']))}</dd>",
+           f"<dt>prompts</dt><dd>{len(data['prompts'])}</dd>",
+           f"<dt>answers</dt><dd>{m} greedy tokens; dense: {data['dense_image_tokens']} image tokens</dd>",
+           f"<dt>harness check</dt><dd>max KL {_fmt(data['harness_kl_max'])} against transformers' own forward</dd>",
+           f"<dt>pruned with</dt><dd>{e(data['pruned_with'])}</dd></dl>", "<h2>Per method and K</h2>"]
+    summary = ("method", "K", "tokens", "KL mean", "KL max", "top-1", f"exact@{m}", "prefix", "from")
+    keys = ("method", "keep", "image_tokens", "kl_mean", "kl_max", "first_token_agreement", "exact_match",
+            "prefix_agreement", "from")
+    out.append(_html_table(summary, [[r[k] for k in keys] for r in data["results"]]))
+    out.append("<h2>Samples</h2>")
+    columns = ("method", "K", "from", "image", "prompt", "KL", "first token agrees", "exact", "prefix share")
+    rows = [[r["method"], r["keep"], r["from"], s["image"], s["prompt"], s["kl"], s["first_token_agrees"],
+             s["exact"], s["prefix_share"]] for r in data["results"] for s in r["samples"]]
+    out.append(_html_table(columns, rows))
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def _html_table(columns, rows) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f'<table class="figures"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'

@@ -221,8 +221,8 @@ def _block_output(graph: ir.Graph, softmax: ir.Node, order: dict[ir.Node, int]) 
     return None
 
 
-def _patch_conv(graph: ir.Graph) -> tuple[ir.Value | None, int | None, tuple[int, int] | None]:
-    """The pixel input and patch size, from the Conv that embeds patches."""
+def patch_conv(graph: ir.Graph) -> tuple[ir.Value | None, int | None, tuple[int, int] | None]:
+    """The pixel input, patch size and grid, from the Conv that embeds patches (an .onnx source's patch size too)."""
     # The pixels may pass through a Cast or Identity on the way to the patch Conv.
     pixel_users = [(value, use) for value in graph.inputs for use in value.uses()]
     pixel_users += [(value, inner) for value, use in list(pixel_users) if use.node.op_type in ("Cast", "Identity")
@@ -278,7 +278,7 @@ def find_tower_structure(graph: ir.Graph) -> TowerStructure:
             "no attention block found: looked for Softmax(MatMul(Q, Kᵀ)) over rank-4 runtime tensors and for "
             "the ONNX Attention op without mask or cache (vendor-fused attention ops are not supported)"
         )
-    pixel, patch, grid = _patch_conv(graph)
+    pixel, patch, grid = patch_conv(graph)
     return TowerStructure(blocks, pixel, patch, grid)
 
 

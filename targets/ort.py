@@ -61,9 +61,10 @@ class OrtTarget(Target):
                 "fused_ops": fused_ops(model)}
 
     def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
+        """One stage, `fused`: model.onnx as shipped, whether or not the method fused into a custom op here
+        (the manifest's target.fused says which), so that its name never depends on the method."""
         run, runtime = self.runner(bundle_dir, manifest)
-        fused = manifest["target"].get("fused", False)
-        return [StageSpec("fused" if fused else "target", runtime, "fp32", run)]
+        return [StageSpec("fused", runtime, "fp32", run)]
 
     def runner(self, bundle_dir: Path, manifest: dict):
         from vlmprune.targets.runtime import ort_session, run_session

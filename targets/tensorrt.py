@@ -15,7 +15,7 @@ One adapter, parametrised by a JetsonPlatform. The host writes what the device n
 
 The engine is built on the device: engines are tied to a TensorRT version and GPU,
 and NVIDIA ships no x86 TensorRT for Jetson. With an engine (and TensorRT) at hand,
-stages() adds the engine as the `target` parity stage.
+stages() adds it as the `engine` parity stage, after `fused` (model.onnx under ONNX Runtime) and `qdq`.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class TensorRTTarget(Target):
             return lambda pixel_values: run_session(ort_session(bundle_dir / name, libs), pixel_values)
 
         what = "the plugin's host twin" if fused else "standard ops"
-        stages = [StageSpec("fused" if fused else "target",
+        stages = [StageSpec("fused",  # model.onnx on the host twin or in standard ops, named as on ort
                             f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} (model.onnx, {what})", "fp32",
                             on_cpu("model.onnx"))]
         if target.get("qdq_model"):

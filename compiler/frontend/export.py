@@ -11,7 +11,7 @@ import torch
 from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
 from onnxscript.optimizer import fold_constants
 
-from vlmprune.compiler.errors import VlmpruneError
+from vlmprune.compiler.errors import VlmpruneError, failure_cause
 from vlmprune.compiler.frontend.tower import Exported, VisionPipeline
 
 FEATURES = "image_features"
@@ -22,22 +22,33 @@ def export_onnx(pipeline: VisionPipeline, image_size: int, batch: int | None, op
     """The dense pipeline as ONNX: input `pixel_values`, output `image_features`.
 
     batch=None exports a dynamic batch dimension (traced at batch 2 so that the exporter
-    cannot specialise it to 1). The exporter's own optimizer is off: it spends most of
-    its time in pattern rewrites vlmprune does not need (23 of 40 s on ViT-L); constant
-    folding is what the passes rely on.
+    cannot specialise it to 1).
     """
     example = torch.zeros(batch or 2, 3, image_size, image_size)
     dynamic = None if batch else {PIXELS: {0: torch.export.Dim("batch", min=1, max=4096)}}
-    sink = io.StringIO()
+    return torch_onnx("torch.onnx export", Exported(pipeline.with_pruner(None)), (example,), input_names=[PIXELS],
+                      output_names=[FEATURES], dynamic_shapes=dynamic, opset_version=opset)
+
+
+def torch_onnx(what: str, module: torch.nn.Module, args: tuple, **kwargs):
+    """torch.onnx.export (dynamo) of module -> onnx_ir.Model with constants folded, without the exporter's chatter.
+
+    A failure is one line with its cause (errors.failure_cause), not the exporter's
+    preamble; torch's own log of it (exportdb hints) is silenced, as it only repeats the
+    error. The exporter's optimizer is off: it spends most of its time in pattern rewrites
+    vlmprune does not need (23 of 40 s on ViT-L); constant folding is what the passes rely on.
+    """
+    torch_log = logging.getLogger("torch")
+    level = torch_log.level
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), torch.no_grad():
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
             warnings.simplefilter("ignore")
-            logging.getLogger("torch").setLevel(logging.ERROR)
-            program = torch.onnx.export(
-                Exported(pipeline.with_pruner(None)), (example,), dynamo=True, input_names=[PIXELS],
-                output_names=[FEATURES], dynamic_shapes=dynamic, opset_version=opset, verbose=False, optimize=False)
+            torch_log.setLevel(logging.CRITICAL)
+            program = torch.onnx.export(module.eval(), args, dynamo=True, verbose=False, optimize=False, **kwargs)
     except Exception as exc:  # the exporter's failure is the user's to act on, in one line
-        raise VlmpruneError(f"torch.onnx export failed: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from exc
+        raise VlmpruneError(f"{what} failed: {failure_cause(exc)}") from exc
+    finally:
+        torch_log.setLevel(level)
     model = program.model
     fold_constants(model)
     LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)

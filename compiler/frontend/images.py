@@ -56,14 +56,16 @@ def parity_inputs(batch: int, size: int, mean, std, seed: int = 0) -> tuple[np.n
 UPSCALE_WARNING = 4.0  # a short side upscaled more than this is mostly interpolation, not picture
 
 
-def describe_preprocess(width: int, height: int, size: int, mean, std) -> tuple[str, float]:
-    """What preprocess() does to a width x height image, in words, and the factor it scales the short side by."""
+def describe_preprocess(width: int, height: int, size: int, mean, std, depth: str = "") -> tuple[str, float]:
+    """What preprocess() does to a width x height image, in words, and the factor it scales the short side by.
+
+    depth: read_rgb's note of how the file's pixels were scaled to 8 bits, if they were."""
     scale = size / min(width, height)
     resized = (max(size, round(width * scale)), max(size, round(height * scale)))
     mean_s = ", ".join(f"{m:.3f}" for m in mean)
     std_s = ", ".join(f"{s:.3f}" for s in std)
     verb = "upscaled" if scale > 1 else "downscaled" if scale < 1 else "kept at"
-    text = (f"{width}x{height} image: short side {verb} x{scale:.3g} to {resized[0]}x{resized[1]} "
+    text = (f"{width}x{height} image{depth}: short side {verb} x{scale:.3g} to {resized[0]}x{resized[1]} "
             f"(bilinear, antialiased), centre crop {size}x{size}, scaled to [0, 1], "
             f"normalised with mean ({mean_s}) and std ({std_s})")
     return text, scale
@@ -71,12 +73,40 @@ def describe_preprocess(width: int, height: int, size: int, mean, std) -> tuple[
 
 def load_image_file(path: str, size: int, mean, std) -> tuple[np.ndarray, str, float]:
     """An image file -> ([1, 3, size, size] float32, a description of the preprocessing, the upscale factor)."""
+    rgb, depth = read_rgb(path)
+    text, scale = describe_preprocess(rgb.shape[1], rgb.shape[0], size, mean, std, depth)
+    return preprocess(rgb, size, mean, std)[None], text, scale
+
+
+def read_rgb(path: str) -> tuple[np.ndarray, str]:
+    """An image file -> (uint8 HxWx3, "" or how its pixels were scaled to 8 bits, for its description).
+
+    Pillow's convert("RGB") clips 16-bit, 32-bit integer and float pixels at 255 rather than
+    scaling them (a 16-bit gradient would turn flat white), so those are scaled here by their
+    full scale. 16-bit RGB files need nothing: Pillow opens them as 8-bit RGB, scaled.
+    """
     from PIL import Image
 
     with Image.open(path) as img:
-        rgb = np.asarray(img.convert("RGB"))
-    text, scale = describe_preprocess(rgb.shape[1], rgb.shape[0], size, mean, std)
-    return preprocess(rgb, size, mean, std)[None], text, scale
+        if img.mode not in ("I", "F") and not img.mode.startswith("I;16"):
+            return np.asarray(img.convert("RGB")), ""
+        values = np.asarray(img, dtype=np.float64)
+        mode = img.mode
+    top = float(values.max()) if values.size else 0.0
+    if mode.startswith("I;16"):
+        full, depth = 65535.0, "16-bit grayscale"
+    elif mode == "F" and top <= 1.0:
+        full, depth = 1.0, "float grayscale in [0, 1]"
+    elif top <= 255:  # 8-bit values in a wider container
+        full, depth = 255.0, None
+    elif top <= 65535:  # how Pillow gives some 16-bit files ("I")
+        full, depth = 65535.0, "16-bit grayscale"
+    elif mode == "I":
+        full, depth = 2.0 ** 31 - 1, "32-bit integer grayscale"
+    else:
+        full, depth = top, "float grayscale, by its maximum"
+    gray = np.round(np.clip(values / full, 0.0, 1.0) * 255.0).astype(np.uint8)
+    return np.stack([gray] * 3, axis=-1), f" ({depth}, scaled to 8 bits)" if depth else ""
 
 
 def anyres_crops(image: np.ndarray, crops: dict, size: int, mean, std, fill: bool = True) -> np.ndarray:
@@ -126,13 +156,10 @@ def parity_crops(images: int, crops: dict, size: int, mean, std, seed: int = 0) 
 
 def load_image_crops(path: str, crops: dict, size: int, mean, std) -> tuple[np.ndarray, str]:
     """An image file -> ([C, 3, size, size] float32 crops for the bundle's grid, a description)."""
-    from PIL import Image
-
-    with Image.open(path) as img:
-        rgb = np.asarray(img.convert("RGB"))
+    rgb, depth = read_rgb(path)
     height, width = crops["resolution"]
     rows, cols = crops["grid"]
-    text = (f"{rgb.shape[1]}x{rgb.shape[0]} image: LlavaNextImageProcessor for the {rows}x{cols} grid "
+    text = (f"{rgb.shape[1]}x{rgb.shape[0]} image{depth}: LlavaNextImageProcessor for the {rows}x{cols} grid "
             f"({width}x{height}): resized keeping its aspect and padded, cut into {rows * cols} tiles of "
             f"{size}x{size} after the whole image resized to {size}x{size} ({crops['count']} crops); the LLM "
             f"runtime unpads by the original size {rgb.shape[0]}x{rgb.shape[1]} (README)")

@@ -39,7 +39,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
-from vlmprune.compiler.frontend.source import Source, feature_blocks, read_safetensors, sha256_files
+from vlmprune.compiler.frontend.source import Source, check_floating, feature_blocks, read_safetensors, sha256_files
 from vlmprune.compiler.frontend.tower import VisionPipeline
 
 
@@ -136,7 +136,10 @@ class LlavaNextAdapter(ModelAdapter):
         if not isinstance(fl, int):
             raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
         tower, projector = load_vision(checkpoint, tower_state(checkpoint))
-        newline = read_safetensors(checkpoint.weights, ("model.image_newline", "image_newline")).get("")
+        tensors = read_safetensors(checkpoint.weights, ("model.image_newline", "image_newline"))
+        newline = tensors.get("")
+        if newline is not None:
+            check_floating(tensors, "", "image_newline")
         d_text = config.text_config.hidden_size
         if newline is None or tuple(newline.shape) != (d_text,):
             raise InputError(f"{checkpoint.path}: no image_newline [{d_text}] in the checkpoint "

@@ -43,13 +43,11 @@ def _demo() -> Source:
     return LlavaAdapter.from_model("demo", demo_model())
 
 
-def demo_model():
-    """The `demo` preset's whole LlavaForConditionalGeneration (its seeded LLM too), for `vlmprune generate`/`eval`."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+def demo_config():
+    """The `demo` preset's LlavaConfig: what --with-llm's options are checked against before any work."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     quiet_transformers()
-    torch.manual_seed(0)
-
     vision = CLIPVisionConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
                               image_size=336, patch_size=14, projection_dim=128)
     text = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -57,6 +55,15 @@ def demo_model():
     config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-2,
                          vision_feature_select_strategy="default", image_token_index=1000)
     config.vision_config._attn_implementation = "sdpa"
+    return config
+
+
+def demo_model():
+    """The `demo` preset's whole LlavaForConditionalGeneration (its seeded LLM too), for `vlmprune generate`/`eval`."""
+    from transformers import LlavaForConditionalGeneration
+
+    config = demo_config()
+    torch.manual_seed(0)
     return LlavaForConditionalGeneration(config).eval()
 
 

@@ -268,6 +268,23 @@ def qwen_source(spec: str, kind: str, model_type: str, visual: nn.Module, image_
                   position_table=grid.positions(), details=details)
 
 
+def check_mrope(checkpoint: Checkpoint) -> None:
+    """mRoPE splits each head's rotary frequencies into (t, h, w) sections, which must cover them exactly.
+
+    Hugging Face's own forward fails otherwise, deep in a torch.onnx export or a generate;
+    a config like that is refused before any work.
+    """
+    text = getattr(checkpoint.config, "text_config", checkpoint.config)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    section = rope.get("mrope_section")
+    if section is None:
+        return
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if not all(isinstance(n, int) for n in section) or sum(section) != head_dim // 2:
+        raise InputError(f"{checkpoint.path}: mrope_section {list(section)} must sum to {head_dim // 2} (half the "
+                         f"language model's head_dim {head_dim}); the checkpoint and config disagree")
+
+
 class Qwen2VLAdapter(ModelAdapter):
     family = "qwen2_vl"
     model_types = MODEL_TYPES
@@ -279,6 +296,7 @@ class Qwen2VLAdapter(ModelAdapter):
             raise InputError(f"--feature-layer does not apply to {checkpoint.model_type}: its image features are "
                              "the patch merger's output after the last block")
         config = checkpoint.config
+        check_mrope(checkpoint)
         vcfg = config.vision_config
         unit = vcfg.patch_size * vcfg.spatial_merge_size
         image_size = check_image_size(DEFAULT_IMAGE_SIZE if image_size is None else image_size, unit)

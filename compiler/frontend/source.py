@@ -1,7 +1,8 @@
 """A loaded model (Source) and the checkpoint reading every family adapter shares.
 
 Weights come from safetensors only (nothing is unpickled); a truncated file, a tensor
-whose shape disagrees with config.json, or a missing weight is one line naming it.
+whose shape disagrees with config.json, an integer tensor where the model wants floats,
+or a missing weight is one line naming it.
 """
 
 from __future__ import annotations
@@ -103,14 +104,22 @@ def quiet_transformers() -> None:
         pass
 
 
-def read_safetensors(files: list[Path], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+class Tensors(dict):
+    """Tensors by name, and where each was read ({name: (file name, key in the file)}), for messages that name it."""
+
+    def __init__(self, items=(), origin: dict[str, tuple[str, str]] | None = None):
+        super().__init__(items)
+        self.origin = origin or {}
+
+
+def read_safetensors(files: list[Path], prefixes: tuple[str, ...]) -> Tensors:
     """Tensors whose key starts with one of prefixes, the prefix stripped; never unpickles.
 
     A truncated or corrupt file is refused in one line naming it.
     """
     from safetensors import SafetensorError, safe_open
 
-    out: dict[str, torch.Tensor] = {}
+    out = Tensors()
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -118,6 +127,7 @@ def read_safetensors(files: list[Path], prefixes: tuple[str, ...]) -> dict[str, 
                     for prefix in prefixes:
                         if key.startswith(prefix):
                             out[key[len(prefix):]] = f.get_tensor(key)
+                            out.origin[key[len(prefix):]] = (path.name, key)
                             break
         except (SafetensorError, OSError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -125,10 +135,24 @@ def read_safetensors(files: list[Path], prefixes: tuple[str, ...]) -> dict[str, 
     return out
 
 
+def check_floating(state: dict[str, torch.Tensor], key: str, what: str) -> None:
+    """A weight the model computes with in floating point must be stored so; integers would be cast silently."""
+    if not state[key].is_floating_point():
+        where, name = getattr(state, "origin", {}).get(key, (what, key))
+        raise not_floating(where, name, str(state[key].dtype).removeprefix("torch."))
+
+
+def not_floating(where: str, name: str, dtype: str) -> InputError:
+    return InputError(f"{where}: tensor {name} has dtype {dtype}; the model expects floating point "
+                      "(a quantized checkpoint without its scales?)")
+
+
 def load_state(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    """Load weights by name; a missing weight or a shape that disagrees with config.json is one line."""
+    """Load weights by name; a missing weight, a shape that disagrees with config.json or an integer weight is one line."""
     expected = module.state_dict()
     for key, tensor in state.items():
+        if key in expected and expected[key].is_floating_point():
+            check_floating(state, key, what)
         if key in expected and tuple(expected[key].shape) != tuple(tensor.shape):
             raise InputError(f"{what}: weight {key} has shape {list(tensor.shape)} in the checkpoint but "
                              f"{list(expected[key].shape)} from config.json; the checkpoint and config disagree")
@@ -138,8 +162,9 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> 
         raise InputError(f"{what}: {len(missing)} weights missing from the checkpoint, e.g. {missing[0]}")
 
 
-def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k.removeprefix(prefix): v for k, v in state.items()}
+def strip_prefix(state: Tensors, prefix: str) -> Tensors:
+    return Tensors({k.removeprefix(prefix): v for k, v in state.items()},
+                   {k.removeprefix(prefix): v for k, v in state.origin.items()})
 
 
 def inner_tower(tower: nn.Module) -> nn.Module:
@@ -188,8 +213,10 @@ def from_pretrained(model_class, checkpoint, what: str, **kwargs):
     from safetensors import SafetensorError
 
     try:
-        return model_class.from_pretrained(str(checkpoint.path), config=checkpoint.config, local_files_only=True,
-                                           use_safetensors=True, attn_implementation="sdpa", **kwargs).eval()
+        model = model_class.from_pretrained(str(checkpoint.path), config=checkpoint.config, local_files_only=True,
+                                            use_safetensors=True, attn_implementation="sdpa", **kwargs).eval()
+        _check_stored_floating(checkpoint.weights, model)
+        return model
     except SafetensorError as exc:
         raise InputError(f"{checkpoint.path}: not a readable safetensors file ({str(exc).splitlines()[0]}); "
                          "truncated or corrupt?") from None
@@ -198,3 +225,24 @@ def from_pretrained(model_class, checkpoint, what: str, **kwargs):
         if "size mismatch" in str(exc) or "ignore_mismatched_sizes" in str(exc):
             first = "a weight's shape in the checkpoint differs from config.json: the checkpoint and config disagree"
         raise InputError(f"{what} in {checkpoint.path}: {first}") from None
+
+
+def _check_stored_floating(files: list[Path], model: nn.Module) -> None:
+    """transformers casts an integer tensor into a floating parameter without a word: refuse it, by the header.
+
+    transformers renames legacy keys on load, so a stored key is matched to the model by its
+    last part only, and only to let the model's own integer buffers (position_ids) through.
+    """
+    from safetensors import safe_open
+
+    integer = {name.rsplit(".", 1)[-1] for name, b in model.named_buffers() if not b.is_floating_point()}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                dtype = f.get_slice(key).get_dtype()
+                if not dtype.startswith(("F", "BF")) and key.rsplit(".", 1)[-1] not in integer:
+                    raise not_floating(path.name, key, _SAFETENSORS_DTYPES.get(dtype, dtype.lower()))
+
+
+_SAFETENSORS_DTYPES = {"BOOL": "bool", "I8": "int8", "U8": "uint8", "I16": "int16", "U16": "uint16", "I32": "int32",
+                       "U32": "uint32", "I64": "int64", "U64": "uint64"}

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.errors import InputError, failure_cause
 from vlmprune.compiler.llm import edgellm_env
 from vlmprune.targets.venvs import clean_env
 
@@ -284,16 +284,8 @@ def run_exporter(checkpoint: Path, out: Path, log: Path, extra: tuple[str, ...] 
                                            f"(log: {log})") from None
     if proc.returncode != 0 or not (out / LLM_DIR / ONNX_NAME).is_file():
         raise edgellm_env.EdgeLlmError(f"tensorrt-edgellm-export failed (exit {proc.returncode}): "
-                                       f"{_last_error(log)} (log: {log})")
+                                       f"{failure_cause(log.read_text(errors='replace'))} (log: {log})")
     return time.perf_counter() - t0
-
-
-def _last_error(log: Path) -> str:
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "error:" in line or line.startswith("raise ") or "Exception" in line:
-            return line[:300]
-    return (lines[-1][:300] if lines else "no output")
 
 
 # ------------------------------------------------------------------------------ what comes out

@@ -133,12 +133,14 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
     tower run by their target's runner here), one row each.
     image_size (Qwen2-VL) and grid (LLaVA-NeXT): the static input, default the first bundle's, else the family's.
     """
-    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.bundle import load_manifest, source_of
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
     images, prompts = list_images(images_dir), read_prompts(prompts_file)
     manifests = [(Path(b), load_manifest(b, verify=True)) for b in bundles]
+    for _, manifest in manifests:  # MODEL named as a bundle records it, but moved since
+        source_of(manifest, model, "pass its new path as MODEL")
     vlm = gen.load_vlm(model, image_size, grid, bundle=manifests[0][1] if manifests else None)
     source = vlm.source
     settings = settings_for(source, methods, keeps) if methods or keeps or not bundles else []
@@ -183,6 +185,7 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
         rows.append(_summary(name, keep, origin, samples))
         progress(f"  {name} K={keep} ({origin}): KL mean {rows[-1]['kl_mean']:.4g}")
     return {"model": vlm.spec, "images": [p.name for p in images], "prompts": prompts,
+            "image_start": [len(p.before) for p in built],  # per prompt: FastV's --image-start for it
             "max_new_tokens": max_new_tokens, "dense_image_tokens": int(dense_runs[0, 0].image_tokens),
             "pruned_with": "reference: each method's plain-torch reference (the parity reference of its bundles); "
                            "bundle: the bundle's own graph under its target's runner here",

@@ -26,20 +26,18 @@ layers themselves.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import io
-import logging
-import warnings
 from pathlib import Path
 
 import onnx_ir as ir
 import torch
 from torch import nn
 
-from vlmprune.compiler.errors import InputError, VlmpruneError
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.export import torch_onnx
 from vlmprune.compiler.llm.fastv import FastVSpec, check_family, decoder_of, default_positions, gather_positions, uses_mrope
+from vlmprune.compiler.parity import figure_text
 
 WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx
 PREFILL, DECODE = "prefill.onnx", "decode.onnx"
@@ -160,25 +158,8 @@ def cache_names(num_layers: int, prefix: str) -> list[str]:
 
 
 def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, opset: int) -> ir.Model:
-    from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
-    from onnxscript.optimizer import fold_constants
-
-    sink = io.StringIO()
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), torch.no_grad():
-            warnings.simplefilter("ignore")
-            logging.getLogger("torch").setLevel(logging.ERROR)
-            program = torch.onnx.export(module.eval(), args, dynamo=True, input_names=input_names,
-                                        output_names=output_names, dynamic_shapes=dynamic, opset_version=opset,
-                                        verbose=False, optimize=False)
-    except Exception as exc:
-        raise VlmpruneError(f"torch.onnx export of the language model failed: "
-                            f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from exc
-    model = program.model
-    fold_constants(model)
-    LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
-    RemoveUnusedNodesPass()(model)
-    return model
+    return torch_onnx("torch.onnx export of the language model", module, args, input_names=input_names,
+                      output_names=output_names, dynamic_shapes=dynamic, opset_version=opset)
 
 
 def export_prefill(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
@@ -348,6 +329,40 @@ class CausalLM(nn.Module):
 LLM_MODEL_TYPES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")  # checkpoints whose language model --with-llm exports
 
 
+def _llm_checkpoint(spec: str):
+    """The Checkpoint of a VLM directory whose language model --with-llm exports; one line for anything else."""
+    from vlmprune.compiler.frontend.adapter import Checkpoint
+
+    path = Path(spec)
+    checkpoint = Checkpoint(path) if path.is_dir() else None
+    if checkpoint is None or checkpoint.model_type not in LLM_MODEL_TYPES:
+        kind = f"model type {checkpoint.model_type!r}" if checkpoint is not None else "not a checkpoint directory"
+        raise InputError(f"--with-llm needs `demo` or a LLaVA, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL checkpoint that holds its "
+                         f"language model; {spec} is {kind}")
+    return checkpoint
+
+
+def check_llm_model(spec: str, options) -> None:
+    """--with-llm on target ort against MODEL's config alone (no weights): it holds a language model, and
+    --fastv-layer is one of its layers; before the tower's export, which takes seconds to minutes.
+
+    Target orin: TensorRT Edge-LLM's exporter checks its own families (compiler.llm.edgellm).
+    """
+    fastv = check_llm_options(options)
+    if not getattr(options, "with_llm", False) or options.target == "orin":
+        return
+    if spec == "demo":
+        from vlmprune.compiler.frontend.presets import demo_config
+
+        config = demo_config()
+    elif not Path(spec).exists():
+        return  # the frontend says what is missing
+    else:
+        config = _llm_checkpoint(spec).config
+    if fastv is not None:
+        fastv.check(config.text_config.num_hidden_layers)
+
+
 def language_model(spec: str):
     """The causal LM of MODEL (`demo`, a LLaVA(-NeXT) or Qwen2-VL / Qwen2.5-VL checkpoint): the VLM's own, no copy."""
     from vlmprune.compiler.frontend.source import no_init_weights, quiet_transformers
@@ -358,15 +373,9 @@ def language_model(spec: str):
 
         vlm = demo_model()
     else:
-        from vlmprune.compiler.frontend.adapter import Checkpoint
         from vlmprune.compiler.frontend.source import from_pretrained
 
-        path = Path(spec)
-        checkpoint = Checkpoint(path) if path.is_dir() else None
-        if checkpoint is None or checkpoint.model_type not in LLM_MODEL_TYPES:
-            kind = f"model type {checkpoint.model_type!r}" if checkpoint is not None else "not a checkpoint directory"
-            raise InputError(f"--with-llm needs `demo` or a LLaVA, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL checkpoint that holds its "
-                             f"language model; {spec} is {kind}")
+        checkpoint = _llm_checkpoint(spec)
         if checkpoint.model_type == "llava":
             from transformers import LlavaForConditionalGeneration as model_class
         elif checkpoint.model_type == "llava_next":
@@ -413,11 +422,12 @@ def emit_llm(model_spec: str, manifest: dict, options, folder: Path, progress=la
                 if spec is not None else ", dense)") + " with torch.onnx (dynamo)")
     written = export_decoder(lm, spec, folder / LLM_DIR, options.opset)
     parity = llm_parity(lm, spec, folder / LLM_DIR, tokens if isinstance(tokens, int) else 8)
-    progress(f"  llm        {'PASS' if parity['passed'] else 'FAIL'}  logits max-abs {parity['logits_max_abs']:.3g}, "
+    gap = figure_text(parity["logits_max_abs"], 3, at_most=PARITY_ATOL)  # a failing figure must read as failing
+    progress(f"  llm        {'PASS' if parity['passed'] else 'FAIL'}  logits max-abs {gap}, "
              f"greedy tokens {'identical' if parity['tokens_identical'] else 'DIFFER'}")
     if not parity["passed"]:
         raise ParityError(f"the exported language model disagrees with its PyTorch reference "
-                          f"(logits max-abs {parity['logits_max_abs']:.3g}, tolerance {PARITY_ATOL})")
+                          f"(logits max-abs {gap}, tolerance {PARITY_ATOL})")
     return {
         "exporter": f"torch.onnx (dynamo) {torch.__version__}, opset {options.opset}",
         "runtime": "ONNX Runtime (any execution provider), standard ops only",

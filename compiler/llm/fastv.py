@@ -74,6 +74,8 @@ class FastVSpec:
         if self.image_start < 0 or self.image_len < 1:
             raise InputError(f"FastV image span must have start >= 0 and length >= 1, "
                              f"got start {self.image_start}, length {self.image_len}")
+        if num_layers < 2:  # FastV drops tokens for the layers after K: a one-layer LLM has none
+            raise InputError(f"FastV needs a language model of at least 2 layers (this LLM has {num_layers})")
         if not 1 <= self.layer < num_layers:
             raise InputError(f"--fastv-layer must be between 1 and {num_layers - 1} "
                              f"(this LLM has {num_layers} layers), got {self.layer}")

@@ -56,8 +56,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlmprune.compiler.errors import InputError, ParityError, ToolchainError
+from vlmprune.compiler.errors import InputError, ParityError, ToolchainError, failure_cause
 from vlmprune.compiler.llm.fastv import check_family, decoder_of
+from vlmprune.compiler.parity import figure_text
 
 EXPORTER = "onnxruntime-genai"
 MODEL, CONFIG = "model.onnx", "genai_config.json"
@@ -135,7 +136,7 @@ def export_genai(lm, folder: Path, precision: str = "fp32", execution_provider: 
             kept = Path(tempfile.mkdtemp(prefix="vlmprune-genai-log-")) / LOG
             kept.write_bytes((tmp / LOG).read_bytes())
             raise ToolchainError(f"onnxruntime-genai's model builder failed (exit {code}): "
-                                 f"{_last_error(kept)}; log: {kept}")
+                                 f"{failure_cause(kept.read_text(errors='replace'))}; log: {kept}")
     if tokenizer is None:
         for name in _TOKENIZER_FILES:
             (folder / name).unlink(missing_ok=True)
@@ -166,11 +167,12 @@ def export_genai(lm, folder: Path, precision: str = "fp32", execution_provider: 
     if parity:
         info["parity"] = genai_parity(lm, folder)
         p = info["parity"]
-        progress(f"  llm (genai) {'PASS' if p['passed'] else 'FAIL'}  logits max-abs {p['logits_max_abs']:.3g}, "
+        gap = figure_text(p["logits_max_abs"], 3, at_most=PARITY_ATOL)  # a failing figure must read as failing
+        progress(f"  llm (genai) {'PASS' if p['passed'] else 'FAIL'}  logits max-abs {gap}, "
                  f"greedy tokens {'identical' if p['tokens_identical'] else 'DIFFER'} (batch 1 and 2)")
         if not p["passed"]:
             raise ParityError(f"onnxruntime-genai's graph of the language model disagrees with its PyTorch "
-                              f"reference (logits max-abs {p['logits_max_abs']:.3g}, tolerance {PARITY_ATOL}, "
+                              f"reference (logits max-abs {gap}, tolerance {PARITY_ATOL}, "
                               f"greedy tokens {'identical' if p['tokens_identical'] else 'differ'})")
     return info
 
@@ -218,14 +220,6 @@ def placeholder_tokenizer(vocab_size: int, eos: int | None = None):
     backend.pre_tokenizer = WhitespaceSplit()
     special = {"eos_token": f"<id_{eos}>", "pad_token": f"<id_{eos}>"} if eos is not None else {}
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<id_0>", **special)
-
-
-def _last_error(log: Path) -> str:
-    import re
-
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
-    return (errors or lines or ["no output"])[-1][:300]
 
 
 def graph_io(path: Path) -> dict:

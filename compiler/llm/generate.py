@@ -130,7 +130,7 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
     mine = FAMILIES.get(checkpoint.model_type)
     if mine is None:
         raise InputError(f"{spec}: generate and eval run {SUPPORTED}; this one is {checkpoint.model_type!r}")
-    _bundle_family(spec, mine, bundle)
+    _bundle_family(spec, mine, bundle, checkpoint.model_type)
     if family == "qwen2_vl" and image_size is None:
         image_size = bundle["model"]["image_size"]
     if family == "llava_next" and grid is None:
@@ -164,11 +164,15 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
     return Vlm(model, tokenizer, _chat_template(path, tokenizer), source, str(path), mine)
 
 
-def _bundle_family(spec: str, family: str, bundle: dict | None) -> None:
-    """A checkpoint of another family than the bundle's model, in one line (an .onnx tower's bundle: any LLaVA)."""
+def _bundle_family(spec: str, family: str, bundle: dict | None, model_type: str | None = None) -> None:
+    """A checkpoint of another family than the bundle's model, in one line (an .onnx tower's bundle: any LLaVA).
+
+    Named by model_type where known: one family (qwen2_vl) holds two model types.
+    """
     if bundle is not None and bundle["model"]["kind"] != "onnx" and bundle["model"]["family"] != family:
+        theirs = bundle["model"].get("model_type") or bundle["model"]["family"]
         raise InputError(f"{spec} is not the model this bundle was compiled from ({bundle['model']['source']}): it is "
-                         f"a {family} checkpoint, the bundle's model a {bundle['model']['family']} one")
+                         f"a {model_type or family} checkpoint, the bundle's model a {theirs} one")
 
 
 def has_tokenizer(path: Path) -> bool:
@@ -286,7 +290,7 @@ def load_pixels(vlm: Vlm, image: Path, preprocess: dict | None = None) -> tuple[
 
     preprocess: a bundle manifest's size, mean and std (one image, not crops), else the source's.
     """
-    from vlmprune.compiler.frontend.images import anyres_crops, load_image_file
+    from vlmprune.compiler.frontend.images import anyres_crops, load_image_file, read_rgb
 
     source = vlm.source
     try:
@@ -294,17 +298,14 @@ def load_pixels(vlm: Vlm, image: Path, preprocess: dict | None = None) -> tuple[
             pre = preprocess or {"size": source.image_size, "mean": source.mean, "std": source.std}
             pixel, described, _scale = load_image_file(str(image), pre["size"], pre["mean"], pre["std"])
             return pixel, described
-        from PIL import Image
-
-        with Image.open(image) as img:
-            rgb = np.asarray(img.convert("RGB"))
+        rgb, depth = read_rgb(str(image))
         pixel = anyres_crops(rgb, source.crops, source.image_size, source.mean, source.std, fill=True)
     except Exception as exc:
         raise InputError(f"{image}: cannot read the image ({_first_line(exc)})") from None
     (height, width), (rows, cols) = source.crops["resolution"], source.crops["grid"]
-    return pixel, (f"{rgb.shape[1]}x{rgb.shape[0]} image: centre-cropped to the {rows}x{cols} grid's aspect and "
-                   f"resized to {width}x{height} (nothing padded), LlavaNextImageProcessor's {source.crops['count']} "
-                   f"crops of {source.image_size}x{source.image_size}")
+    return pixel, (f"{rgb.shape[1]}x{rgb.shape[0]} image{depth}: centre-cropped to the {rows}x{cols} grid's aspect "
+                   f"and resized to {width}x{height} (nothing padded), LlavaNextImageProcessor's "
+                   f"{source.crops['count']} crops of {source.image_size}x{source.image_size}")
 
 
 def hf_image_inputs(vlm: Vlm, pixel: np.ndarray) -> dict:
@@ -510,9 +511,11 @@ def bundle_positions(tokens: BundleTokens, offset: int) -> tuple[np.ndarray, int
 def default_model(manifest: dict) -> str:
     """The bundle's own source, when it is a full VLM (the demo preset, or a LLaVA / LLaVA-NeXT / Qwen2-VL
     directory)."""
+    from vlmprune.compiler.bundle import source_of
+
     model = manifest["model"]
     if model["family"] in _KINDS and (model["kind"] == "hf" or model["source"] == "demo"):
-        return model["source"]
+        return source_of(manifest)
     raise InputError(f"--model is needed: the bundle was compiled from {model['source']} ({model['kind']}, "
                      f"family {model['family']}), which holds no language model")
 
@@ -524,6 +527,24 @@ class GenerateResult:
     runtime: str
     path: str  # "pruned" | "dense"
     kept: list[int] | None
+
+    @property
+    def image_start(self) -> int:
+        """Prompt tokens before the image: what FastV's `--image-start` must be for this chat template."""
+        return len(self.prompt.before)
+
+
+def fastv_mismatch(manifest: dict, image_start: int) -> str | None:
+    """A warning when the bundle's FastV graph was compiled for another image start than this prompt's.
+
+    FastV's image span is compiled into the prefill graph, so a prompt that puts the image elsewhere
+    would score (and drop) the wrong tokens in that graph.
+    """
+    fastv = (manifest.get("llm_graphs") or {}).get("fastv")
+    if not fastv or fastv["image_start"] == image_start:
+        return None
+    return (f"this bundle's FastV prefill graph was compiled with --image-start {fastv['image_start']}, but this "
+            f"prompt puts the image at token {image_start}: recompile with --image-start {image_start}")
 
 
 def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dense: bool = False,
@@ -551,6 +572,7 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
     built = build_prompt(vlm, prompt)
     progress(f"prompt ({built.how}): {built.text!r}")
     offset = len(built.before)
+    progress(f"the image starts at prompt token {offset} (FastV's --image-start for this chat template)")
     if dense:
         rows = dense_image(vlm, pixel, manifest["model"].get("feature_layer_override"))
         result = answer(vlm, built, rows.rows, *rows.place(offset), max_new_tokens)

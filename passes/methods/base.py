@@ -115,6 +115,7 @@ class Method(abc.ABC):
     selection: ClassVar[str] = BY_SCORE  # BY_SCORE or GREEDY: how parity compares the kept indices
     options: ClassVar[dict[str, tuple[type, str]]] = {}  # option name -> (type, help); the CLI flag is --NAME
     formulations: ClassVar[tuple[str, ...]] = ("standard",)  # graph forms of the selection; [0] is the default
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {}  # option -> its named values (--score), listed per value
     official: ClassVar[str] = ""  # where the official algorithm lives
 
     # ------------------------------------------------------------------ parameters
@@ -138,6 +139,10 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def needs(self, params: dict) -> Needs:
         """What the method reads from the model with these parameters."""
+
+    def check_onnx_source(self, params: dict) -> None:
+        """Refuse, before any work, what an .onnx source cannot serve: its reference reads the graph's own tensors
+        (compiler.reference), not a family's torch pipeline. Nothing by default."""
 
     def check(self, params: dict, spec: SiteSpec) -> None:
         """Refuse, in one line naming what is missing, a site this method cannot serve."""
@@ -191,6 +196,12 @@ class Method(abc.ABC):
         decline a site its custom op does not cover; None: any site.
         """
         return []
+
+    def fused_into(self, spellings: dict[str, FusedOp], params: dict) -> list[str]:
+        """The ops of `spellings` this method fuses into with these parameters, for `vlmprune methods`: its rules
+        asked about the site the parameters read (one [CLS] token where they need one, no prefix otherwise)."""
+        record = {"params": params, "prefix": int(self.needs(params).cls)}
+        return [op for op, spelling in spellings.items() if self.fusion_rules({op: spelling}, record)]
 
     def check_formulation(self, formulation: str) -> str:
         if formulation not in self.formulations:

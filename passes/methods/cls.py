@@ -47,6 +47,7 @@ class ClsMethod(Method):
     selection = BY_SCORE
     options = {"lambda": (float, "cls: weight of the pixel-variance term (default 0: pure [CLS] attention)"),
                "score": (str, f"cls: {received.SCORE_HELP}")}
+    choices = {"score": (*probe.SCORES, received.ATTENTION)}
 
     def defaults(self, keep: int) -> dict:
         return {"lambda": 0.0}
@@ -67,10 +68,19 @@ class ClsMethod(Method):
         return Needs(site=BLOCK, cls=by_cls, attention=by_cls, pixels=params["lambda"] > 0, head=not by_cls)
 
     def check(self, params: dict, spec) -> None:
+        if self.needs(params).cls and not spec.has_cls and spec.merge is not None and spec.merge >= 2:
+            raise InputError(f"method {self.name} needs a [CLS] token, and this tower's merged tokens have none: "
+                             "use --score attention (the attention each merged token receives), or divprune or dart")
         super().check(params, spec)
         if params.get("score") == received.ATTENTION and spec.merge is not None and spec.merge < 2:
             raise InputError(f"method {self.name} with --score attention needs a tower whose merged tokens are the "
                              "features (Qwen2-VL / Qwen2.5-VL), and this one has none")
+
+    def check_onnx_source(self, params: dict) -> None:
+        if params.get("score") == received.ATTENTION:
+            raise InputError(f"method {self.name} with --score attention needs a Qwen2-VL / Qwen2.5-VL directory: the "
+                             "score block's Q and K come from its torch tower, which an .onnx tower does not have "
+                             "(divprune and dart serve .onnx towers)")
 
     def serves(self) -> str:
         return (f"{super().serves()}; LLaVA-NeXT's crops under one budget; {probe.PROBE_SERVES}; "

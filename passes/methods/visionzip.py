@@ -83,6 +83,7 @@ class VisionZipMethod(Method):
     selection = BY_SCORE
     options = {"contextual": (int, "visionzip: contextual tokens K_c of the K (default round(10·K/64), the official ratio)"),
                "score": (str, f"visionzip: {probe.SCORE_HELP}")}
+    choices = {"score": probe.SCORES}
     official = "https://github.com/dvlab-research/VisionZip"
 
     def defaults(self, keep: int) -> dict:

@@ -72,7 +72,7 @@ def test_save_outputs_and_load_inputs_round_trip(bundle, photos, tmp_path):
     ("float64", "is float64, the bundle takes float32"),
     ("shape", "has shape [1, 3, 56, 56]"),
     ("names", "no array named 'pixel_values'"),
-    ("garbage", "not a readable .npz file"),
+    ("garbage", "not an .npz file of input arrays (not a zip archive, which numpy.savez writes)"),
 ])
 def test_bad_inputs_are_one_line(bundle, tmp_path, case, needle):
     path = tmp_path / "in.npz"
@@ -86,6 +86,22 @@ def test_bad_inputs_are_one_line(bundle, tmp_path, case, needle):
     else:
         path.write_bytes(b"not a zip")
     _one_line_error(_run("run", bundle, "--load-inputs", path), needle)
+
+
+def test_an_image_or_pickle_given_as_inputs_is_one_line_without_unpickling_advice(bundle, tmp_path):
+    text = tmp_path / "text.png"
+    text.write_text("not an image either")
+    result = _run("run", bundle, "--load-inputs", text)
+    _one_line_error(result, "")
+    assert result.output.splitlines()[-1] == (f"error: --load-inputs {text}: not an .npz file of input arrays "
+                                              "(not a zip archive, which numpy.savez writes)")
+    pickled = tmp_path / "objects.npz"
+    np.savez(pickled, pixel_values=np.array([{"a": 1}], dtype=object))
+    result = _run("run", bundle, "--load-inputs", pickled)
+    _one_line_error(result, "")
+    assert result.output.splitlines()[-1] == (f"error: --load-inputs {pickled}: not an .npz file of input arrays "
+                                              "(it holds pickled Python objects, which are never loaded)")
+    assert "allow_pickle" not in result.output
 
 
 def test_flag_combinations_are_checked_first(bundle, photos):

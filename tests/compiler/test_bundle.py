@@ -108,3 +108,79 @@ def test_edited_manifest_is_caught(tmp_path):
     (out / "manifest.json").write_text("{ not json")
     with pytest.raises(InputError, match="bundle was modified"):
         bundle.load_manifest(out)
+
+
+def test_missing_parents_are_made_and_removed_again_on_failure(tmp_path):
+    out = _write_bundle(tmp_path / "build" / "nested" / "b")
+    bundle.load_manifest(out)
+    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with bundle.staging(tmp_path / "fresh" / "sub" / "b", False) as tmp:
+                (tmp / "x").write_text("x")
+                raise exc
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["build"]  # fresh/sub made, then removed
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(InputError) as info:
+        _write_bundle(blocker / "sub" / "b")
+    assert str(info.value) == f"{blocker}/sub/b: {blocker} is not a directory"
+
+
+def test_parents_made_are_removed_when_the_write_fails_or_is_interrupted(tmp_path):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with bundle.parents_made(kept / "a" / "b" / "r.json"):
+                assert (kept / "a" / "b").is_dir()
+                raise exc
+        assert list(kept.iterdir()) == []  # the folders it made are gone, the one that was there stays
+    with pytest.raises(RuntimeError):
+        with bundle.parents_made(kept / "a" / "r.json"):
+            (kept / "a" / "someone-elses").write_text("x")
+            raise RuntimeError("boom")
+    assert (kept / "a" / "someone-elses").is_file()  # a folder another writer filled meanwhile is not removed
+
+
+def test_a_directory_that_is_not_a_bundle_is_refused_with_and_without_force(tmp_path):
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "cat.jpg").write_text("precious")
+    expected = (f"{other} exists and is not a vlmprune bundle (no manifest.json), and --force replaces only a "
+                "bundle: choose another -o or remove it")
+    for force in (False, True):
+        with pytest.raises(InputError) as info:
+            _write_bundle(other, force=force)
+        assert str(info.value) == expected
+    assert [p.name for p in other.iterdir()] == ["cat.jpg"]
+    empty = tmp_path / "empty"
+    empty.mkdir()  # as a `mkdir build` before a build: taken as the output
+    _write_bundle(empty)
+    assert sorted(p.name for p in empty.iterdir()) == ["manifest.json", "model.onnx"]
+    with pytest.raises(InputError, match=r"already exists \(use --force to replace it\)"):
+        _write_bundle(empty)
+
+
+def test_an_interrupt_after_publishing_says_the_bundle_is_complete(tiny_clip_dir, tmp_path):
+    """compile_model's progress callback is where Ctrl-C lands between steps: after the bundle is renamed into
+    place, the interrupt line says it is complete; before, that nothing was written (and nothing is)."""
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+    def interrupt_at(step):
+        def progress(message):
+            if step in message:
+                raise KeyboardInterrupt
+        return progress
+
+    out = tmp_path / "made" / "b"
+    for step, line in (("parity", "interrupted; nothing was written"),
+                       ("bundle written", f"interrupted; the bundle at {out} is complete")):
+        complete: list[str] = []
+        with pytest.raises(KeyboardInterrupt):
+            with bundle.tracking(complete):
+                compile_model(str(tiny_clip_dir), out, CompileOptions(keep=8), interrupt_at(step))
+        assert bundle.interrupted_line(complete) == line
+        assert out.exists() == bool(complete) and tmp_path.exists()
+        assert list(tmp_path.iterdir()) == ([out.parent] if complete else [])  # made/ removed when nothing was
+    assert bundle.load_manifest(out)["parity"]["passed"]  # whole, as the line says
+    assert sorted(p.name for p in out.parent.iterdir()) == ["b"]

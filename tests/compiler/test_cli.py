@@ -124,9 +124,20 @@ def test_unwritable_output(tiny_llava_dir, tmp_path):
 
 
 def test_existing_output_needs_force(tiny_llava_dir, tmp_path):
+    """Only a bundle is offered --force; a directory that is something else is refused alike with it."""
     out = tmp_path / "b"
     out.mkdir()
-    _assert_one_line_error(_run("compile", tiny_llava_dir, "--keep", 16, "-o", out), "already exists")
+    (out / "manifest.json").write_text("{}")
+    _assert_one_line_error(_run("compile", tiny_llava_dir, "--keep", 16, "-o", out),
+                           "already exists (use --force to replace it)")
+    (out / "manifest.json").unlink()
+    (out / "notes.txt").write_text("mine")
+    for force in ([], ["--force"]):
+        result = _run("compile", tiny_llava_dir, "--keep", 16, "-o", out, *force)
+        assert result.exit_code == 2 and result.stderr.splitlines() == [
+            f"error: {out} exists and is not a vlmprune bundle (no manifest.json), and --force replaces only a "
+            "bundle: choose another -o or remove it"], result.output
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
 def test_check_missing_bundle(tmp_path):
@@ -145,3 +156,173 @@ def test_a_reader_that_leaves_early_is_no_error(demo_bundle):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 141, err.decode()
     assert b"error" not in err and b"Traceback" not in err, err.decode()
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--no-prune", "-k", 64], "error: --no-prune compiles the dense tower: --keep does not apply to it"),
+    (["--no-prune", "-m", "cls", "--layer", 1, "--lambda", 0.3],
+     "error: --no-prune compiles the dense tower: --method, --layer, --lambda do not apply to it"),
+])
+def test_no_prune_refuses_pruning_options_given_with_it(tiny_llava_dir, tmp_path, args, line):
+    """Given explicitly, they would be ignored without a word; their defaults are no reason to refuse."""
+    out = tmp_path / "b"
+    result = _run("compile", tiny_llava_dir, "-o", out, *args)
+    assert result.exit_code == 2 and result.stderr.splitlines() == [line], result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,line", [
+    (["compile", "demo", "--keep", "1e3"],
+     "error: Invalid value for '--keep' / '-k': '1e3' is not a valid integer. (see vlmprune compile --help)"),
+    (["compile"], "error: Missing argument 'MODEL'. (see vlmprune compile --help)"),
+    (["run", "b", "--no-such-option"], "error: No such option '--no-such-option'. (see vlmprune run --help)"),
+    (["check"], "error: Missing argument 'BUNDLE_DIR'. (see vlmprune check --help)"),
+    (["compile", "demo", "--cls", "maybe"],
+     "error: Invalid value for '--cls': 'maybe' is not one of 'drop', 'keep'. (see vlmprune compile --help)"),
+    (["no-such-command"], "error: No such command 'no-such-command'. (see vlmprune --help)"),
+])
+def test_usage_errors_are_one_error_line(args, line):
+    result = _run(*args)
+    assert result.exit_code == 2 and result.stderr.splitlines() == [line] and result.stdout == "", result.output
+
+
+def test_native_writes_to_stdout_go_to_stderr_while_a_command_works():
+    """A native library writing to file descriptor 1 (QNN's `# LIBNATIVE:` line; C stdio, buffered on a pipe)
+    during the work lands on stderr, with or without --json; the data and the summary stay on stdout."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import ctypes, os
+        from vlmprune.compiler.cli import _stdout_for_data
+        with _stdout_for_data() as emit:
+            os.write(1, b"native write\\n")
+            ctypes.CDLL(None).puts(b"native puts")
+            print("stray print")
+            emit("data")
+        print("summary")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["data", "summary"]
+    assert {"native write", "native puts", "stray print"} <= set(done.stderr.splitlines())
+
+
+def test_compile_summary_lines(tiny_llava_dir, tmp_path):
+    out = tmp_path / "b"
+    result = _run("compile", tiny_llava_dir, "--keep", 16, "--with-llm", "-o", out, "-q")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("tokens: 64 patch tokens -> [CLS] attention: top 16 + 1 summary "
+                        "(at the tower's end, after block 2/2)")
+    stages = [line.split()[1] for line in lines if line.startswith("parity ")]
+    assert stages == ["export", "rewritten", "fused", "llm"]
+    parity = json.loads((out / "manifest.json").read_text())["llm_graphs"]["parity"]
+    assert lines[-2] == (f"parity llm        PASS  logits max-abs {parity['logits_max_abs']:.3g}, greedy tokens "
+                         f"identical over {parity['decode_steps']} decode steps")
+    assert lines[-1].startswith(f"bundle: {out} (")
+
+
+def test_a_failing_llm_figure_reads_as_failing():
+    """A logits gap just over its tolerance must not print as the tolerance itself."""
+    from vlmprune.compiler.cli import _llm_parity_line
+
+    parity = {"passed": False, "logits_max_abs": 1.00004e-4, "tolerance": 1e-4, "tokens_identical": True,
+              "decode_steps": 3}
+    assert _llm_parity_line({"parity": parity}) == ("parity llm        FAIL  logits max-abs 0.000100004, greedy "
+                                                    "tokens identical over 3 decode steps")
+
+
+def test_missing_output_parents_are_made_and_removed_if_the_command_fails(tiny_clip_dir, tiny_siglip_dir, tmp_path,
+                                                                          monkeypatch):
+    """docs/ci.md's workflow as written, in a fresh checkout: no build/ and no results/ yet."""
+    monkeypatch.chdir(tmp_path)
+    result = _run("compile", tiny_clip_dir, "--keep", 8, "-o", "build/bundle", "--quiet")
+    assert result.exit_code == 0, result.output
+    result = _run("check", "build/bundle", "--quiet", "--junit", "results/parity.xml", "--report", "results/parity.html")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["parity.html", "parity.xml"]
+    # The compile fails after its claim (siglip has no [CLS]): the folders it made are gone again.
+    _assert_one_line_error(_run("compile", tiny_siglip_dir, "--keep", 8, "-o", "new/sub/b"), "needs a [CLS] token")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build", "results"]
+
+
+def test_check_a_bundle_whose_source_moved(tiny_clip_dir, tiny_llava_dir, tmp_path):
+    import shutil
+
+    source = tmp_path / "clip"
+    shutil.copytree(tiny_clip_dir, source)
+    out = tmp_path / "b"
+    assert _run("compile", source, "--keep", 8, "-o", out, "-q").exit_code == 0
+    moved = source.rename(tmp_path / "moved")
+    result = _run("check", out)
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        f"error: the bundle's source {source} was not found (moved?); pass --model PATH"], result.output
+    result = _run("check", out, "--model", moved, "-q")
+    assert result.exit_code == 0, result.output
+    _assert_one_line_error(_run("check", out, "--model", tiny_llava_dir),
+                           f"--model {tiny_llava_dir} is not the bundle's source {source} (content hash differs)")
+
+
+# The console script's own code (pyproject's [project.scripts]), as a subprocess: signals need a real process.
+ENTRY = ["-c", "from vlmprune.compiler.__main__ import main; main()"]
+
+
+def test_the_console_script_is_the_interrupt_boundary():
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"] == {"vlmprune": "vlmprune.compiler.__main__:main"}
+
+
+def test_ctrl_c_while_the_cli_imports_is_one_line(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, *ENTRY, "compile", "demo", "-o", str(tmp_path / "x")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # torch's library mapped into the process: the CLI's import (methods and targets, for their options) is
+    # under way, seconds before any command starts.
+    maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.monotonic() + 300
+    while "libtorch_cpu" not in maps.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert (proc.returncode, err.splitlines(), out) == (130, ["interrupted; nothing was written"], "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_after_the_bundle_line_leaves_a_complete_bundle_said_so(tiny_clip_dir, tmp_path):
+    """Either the command was still ending (the line says the bundle is complete, exit 130), or it had ended and
+    the interpreter was shutting down (the interrupt stops nothing: exit 0, as the command said); never a
+    traceback, never a silent 130."""
+    import signal
+    import subprocess
+    import sys
+
+    from vlmprune.compiler.bundle import load_manifest
+
+    out = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, *ENTRY, "compile", str(tiny_clip_dir), "--keep", "8", "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("bundle: "):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, err = proc.communicate(timeout=300)
+    assert rest == "" and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    if proc.returncode == 130:
+        assert err.splitlines()[-1] == f"interrupted; the bundle at {out} is complete", err
+    else:
+        assert proc.returncode == 0 and "interrupted" not in err, (proc.returncode, err)
+    assert load_manifest(out)["parity"]["passed"]
+
+
+def test_parity_photographs_are_the_documented_ones(demo_bundle):
+    """docs/design.md: two photographs by default, astronaut and chelsea; check --batch 3 adds coffee."""
+    images = json.loads((demo_bundle.bundle / "parity.json").read_text())["inputs"]["images"]
+    assert images == ["skimage.data.astronaut", "skimage.data.chelsea"]
+    design = (Path(__file__).parents[2] / "docs" / "design.md").read_text()
+    assert "two by default (astronaut and chelsea" in " ".join(design.split())

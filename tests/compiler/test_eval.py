@@ -110,7 +110,10 @@ def test_eval_cli_table_json_and_report(inputs, tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].split()[:4] == ["method", "K", "tokens", "KL"] and lines[1].split()[:3] == ["cls", "8", "9"]
-    assert "2 images x 2 prompts" in lines[-1]
+    assert "2 images x 2 prompts" in lines[-2]
+    # FastV's --image-start for these prompts: <s> USER: come before the image in the default template
+    assert data["image_start"] == [2, 2]
+    assert lines[-1] == "(the image starts at prompt token 2: FastV's --image-start for these prompts)"
 
 
 def test_eval_bad_input(inputs, tmp_path):
@@ -129,3 +132,33 @@ def test_eval_bad_input(inputs, tmp_path):
     siglip = tiny_vlm(tmp_path / "siglip", tokenizer=False, tower="siglip")
     _one_line_error(_run("eval", siglip, "--images", images, "--prompts", prompts, "-m", "cls", "--keep", 8),
                     "needs a [CLS] token")
+
+
+def test_eval_report_is_checked_first_and_written_as_its_suffix_says(inputs, tmp_path):
+    images, prompts = inputs["images"], inputs["prompts"]
+    existing = tmp_path / "e.json"
+    existing.write_text("mine")
+    # MODEL does not exist: a refusal that came after the evaluation would be about MODEL instead.
+    for report, line in ((existing, f"error: --report {existing} already exists (use --force to replace it)"),
+                         (tmp_path / "e.txt",
+                          f"error: --report {tmp_path / 'e.txt'}: the file name must end in .json or .html or .htm")):
+        result = _run("eval", tmp_path / "no-model", "--images", images, "--prompts", prompts, "--report", report)
+        assert result.exit_code == 2 and result.stderr.splitlines() == [line], result.output
+    assert existing.read_text() == "mine"
+    _one_line_error(_run("eval", tmp_path / "no-model", "--images", images, "--prompts", prompts,
+                         "--report", tmp_path / "made" / "e.json"), "no-model")
+    assert not (tmp_path / "made").exists()  # a failed eval makes no folder for its report
+
+    args = ["eval", inputs["model"], "--images", images, "--prompts", prompts, "-m", "cls", "-k", 8,
+            "--max-new-tokens", 1, "-q"]
+    page = tmp_path / "new" / "e.html"  # a missing parent is made
+    result = _run(*args, "--report", page)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [f"report written to {page}"]
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and "<title>vlmprune eval: " in text
+    assert "<tr><td>cls</td><td>8</td><td>9</td>" in text  # the table's row: method, K, image tokens
+    assert "<script" not in text and "http" not in text  # self-contained
+    result = _run(*args, "--json", "--report", existing, "--force")
+    assert result.exit_code == 0, result.output
+    assert json.loads(existing.read_text()) == json.loads(result.stdout)

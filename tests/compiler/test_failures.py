@@ -75,6 +75,28 @@ def test_truncated_safetensors(tiny_clip_dir, tmp_path):
     assert not (tmp_path / "b").exists() and _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("fixture,key", [
+    ("tiny_llava_dir", "vision_tower.encoder.layers.0.self_attn.q_proj.weight"),  # read by vlmprune, by name
+    ("tiny_vit_dir", "encoder.layer.0.attention.attention.query.weight"),  # read by transformers' from_pretrained
+])
+def test_integer_weights_where_the_model_wants_floats(request, tmp_path, fixture, key):
+    """A quantized checkpoint without its scales: its int8 weights were cast to float without a word."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(request.getfixturevalue(fixture), copy)
+    weights = next(copy.glob("*.safetensors"))
+    state = load_file(weights)
+    state[key] = (state[key] * 100).to(torch.int8)
+    save_file(state, weights, metadata={"format": "pt"})
+    result = _run("compile", copy, "--keep", 8, "-o", tmp_path / "b")
+    _one_line_error(result, "")
+    assert f"error: model.safetensors: tensor {key} has dtype int8; the model expects floating point " \
+           "(a quantized checkpoint without its scales?)" in result.output.splitlines()
+    assert not (tmp_path / "b").exists() and _leftovers(tmp_path) == []
+
+
 def test_onnx_with_missing_external_data(elsewhere_onnx, tmp_path):
     model = onnx.load(str(elsewhere_onnx))
     path = tmp_path / "tower.onnx"
@@ -209,7 +231,7 @@ def test_dynamic_batch_is_named_batch(tiny_dense_path, tmp_path):
 def test_summary_at_the_towers_end_and_static_batch_parity(elsewhere_onnx, tmp_path):
     result = _run("compile", elsewhere_onnx, "--keep", 20, "-o", tmp_path / "b")
     assert result.exit_code == 0, result.output
-    assert "(at the tower's end (after block 3/3))" in result.output and "later blocks" not in result.output
+    assert "(at the tower's end, after block 3/3)" in result.output and "later blocks" not in result.output
     report = json.loads((tmp_path / "b" / "parity.json").read_text())
     assert report["inputs"]["chunk"] == 1 and len(report["inputs"]["images"]) == 2  # two images, one at a time
     assert [s["stage"] for s in report["stages"]] == ["rewritten", "fused"] and report["passed"]

@@ -49,7 +49,7 @@ def test_every_method_on_vit_and_dinov2(request, tmp_path, fixture, method):
     assert result.manifest["method"]["prefix"] == (0 if method in ("divprune", "dart") else 5 if registers else 1)
     stages = [s.stage for s in result.report.stages]
     fused = method == "divprune" or (method == "cls" and not registers)  # TokenPrune copies one [CLS] token
-    assert stages[-1] == ("fused" if fused else "target")
+    assert stages[-1] == "fused" and result.manifest["target"]["fused"] is fused
 
 
 def test_register_tokens_are_kept_and_not_counted(tiny_dinov2_registers_dir, tmp_path):

@@ -126,3 +126,9 @@ def test_unsupported_language_model_is_one_line():
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
     with pytest.raises(InputError, match="language model type 'gpt2' is not supported"):
         reference_prefill(model, torch.zeros(1, 24, 32), FastVSpec(**SPAN))
+
+
+def test_a_one_layer_language_model_cannot_take_fastv():
+    """No layer follows K in a one-layer LLM: say so instead of "between 1 and 0"."""
+    with pytest.raises(InputError, match=r"^FastV needs a language model of at least 2 layers \(this LLM has 1\)$"):
+        FastVSpec(**SPAN, layer=1).check(1)

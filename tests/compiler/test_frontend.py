@@ -74,8 +74,8 @@ def test_onnx_tower_source(tiny_dense_path, tmp_path):
 def test_onnx_tower_dense_is_checked_against_the_original(tiny_dense_path, tmp_path):
     result = compile_model(str(tiny_dense_path), tmp_path / "b", CompileOptions(prune=False))
     stages = {s.stage: s for s in result.report.stages}
-    assert set(stages) == {"rewritten", "target"} and result.report.passed
-    assert stages["target"].outputs["image_features"]["max_abs"] == 0.0
+    assert set(stages) == {"rewritten", "fused"} and result.report.passed
+    assert stages["fused"].outputs["image_features"]["max_abs"] == 0.0
 
 
 def test_no_prune_baseline(tiny_llava_dir, tmp_path):

@@ -194,6 +194,7 @@ def test_generate_cli(setup):
     data = json.loads(result.stdout)
     assert data["path"] == "pruned" and data["image_tokens"] == 33 and len(data["tokens"]) <= 4
     assert len(data["kept_indices"]) == 32 and isinstance(data["text"], str)
+    assert data["image_start"] == 2  # <s> USER: before <image>: FastV's --image-start for this template
     result = _run("generate", setup["pruned"], "--image", setup["image"], "--prompt", PROMPT, "--max-new-tokens", 4,
                   "--dense")
     assert result.exit_code == 0 and "dense: 64 image tokens" in result.output, result.output
@@ -238,3 +239,34 @@ def test_demo_model_is_the_preset_and_prompts_without_a_tokenizer():
     prompt = build_prompt(vlm, "hi")
     assert prompt.before == list(b"USER: ") and prompt.after == list(b"\nhi ASSISTANT:")
     assert "UTF-8 bytes" in prompt.how
+
+
+def test_a_moved_source_is_named_and_found_with_model(setup, tmp_path):
+    """generate's default model and eval's MODEL as the bundle records it: the source moved, so say so."""
+    from cli_helpers import eval_inputs
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+    source = tiny_vlm(tmp_path / "model")
+    bundle = compile_model(str(source), tmp_path / "dense", CompileOptions(prune=False)).bundle
+    moved = source.rename(tmp_path / "moved")
+    args = ["--image", setup["image"], "--prompt", PROMPT, "--max-new-tokens", 1]
+    result = _run("generate", bundle, *args)
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        f"error: the bundle's source {source} was not found (moved?); pass --model PATH"], result.output
+    result = _run("generate", bundle, *args, "--model", moved)
+    assert result.exit_code == 0, result.output
+    images, prompts = eval_inputs(tmp_path, {"cat.png": np.zeros((28, 28, 3), np.uint8)}, [PROMPT])
+    result = _run("eval", source, "--images", images, "--prompts", prompts, "--bundle", bundle)
+    assert result.stderr.splitlines() == [
+        f"error: the bundle's source {source} was not found (moved?); pass its new path as MODEL"], result.output
+
+
+def test_a_fastv_graph_compiled_for_another_image_start_is_named():
+    """generate warns when the bundle's FastV prefill graph expects the image elsewhere than this prompt puts it."""
+    from vlmprune.compiler.llm.generate import fastv_mismatch
+
+    manifest = {"llm_graphs": {"fastv": {"image_start": 5, "image_tokens": 33, "layer": 1, "keep": 0.5}}}
+    assert fastv_mismatch(manifest, 5) is None
+    assert fastv_mismatch({"llm_graphs": {"fastv": None}}, 2) is None and fastv_mismatch({}, 2) is None
+    assert fastv_mismatch(manifest, 2) == ("this bundle's FastV prefill graph was compiled with --image-start 5, but "
+                                           "this prompt puts the image at token 2: recompile with --image-start 2")

@@ -178,7 +178,7 @@ def test_pruned_bundles_match_the_reference(llava_next_dir, tmp_path, method, ta
     assert stages["rewritten"].outputs["kept_positions"]["passed"]
     assert m["model"]["family"] == "llava_next" and m["model"]["crops"] == 5 and m["model"]["positions"] == "cyx"
     if target == "ort":
-        assert list(stages)[-1] == ("fused" if method == "divprune" else "target")
+        assert list(stages)[-1] == "fused" and m["target"]["fused"] is (method == "divprune")
     onnx.checker.check_model(str(tmp_path / "b" / "model.decomposed.onnx"))
 
 
@@ -212,7 +212,7 @@ def test_kept_positions_and_budgets(llava_next_dir, tmp_path):
             # Each crop keeps its budget; the budgets follow each image's crop masses (not one fixed split).
             assert np.array_equal(np.bincount(outs[i]["kept_positions"][0][:, 0], minlength=CROPS), budgets[i].numpy())
     assert (budgets.sum(-1) == 47).all() and len({tuple(b) for b in budgets.tolist()}) == 3
-    assert list(s.stage for s in result.report.stages) == ["export", "rewritten", "target"]
+    assert list(s.stage for s in result.report.stages) == ["export", "rewritten", "fused"]
     readme = (tmp_path / "b" / "README.md").read_text()
     assert "image_newline" in readme and "kept_positions` [1, 47, 3]" in readme and "proportional" in readme
 
@@ -312,3 +312,6 @@ def test_with_llm_exports_llava_next_language_model(llava_next_dir, tmp_path):
     assert result.exit_code == 0, result.output
     graphs = json.loads((out / "manifest.json").read_text())["llm_graphs"]
     assert graphs["family"] == "llama" and graphs["parity"]["passed"] and graphs["fastv"] is None
+    # The summary counts the image's tokens over all its crops (the manifest's num_patches is per crop).
+    assert result.stdout.splitlines()[0] == ("tokens: 80 patch tokens (5 crops x 16) -> [CLS] attention: top 30 + 1 "
+                                             "summary, over 5 crops (at the tower's end, after block 2/2)")

@@ -212,3 +212,16 @@ def test_compile_orin_with_llm_and_check_repeat_the_edgellm_checks(edgellm_ready
     llm = [s for s in json.loads(checked.stdout)["stages"] if s["stage"] == "llm"]
     assert len(llm) == 1 and llm[0]["passed"] and llm[0]["outputs"]["weights"]["passed"]
     assert llm[0]["outputs"]["standard ops"]["passed"] and llm[0]["outputs"]["device"]["passed"] is None
+
+
+def test_readme_and_targets_state_the_same_environment_cost(monkeypatch):
+    """The README's figure for building the exporter's venv is the one `vlmprune targets` prints."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    seconds, size = edgellm_env.CREATE_COST
+    assert f"about {size} and {seconds} on a 2-core machine" in readme
+    monkeypatch.delenv(edgellm_env.PYTHON_ENV, raising=False)
+    monkeypatch.setenv("VLMPRUNE_CACHE", "/nonexistent-cache-for-this-test")
+    ok, why = edgellm_env.creatable()
+    assert ok and f"(~{seconds}, ~{size};" in why

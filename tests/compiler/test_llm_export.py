@@ -103,6 +103,43 @@ def test_a_span_the_model_cannot_serve_is_refused_before_export():
         export_prefill(tiny_lm("qwen2", layers=2), FastVSpec(image_start=0, image_len=4, layer=2))
 
 
+class _SplitsWrong(torch.nn.Module):
+    def forward(self, x):
+        a, b = x.split([2, 3], dim=-1)  # 5 of a dimension of 4: torch.export fails, deep inside
+        return a.sum() + b.sum()
+
+
+def test_an_exporter_failure_shows_its_cause_and_torch_says_nothing(capfd):
+    """torch.onnx wraps the cause in "Failed to export the model with torch.export. This is step 1/3 ... Next
+    steps:", and torch logs its own traceback on stderr: the line is the innermost exception, and nothing leaks."""
+    from vlmprune.compiler.errors import VlmpruneError
+    from vlmprune.compiler.frontend.export import torch_onnx
+
+    with pytest.raises(VlmpruneError) as info:
+        torch_onnx("torch.onnx export of the language model", _SplitsWrong(), (torch.zeros(1, 4),))
+    assert str(info.value) == ("torch.onnx export of the language model failed: "
+                               "ValueError: Split sizes add up to 5 but got the tensor's size of 4")
+    assert "Next steps" in str(info.value.__cause__)  # the preamble it replaces
+    assert capfd.readouterr().err == ""
+
+
+def test_a_tools_log_gives_the_innermost_exception_of_its_last_chain():
+    """The onnxruntime-genai builder's and Edge-LLM exporter's logs: a Python traceback chain, printed outermost last."""
+    import subprocess
+    import sys
+
+    from vlmprune.compiler.errors import failure_cause
+
+    script = ("import logging; logging.warning('ERROR-looking chatter first')\n"
+              "try:\n    {}['mrope_section']\nexcept KeyError as e:\n"
+              "    try:\n        raise ValueError('Split sizes add up to 14 but got the tensor size of 12') from e\n"
+              "    except ValueError as f:\n        raise RuntimeError('Failed to export. Next steps:') from f\n")
+    log = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True).stderr
+    assert log.rstrip().endswith("RuntimeError: Failed to export. Next steps:")
+    assert failure_cause(log) == "KeyError: 'mrope_section'"
+    assert failure_cause("building...\nERROR: no such layer type\ndone") == "ERROR: no such layer type"
+
+
 # ------------------------------------------------------------------ vlmprune compile --with-llm
 
 
@@ -127,12 +164,15 @@ def _cli(*args):
      "FastV cannot be compiled into onnxruntime-genai's graph"),
     (["--target", "orin", "--with-llm", "--llm-exporter", "torch"], "--llm-exporter applies to target ort"),
     (["--target", "qnn", "--with-llm"], "has no QNN execution provider"),
+    (["--with-llm", "--fastv-layer", "2", "--image-start", "3"],  # demo's LLM has 2 layers
+     "--fastv-layer must be between 1 and 1 (this LLM has 2 layers), got 2"),
 ])
 def test_llm_options_are_refused_in_one_line_before_any_work(tmp_path, args, needle):
     result = _cli("compile", "demo", *args, "-o", tmp_path / "b")
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and needle in errors[0] and "Traceback" not in result.output
+    assert not [line for line in result.output.splitlines() if line.startswith("[")]  # no step began: no load
     assert not (tmp_path / "b").exists()
 
 
@@ -198,6 +238,15 @@ def test_qwen_language_model_takes_mrope_positions_with_fastv(tiny_qwen25_dir, t
     checked = _cli("check", out, "--json")
     assert checked.exit_code == 0, checked.output
     assert [s["passed"] for s in json.loads(checked.stdout)["stages"] if s["stage"] == "llm"] == [True]
+
+
+def test_fastv_layer_out_of_range_is_refused_before_the_export(tiny_qwen25_dir, tmp_path):
+    """The LLM's layer count comes from the checkpoint's config; it was refused 9 s in, after the tower's export."""
+    result = _cli("compile", tiny_qwen25_dir, "--method", "divprune", "--keep", 8, "--image-size", 112, "--with-llm",
+                  "--fastv-layer", 2, "--image-start", 2, "-o", tmp_path / "b")
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == ["error: --fastv-layer must be between 1 and 1 (this LLM has 2 layers), got 2"]
+    assert not (tmp_path / "b").exists()
 
 
 def test_mrope_positions_are_not_the_1d_ones(tiny_qwen25_dir, tmp_path):

@@ -43,7 +43,8 @@ def test_every_method_on_ort(tiny_llava_dir, tmp_path, method, batch):
     result = _compile(tiny_llava_dir, tmp_path / "b", method, batch=batch)
     _assert_parity(result, 2 if batch == 1 else 3)
     stages = [s.stage for s in result.report.stages]
-    assert stages == ["export", "rewritten", "fused" if method in ("cls", "divprune") else "target"]
+    assert stages == ["export", "rewritten", "fused"]  # one name for model.onnx, fused into a custom op or not
+    assert result.manifest["target"]["fused"] is (method in ("cls", "divprune"))
     record = json.loads((tmp_path / "b" / "parity.json").read_text())
     assert record["inputs"]["chunk"] == batch
 
@@ -129,4 +130,9 @@ def test_methods_command_lists_needs_and_targets():
     assert "needs:    the projector output (the tower's end)" in text
     assert "--contextual" in text and "--pivots" in text and "--lambda" in text
     assert "ort (loop, fused into DivPruneSelect)" in text and "orin (unrolled)" in text
-    assert "ort (fused into TokenPrune)" in text and "rk3588 (standard ops)" in text
+    assert "rk3588 (standard ops)" in text
+    # TokenPrune copies the one [CLS] token it ranks by: --score probe and attention stay in standard ops.
+    cls_fused = "fused into TokenPrune with --score cls; standard ops with --score probe or attention"
+    targets = text.split("cls: ", 1)[1].split("\n  targets:  ", 1)[1].splitlines()[0]
+    assert targets == (f"ort ({cls_fused}), orin ({cls_fused}), xavier ({cls_fused}), rk3588 (standard ops), "
+                       "qnn (standard ops)")

@@ -131,3 +131,56 @@ def test_compare_puts_each_bundle_picture_side_by_side(bundles, photo, tmp_path)
     left = gap + max(a.shape[1], b.shape[1]) + gap
     assert np.array_equal(g[gap: gap + b.shape[0], left: left + b.shape[1]], b)
     assert not np.array_equal(a[:336], b[:336])  # two methods, two selections
+
+
+def test_images_are_read_after_the_core_install(bundles, photo):
+    """Pillow is a core dependency (README's first command), so `run --image` needs no extra."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    assert any(re.match(r"pillow\s*>=\s*10", d, re.I) for d in project["dependencies"]), project["dependencies"]
+    _, cls = bundles
+    result = _run("run", cls, "--image", photo)
+    assert result.exit_code == 0, result.output
+    assert f"{photo}: 600x400 image: short side downscaled" in result.stderr
+
+
+def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped(tmp_path):
+    from vlmprune.compiler.frontend.images import load_image_crops
+
+    ramp = np.round(np.linspace(0, 65535, 112)).astype(np.uint16)
+    Image.fromarray(np.tile(ramp, (112, 1))).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode == "I;16"
+    eight = np.round(ramp / 257).astype(np.uint8)  # the same gradient in 8 bits (65535 / 255 = 257)
+    Image.fromarray(np.stack([np.tile(eight, (112, 1))] * 3, -1)).save(tmp_path / "g8.png")
+    mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+    p16, described, _ = load_image_file(str(tmp_path / "g16.png"), 112, mean, std)
+    p8, _, _ = load_image_file(str(tmp_path / "g8.png"), 112, mean, std)
+    assert p16.max() - p16.min() > 1.9 and abs(p16.mean()) < 0.05  # black to white, not clipped to white
+    assert np.abs(p16 - p8).max() <= (1 / 255) / 0.5 + 1e-6  # within one 8-bit level
+    assert described.startswith("112x112 image (16-bit grayscale, scaled to 8 bits): short side kept at")
+    crops = {"grid": [1, 1], "count": 2, "resolution": [112, 112]}
+    c16, described = load_image_crops(str(tmp_path / "g16.png"), crops, 112, mean, std)
+    c8, _ = load_image_crops(str(tmp_path / "g8.png"), crops, 112, mean, std)
+    assert c16.max() - c16.min() > 1.9 and np.abs(c16 - c8).max() <= (1 / 255) / 0.5 + 1e-5
+    assert described.startswith("112x112 image (16-bit grayscale, scaled to 8 bits): LlavaNextImageProcessor")
+
+
+def test_compare_of_one_bundle_says_one_picture(bundles, photo, tmp_path):
+    _, cls = bundles
+    result = _run("compare", cls, "--image", photo, "-o", tmp_path / "one.png")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [f"1 picture written to {tmp_path / 'one.png'}"]
+
+
+def test_a_bundle_without_a_patch_size_is_drawn_from_its_patch_count():
+    """Bundles compiled before .onnx sources recorded their patch size: the grid is the patch count's side."""
+    from vlmprune.compiler.errors import InputError
+
+    manifest = {"model": {"patch_size": None}, "preprocess": {"size": 112}, "method": {"num_patches": 64}}
+    assert pictures.token_grid(manifest) == 8
+    manifest["method"]["num_patches"] = 60
+    with pytest.raises(InputError, match="^this bundle records neither a patch size nor a square patch count"):
+        pictures.token_grid(manifest)

@@ -190,6 +190,68 @@ def test_methods_that_need_cls_are_refused(qwen_dirs, tmp_path, method):
     assert not (tmp_path / "b").exists()
 
 
+def test_cls_on_qwen_points_to_score_attention(qwen_dirs, tmp_path):
+    result = CliRunner().invoke(main, ["compile", str(qwen_dirs["qwen2_5_vl"]), "-m", "cls", "--keep", "8",
+                                       "--image-size", "112", "-q", "-o", str(tmp_path / "b")])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [
+        "error: method cls needs a [CLS] token, and this tower's merged tokens have none: use --score attention "
+        "(the attention each merged token receives), or divprune or dart"]
+
+
+def test_a_family_option_names_the_model_type_not_the_family(qwen_dirs, tmp_path):
+    """Qwen2.5-VL is loaded by the qwen2_vl family's adapter; the user's checkpoint says qwen2_5_vl."""
+    result = CliRunner().invoke(main, ["compile", str(qwen_dirs["qwen2_5_vl"]), "-m", "divprune", "--keep", "8",
+                                       "--grid", "2x2", "-q", "-o", str(tmp_path / "b")])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == ["error: --grid applies to anyres models (llava_next), not to this "
+                                          "qwen2_5_vl model"]
+
+
+def test_generate_names_the_model_type_of_a_wrong_checkpoint(demo_bundle, qwen_dirs, tmp_path):
+    from PIL import Image
+
+    image = tmp_path / "noise.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(image)
+    result = CliRunner().invoke(main, ["generate", str(demo_bundle.bundle), "--image", str(image), "--prompt", "hi",
+                                       "--model", str(qwen_dirs["qwen2_5_vl"])])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1] == (f"error: {qwen_dirs['qwen2_5_vl']} is not the model this bundle was "
+                                              "compiled from (demo): it is a qwen2_5_vl checkpoint, the bundle's "
+                                              "model a llava one")
+
+
+def test_mrope_section_that_does_not_fill_the_heads_is_refused_before_any_work(qwen_dirs, tmp_path):
+    """Hugging Face's own forward fails on it; under --with-llm it surfaced as torch.onnx's preamble after the
+    tower's export. The tiny LLM's heads are 24 wide: its sections must sum to 12."""
+    copy = edited_copy(qwen_dirs["qwen2_5_vl"], tmp_path / "q",
+                       lambda config: config["text_config"]["rope_parameters"].update(mrope_section=[4, 4, 6]))
+    result = CliRunner().invoke(main, ["compile", str(copy), "-m", "divprune", "--keep", "8", "--image-size", "112",
+                                       "--with-llm", "-o", str(tmp_path / "b")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    assert lines[-1] == (f"error: {copy}: mrope_section [4, 4, 6] must sum to 12 (half the language model's "
+                         "head_dim 24); the checkpoint and config disagree")
+    assert not [line for line in lines if "export" in line], result.output  # refused on loading, before exporting
+    assert not (tmp_path / "b").exists()
+
+
+def test_score_attention_on_an_onnx_tower_is_refused_before_the_passes(qwen_dirs, tmp_path):
+    """An .onnx Qwen tower (a dense bundle's graph) has no torch tower to hand over the score block's Q and K:
+    refused on loading, not at parity after the passes and the target's emission."""
+    dense = compile_model(str(qwen_dirs["qwen2_5_vl"]), tmp_path / "dense",
+                          CompileOptions(prune=False, image_size=112)).bundle
+    result = CliRunner().invoke(main, ["compile", str(dense / "model.decomposed.onnx"), "-m", "cls", "--score",
+                                       "attention", "--keep", "8", "-o", str(tmp_path / "b")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    assert lines[-1] == ("error: method cls with --score attention needs a Qwen2-VL / Qwen2.5-VL directory: the score "
+                         "block's Q and K come from its torch tower, which an .onnx tower does not have (divprune and "
+                         "dart serve .onnx towers)")
+    assert not [line for line in lines if "passes:" in line], result.output
+    assert not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--image-size", "100"], "--image-size must be a multiple of 28"),
     (["--image-size", "0"], "--image-size must be >= 1"),
@@ -299,7 +361,7 @@ def test_cls_score_attention_on_ort_batch_1_and_3(qwen_dirs, hf_models, tmp_path
                            CompileOptions(method="cls", keep=keep, image_size=size,
                                           method_options={"score": "attention"}))
     assert result.report.passed, result.manifest["parity"]
-    assert [s.stage for s in result.report.stages] == ["export", "rewritten", "target"]
+    assert [s.stage for s in result.report.stages] == ["export", "rewritten", "fused"]
     manifest = result.manifest
     assert manifest["method"]["params"]["score"] == "attention" and manifest["method"]["site"] == "features"
     outputs = {o["name"]: o["shape"] for o in manifest["outputs"]}

@@ -174,3 +174,61 @@ def test_tolerance_overrides_per_output_and_rtol():
     assert stage.passed and stage.outputs["image_features"]["tolerance"]["max_abs"] == 2e-3
     assert not parity.run_stage("s", "numpy", "fp32", lambda x: {"image_features": cand}, np.zeros(1),
                                 Reference({"image_features": ref})).passed  # the default stays
+
+
+def test_a_failing_figure_never_reads_as_passing():
+    from vlmprune.compiler import parity
+    from vlmprune.compiler.pipeline import _line
+
+    assert parity.figure_text(0.99999994, 6, at_least=1.0) == "0.9999999"  # 6 digits would read "1"
+    assert parity.figure_text(0.99999997, 7, at_least=1.0) == "0.99999997"
+    assert parity.figure_text(1.00004e-4, 3, at_most=1e-4) == "0.000100004"
+    assert parity.figure_text(0.9999923, 7, at_least=0.99999) == "0.9999923"  # passing: no extra digits
+    assert parity.figure_text(1.0 + 2e-16, 6, at_least=1.0) == "1"  # passes either way
+    tol = parity.tolerance_for("fp32", {"cosine_min": 1.0})
+    stage = parity.StageResult("rewritten", "ort", "fp32", tol, False, outputs={
+        "image_features": {"cosine_min": 0.99999997, "max_abs": 2e-7, "mean_abs": 1e-8, "passed": False}})
+    assert _line(stage) == "  rewritten  FAIL  cosine_min 0.99999997, max_abs 2e-07"  # the progress line
+    rows = report.figure_rows(stage.to_json())
+    page = report.html_report({"passed": False, "inputs": {}, "stages": [stage.to_json()]},
+                              {"method": {"summary": "cls", "name": "cls"}, "target": {"name": "ort", "summary": "s"},
+                               "model": {"source": "m", "kind": "hf"}, "vlmprune_version": "0"}, "b", None)
+    assert "<td>min cosine over tokens</td><td>0.99999997</td><td>≥ 1</td><td class=\"bad\">FAIL" in page
+    assert [r["value"] for r in rows if r["figure"] == "min cosine over tokens"] == [0.99999997]
+    xml = report.junit_xml({"stages": [stage.to_json()]}, {"target": {"name": "ort"}, "method": {"summary": "cls"},
+                                                            "model": {"source": "m"}, "vlmprune_version": "0"}, "b", 1.0)
+    assert b"min cosine over tokens 0.99999997 (needs \xe2\x89\xa5 1)" in xml
+
+
+def test_the_compile_summary_shows_a_failing_cosine_as_failing(capsys):
+    import types
+
+    from vlmprune.compiler.cli import _print_summary
+
+    manifest = {"model": {}, "method": {"name": "none"}, "target": {},
+                "parity": {"stages": {"export": {"passed": False, "runtime": "ort", "precision": "fp32",
+                                                 "cosine_min": 0.999989996, "max_abs": 1.00004e-4}}}}
+    _print_summary(manifest, types.SimpleNamespace(bundle="b", seconds=1.0))
+    assert "parity export     FAIL  cosine 0.999989996, max-abs 0.000100004" in capsys.readouterr().out.splitlines()
+
+
+def test_check_says_where_its_files_went_and_json_stays_alone(checked, tmp_path):
+    bundle, _, _ = checked
+    html, xml = tmp_path / "r.html", tmp_path / "j.xml"
+    result = _run("check", bundle, "--report", html, "--junit", xml, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["passed"]  # stdout: the JSON only
+    assert result.stderr.splitlines()[-2:] == [f"report written to {html}", f"JUnit written to {xml}"]
+    assert html.is_file() and xml.is_file()
+
+
+def test_an_internal_error_exits_3_not_parity_failed_1(capsys):
+    from vlmprune.compiler.cli import _one_line_errors
+
+    def broken():
+        return 1 // None
+
+    with pytest.raises(SystemExit) as exited:
+        _one_line_errors(broken)()
+    assert exited.value.code == 3
+    assert capsys.readouterr().err.startswith("error: internal error (TypeError: unsupported operand type(s) for //")

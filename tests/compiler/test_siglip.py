@@ -75,7 +75,8 @@ def test_cls_probe_on_a_siglip_tower(siglip_head_dir, tmp_path):
     assert method["has_cls"] is False and method["params"]["score"] == "probe"
     assert method["summary"].startswith("probe attention (pooling head): top 16 + 1 summary")
     # TokenPrune copies one [CLS] token: its fusion declines a tower without one, the standard ops run.
-    assert [s.stage for s in result.report.stages] == ["export", "rewritten", "target"]
+    assert [s.stage for s in result.report.stages] == ["export", "rewritten", "fused"]
+    assert result.manifest["target"]["fused"] is False
     features = next(o for o in result.manifest["outputs"] if o["name"] == "image_features")
     assert features["shape"] == [3, KEEP + 1, 32]
     assert result.report.stages[-1].indices["per_image"] == [1.0, 1.0, 1.0]  # kept-index agreement per image

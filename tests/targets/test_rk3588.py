@@ -124,15 +124,16 @@ def test_run_says_where_an_rknn_runs(early, tmp_path):
     assert result.output.strip().splitlines()[-1].startswith("error: the RKNN simulator cannot load a .rknn")
 
 
-def test_compile_leaves_no_temporary_directories(rknn_ready, tiny_llava_dir, tmp_path):
+def test_compile_leaves_no_temporary_directories(rknn_ready, tiny_llava_dir, tmp_path, monkeypatch):
+    """The compile gets a temporary root of its own (here and in the toolkit's process), so that another
+    vlmprune running on the machine cannot make this fail."""
     import tempfile
-    from pathlib import Path
 
-    def ours():
-        return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith("vlmprune-")}
-
-    before = ours()
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    monkeypatch.setenv("TMPDIR", str(root))
     result = compile_model(str(tiny_llava_dir), tmp_path / "b",
                            CompileOptions(target="rk3588", keep=16, target_options={"precision": "fp16"}))
-    assert result.report.passed
-    assert ours() - before == set()
+    assert result.report.passed and tempfile.gettempdir() == str(root)
+    assert [p.name for p in root.iterdir() if p.name.startswith("vlmprune-")] == []
