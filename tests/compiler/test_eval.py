@@ -125,7 +125,8 @@ def test_eval_bad_input(inputs, tmp_path):
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n")
     _one_line_error(_run("eval", model, "--images", images, "--prompts", blank), "no prompts in it")
-    _one_line_error(_run("eval", model, "--images", images, "--prompts", prompts, "-m", "nope"), "nope")
+    _one_line_error(_run("eval", model, "--images", images, "--prompts", prompts, "-m", "nope"),
+                    "unknown method 'nope'; choose one of: ")
     _one_line_error(_run("eval", model, "--images", images, "--prompts", prompts, "--keep", "64"),
                     "keep must satisfy 1 <= keep < 64")
     _one_line_error(_run("eval", model, "--images", images, "--prompts", prompts, "--keep", "x"), "not an integer")

@@ -39,8 +39,12 @@ def _export(path, tmp_path, exporter, attention, opset, dynamic, external):
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(model, (example,), str(out), **kwargs)
-    except Exception as exc:  # the exporter's own limits, not vlmprune's
-        pytest.skip(f"torch.onnx ({exporter}, opset {opset}) cannot export this tower: {str(exc).splitlines()[0][:120]}")
+    except Exception as exc:
+        # The one known limit of the exporter, not of vlmprune: TorchScript has no ONNX form of antialiased bicubic
+        # interpolation (the position-embedding resize). Any other export failure is a regression to see.
+        if exporter != "dynamo" and "aten::_upsample_bicubic2d_aa" in str(exc):
+            pytest.skip(f"torch.onnx (torchscript, opset {opset}) cannot export aten::_upsample_bicubic2d_aa")
+        raise
     proto = onnx.load(str(out))
     onnx.save(proto, str(out), save_as_external_data=external, location="tower.weights" if external else None)
     return out, proto

@@ -96,13 +96,14 @@ def test_legalize_makes_gather_indices_positive_and_rejects_dynamic_inputs():
     from onnx import TensorProto, helper, numpy_helper
 
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["x", "idx"], ["y"], axis=1)], "g",
+        [helper.make_node("Gather", ["x", "idx"], ["g"], axis=1), helper.make_node("Relu", ["g"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5, 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3])],
         initializer=[numpy_helper.from_array(np.array([-1, 0], np.int64), "idx")])
     model = qnn_tools.legalize_for_htp(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert numpy_helper.to_array(model.graph.initializer[0]).tolist() == [4, 0]
-    assert model.graph.node[0].name
+    names = [n.name for n in model.graph.node]  # exclusions and placement rows go by name: each one distinct
+    assert [n.op_type for n in model.graph.node] == ["Gather", "Relu"] and all(names) and len(set(names)) == 2
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
     with pytest.raises(qnn_tools.QnnError, match="static shapes"):
         qnn_tools.legalize_for_htp(model)
