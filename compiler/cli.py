@@ -750,16 +750,13 @@ def build_engine(bundle_dir, precision, calibration_cache, decomposed, workspace
 @_one_line_errors
 def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
     """Run BUNDLE on IMAGE and let the checkpoint's LLM answer PROMPT (greedy, transformers on the CPU)."""
-    from vlmprune.compiler.bundle import load_manifest
-    from vlmprune.compiler.llm.generate import fastv_mismatch
     from vlmprune.compiler.llm.generate import generate as run_generate
 
     with _stdout_for_data() as emit:
         result = run_generate(bundle_dir, model, Path(image), prompt, dense, max_new_tokens,
                               _progress(as_json))
-        mismatch = fastv_mismatch(load_manifest(bundle_dir, verify=False), result.image_start)
-        if mismatch:  # on stderr with --json too: the graph the bundle ships would drop the wrong tokens
-            click.echo(f"warning: {mismatch}", err=True)
+        if result.fastv_warning:  # on stderr with --json too: the graph the bundle ships would drop the wrong tokens
+            click.echo(f"warning: {result.fastv_warning}", err=True)
         a = result.answer
         if as_json:
             emit(json.dumps({"path": result.path, "runtime": result.runtime, "prompt": result.prompt.text,

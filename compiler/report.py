@@ -396,7 +396,6 @@ def _plain(value, bound: dict | None = None) -> str:
     return figure_text(value, 7, **(bound or {})) if isinstance(value, float) else str(value)
 
 
-
 # ------------------------------------------------------------------ eval
 
 

@@ -527,6 +527,7 @@ class GenerateResult:
     runtime: str
     path: str  # "pruned" | "dense"
     kept: list[int] | None
+    fastv_warning: str | None = None  # the bundle's FastV graph expects the image elsewhere (fastv_mismatch)
 
     @property
     def image_start(self) -> int:
@@ -573,12 +574,15 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
     progress(f"prompt ({built.how}): {built.text!r}")
     offset = len(built.before)
     progress(f"the image starts at prompt token {offset} (FastV's --image-start for this chat template)")
+    warning = fastv_mismatch(manifest, offset)
     if dense:
         rows = dense_image(vlm, pixel, manifest["model"].get("feature_layer_override"))
         result = answer(vlm, built, rows.rows, *rows.place(offset), max_new_tokens)
-        return GenerateResult(result, built, "transformers (the model's own image features, dense)", "dense", None)
+        return GenerateResult(result, built, "transformers (the model's own image features, dense)", "dense", None,
+                              warning)
     tokens = bundle_tokens(bundle_dir, manifest, pixel, vlm)
     positions, text_start = bundle_positions(tokens, offset)
     result = answer(vlm, built, tokens.features, positions, text_start, max_new_tokens)
     kept = None if tokens.kept is None else tokens.kept.tolist()
-    return GenerateResult(result, built, tokens.runtime, "pruned" if kept is not None else "dense bundle", kept)
+    return GenerateResult(result, built, tokens.runtime, "pruned" if kept is not None else "dense bundle", kept,
+                          warning)
