@@ -25,34 +25,50 @@ def _one_line_errors(fn):
     """
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from vlmprune.compiler.bundle import interrupted_line, tracking
-
         complete: list[str] = []  # the outputs written whole so far, for a true interrupt line
-        try:
-            with tracking(complete):
-                return fn(*args, **kwargs)
-        except VlmpruneError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
+        try:  # outermost, so a Ctrl-C anywhere before on_command_end has taken effect is this line, not click's
+            return _ended_one_way(fn, complete, args, kwargs)
         except KeyboardInterrupt:
+            on_command_end()
+            from vlmprune.compiler.bundle import interrupted_line
+
             click.echo(interrupted_line(complete), err=True)
             sys.exit(130)
-        except BrokenPipeError:  # `vlmprune inspect B | head`: the reader left; not an error of ours
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(141)  # as a shell reports a process ended by SIGPIPE
-        except (SystemExit, click.exceptions.Exit, click.ClickException):
-            raise
-        except Exception as exc:
-            if os.environ.get("VLMPRUNE_DEBUG"):
-                raise
-            first = (str(exc).strip().splitlines() or [""])[0]
-            click.echo(f"error: internal error ({type(exc).__name__}: {first}); this is a vlmprune bug: "
-                       "rerun with VLMPRUNE_DEBUG=1 for the traceback and report it", err=True)
-            sys.exit(3)
-        finally:
-            on_command_end()
     return wrapper
+
+
+def _ended_one_way(fn, complete: list[str], args, kwargs):
+    """Runs the command; every way it ends calls on_command_end before saying how (an interrupt after
+    that has nothing left to stop)."""
+    from vlmprune.compiler.bundle import tracking
+
+    try:
+        with tracking(complete):
+            result = fn(*args, **kwargs)
+    except VlmpruneError as exc:
+        on_command_end()
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except BrokenPipeError:  # `vlmprune inspect B | head`: the reader left; not an error of ours
+        on_command_end()
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)  # as a shell reports a process ended by SIGPIPE
+    except (SystemExit, click.exceptions.Exit, click.ClickException):
+        on_command_end()
+        raise
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        on_command_end()
+        if os.environ.get("VLMPRUNE_DEBUG"):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        click.echo(f"error: internal error ({type(exc).__name__}: {first}); this is a vlmprune bug: "
+                   "rerun with VLMPRUNE_DEBUG=1 for the traceback and report it", err=True)
+        sys.exit(3)
+    on_command_end()
+    return result
 
 
 # Called as a command's boundary is left, however it ended. The console script (compiler/__main__.py)

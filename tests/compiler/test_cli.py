@@ -320,6 +320,24 @@ def test_ctrl_c_after_the_bundle_line_leaves_a_complete_bundle_said_so(tiny_clip
     assert load_manifest(out)["parity"]["passed"]
 
 
+def test_an_interrupt_landing_as_the_command_ends_is_the_interrupt_line_not_clicks(demo_bundle, monkeypatch):
+    """The deterministic half of the race above: a Ctrl-C delivered while on_command_end is being entered
+    (before the console script's SIG_IGN takes effect) is our line and 130, never click's `Aborted!` and 1."""
+    from vlmprune.compiler import cli
+
+    calls = []
+
+    def end_interrupted_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "on_command_end", end_interrupted_once)
+    res = CliRunner().invoke(main, ["inspect", str(demo_bundle.bundle)])
+    assert (res.exit_code, res.output.splitlines()[-1]) == (130, "interrupted; nothing was written"), res.output
+    assert "Aborted" not in res.output and len(calls) == 2
+
+
 def test_parity_photographs_are_the_documented_ones(demo_bundle):
     """docs/design.md: two photographs by default, astronaut and chelsea; check --batch 3 adds coffee."""
     images = json.loads((demo_bundle.bundle / "parity.json").read_text())["inputs"]["images"]
