@@ -66,7 +66,7 @@ def load_inputs(path: Path, manifest: dict) -> np.ndarray:
     It must have the input's rank, channels, image size and (for a static batch) batch,
     and be float32 (another float type is refused rather than silently converted).
     """
-    spec = manifest["inputs"][0]
+    spec = manifest.inputs[0]
     path = Path(path)
     if not path.is_file():
         raise InputError(f"--load-inputs {path}: no such file")
@@ -76,12 +76,12 @@ def load_inputs(path: Path, manifest: dict) -> np.ndarray:
     try:
         with np.load(path, allow_pickle=False) as data:
             names = list(data.files)
-            if spec["name"] in names:
-                array = data[spec["name"]]
+            if spec.name in names:
+                array = data[spec.name]
             elif len(names) == 1:
                 array = data[names[0]]
             else:
-                raise InputError(f"--load-inputs {path}: no array named {spec['name']!r} "
+                raise InputError(f"--load-inputs {path}: no array named {spec.name!r} "
                                  f"(it holds {', '.join(names) or 'none'})")
     except InputError:
         raise
@@ -89,19 +89,27 @@ def load_inputs(path: Path, manifest: dict) -> np.ndarray:
         why = ("it holds pickled Python objects, which are never loaded" if "pickle" in str(exc)
                else (str(exc).splitlines() or [type(exc).__name__])[0])
         raise InputError(f"{not_npz} ({why})") from None
-    shape = spec["shape"]
+    return check_inputs(array, manifest, f"--load-inputs {path}")
+
+
+def check_inputs(array: np.ndarray, manifest: dict, what: str = "inputs") -> np.ndarray:
+    """array, if it is the bundle's input: its rank, channels, image size, static batch, float32 and finite.
+
+    what names where it came from in the message (the .npz file, or the Python API's inputs=).
+    """
+    spec = manifest.inputs[0]
+    shape = spec.shape
     if array.dtype != np.float32:
-        raise InputError(f"--load-inputs {path}: {spec['name']} is {array.dtype}, the bundle takes float32")
+        raise InputError(f"{what}: {spec.name} is {array.dtype}, the bundle takes float32")
     if array.ndim != len(shape) or any(isinstance(d, int) and d != a for d, a in zip(shape, array.shape)):
-        raise InputError(f"--load-inputs {path}: {spec['name']} has shape {list(array.shape)}, the bundle takes "
-                         f"{shape}")
+        raise InputError(f"{what}: {spec.name} has shape {list(array.shape)}, the bundle takes {shape}")
     if not np.isfinite(array).all():
-        raise InputError(f"--load-inputs {path}: {spec['name']} holds NaN or infinite values")
+        raise InputError(f"{what}: {spec.name} holds NaN or infinite values")
     return array
 
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
-    """arrays as one .npz file's bytes (written by compiler.output_files, atomically)."""
+    """arrays as one .npz file's bytes (written by compiler.bundle.output_files, atomically)."""
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROLE = "vlmprune.role"  # passes.methods.builder.ROLE, read from the file without importing the passes
+from vlmprune.compiler.contract import MODEL, ROLE
 
 
-def op_rows(bundle_dir: Path, manifest: dict, graph: str = "model.onnx") -> list[dict]:
+def op_rows(bundle_dir: Path, manifest: dict, graph: str = MODEL) -> list[dict]:
     import onnx
 
     model = onnx.load(str(Path(bundle_dir) / graph), load_external_data=False)
     devices: dict[str, set] = {}
-    for artifact, rows in manifest["target"].get("placement", {}).items():
+    placement = manifest.target.get("placement", {})
+    for artifact, rows in placement.items():
         for r in rows:
             if r.get("source"):
                 devices.setdefault(r["source"], set()).add(f"{r['device']}" + (f" ({artifact})" if len(
-                    manifest["target"]["placement"]) > 1 else ""))
+                    placement) > 1 else ""))
     out = []
     for node in model.graph.node:
         role = next((p.value for p in node.metadata_props if p.key == ROLE), "")

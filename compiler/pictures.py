@@ -169,15 +169,15 @@ def with_caption(picture: np.ndarray, title: str, legend: str):
 
 def legend_for(manifest: dict, sel: Selection, note: str | None = None) -> str:
     """What the colours mean for this bundle, in one paragraph."""
-    method = manifest["method"]
+    method = manifest.method
     n = sel.grid * sel.grid
-    unit = "tokens" if manifest["model"].get("token_counts") else "patches"
+    unit = "tokens" if manifest.model.get("token_counts") else "patches"
     parts = [f"kept {len(sel.kept)} of {n} {unit} (yellow outline); pruned {unit} dimmed"]
     if sel.merges:
         merged = sum(len(v) for v in sel.merges.values())
         parts.append(f"{len(sel.merges)} merge targets (coloured outline), {merged} patches merged into them "
                      "(tinted in the target's colour)")
-    extra = method.get("tokens_out", 0) - method.get("kept_count", len(sel.kept)) - int(bool(method.get("has_cls")))
+    extra = method.get("tokens_out", 0) - method.get("kept_count", len(sel.kept)) - int(bool(method.has_cls))
     if extra > 0:
         parts.append(f"+{extra} token{'s' if extra > 1 else ''} with no patch position (e.g. a summary of the "
                      "pruned patches)")
@@ -189,10 +189,10 @@ def legend_for(manifest: dict, sel: Selection, note: str | None = None) -> str:
 
 
 def title_for(name: str, manifest: dict) -> str:
-    method = manifest["method"]
-    if method["name"] == "none":
-        return f"{name}: dense (no pruning)"
-    return f"{name}: {method['name']} K={method['keep']} ({manifest['target']['name']})"
+    method = manifest.method
+    if not method.pruned:
+        return f"{name}: {method.summary}"
+    return f"{name}: {method.name} K={method.keep} ({manifest.target.name})"
 
 
 def picture(sel: Selection):
@@ -235,25 +235,22 @@ def reference_merges(manifest: dict, pixel: np.ndarray) -> tuple[Merges | None, 
     (None, None, None) when the method's kept tokens are plain copies (nothing was merged
     into a kept token); (None, None, why) when the merges cannot be traced here.
     """
-    method = manifest["method"]
-    if method["name"] == "none":
+    method = manifest.method
+    if not method.pruned:
         return None, None, None
-    from vlmprune.passes.methods import get_method
-
-    m = get_method(method["name"])
-    copied = m.copied_rows(method["params"])
-    if copied >= method["kept_count"]:
+    copied = method.method().copied_rows(method.params)
+    if copied >= method.kept_count:
         return None, None, None
     from vlmprune.compiler.errors import VlmpruneError
-    from vlmprune.compiler.pipeline import CompileOptions, _load, _record_of
-    from vlmprune.compiler.reference import pruner_for
+    from vlmprune.compiler.pipeline import _load, _record_of, options_of
+    from vlmprune.compiler.parity.reference import pruner_for
 
-    spec = manifest["model"]["source"]
+    spec = manifest.model.source
     try:
-        source = _load(spec, CompileOptions(**{**manifest["compile_options"], "debug": False}))
+        source, _family = _load(spec, options_of(manifest, debug=False))
     except VlmpruneError as exc:
         return None, None, f"merges not shown: the model source cannot be loaded here ({exc})"
-    if source.content_hash != manifest["model"]["sha256"]:
+    if source.content_hash != manifest.model.sha256:
         return None, None, f"merges not shown: {spec} has changed since the bundle was compiled"
     if source.pipeline is None:
         return None, None, "merges not shown: an .onnx source has no torch reference to trace them from"
@@ -307,8 +304,8 @@ class _MergeTracer:
 
 def token_grid(manifest: dict) -> int:
     """Side of the square grid the kept indices index: patches, or merged tokens for a merging tower."""
-    counts = manifest["model"].get("token_counts")
-    size = manifest["preprocess"]["size"]
+    counts = manifest.model.get("token_counts")
+    size = manifest.preprocess.size
     if counts:  # e.g. Qwen2-VL: kept indices count merged tokens (spatial_merge² patches each)
         t, h, w = counts["merged_grid_thw"]
         if t != 1 or h != w or size % h:
@@ -316,11 +313,11 @@ def token_grid(manifest: dict) -> int:
 
             raise InputError(f"this bundle's tokens form a {t}x{h}x{w} grid: pictures draw one square grid")
         return h
-    patch = manifest["model"].get("patch_size")
+    patch = manifest.model.patch_size
     if patch:
         return size // patch
     # No patch size recorded (an .onnx source whose patches are not embedded by a Conv): the patch count's side.
-    count = manifest["method"].get("num_patches") or 0
+    count = manifest.method.num_patches or 0
     side = int(round(count ** 0.5))
     if count and side * side == count:
         return side
@@ -343,7 +340,7 @@ def check_one_grid(kept, grid: int) -> None:
 def selections_for_run(manifest: dict, pixel: np.ndarray, kept: np.ndarray,
                        name: str) -> tuple[list[Selection], str | None]:
     """One Selection per image of a `vlmprune run`: the bundle's kept indices, merges traced from the reference."""
-    pre = manifest["preprocess"]
+    pre = manifest.preprocess
     grid = token_grid(manifest)
     check_one_grid(kept, grid)
     merges, ref_kept, note = reference_merges(manifest, pixel)
@@ -358,7 +355,7 @@ def selections_for_run(manifest: dict, pixel: np.ndarray, kept: np.ndarray,
                 image_note = (f"the reference kept {differ} other patch{'es' if differ > 1 else ''}; merges shown "
                               "for the targets both kept")
             image_note = (image_note + "; " if image_note else "") + "merges traced from the parity reference"
-        sel = Selection(model_view(pixel[b], pre["mean"], pre["std"]), grid, np.asarray(kept[b]), per_image,
+        sel = Selection(model_view(pixel[b], pre.mean, pre.std), grid, np.asarray(kept[b]), per_image,
                         title=title_for(name, manifest))
         sel.legend = legend_for(manifest, sel, image_note)
         sels.append(sel)

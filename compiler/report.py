@@ -25,7 +25,7 @@ import numpy as np
 
 from vlmprune.compiler import pictures
 from vlmprune.compiler.parity import figure_text
-from vlmprune.compiler.reference import KEPT
+from vlmprune.compiler.parity.reference import KEPT
 
 EXTRA_RGB = (255, 0, 255)  # kept by the stage, not by the reference
 MISSING_RGB = (0, 255, 255)  # kept by the reference, not by the stage
@@ -237,18 +237,18 @@ figcaption { font-size: 12px; color: #57606a; max-width: 340px; }
 def html_report(report: dict, manifest: dict, bundle_name: str, images: np.ndarray | None) -> str:
     """The whole report as one HTML document (images: the parity inputs, [B, 3, S, S], or None to skip pictures)."""
     e = html.escape
-    method = manifest["method"]
+    method = manifest.method
     ok = report["passed"]
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            f"<title>vlmprune check: {e(bundle_name)} {'PASS' if ok else 'FAIL'}</title>",
            f"<style>{_STYLE}</style></head><body>",
            f'<h1>vlmprune check: {e(bundle_name)} <span class="badge {"pass" if ok else "fail"}">'
            f'{"PASS" if ok else "FAIL"}</span></h1>', "<dl>",
-           f"<dt>target</dt><dd>{e(manifest['target']['name'])}: {e(manifest['target']['summary'])}</dd>",
-           f"<dt>method</dt><dd>{e(method['summary'])}</dd>",
-           f"<dt>model</dt><dd>{e(str(manifest['model']['source']))} ({e(manifest['model']['kind'])})</dd>",
+           f"<dt>target</dt><dd>{e(manifest.target.name)}: {e(manifest.target.summary)}</dd>",
+           f"<dt>method</dt><dd>{e(method.summary)}</dd>",
+           f"<dt>model</dt><dd>{e(str(manifest.model.source))} ({e(manifest.model.kind)})</dd>",
            f"<dt>parity images</dt><dd>{e(', '.join(report['inputs'].get('images', [])))}</dd>",
-           f"<dt>vlmprune</dt><dd>{e(manifest['vlmprune_version'])}, checked "
+           f"<dt>vlmprune</dt><dd>{e(manifest.version)}, checked "
            f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</dd></dl>"]
     out.append("<h2>Figures against tolerances</h2>")
     out.append('<table class="figures"><thead><tr><th>stage</th><th>runtime</th><th>precision</th><th>output</th>'
@@ -280,7 +280,7 @@ def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -
         return out + ['<p class="info">A dense bundle selects nothing: no kept sets to draw.</p>']
     if images is None:
         return out + ['<p class="info">The parity images cannot be recreated here, so they are not drawn.</p>']
-    pre = manifest["preprocess"]
+    pre = manifest.preprocess
     from vlmprune.compiler.errors import InputError
 
     try:
@@ -294,7 +294,7 @@ def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -
     out.append('<p class="key">Dimmed: pruned; yellow outline: kept; <span style="background: rgb(255,0,255)">'
                '</span>kept by the stage, not the reference; <span style="background: rgb(0,255,255)"></span>'
                "kept by the reference, not the stage.</p>")
-    views = [pictures.model_view(p, pre["mean"], pre["std"]) for p in images]
+    views = [pictures.model_view(p, pre.mean, pre.std) for p in images]
     names = report["inputs"].get("images", [])
     for i, view in enumerate(views):
         out.append(f"<h3>image {i}: {e(names[i] if i < len(names) else '')}</h3><div>")
@@ -318,7 +318,7 @@ def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -
     if ref.get("scores") is None:
         why = ("its selection is greedy: each pick depends on the ones before it, so no per-patch score ranks them"
                if ref.get("selection") == "greedy" else "the reference recorded no scores")
-        out.append(f'<p class="info">No heat map for {e(manifest["method"]["name"])}: {why}.</p>')
+        out.append(f'<p class="info">No heat map for {e(manifest.method.name)}: {why}.</p>')
         return out
     out.append(f'<p class="key">Scores the reference ranked, per image, low {_colorbar()} high '
                "(min to max of that image).</p><div>")
@@ -374,8 +374,8 @@ def junit_xml(report: dict, manifest: dict, bundle_name: str, seconds: float) ->
                           timestamp=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"),
                           hostname=platform.node() or "localhost")
     props = ET.SubElement(suite, "properties")
-    for key, value in (("target", manifest["target"]["name"]), ("method", manifest["method"]["summary"]),
-                       ("model", str(manifest["model"]["source"])), ("vlmprune", manifest["vlmprune_version"])):
+    for key, value in (("target", manifest.target.name), ("method", manifest.method.summary),
+                       ("model", str(manifest.model.source)), ("vlmprune", manifest.version)):
         ET.SubElement(props, "property", name=key, value=value)
     for classname, name, kind, message, rows in cases:
         case = ET.SubElement(suite, "testcase", classname=classname, name=name, time="0")

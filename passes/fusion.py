@@ -21,9 +21,8 @@ import json
 import onnx_ir as ir
 from onnxscript.rewriter import MatchingTracer, RewriteRuleSet
 
+from vlmprune.compiler.contract import FUSED_META
 from vlmprune.compiler.errors import StructureError
-
-FUSED_META = "vlmprune.fused"
 
 
 class FusionPass(ir.passes.InPlacePass):

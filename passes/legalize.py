@@ -16,7 +16,7 @@ from onnx_ir.passes.common import (LiftConstantsToInitializersPass, RemoveUnused
                                   TopologicalSortPass)
 
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.dataflow import fresh_initializer
+from vlmprune.passes.graph.dataflow import fresh_initializer
 
 
 def _node(op_type: str, inputs, name: str, **attrs) -> ir.Node:

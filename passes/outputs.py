@@ -14,11 +14,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from vlmprune.compiler.contract import FEATURES, HAS_CLS_META
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.dataflow import fresh_initializer
-from vlmprune.passes.structure import provably_zero
+from vlmprune.passes.graph.dataflow import fresh_initializer
+from vlmprune.passes.graph.structure import provably_zero
 
-FEATURES = "image_features"
 BATCH_DIM = "batch"
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -51,6 +51,18 @@ class FeatureOutputPass(ir.passes.InPlacePass):
         if self.drop_cls and not isinstance(tokens, int):
             raise StructureError(f"output {out.name} has no static token count: {list(out.shape)}")
 
+    def ensures(self, model: ir.Model) -> None:
+        """The contract every bundle's consumer reads: one output, `image_features` [B, T, D], and with [CLS]
+        dropped, the patch tokens only (T = N)."""
+        outputs = model.graph.outputs
+        if len(outputs) != 1 or outputs[0].name != FEATURES or outputs[0].shape is None or len(outputs[0].shape) != 3:
+            raise ir.passes.PostconditionError(f"the outputs are not one {FEATURES} [B, T, D]: "
+                                               f"{[(v.name, v.shape) for v in outputs]}")
+        tokens = outputs[0].shape[1]
+        if self.drop_cls and self.num_patches is not None and tokens != self.num_patches:
+            raise ir.passes.PostconditionError(f"{FEATURES} holds {tokens} tokens with [CLS] dropped, the patch grid "
+                                               f"{self.num_patches}")
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         out = token_output(graph)
@@ -81,7 +93,7 @@ class FeatureOutputPass(ir.passes.InPlacePass):
                     if value.name == FEATURES and value is not out:
                         value.name = f"{FEATURES}.inner"
             out.name = FEATURES
-        out.meta["vlmprune.has_cls"] = has_cls and not self.drop_cls
+        out.meta[HAS_CLS_META] = has_cls and not self.drop_cls
         graph.outputs.append(out)
         return ir.passes.PassResult(model, modified=modified)
 
@@ -106,7 +118,7 @@ class BatchDimNamePass(ir.passes.InPlacePass):
 
 
 class DropZeroAddPass(ir.passes.InPlacePass):
-    """Add(x, zeros) -> x, where the zeros are provable (passes.structure.provably_zero) and do not broadcast x.
+    """Add(x, zeros) -> x, where the zeros are provable (passes.graph.structure.provably_zero) and do not broadcast x.
 
     Why: torch.export writes SDPA without a mask as `logits + zeros[1, 1, T, T]` (with a
     dynamic batch, an expanded Where that is zero everywhere). The zeros change nothing, but

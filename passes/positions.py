@@ -21,14 +21,12 @@ import json
 import numpy as np
 import onnx_ir as ir
 
+from vlmprune.compiler.contract import KEPT_POSITIONS, POSITIONS_META
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.dataflow import fresh_initializer
+from vlmprune.passes.graph.dataflow import fresh_initializer
 from vlmprune.passes.methods.builder import ROLE, SELECT
 from vlmprune.passes.prune import KEPT_INDICES, InsertPruningPass
 from vlmprune.passes.support import TargetPipeline
-
-KEPT_POSITIONS = "kept_positions"
-POSITIONS_META = "vlmprune.positions"  # model.metadata_props: {"layout": ..., "tokens": T}
 
 
 def _output(graph: ir.Graph, name: str) -> ir.Value | None:

@@ -6,7 +6,7 @@ kernels stay), and produce a subgraph that fusion rules and target legalizers ca
 recognise. The method decides what to compute (passes.methods); this pass finds where:
 
 - a BLOCK site is block L's output, the residual stream [B, (1)+N, D], found by
-  structure (passes.structure); every consumer of it is rewired to the new tokens and
+  structure (passes.graph.structure); every consumer of it is rewired to the new tokens and
   RetargetTokenCountPass then fixes the token counts the exporter baked downstream;
 - a FEATURES site is the graph's token output `image_features` (after the projector).
 
@@ -25,15 +25,13 @@ import json
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
+from vlmprune.compiler.contract import KEPT as KEPT_INDICES  # the bundle's names: compiler.contract
+from vlmprune.compiler.contract import PRUNE_META, TOKENS_META
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.dataflow import consumers_downstream, opset
+from vlmprune.passes.graph.dataflow import consumers_downstream, opset
 from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, SiteSpec
 from vlmprune.passes.methods.builder import Builder
-from vlmprune.passes.structure import TowerStructure, find_tower_structure, static_dim
-
-KEPT_INDICES = "kept_indices"
-PRUNE_META = "vlmprune.prune"  # model.metadata_props: what was inserted (JSON)
-TOKENS_META = "vlmprune.tokens"  # value.metadata_props of the new tokens: "tokens before,tokens after"
+from vlmprune.passes.graph.structure import TowerStructure, find_tower_structure, static_dim
 
 
 def prune_record(model: ir.Model) -> dict | None:
@@ -74,6 +72,26 @@ class InsertPruningPass(ir.passes.InPlacePass):
         record = prune_record(model)
         if record is not None and {k: record.get(k) for k in self._wanted()} != self._wanted():
             raise StructureError(f"the graph is already pruned ({record['method']}); prune the dense graph")
+
+    def ensures(self, model: ir.Model) -> None:
+        """What the passes after it rely on: the record, the kept output [B, keep] int64, and the new tokens
+        holding the record's tokens_out (at a FEATURES site they are the graph's token output; at a BLOCK site
+        RetargetTokenCountPass carries the count down to it). A failure is a vlmprune bug, not bad input."""
+        record = prune_record(model)
+        if record is None:
+            raise ir.passes.PostconditionError("the insertion left no vlmprune.prune record")
+        kept = next((v for v in model.graph.outputs if v.name == record["kept"]), None)
+        if kept is None or kept.dtype != ir.DataType.INT64 or kept.shape is None \
+                or list(kept.shape)[1:] != [record["kept_count"]]:
+            raise ir.passes.PostconditionError(f"no graph output {record['kept']} [B, {record['kept_count']}] int64 "
+                                               f"(outputs: {_outputs(model.graph)})")
+        tokens = [v for n in model.graph.all_nodes() for v in n.outputs if TOKENS_META in v.metadata_props]
+        if record["site"] != BLOCK:
+            tokens.append(_token_output(model.graph))
+        for value in tokens:
+            if static_dim(value, 1) != record["tokens_out"]:
+                raise ir.passes.PostconditionError(f"{value.name} holds {static_dim(value, 1)} tokens, the record "
+                                                   f"{record['tokens_out']}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if prune_record(model) is not None:  # the same pruning, already in place
@@ -155,6 +173,10 @@ class InsertPruningPass(ir.passes.InPlacePass):
         has_pixels = structure is not None and structure.pixel_input is not None and structure.grid is not None
         spec = SiteSpec(num_patches, has_cls, layer, n_blocks, has_pixels, prefix, self.head is not None)
         return hidden, spec, block
+
+
+def _outputs(graph: ir.Graph) -> str:
+    return ", ".join(f"{v.name} {None if v.shape is None else list(v.shape)}" for v in graph.outputs)
 
 
 def _structure(graph: ir.Graph) -> TowerStructure | None:

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import NameFixPass, RemoveUnusedNodesPass, TopologicalSortPass
 
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.dataflow import fresh_initializer, is_default_domain
+from vlmprune.passes.graph.dataflow import fresh_initializer, is_default_domain
 from vlmprune.passes.legalize import FoldCastLikePass, GatherNDToGatherPass, OneHotSelectionPass, StaticBatchPass
 
 TARGET = "qnn (QNN HTP)"

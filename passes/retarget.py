@@ -15,8 +15,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from vlmprune.passes.dataflow import const_array, consumers_downstream, fresh_initializer
-from vlmprune.passes.prune import TOKENS_META
+from vlmprune.passes.graph.dataflow import const_array, consumers_downstream, fresh_initializer
+from vlmprune.passes.methods.base import BLOCK
+from vlmprune.passes.outputs import token_output
+from vlmprune.passes.prune import TOKENS_META, prune_record
+from vlmprune.passes.graph.structure import static_dim
 
 # Inputs that carry shapes or token positions, by op type: a constant there that
 # equals the old token count is the token count.
@@ -41,6 +44,19 @@ class RetargetTokenCountPass(ir.passes.InPlacePass):
         if sites:  # the insertion left the shapes downstream unknown: infer them with the new counts
             ShapeInferencePass()(model)
         return ir.passes.PassResult(model, modified=rewritten > 0)
+
+    def ensures(self, model: ir.Model) -> None:
+        """The token count agrees from the pruning point down to the output: the graph's token output holds the
+        record's tokens_out, or that less the [CLS]/register prefix a tower drops after the site. A count left
+        unknown or old (a baked count this pass did not find) is a vlmprune bug, caught here and not on a device."""
+        record = prune_record(model)
+        if record is None or record["site"] != BLOCK:
+            return
+        out = token_output(model.graph)
+        count, want = static_dim(out, 1), record["tokens_out"]
+        if count not in (want, want - record["prefix"]):
+            raise ir.passes.PostconditionError(f"the token output {out.name} holds {count} tokens after block "
+                                               f"{record['layer']}, the insertion {want}")
 
     def _retarget_node(self, graph: ir.Graph, node: ir.Node, old: int, new: int) -> int:
         count = 0

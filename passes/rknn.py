@@ -31,7 +31,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmprune.passes.dataflow import is_default_domain, opset
+from vlmprune.passes.graph.dataflow import is_default_domain, opset
 from vlmprune.passes.legalize import FoldCastLikePass, GatherNDToGatherPass, OneHotSelectionPass, StaticBatchPass
 
 RKNN_MAX_OPSET = 19

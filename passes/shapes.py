@@ -15,7 +15,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
 
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.dataflow import const_array, fresh_initializer, opset
+from vlmprune.passes.graph.dataflow import const_array, fresh_initializer, opset
 
 
 class FoldStaticDimsPass(ir.passes.InPlacePass):

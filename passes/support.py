@@ -33,7 +33,13 @@ def unsupported(model: ir.Model, supports: NodeCheck, model_check: ModelCheck | 
 
 
 class SupportCheckPass(ir.passes.InPlacePass):
-    """Refuse, with every reason in one line, a graph the target cannot run. Changes nothing."""
+    """Refuse, with every reason in one line, a graph the target cannot run. Changes nothing.
+
+    Why its work is in `requires`: what it checks is the precondition of what comes after the
+    pipeline (the target's emission and its toolchain), and of nothing this pass does; its call
+    changes nothing, so an `ensures` would check the same graph again. A refusal here is the
+    user's (a StructureError: the graph, the target), not a post-condition a pass broke.
+    """
 
     def __init__(self, target: str, supports: NodeCheck, model_check: ModelCheck | None = None):
         super().__init__()

@@ -36,7 +36,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.dataflow import const_ints, fresh_initializer, is_default_domain, opset
+from vlmprune.passes.graph.dataflow import const_ints, fresh_initializer, is_default_domain, opset
 from vlmprune.passes.legalize import FoldCastLikePass
 
 # --------------------------------------------------------------------- the tables

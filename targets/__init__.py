@@ -14,6 +14,7 @@ from vlmprune.targets.tensorrt import OrinTarget, XavierTarget
 
 TARGETS: dict[str, type[Target]] = {"ort": OrtTarget, "orin": OrinTarget, "xavier": XavierTarget,
                                   "rk3588": Rk3588Target, "qnn": QnnTarget}
+DEFAULT_TARGET = "ort"  # `vlmprune compile` without --target
 # Named in the design, not built yet: listed so that users get a precise answer.
 PLANNED: dict[str, str] = {}
 

@@ -23,7 +23,6 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.llava_next import packed_length, parse_grid
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
 from vlmprune.passes.outputs import BatchDimNamePass
@@ -49,16 +48,12 @@ class PruneConfig:
 
 
 def reads_projector_output(options) -> bool:
-    """Whether the method compiled by options selects on the projector output (a FEATURES site).
-
-    Quantizing a graph around such a selection would have to leave everything before it in
-    floating point to keep the kept set: the int8 modes refuse these methods.
-    """
+    """Whether the method compiled by options selects on the projector output (Method.reads_projector_output):
+    the int8 modes that keep what feeds the selection in floating point refuse it."""
     from vlmprune.passes.methods import get_method
-    from vlmprune.passes.methods.base import FEATURES
 
     method = get_method(options.method)
-    return options.prune and method.needs(method.parse(options.keep, options.method_options or {})).site == FEATURES
+    return options.prune and method.reads_projector_output(method.parse(options.keep, options.method_options or {}))
 
 
 @dataclasses.dataclass
@@ -76,9 +71,14 @@ class Target(abc.ABC):
     summary: str
     # The fused ops this target runs, by vlmprune name ("TokenPrune", ...), spelled for its runtime.
     spellings: ClassVar[dict[str, FusedOp]] = {}
-    # Per method, the graph form of its selection on this target (chosen by measurement; see each target).
-    formulations: ClassVar[dict[str, str]] = {}
+    # Whether a selection written with control flow (an ONNX Loop) is chosen here; False takes each method's first
+    # formulation without it (Formulation.control_flow; each target says why, by measurement).
+    control_flow: ClassVar[bool] = True
     options: ClassVar[dict[str, str]] = {}  # target options (--precision, --soc) -> help
+    # --with-llm: the LLM exporter ids (compiler.llm.export.EXPORTERS) this target takes, the first its default;
+    # named as strings, since targets sit below the LLM side. None taken: why, in the refusal's words.
+    llm_exporters: ClassVar[tuple[str, ...]] = ()
+    no_llm_why: ClassVar[str] = "no LLM toolchain"
 
     @abc.abstractmethod
     def available(self) -> tuple[bool, str]:
@@ -109,15 +109,17 @@ class Target(abc.ABC):
 
     # ------------------------------------------------------------------ passes
 
-    # Methods this target cannot run, with the reason (measured, and named in one line).
-    refusals: ClassVar[dict[str, str]] = {}
-
     def formulation(self, method: Method) -> str:
-        return self.formulations.get(method.name, method.formulations[0])
+        """The graph form of method's selection here: its first formulation this target takes."""
+        taken = [f for f in method.formulations if self.control_flow or not getattr(f, "control_flow", False)]
+        if not taken:
+            raise InputError(f"target {self.name} takes no formulation of method {method.name}: each holds control "
+                             "flow (an ONNX Loop)")
+        return taken[0]
 
     def refusal(self, method: Method) -> str | None:
-        """Why this target cannot run method, or None."""
-        return self.refusals.get(method.name)
+        """Why this target cannot run method at all, from what the method declares, or None (none refuses one)."""
+        return None
 
     def legalization(self, config: PruneConfig | None, options) -> list[ir.passes.PassBase]:
         """This target's own passes, after insertion (the default has none)."""
@@ -179,66 +181,29 @@ class Target(abc.ABC):
     def readme(self, manifest: dict) -> str:
         """The bundle README: exact commands to build and run it on the device."""
 
+    # ------------------------------------------------------------------ command line
 
-def anyres_readme(manifest: dict) -> str:
-    """The bundle README's section on assembling an anyres model's LLM input (LLaVA-NeXT crops); "" otherwise.
+    # What a target adds to `vlmprune` (as Polygraphy's tools register themselves): the CLI asks every target in
+    # TARGETS and names none, so a target's own commands and listings live in its own module.
 
-    Why in the README: which grid rows still hold tokens is known only at run time, so the
-    pruned graph outputs the kept tokens and their (crop, row, col), and the runtime packs them.
-    """
-    model = manifest["model"]
-    if not model.get("grid") or not model.get("crops"):
-        return ""
-    rows, cols = parse_grid(model["grid"])
-    count, size, patch = model["crops"], model["image_size"], model["patch_size"]
-    s = size // patch
-    height, width = model.get("resolution", [rows * size, cols * size])
-    method = manifest["method"]
-    dense = packed_length((rows, cols), s)
-    head = f"""
-## Assembling the LLM input (LLaVA-NeXT anyres crops)
+    def listing(self) -> list[str]:
+        """Lines of `vlmprune targets` after the table (e.g. the values of a target option); none by default."""
+        return []
 
-For this anyres bundle, this section supersedes the token counts and positions of any generic hand-off above
-(those count one crop). Input `pixel_values` [{count}, 3, {size}, {size}]: what LlavaNextImageProcessor gives for an image of this
-bundle's grid, {rows}x{cols} tiles at {height}x{width} (`vlmprune compile --grid`): crop 0 is the whole image
-resized to {size}x{size}, crops 1..{count - 1} the tiles in raster order. Another image size is resized to fit
-{height}x{width} keeping its aspect and padded (as the processor does), then cut the same way. One call is one image.
-"""
-    if method["name"] == "none":
-        return head + f"""
-`image_features` [1, {dense}, D] is the LLM's image sequence as transformers builds it (`get_image_features`,
-i.e. `pack_image_features`): the {s * s} base tokens, then the {rows * s} grid rows of {cols * s} tokens, each
-followed by `image_newline`. For an image whose aspect differs from the grid's, drop the padded rows or columns
-first (unpad_image, rule 2 below), with their newlines.
-"""
-    keep = method["keep"]
-    summary = method["tokens_out"] - method["prefix"] - keep
-    return head + f"""
-`image_features` [1, {keep + summary}, D]: the K = {keep} kept tokens in crop-then-raster order
-{"then one summary token (the mean of every pruned token)" if summary else "(no summary token)"};
-`kept_positions` [1, {keep}, 3]: (crop c, row r, col x) of each, r and x within the crop's {s}x{s} patch grid
-(`kept_indices` = c * {s * s} + r * {s} + x). The dense model's sequence is [{dense}, D]; the pruned one is
-assembled with the same layout rule, keeping only the kept tokens:
+    def commands(self) -> list:
+        """click commands this target adds to `vlmprune` (e.g. building its device artifact); none by default.
 
-1. Base: the kept tokens of crop 0, in the order given.
-2. Grid: a kept token of crop c >= 1 sits at grid row Y = ((c - 1) // {cols}) * {s} + r and column
-   X = ((c - 1) % {cols}) * {s} + x of the {rows * s} x {cols * s} token grid. Unpadding (an image of original size
-   h x w whose aspect differs from the grid's; transformers' unpad_image): if w / h > {cols * s} / {rows * s}, drop rows
-   Y < p and Y >= {rows * s} - p with p = ({rows * s} - int(round(h * {cols * s} / w, 7))) // 2; otherwise drop columns
-   X < p and X >= {cols * s} - p with p = ({cols * s} - int(round(w * {rows * s} / h, 7))) // 2 (Python's int(round(., 7)),
-   as transformers computes it). An image of {height}x{width} drops nothing.
-3. Order the remaining grid tokens by (Y, X); after the last token of every grid row Y that holds at least one kept
-   token, insert `image_newline` (the checkpoint's LlavaNextModel.image_newline vector, [D]); a row with no kept
-   token gets no newline.
-4. The LLM input is: base tokens, grid tokens with their newlines{", then the summary token" if summary else ""}.
-   Its length is {keep + summary} + (grid rows holding a kept token): set the prompt's image placeholder count
-   from it, per image.
-5. Positions (a runtime that takes them; others renumber): each assembled row keeps its place in the dense
-   packed sequence of an image of {height}x{width}: base token (r, x) at offset + r * {s} + x, grid token (Y, X) at
-   offset + {s * s} + Y * {cols * s + 1} + X, row Y's newline at offset + {s * s} + Y * {cols * s + 1} + {cols * s};
-   {f"the summary token at offset + {dense}; " if summary else ""}the text after the image from offset + {dense + summary}
-   (the manifest's `llm.positions`; `vlmprune generate` feeds exactly these).
+        The CLI gives each its one-line error boundary. Targets sharing a module share its commands (by name).
+        """
+        return []
 
-The budget K is split over the crops by `{method["params"]["crops"]["budget"]}` (manifest `method.params.crops`);
-padded tokens, when there are any, count in K and are dropped by rule 2.
-"""
+    def require_engine(self, bundle_dir: Path) -> str:
+        """For `check --engine`: one line unless this bundle's engine stage can run here; returns that stage's name.
+
+        The default: this target builds no engine on the device.
+        """
+        from vlmprune.targets import TARGETS
+
+        takes = [name for name, cls in TARGETS.items() if cls.require_engine is not Target.require_engine]
+        raise InputError(f"{bundle_dir} targets {self.name}, which has no engine stage (--engine: "
+                         f"{', '.join(takes)})")

@@ -3,14 +3,14 @@
 Real photographs from scikit-image, preprocessed like the model's image processor, and
 disjoint from the parity images (compiler.frontend.images.REAL_IMAGES): a quantizer calibrated on
 the images it is then checked on would flatter its own parity figures. Without
-scikit-image, seeded synthetic images stand in (their names say so).
+scikit-image, seeded synthetic images stand in (their names say so). How a model's images are
+preprocessed is the frontend's to say: the caller hands it over (`images`: the emit context's
+"images", compiler.frontend.images), so that the targets' contract reads no model.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from vlmprune.compiler.frontend import images
 
 # skimage.data images stored in the wheel (no download): photographs and micrographs
 # with the edges and textures a ViT's [CLS] attention reacts to.
@@ -26,8 +26,11 @@ def _load(name: str) -> np.ndarray:
     return np.stack([image] * 3, -1) if image.ndim == 2 else image[..., :3]
 
 
-def calibration_inputs(count: int, size: int, mean, std) -> tuple[np.ndarray, list[str]]:
-    """count preprocessed images [count, 3, size, size] and where each came from."""
+def calibration_inputs(count: int, size: int, mean, std, images) -> tuple[np.ndarray, list[str]]:
+    """count preprocessed images [count, 3, size, size] and where each came from.
+
+    images: the frontend's preprocessing (its preprocess and parity_inputs), as the emit context carries it.
+    """
     if count > len(CALIBRATION_IMAGES):
         raise ValueError(f"at most {len(CALIBRATION_IMAGES)} calibration images, asked for {count}")
     try:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from vlmprune.compiler.contract import MODEL
 from vlmprune.compiler.errors import ToolchainError
 from vlmprune.passes.methods.base import FusedOp
 from vlmprune.targets.base import StageSpec, Target
@@ -32,8 +33,8 @@ ORT_OPS = {name: FusedOp(name) for name in ("TokenPrune", "DivPruneSelect")}
 class OrtTarget(Target):
     name = "ort"
     summary = "ONNX Runtime (CPU; CUDA EP where present) + vlmprune custom-op library"
-    spellings = ORT_OPS
-    formulations = {"divprune": "loop"}
+    llm_exporters = ("torch", "genai")  # torch.onnx prefill + decode (FastV), or onnxruntime-genai's builder
+    spellings = ORT_OPS  # control flow taken: a Loop is the one node DivPruneSelect's rule matches (above)
 
     def available(self) -> tuple[bool, str]:
         import importlib.util
@@ -53,7 +54,7 @@ class OrtTarget(Target):
 
     def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
         """model.onnx, and the op library when the graph holds fused ops."""
-        ir.save(model, out_dir / "model.onnx")
+        ir.save(model, out_dir / MODEL)
         if not fused_ops(model):
             return {"runtime": "onnxruntime", "fused": False}
         shutil.copy2(library(), out_dir / LIBRARY)
@@ -70,30 +71,30 @@ class OrtTarget(Target):
         from vlmprune.targets.runtime import ort_session, run_session
 
         bundle_dir = Path(bundle_dir)
-        library_name = manifest["target"].get("custom_op_library")
+        library_name = manifest.target.get("custom_op_library")
         libs = (bundle_dir / library_name,) if library_name else ()
         session = None
 
         def run(pixel_values):
             nonlocal session
-            session = session or ort_session(bundle_dir / "model.onnx", libs)
+            session = session or ort_session(bundle_dir / MODEL, libs)
             return run_session(session, pixel_values)
 
-        runtime = "onnxruntime CPU" + (f" + {LIBRARY}" if libs else "") + " (model.onnx)"
+        runtime = "onnxruntime CPU" + (f" + {LIBRARY}" if libs else "") + f" ({MODEL})"
         return run, runtime
 
     def readme(self, manifest: dict) -> str:
-        inp = manifest["inputs"][0]
-        fused = manifest["target"].get("fused", False)
+        inp = manifest.inputs[0]
+        fused = manifest.target.fused
         register = f'\n    so.register_custom_ops_library("{LIBRARY}")' if fused else ""
-        shape = [1 if isinstance(d, str) else d for d in inp["shape"]]
-        ops = ", ".join(f"`{op}`" for op in manifest["target"].get("fused_ops", []))
+        shape = [1 if isinstance(d, str) else d for d in inp.shape]
+        ops = ", ".join(f"`{op}`" for op in manifest.target.fused_ops)
         return f"""# vlmprune bundle: target `ort` (ONNX Runtime)
 
-Model: {manifest['model']['source']} — {manifest['method']['summary']}
+Model: {manifest.model.source} — {manifest.method.summary}
 
-Input `{inp['name']}`: {inp['shape']} {inp['dtype']} (normalized pixels).
-Outputs: {', '.join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in manifest['outputs'])}.
+Input `{inp.name}`: {inp.shape} {inp.dtype} (normalized pixels).
+Outputs: {', '.join(f"`{o.name}` {o.shape} {o.dtype}" for o in manifest.outputs)}.
 
 ## Run (x86-64 Linux, onnxruntime >= 1.20)
 
@@ -101,9 +102,9 @@ Outputs: {', '.join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in manifest
     python - <<'PY'
     import numpy as np, onnxruntime as ort
     so = ort.SessionOptions(){register}
-    sess = ort.InferenceSession("model.onnx", so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession("{MODEL}", so, providers=["CPUExecutionProvider"])
     x = np.zeros({shape}, dtype=np.float32)
-    print([o.shape for o in sess.run(None, {{"{inp['name']}": x}})])
+    print([o.shape for o in sess.run(None, {{"{inp.name}": x}})])
     PY
 
 With vlmprune installed: `vlmprune run . --image photo.jpg`; `vlmprune check .` re-runs parity.

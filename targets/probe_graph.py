@@ -20,8 +20,9 @@ from onnx import TensorProto
 from onnx import helper as oh
 from onnx import numpy_helper as onh
 
+from vlmprune.compiler.contract import ROLE
+
 N, D, K = 576, 64, 192
-ROLE = "vlmprune.role"
 SELECTIONS = ("gather", "gather_elements", "gathernd", "onehot", "onehot_equal")
 MASKS = ("scatter_elements", "scatter_nd", "onehot_sum")
 SORTS = ("int", "cast")  # TopK straight on int64 indices, or Cast to float then TopK

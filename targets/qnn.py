@@ -7,7 +7,7 @@ default; the method's selection, found by the roles the insertion recorded, stay
 runs on HTP in fp16; every MatMul of two activations reads one side as 8-bit, see
 targets.qnn_tools.quantize_qdq) into model.qdq.onnx, and compiles that for --soc into an
 EPContext model, model_ctx.onnx, whose QNN context binary (.bin) sits beside it. HTP compiles
-no control flow, so divprune's greedy loop is unrolled here.
+no control flow, so a selection with a Loop (divprune's greedy loop) takes its unrolled form here.
 
 Parity runs both the QDQ model and the EPContext model in onnxruntime-qnn's HTP emulator
 (libQnnHtp on x86_64) with CPU fallback disabled, so a node HTP cannot take fails the
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from vlmprune.compiler.contract import MODEL, QDQ_MODEL, QNN_CONTEXT
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.methods.builder import selection_nodes
 from vlmprune.passes.qnn import TARGET, htp_legalization, htp_model_support, htp_support
@@ -43,7 +44,7 @@ from vlmprune.targets.base import StageSpec, Target
 PRECISIONS = {"int16": ("uint16", "uint8"), "int8": ("uint8", "uint8")}
 DEFAULT_PRECISION = "int16"
 CALIBRATION_COUNT = 8
-QDQ, CTX = "model.qdq.onnx", "model_ctx.onnx"
+QDQ, CTX = QDQ_MODEL, QNN_CONTEXT
 
 
 def parse_precision(value: str | None) -> str:
@@ -56,9 +57,11 @@ def parse_precision(value: str | None) -> str:
 class QnnTarget(Target):
     name = "qnn"
     summary = "Qualcomm HTP: ONNX Runtime QNN EP (QDQ + EPContext for --soc), HTP emulator parity"
+    no_llm_why = ("onnxruntime-genai's builder has no QNN execution provider, and an HTP LLM needs static, "
+                  "quantized, split graphs")
     options = {"precision": "qnn: int16 (default) or int8 activations",
                "soc": "qnn: the Snapdragon SoC to compile for (default SM8650; see `vlmprune targets`)"}
-    formulations = {"divprune": "unrolled"}  # HTP compiles no control flow
+    control_flow = False  # HTP compiles no control flow
 
     def __init__(self, selection: str = "gather"):
         self.selection = selection
@@ -83,6 +86,13 @@ class QnnTarget(Target):
         except ImportError:
             pass
         return versions
+
+    def listing(self) -> list[str]:
+        """The --soc values, for `vlmprune targets`."""
+        from vlmprune.targets.qnn_tools import DEFAULT_SOC, SOCS
+
+        return [f"qnn --soc values (default {DEFAULT_SOC}):",
+                *(f"  {soc:<9} soc_model {model:<3} HTP {arch}  {product}" for soc, (model, arch, product) in SOCS.items())]
 
     def check_options(self, options) -> dict:
         from vlmprune.targets import qnn_tools
@@ -118,15 +128,16 @@ class QnnTarget(Target):
         precision, soc, soc_model = chosen["precision"], chosen["soc"], chosen["soc_model"]
         act, weight = PRECISIONS[precision]
         batch = options.batch or 1
-        ir.save(model, out_dir / "model.onnx")
+        ir.save(model, out_dir / MODEL)
         # The selection stays float (fp16 on HTP), found by the roles the insertion recorded.
         float_nodes = [n.name for n in selection_nodes(model.graph)]
-        calib, names = calibration.calibration_inputs(CALIBRATION_COUNT, source.image_size, source.mean, source.std)
+        calib, names = calibration.calibration_inputs(CALIBRATION_COUNT, source.image_size, source.mean, source.std,
+                                                      context["images"])
         input_name = model.graph.inputs[0].name
         samples = [{input_name: calib[[(i * batch + j) % len(calib) for j in range(batch)]]}
                    for i in range(max(1, len(calib) // batch))]
         try:
-            qnn_tools.quantize_qdq(out_dir / "model.onnx", out_dir / QDQ, samples, act_type=act, weight_type=weight,
+            qnn_tools.quantize_qdq(out_dir / MODEL, out_dir / QDQ, samples, act_type=act, weight_type=weight,
                                    float_nodes=float_nodes)
             qnn_tools.check_qdq(onnx.load(str(out_dir / QDQ)))
             ctx, binaries = qnn_tools.make_epcontext(out_dir / QDQ, out_dir, soc_model, ctx_name=CTX)
@@ -154,7 +165,7 @@ class QnnTarget(Target):
         from vlmprune.targets import qnn_tools
 
         bundle_dir = Path(bundle_dir)
-        fields = manifest["target"]
+        fields = manifest.target
         batch = fields.get("batch", 1)
         soc, soc_model = fields.get("soc", qnn_tools.DEFAULT_SOC), fields.get("soc_model", qnn_tools.DEFAULT_SOC_MODEL)
         precision = fields.get("precision", DEFAULT_PRECISION)
@@ -178,7 +189,7 @@ class QnnTarget(Target):
         ok, why = qnn_tools.available()
         if not ok:
             raise ToolchainError(f"cannot run a qnn bundle here: {why}")
-        fields = manifest["target"]
+        fields = manifest.target
         session = qnn_tools.htp_session(Path(bundle_dir) / CTX, fields["soc_model"])
         return (lambda pixel: run_session(session, pixel)), f"simulated: onnxruntime-qnn HTP emulator, {fields['soc']}"
 
@@ -210,19 +221,19 @@ def _in_batches(run, pixel: np.ndarray, batch: int) -> dict[str, np.ndarray]:
 
 
 def _readme(manifest: dict) -> str:
-    fields = manifest["target"]
-    inp = manifest["inputs"][0]
-    out_names = ", ".join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in manifest["outputs"])
+    fields = manifest.target
+    inp = manifest.inputs[0]
+    out_names = ", ".join(f"`{o.name}` {o.shape} {o.dtype}" for o in manifest.outputs)
     binaries = ", ".join(f"`{b}`" for b in fields["artifacts"]["context_binaries"])
     summary = placement.summary_line("qdq", fields["placement_summary"]["qdq"])
     q = fields["quantization"]
     return f"""# vlmprune bundle: target `qnn` (Qualcomm HTP via ONNX Runtime's QNN EP)
 
-Model: {manifest['model']['source']} — {manifest['method']['summary']}
+Model: {manifest.model.source} — {manifest.method.summary}
 
 Built for {fields['soc']} ({fields['device']}, HTP {fields['htp_arch']}, soc_model {fields['soc_model']}).
-Input `{inp['name']}`: {inp['shape']} float32, NCHW, normalized pixels (mean {manifest['preprocess']['mean']},
-std {manifest['preprocess']['std']}). Outputs: {out_names}.
+Input `{inp.name}`: {inp.shape} float32, NCHW, normalized pixels (mean {manifest.preprocess.mean},
+std {manifest.preprocess.std}). Outputs: {out_names}.
 
 Files:
 - `{CTX}` + {binaries}: the EPContext model and its QNN context binary, compiled for {fields['soc']};
@@ -253,8 +264,8 @@ Use ONNX Runtime with the QNN EP (Maven `com.microsoft.onnxruntime:onnxruntime-a
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     sess = ort.InferenceSession("{CTX}", so, providers=[("QNNExecutionProvider", {{"backend_path": "QnnHtp.dll"}})])
-    x = np.zeros({inp['shape']}, dtype=np.float32)   # preprocessed image(s)
-    features, kept, *positions = sess.run(None, {{"{inp['name']}": x}})  # + kept_positions where the bundle has it
+    x = np.zeros({inp.shape}, dtype=np.float32)   # preprocessed image(s)
+    features, kept, *positions = sess.run(None, {{"{inp.name}": x}})  # + kept_positions where the bundle has it
     print(features.shape, kept[0][:10])
     PY
 

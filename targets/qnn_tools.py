@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from vlmprune.compiler.contract import ROLE  # how the insertion marks the selection's nodes
+
 EP_NAME = "QNNExecutionProvider"
 # QNN SDK soc_model ids (QnnTypes.h QNN_SOC_MODEL_*), with the HTP architecture each runs.
 # The emulator (libQnnHtp.so on x86_64) accepts all of them; an EPContext binary is compiled
@@ -42,7 +44,6 @@ SOCS = {
 DEFAULT_SOC = "SM8650"  # Snapdragon 8 Gen 3 (HTP v75): the most common current flagship HTP
 DEFAULT_SOC_MODEL = SOCS[DEFAULT_SOC][0]
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
-ROLE_KEY = "vlmprune.role"  # passes.methods.builder.ROLE: how the insertion marks the selection's nodes
 WEIGHT_INPUTS = {"MatMul": (0, 1), "Gemm": (1,), "Conv": (1,)}
 
 
@@ -385,7 +386,7 @@ def _ancestors(tensors, producer, skip=None) -> dict[int, onnx.NodeProto]:
 def role_nodes(model: onnx.ModelProto, roles: tuple[str, ...] = ("score", "select")) -> list[onnx.NodeProto]:
     """The nodes vlmprune's insertion marked with one of roles (node metadata_props `vlmprune.role`)."""
     def role(node):
-        return next((p.value for p in node.metadata_props if p.key == ROLE_KEY), None)
+        return next((p.value for p in node.metadata_props if p.key == ROLE), None)
     return [n for n in model.graph.node if role(n) in roles]
 
 

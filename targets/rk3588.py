@@ -15,8 +15,9 @@ Precisions (--precision, comma-separated; default both):
 - int8: hybrid quantization -> model.hybrid.rknn: w8a8, with everything the kept indices
   depend on (the graph output the insertion's record names, and what feeds it) and the index
   chain after them kept float16. Calibration: real photographs disjoint from the parity
-  images (targets.calibration). Methods that select on the projector output (divprune, dart)
-  depend on the whole tower, so they are fp16 only here.
+  images (targets.calibration). Methods that select on the projector output (divprune, dart:
+  Method.reads_projector_output) depend on the whole tower, and a method whose merge loses its
+  values in int8 (visionzip: Method.int8_loss) would have it quantised, so they are fp16 only here.
 
 Measured on `demo` (keep 192; parity images skimage astronaut and chelsea; 2.5.0 simulator):
 fp16 kept-index agreement 1.0 and cosine >= 0.999999 (pruning after the last block; after
@@ -28,7 +29,8 @@ pruning point decide the scores, so they stay float16.
 
 Selection formulation: a one-hot MatMul rather than a Gather, chosen by measurement (see
 passes.rknn: one CPU layer and one NPU -> CPU -> NPU round trip fewer, same parity).
-divprune's greedy loop is unrolled: the toolkit runs ArgMax, GatherElements and
+A selection with control flow takes its form without (control_flow = False: divprune's greedy
+loop is unrolled): the toolkit runs ArgMax, GatherElements and
 ScatterElements with runtime indices on its CPU, so each step is a CPU island (measured on
 demo: 1343 of 2195 ops on the CPU, parity within the fp16 tie band).
 """
@@ -43,15 +45,17 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from vlmprune.compiler.contract import MODEL, RKNN
 from vlmprune.compiler.errors import InputError, ToolchainError
+from vlmprune.passes.methods import get_method
 from vlmprune.passes.prune import prune_record
 from vlmprune.passes.rknn import TARGET, rknn_legalization, rknn_model_support, rknn_support
 from vlmprune.targets import placement
-from vlmprune.targets.base import StageSpec, Target
+from vlmprune.targets.base import StageSpec, Target, reads_projector_output
 
 # precision -> (worker mode, artifact, parity precision, what it is)
 PRECISIONS = {
-    "fp16": ("fp16", "model.rknn", "fp16", "float16 throughout"),
+    "fp16": ("fp16", RKNN, "fp16", "float16 throughout"),
     "int8": ("hybrid", "model.hybrid.rknn", "int8",
              "hybrid: int8 weights and activations, the score path (everything feeding TopK) float16"),
 }
@@ -70,6 +74,21 @@ def parse_precisions(value: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def hybrid_loss(options) -> str | None:
+    """Why hybrid int8 does not serve the method compiled by options (its default is then fp16), or None.
+
+    From what the method declares: a selection on the projector output would keep the whole tower
+    in float16 (the float scope is everything feeding the kept indices), and the hybrid mode
+    quantises the method's own nodes after the selection, which a method with an int8_loss measured
+    to lose its values.
+    """
+    if not options.prune:
+        return None
+    if reads_projector_output(options):
+        return "its selection reads the projector output, so hybrid int8 would keep everything before it in float16"
+    return get_method(options.method).int8_loss or None
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -81,15 +100,9 @@ def _file_sha(path: Path) -> str:
 class Rk3588Target(Target):
     name = "rk3588"
     summary = "Rockchip RK3588 NPU: rknn-toolkit2 2.5.0 .rknn (fp16, hybrid int8), simulator parity"
+    no_llm_why = "RKLLM's converter, rkllm-toolkit, is not on the package index"
     options = {"precision": "rk3588: fp16, int8 (hybrid) or fp16,int8 (default)"}
-    formulations = {"divprune": "unrolled"}
-    # Methods hybrid int8 does not serve, by measurement (demo, rknn-toolkit2 2.5.0 simulator); their default is fp16.
-    fp16_only = {
-        "divprune": "its selection reads the projector output, so hybrid int8 would keep everything before it in "
-                    "float16",
-        "dart": "its selection reads the projector output, so hybrid int8 would keep everything before it in float16",
-        "visionzip": "its contextual merge loses its values in int8 (cosine 0.938 on demo, against 0.99 required)",
-    }
+    control_flow = False  # each greedy step would be a CPU island anyway (module docstring): straight-line
 
     def __init__(self, selection: str = "onehot", float_scope: str = "ancestors"):
         self.selection = selection
@@ -116,7 +129,7 @@ class Rk3588Target(Target):
         if options.batch not in (None, 1):
             raise InputError(f"rk3588 runs batch 1: compile with --batch 1 or without --batch, not --batch {options.batch}")
         precisions = parse_precisions(given.get("precision"))
-        why = self.fp16_only.get(options.method) if options.prune else None
+        why = hybrid_loss(options)
         if "int8" in precisions and why:
             if given.get("precision"):
                 raise InputError(f"rk3588 --precision int8 with {options.method}: {why}; use fp16")
@@ -138,7 +151,7 @@ class Rk3588Target(Target):
 
         source = context["source"]
         precisions = parse_precisions(context["target_options"]["precision"])
-        ir.save(model, out_dir / "model.onnx")
+        ir.save(model, out_dir / MODEL)
         pixel = context["parity_inputs"]  # the images parity will feed: simulated now, while the build is live
         fields: dict = {"runtime": "RKNN runtime (librknnrt / rknn-toolkit-lite2 2.5.0) on the RK3588 NPU",
                         "target_platform": PLATFORM, "selection": self.selection,
@@ -151,12 +164,12 @@ class Rk3588Target(Target):
             dataset = None
             if "int8" in precisions:
                 calib, calib_names = calibration.calibration_inputs(CALIBRATION_COUNT, source.image_size,
-                                                                    source.mean, source.std)
+                                                                    source.mean, source.std, context["images"])
                 dataset = _save_samples(root / "calib", calib)
                 fields["calibration"] = {"images": calib_names, "float_scope": self.float_scope}
             for precision in precisions:
                 mode, artifact, _, what = PRECISIONS[precision]
-                response = self._worker(out_dir / "model.onnx", root / precision, mode, samples, dataset, fields)
+                response = self._worker(out_dir / MODEL, root / precision, mode, samples, dataset, fields)
                 shutil.copy2(response["rknn"], out_dir / artifact)
                 rknn_sha = _file_sha(out_dir / artifact)
                 for image, outputs in zip(pixel, response["runs"]):
@@ -178,7 +191,7 @@ class Rk3588Target(Target):
         from vlmprune.targets import rknn_env
 
         request = {"onnx": str(model), "out_dir": str(out_dir), "mode": mode, "target_platform": PLATFORM,
-                   "run_samples": samples, "rknn_name": "model.rknn", "float_scope": self.float_scope,
+                   "run_samples": samples, "rknn_name": RKNN, "float_scope": self.float_scope,
                    "kept_outputs": fields.get("kept_outputs", [])}
         if mode != "fp16":
             request["dataset"] = dataset
@@ -189,7 +202,7 @@ class Rk3588Target(Target):
 
     def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
         bundle_dir = Path(bundle_dir)
-        fields = manifest["target"]
+        fields = manifest.target
         specs = []
         for precision, artifact in fields.get("artifacts", {}).items():
             mode, _, tolerance, _ = PRECISIONS[precision]
@@ -214,21 +227,22 @@ class Rk3588Target(Target):
 
     def _rebuild(self, bundle_dir: Path, manifest: dict, precision: str, pixel: np.ndarray) -> list[dict]:
         """Build model.onnx again at this precision and simulate pixel (the toolkit cannot simulate a loaded .rknn)."""
+        from vlmprune.compiler.frontend import images
         from vlmprune.targets import calibration
 
-        pre = manifest["preprocess"]
+        pre = manifest.preprocess
         mode = PRECISIONS[precision][0]
         with tempfile.TemporaryDirectory(prefix="vlmprune-rk3588-check-") as scratch:
             root = Path(scratch)
             samples = _save_samples(root / "image", pixel)
             dataset = None
             if mode != "fp16":
-                count = len(manifest["target"].get("calibration", {}).get("images", [])) or CALIBRATION_COUNT
-                calib, _ = calibration.calibration_inputs(count, pre["size"], pre["mean"], pre["std"])
+                count = len(manifest.target.get("calibration", {}).get("images", [])) or CALIBRATION_COUNT
+                calib, _ = calibration.calibration_inputs(count, pre.size, pre.mean, pre.std, images)
                 dataset = _save_samples(root / "calib", calib)
             # model.onnx refers to weights.bin beside it, so it is read in place.
-            response = self._worker(bundle_dir / "model.onnx", root / "build", mode, samples, dataset,
-                                    manifest["target"])
+            response = self._worker(bundle_dir / MODEL, root / "build", mode, samples, dataset,
+                                    manifest.target)
             return [{o["name"]: np.load(o["path"]) for o in outputs} for outputs in response["runs"]]
 
     def runner(self, bundle_dir: Path, manifest: dict):
@@ -251,22 +265,22 @@ def _save_samples(stem: Path, pixel: np.ndarray) -> list[list[str]]:
 
 
 def _readme(manifest: dict) -> str:
-    fields = manifest["target"]
-    inp = manifest["inputs"][0]
-    outputs = manifest["outputs"]
+    fields = manifest.target
+    inp = manifest.inputs[0]
+    outputs = manifest.outputs
     artifacts = fields.get("artifacts", {})
     lines = [f"- `{a}`: {fields['precisions'][p]}" for p, a in artifacts.items()]
-    first = next(iter(artifacts.values()), "model.rknn")
+    first = next(iter(artifacts.values()), RKNN)
     summaries = [placement.summary_line(p, s) for p, s in fields.get("placement_summary", {}).items()]
-    out_names = ", ".join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in outputs)
-    n_out, out_order = len(outputs), ", ".join(o["name"] for o in outputs)
-    version = manifest["target"]["toolchain"].get("rknn-toolkit2", "2.5.0")
+    out_names = ", ".join(f"`{o.name}` {o.shape} {o.dtype}" for o in outputs)
+    n_out, out_order = len(outputs), ", ".join(o.name for o in outputs)
+    version = manifest.target["toolchain"].get("rknn-toolkit2", "2.5.0")
     return f"""# vlmprune bundle: target `rk3588` (Rockchip RK3588 NPU, rknn-toolkit2 {version})
 
-Model: {manifest['model']['source']} — {manifest['method']['summary']}
+Model: {manifest.model.source} — {manifest.method.summary}
 
-Input `{inp['name']}`: {inp['shape']} float32, NCHW, normalized pixels (mean {manifest['preprocess']['mean']},
-std {manifest['preprocess']['std']}, {manifest['preprocess']['size']}x{manifest['preprocess']['size']}); batch 1.
+Input `{inp.name}`: {inp.shape} float32, NCHW, normalized pixels (mean {manifest.preprocess.mean},
+std {manifest.preprocess.std}, {manifest.preprocess.size}x{manifest.preprocess.size}); batch 1.
 Outputs: {out_names}.
 
 Artifacts:
@@ -290,7 +304,7 @@ On the RK3588 (Debian/Ubuntu aarch64, RKNPU driver >= 0.9.6), with the 2.5.0 run
     rknn = RKNNLite()
     assert rknn.load_rknn("{first}") == 0
     assert rknn.init_runtime(core_mask=RKNNLite.NPU_CORE_AUTO) == 0
-    x = np.zeros({inp['shape']}, dtype=np.float32)  # preprocessed image, NCHW
+    x = np.zeros({inp.shape}, dtype=np.float32)  # preprocessed image, NCHW
     features, kept, *positions = rknn.inference(inputs=[x], data_format=["nchw"])  # + kept_positions where present
     print(features.shape, kept.astype(np.int64)[0][:10])
     rknn.release()
@@ -301,7 +315,7 @@ On the RK3588 (Debian/Ubuntu aarch64, RKNPU driver >= 0.9.6), with the 2.5.0 run
     rknn_context ctx;
     rknn_init(&ctx, model_data, model_size, 0, NULL);          /* bytes of {first} */
     rknn_input in = {{.index = 0, .type = RKNN_TENSOR_FLOAT32, .fmt = RKNN_TENSOR_NCHW,
-                     .size = {int(np.prod(inp['shape']))} * sizeof(float), .buf = pixels}};
+                     .size = {int(np.prod(inp.shape))} * sizeof(float), .buf = pixels}};
     rknn_inputs_set(ctx, 1, &in);
     rknn_run(ctx, NULL);
     rknn_output out[{n_out}] = {{{{0}}}};                    /* {out_order} */

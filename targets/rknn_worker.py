@@ -40,6 +40,7 @@ import traceback
 
 import numpy as np
 
+RKNN = "model.rknn"  # vlmprune.compiler.contract.RKNN (spelled here: this file runs in the rknn venv)
 TABLE_HEADER = re.compile(r"ID\s+OpType\s+DataType\s+Target\b")
 LOG_PREFIX = re.compile(r"^[A-Z] RKNN: \[[^\]]*\] ?")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -283,7 +284,7 @@ def run(req: dict) -> dict:
         if mode == "hybrid":
             rknn, kept_float = hybrid_build(rknn, req, out_dir, log_path)
         seconds["build"] = time.perf_counter() - t0
-        rknn_path = os.path.join(out_dir, req.get("rknn_name", "model.rknn"))
+        rknn_path = os.path.join(out_dir, req.get("rknn_name", RKNN))
         with redirect_fds(log_path):
             check(rknn.export_rknn(rknn_path), "export_rknn")
         samples = req.get("run_samples") or ([req["run_inputs"]] if req.get("run_inputs") else [])

@@ -27,6 +27,7 @@ from pathlib import Path
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
+from vlmprune.compiler.contract import DECOMPOSED, MODEL, QDQ_MODEL, QDQ_WEIGHTS
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes import tensorrt as trt_passes
 from vlmprune.passes.methods.base import FusedOp
@@ -40,8 +41,8 @@ HOST_TWIN = ort_target.LIBRARY  # libvlmprune_ort.so: registers trt.plugins.Vlmp
 PLUGIN_LIBRARY = "plugins/build/libvlmprune_trt.so"
 DEFAULT_MAX_BATCH = 4  # dynamic-batch bundles: profile 1..4 images, tuned for 1
 PRECISIONS = ("fp16", "int8")
-QDQ_MODEL, QDQ_WEIGHTS = "model.qdq.onnx", "weights.qdq.bin"
 CALIBRATION_IMAGES = 8
+ENGINE_STAGE = "engine"  # the parity stage of an engine built on the device (`check --engine` requires it)
 QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
 PLUGIN_OP = FusedOp(
     op_type=trt_passes.PLUGIN_CONTRACT["name"],
@@ -89,13 +90,15 @@ PLATFORMS = {p.name: p for p in (ORIN, XAVIER)}
 
 class TensorRTTarget(Target):
     """One Jetson target. Formulations: cls fuses select + gather + summary into the VlmpTokenPrune plugin;
-    divprune's greedy loop is unrolled into a chain of standard layers (the parser's Loop import adds a
-    loop per pick and nothing here can measure either on a Jetson; a plugin for it is left to a device
-    session); visionzip and dart are TopK chains with constant K, standard layers as they are."""
+    a selection with control flow takes its form without (divprune's greedy loop, unrolled into a chain of
+    standard layers: the parser's Loop import adds a loop per pick and nothing here can measure either on a
+    Jetson; a plugin for it is left to a device session); visionzip and dart are TopK chains with constant K,
+    standard layers as they are. int8 keeps the method's own nodes in floating point (write_qdq_model), so a
+    method's int8_loss does not apply here; what reads the projector output is refused."""
 
     platform: JetsonPlatform
     spellings = {"TokenPrune": PLUGIN_OP}
-    formulations = {"divprune": "unrolled"}
+    control_flow = False  # the parser's Loop import: see the class docstring
     options = {"precision": "orin/xavier: fp16 (default) or int8 (explicit Q/DQ model)"}
 
     def __init__(self, platform: JetsonPlatform | None = None):
@@ -151,12 +154,12 @@ class TensorRTTarget(Target):
                   "fp32_layers": [n.name for n in selection_nodes(model.graph) if n.name],
                   "engine": {"file": engine_lib.ENGINE, "record": engine_lib.ENGINE_RECORD,
                              "built": "on the device: see README.md (vlmprune build-engine . or trtexec)"}}
-        ir.save(model, out_dir / "model.onnx")
+        ir.save(model, out_dir / MODEL)
         shutil.copy2(engine_lib.__file__, out_dir / "vlmprune_engine.py")
         if precision == "int8":
             fields["qdq_model"] = QDQ_MODEL
             fields["quantization"] = write_qdq_model(out_dir, self.fusion(context["config"], options), p.ops,
-                                                     context["source"])
+                                                     context["source"], context["images"])
         if not fused:
             return {**fields, "fused": False}
         shutil.copy2(ort_target.library(), out_dir / HOST_TWIN)
@@ -176,8 +179,8 @@ class TensorRTTarget(Target):
         from vlmprune.targets.runtime import ort_session, run_session
 
         bundle_dir = Path(bundle_dir)
-        target = manifest["target"]
-        fused = target.get("fused", False)
+        target = manifest.target
+        fused = target.fused
         libs = (bundle_dir / HOST_TWIN,) if fused else ()
 
         def on_cpu(name: str):
@@ -185,14 +188,14 @@ class TensorRTTarget(Target):
 
         what = "the plugin's host twin" if fused else "standard ops"
         stages = [StageSpec("fused",  # model.onnx on the host twin or in standard ops, named as on ort
-                            f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} (model.onnx, {what})", "fp32",
-                            on_cpu("model.onnx"))]
+                            f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} ({MODEL}, {what})", "fp32",
+                            on_cpu(MODEL))]
         if target.get("qdq_model"):
             stages.append(StageSpec("qdq", f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} ({QDQ_MODEL}, "
                                     "explicit int8 Q/DQ)", "int8", on_cpu(QDQ_MODEL)))
         if engine_available(bundle_dir):
             runner = _LazyEngine(bundle_dir)
-            stages.append(StageSpec("engine", f"TensorRT engine ({engine_lib.ENGINE})", runner.precision(), runner))
+            stages.append(StageSpec(ENGINE_STAGE, f"TensorRT engine ({engine_lib.ENGINE})", runner.precision(), runner))
         return stages
 
     def runner(self, bundle_dir: Path, manifest: dict):
@@ -203,13 +206,24 @@ class TensorRTTarget(Target):
     def readme(self, manifest: dict) -> str:
         return _readme(self.platform, manifest)
 
+    def commands(self) -> list:
+        from vlmprune.targets.tensorrt_cli import build_engine
+
+        return [build_engine]
+
+    def require_engine(self, bundle_dir: Path) -> str:
+        require_engine(bundle_dir)
+        return ENGINE_STAGE
+
 
 class OrinTarget(TensorRTTarget):
     platform = ORIN
+    llm_exporters = ("edgellm",)  # TensorRT Edge-LLM's own exporter: the graph its C++ builder takes
 
 
 class XavierTarget(TensorRTTarget):
     platform = XAVIER
+    no_llm_why = "TensorRT Edge-LLM does not run on JetPack 5 / TensorRT 8.5"
 
 
 # ------------------------------------------------------------------------ helpers
@@ -257,7 +271,7 @@ class _LazyEngine:
         return self.runner(pixel_values)
 
 
-def write_qdq_model(out_dir: Path, fusion, ops, source) -> dict:
+def write_qdq_model(out_dir: Path, fusion, ops, source, images) -> dict:
     """model.qdq.onnx: the graph with explicit int8 Q/DQ (TensorRT's explicit quantization), fused like model.onnx.
 
     ONNX Runtime's quantize_static on model.decomposed.onnx (its calibration cannot load
@@ -277,13 +291,13 @@ def write_qdq_model(out_dir: Path, fusion, ops, source) -> dict:
 
     from vlmprune.targets.calibration import calibration_inputs
 
-    decomposed = ir.load(out_dir / "model.decomposed.onnx")
+    decomposed = ir.load(out_dir / DECOMPOSED)
     exclude = sorted({n.name for n in feeding_selection(decomposed.graph)} |
                      {n.name for n in decomposed.graph if role_of(n) is not None})  # and the emitted gathers
     value = decomposed.graph.inputs[0]
     batch = value.shape[0] if isinstance(value.shape[0], int) else 1
     count = max(batch, CALIBRATION_IMAGES // batch * batch)
-    pixel, names = calibration_inputs(count, value.shape[-1], source.mean, source.std)
+    pixel, names = calibration_inputs(count, value.shape[-1], source.mean, source.std, images)
 
     class Reader(CalibrationDataReader):
         def __init__(self):
@@ -299,7 +313,7 @@ def write_qdq_model(out_dir: Path, fusion, ops, source) -> dict:
         logging.disable(logging.WARNING)  # its "consider pre-processing" advice, printed on every call
         try:
             quantize_static(
-                str(out_dir / "model.decomposed.onnx"), str(raw), Reader(), quant_format=QuantFormat.QDQ,
+                str(out_dir / DECOMPOSED), str(raw), Reader(), quant_format=QuantFormat.QDQ,
                 activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
                 op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=exclude,
                 calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,
@@ -407,10 +421,10 @@ def _shown(cmd: list) -> str:
 
 
 def _readme(p: JetsonPlatform, manifest: dict) -> str:
-    target = manifest["target"]
-    inp, outputs = manifest["inputs"][0], manifest["outputs"]
+    target = manifest.target
+    inp, outputs = manifest.inputs[0], manifest.outputs
     profile = target["profile"]
-    fused = target.get("fused", False)
+    fused = target.fused
     cmd = _shown(engine_lib.trtexec_command(manifest))
     decomposed_cmd = _shown(engine_lib.trtexec_command(manifest, decomposed=True, engine="model.decomposed.engine"))
     plugin_flag = f"{p.trtexec_flag}={PLUGIN_LIBRARY}"
@@ -425,8 +439,8 @@ This compiles `plugins/` ({p.plugin_interface} over the CUDA kernels, sm_{p.sm})
 JetPack (`/usr/local/cuda`); TensorRT is found in `/usr/include/aarch64-linux-gnu` and
 `/usr/lib/aarch64-linux-gnu` (override with `-DTENSORRT_ROOT=...`).
 """ if fused else ("## 1. No plugin\n\nmodel.onnx has standard ops only: "
-                  + ("this bundle is dense (no pruning).\n" if manifest["method"]["name"] == "none" else
-                     f"the {manifest['method']['name']} selection runs as standard TensorRT layers.\n"))
+                  + ("this bundle is dense (no pruning).\n" if not manifest.method.pruned else
+                     f"the {manifest.method.name} selection runs as standard TensorRT layers.\n"))
     contract = trt_passes.PLUGIN_CONTRACT
     precision = target.get("precision", "fp16")
     quant = target.get("quantization")
@@ -457,10 +471,10 @@ JetPack (`/usr/local/cuda`); TensorRT is found in `/usr/include/aarch64-linux-gn
     )
     return f"""# vlmprune bundle: target `{p.name}` ({p.device}, TensorRT {p.tensorrt})
 
-Model: {manifest['model']['source']} — {manifest['method']['summary']}
+Model: {manifest.model.source} — {manifest.method.summary}
 
-Input `{inp['name']}`: {inp['shape']} {inp['dtype']} (normalized pixels); {batch}.
-Outputs: {', '.join(f"`{o['name']}` {o['shape']} {o['dtype']}" for o in outputs)}
+Input `{inp.name}`: {inp.shape} {inp.dtype} (normalized pixels); {batch}.
+Outputs: {', '.join(f"`{o.name}` {o.shape} {o.dtype}" for o in outputs)}
 (the engine returns `kept_indices` as {p.kept_dtype}).
 
 Device: {p.device} with JetPack {p.jetpack} (L4T {p.l4t}: TensorRT {p.tensorrt}, CUDA {p.cuda}, sm_{p.sm}).
@@ -488,7 +502,7 @@ loading it. {fp32_note}{python_note}
     vlmprune check . --engine             # the engine against the PyTorch reference ({precision} tolerances)
     /usr/src/tensorrt/bin/trtexec --loadEngine=model.engine {plugin_flag if fused else ""}   # timing
 
-`check --engine` loads the model source ({manifest['model']['source']}) with PyTorch to compute
+`check --engine` loads the model source ({manifest.model.source}) with PyTorch to compute
 the reference, so it needs vlmprune's dependencies and that source on the device.
 
 ## Files

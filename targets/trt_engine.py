@@ -34,9 +34,15 @@ except ImportError:  # the bundle's standalone copy
 
 NO_TENSORRT = "TensorRT is not installed here: run this on the Jetson (see the bundle README)"
 NO_CUDA = "neither cuda-python nor pycuda is installed here (pip install cuda-python)"
+# The bundle's names, spelled here because this file runs standalone (JetPack's Python); each mirrors the
+# vlmprune.compiler.contract constant of the same name, and tests/compiler/test_contract.py holds them equal.
 ENGINE = "model.engine"
 ENGINE_RECORD = "model.engine.json"
 MANIFEST = "manifest.json"
+MODEL = "model.onnx"
+DECOMPOSED = "model.decomposed.onnx"
+KEPT = "kept_indices"
+DIGEST_KEY = "manifest_sha256"  # vlmprune.compiler.bundle.manifest.DIGEST_KEY
 TRTEXEC = "/usr/src/tensorrt/bin/trtexec"  # where JetPack installs it (not on PATH)
 TENSORRT_TARGETS = ("orin", "xavier")
 
@@ -58,7 +64,7 @@ def _sha256(path: Path) -> str:
 
 def _manifest_digest(manifest: dict) -> str:
     """The manifest's own digest, as vlmprune.compiler.bundle computes it (repeated: this file runs standalone)."""
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    body = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -72,7 +78,7 @@ def load_bundle(bundle_dir) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError:
         raise EngineError(f"{path}: not valid JSON; the bundle was modified") from None
-    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+    if manifest.get(DIGEST_KEY) != _manifest_digest(manifest):
         raise EngineError(f"{bundle_dir}: manifest.json does not match its recorded digest: the bundle was modified "
                           "after it was compiled; recompile it")
     for name, expected in manifest.get("files", {}).items():
@@ -123,8 +129,8 @@ def format_command(cmd: list) -> str:
 def _model_file(manifest: dict, precision: str) -> str:
     if precision == "int8":
         qdq = manifest["target"].get("qdq_model")
-        return qdq if qdq else "model.onnx"
-    return "model.onnx"
+        return qdq if qdq else MODEL
+    return MODEL
 
 
 # ----------------------------------------------------------------------- TensorRT
@@ -183,7 +189,7 @@ def build_engine(bundle_dir, precision: str | None = None, decomposed: bool = Fa
         raise EngineError(f"precision must be fp16 or int8, got {precision!r}")
     trt = import_tensorrt()
     _check_version(trt, manifest)
-    model_file = "model.decomposed.onnx" if decomposed else _model_file(manifest, precision)
+    model_file = DECOMPOSED if decomposed else _model_file(manifest, precision)
     if precision == "int8" and model_file != manifest["target"].get("qdq_model") and not calibration_cache:
         raise EngineError("int8 needs a Q/DQ model in the bundle (compile with --precision int8) "
                           "or --calibration-cache FILE")
@@ -449,8 +455,8 @@ def _smoke_run(bundle_dir, engine: str, npy: str | None, repeat: int) -> None:
     seconds = (time.perf_counter() - start) / max(repeat, 1)
     for name, value in outputs.items():
         print(f"{name}: shape {list(value.shape)} dtype {value.dtype}")
-    if "kept_indices" in outputs:
-        print("kept (image 0): " + " ".join(map(str, outputs["kept_indices"][0].tolist())))
+    if KEPT in outputs:
+        print("kept (image 0): " + " ".join(map(str, outputs[KEPT][0].tolist())))
     print(f"{seconds * 1e3:.2f} ms per batch of {pixel.shape[0]} (with host copies; mean of {repeat})")
 
 

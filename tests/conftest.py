@@ -16,6 +16,16 @@ def _tiny_vision(kind: str, image_size: int = 112):
     return CLIPVisionConfig(**common) if kind == "clip" else SiglipVisionConfig(**common)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_products(tmp_path_factory):
+    """One product cache (compiler.pipeline.cache) per session: compiles of one export share it, as a user's do, and
+    the user's own cache is neither read nor grown (the venvs and the op library stay in VLMPRUNE_CACHE)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("VLMPRUNE_PRODUCTS", str(tmp_path_factory.mktemp("products")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_llava_dir(tmp_path_factory):
     """A LlavaForConditionalGeneration checkpoint (safetensors) with a 3-block CLIP tower, 64 patches."""
@@ -102,12 +112,33 @@ def tiny_dense_path(tiny_source, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def demo_bundle(tmp_path_factory):
-    """`demo` compiled for ort with dynamic batch, pruning inside the tower (after block 2)."""
+def compiled(tmp_path_factory):
+    """compiled(model, **options): model (a preset or a checkpoint path) compiled with CompileOptions(**options).
+
+    A compile is the suite's dearest step, so each (model, options) is compiled once a session and its
+    CompileResult shared by every test that asks for it. The bundle is shared: a test that edits one (a tampered
+    file, a --force rewrite) edits a copy (shutil.copytree) instead.
+    """
+    import json
+
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
-    out = tmp_path_factory.mktemp("bundles") / "demo_l2"
-    return compile_model("demo", out, CompileOptions(keep=192, layer=2, method_options={"lambda": 0.3}))
+    made = {}
+
+    def compile_once(model, **options):
+        key = (str(model), json.dumps(options, sort_keys=True))
+        if key not in made:
+            out = tmp_path_factory.mktemp("compiled") / "bundle"
+            made[key] = compile_model(str(model), out, CompileOptions(**options))
+        return made[key]
+
+    return compile_once
+
+
+@pytest.fixture(scope="session")
+def demo_bundle(compiled):
+    """`demo` compiled for ort with dynamic batch, pruning inside the tower (after block 2)."""
+    return compiled("demo", keep=192, layer=2, method_options={"lambda": 0.3})
 
 
 @pytest.fixture(scope="session")
@@ -129,6 +160,27 @@ def elsewhere_onnx(tmp_path_factory):
         torch.onnx.export(model, (torch.zeros(1, 3, 112, 112),), str(path), dynamo=False, opset_version=17,
                           input_names=["pixel_values"], output_names=["last_hidden_state", "pooler_output"])
     return path
+
+
+# The fixtures that make or find a pinned toolchain: a test that asks for one (itself or through its fixtures)
+# is marked `toolchain`, so `-m 'not toolchain'` leaves it out.
+TOOLCHAIN_FIXTURES = {"rknn_ready", "edgellm_ready", "qnn_ready"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if TOOLCHAIN_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.toolchain)
+
+
+@pytest.fixture(scope="session")
+def qnn_ready():
+    """onnxruntime-qnn's HTP emulator registered (it installs nothing), or a skip that says why."""
+    from vlmprune.targets import qnn_tools
+
+    ok, why = qnn_tools.available()
+    if not ok:
+        pytest.skip(f"QNN toolchain unavailable: {why}")
 
 
 @pytest.fixture(scope="session")

@@ -1,73 +1,109 @@
-"""Imports run one way, down the data flow; the folders read like it.
+"""Imports run one way, down the data flow, and the folders say which way.
 
-    frontend -> methods -> passes -> fusion -> targets -> parity -> bundle -> pipeline / CLI
+Each folder (a package) is one step of the data flow. A module may import anything of its own
+folder; across folders, it may import only from folders earlier in the flow. The order is the
+README's layout table, read here, so the documentation and the code cannot drift apart, and
+no list of modules is kept by hand: a new module is placed by the folder it is put in.
 
-compiler/errors.py is the one leaf every layer may import (it imports nothing of vlmprune),
-and kernels/ is a leaf beside it (C++ sources and their build). A module may import only from
-its own layer or the layers before it; importing from a later layer fails this test with the
-offending line.
+Leaves are exempt: a module that imports nothing of vlmprune (compiler/errors.py, contract.py,
+a kernel build helper) depends on no step, so every step may import it.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = {"compiler": "vlmprune.compiler", "passes": "vlmprune.passes", "targets": "vlmprune.targets",
-           "kernels": "vlmprune.kernels"}
-# Module prefix -> layer, most specific prefix first.
-LAYERS = [
-    ("vlmprune.compiler.errors", 0),
-    ("vlmprune.kernels", 0),
-    ("vlmprune.compiler.frontend", 1),
-    ("vlmprune.passes.dataflow", 2),
-    ("vlmprune.passes.structure", 2),
-    ("vlmprune.passes.methods", 3),
-    ("vlmprune.passes.fusion", 5),
-    ("vlmprune.passes", 4),
-    ("vlmprune.targets", 6),
-    ("vlmprune.compiler.reference", 7),
-    ("vlmprune.compiler.parity", 7),
-    ("vlmprune.compiler.bundle", 8),
-    ("vlmprune.compiler", 9),
-]
+ROOTS = {"compiler": "vlmprune.compiler", "passes": "vlmprune.passes", "targets": "vlmprune.targets",
+         "kernels": "vlmprune.kernels"}
+STANDALONE = {"rknn_worker.py"}  # runs in the rknn venv: imports nothing of vlmprune
 
 
-def _layer(module: str) -> int:
-    return next(layer for prefix, layer in LAYERS if module == prefix or module.startswith(prefix + "."))
-
-
-def _modules():
-    for folder, package in FOLDERS.items():
+def _modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in ROOTS.items():
         for path in sorted((REPO / folder).rglob("*.py")):
-            rel = path.relative_to(REPO / folder).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            yield path, ".".join([package, *parts])
+            parts = [p for p in path.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = _modules()
 
 
 def _imports(path: Path):
+    """(line, module) of every vlmprune module path imports, `from pkg import module` included."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vlmprune"):
             yield node.lineno, node.module
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in MODULES:
+                    yield node.lineno, f"{node.module}.{alias.name}"
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("vlmprune"):
                     yield node.lineno, alias.name
 
 
-@pytest.mark.parametrize("path,module", list(_modules()), ids=lambda v: v if isinstance(v, str) else "")
-def test_imports_run_down_the_data_flow(path, module):
-    if path.name == "rknn_worker.py":  # runs in the rknn venv: imports nothing of vlmprune
-        assert not list(_imports(path))
-        return
-    own = _layer(module)
-    for line, imported in _imports(path):
-        assert _layer(imported) <= own, f"{path.relative_to(REPO)}:{line} ({module}, layer {own}) imports " \
-                                        f"{imported} (layer {_layer(imported)}): against the data flow"
+LEAVES = {m for m, p in MODULES.items() if not any(i in MODULES for _, i in _imports(p))}
 
 
-def test_errors_is_a_leaf():
-    assert not list(_imports(REPO / "compiler" / "errors.py"))
+def _folder(module: str) -> str:
+    path = MODULES[module]
+    return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def _flow() -> list[str]:
+    """The packages of the README's layout table, in its order (the data flow)."""
+    text = (REPO / "README.md").read_text().split("## Layout", 1)[1]
+    return [m.group(1) for m in re.finditer(r"^\| `[^`]+` \| `(vlmprune\.[\w.]+)` \|", text, re.M)]
+
+
+FLOW = _flow()
+
+
+def test_every_folder_has_its_row_in_the_layout_table():
+    folders = {_folder(m) for m in MODULES}
+    assert sorted(folders - set(FLOW)) == [] and sorted(set(FLOW) - folders) == []
+
+
+def _crossings():
+    for module, path in MODULES.items():
+        if path.name in STANDALONE:
+            continue
+        for line, imported in _imports(path):
+            if imported not in MODULES or imported in LEAVES:
+                continue
+            own, theirs = _folder(module), _folder(imported)
+            if own != theirs:  # compiler/ holds the top (API, CLI): the flow rules, not the nesting
+                yield pytest.param(path, line, own, theirs, imported, id=f"{module}->{imported}")
+
+
+@pytest.mark.parametrize("path,line,own,theirs,imported", list(_crossings()))
+def test_imports_run_down_the_data_flow(path, line, own, theirs, imported):
+    assert FLOW.index(theirs) < FLOW.index(own), (
+        f"{path.relative_to(REPO)}:{line} ({own}) imports {imported} ({theirs}), a later step of the data "
+        f"flow ({' -> '.join(FLOW)})")
+
+
+def test_standalone_scripts_import_nothing_of_vlmprune():
+    for name in STANDALONE:
+        path = next(p for p in MODULES.values() if p.name == name)
+        assert not list(_imports(path)), path
+
+
+def test_errors_and_contract_are_leaves():
+    assert {"vlmprune.compiler.errors", "vlmprune.compiler.contract"} <= LEAVES
+
+
+def test_every_package_is_installed():
+    """setuptools installs only the packages pyproject lists: a folder left out works editable and is missing
+    from a wheel."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert sorted(packages - listed) == [] and sorted(listed - packages) == []

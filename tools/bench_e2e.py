@@ -12,7 +12,7 @@ tokens, half before the image and half after it.
 TTFT = tower graph (pixels -> image features) + the prompt's embeddings assembled on the host
 + the LLM prefill graph (-> the last token's logits) + argmax. The graphs are the ones
 `vlmprune compile` emits: the tower through the ort target's pass pipeline (the cls method
-after block --layer, before fusion), the LLM through compiler.llm.export (FastV in the graph
+after block --layer, before fusion), the LLM through compiler.llm.torch_exporter (FastV in the graph
 for the FastV rows, its image span compiled in).
 
 KV-cache bytes per image: the bytes of the image's tokens in every layer's present key and
@@ -50,11 +50,12 @@ import onnx_ir as ir
 import torch
 
 from machine_load import CpuMeter, busy_line, physical_cores
+from vlmprune.compiler.contract import FEATURES, PIXELS
 from vlmprune.compiler.frontend import export_onnx, load_source
 from vlmprune.compiler.frontend.images import parity_inputs
 from vlmprune.compiler.frontend.source import no_init_weights, quiet_transformers, seeded_init
 from vlmprune.compiler.frontend.tower import Projector
-from vlmprune.compiler.llm.export import export_prefill
+from vlmprune.compiler.llm.torch_exporter import export_prefill
 from vlmprune.compiler.llm.fastv import FastVSpec
 from vlmprune.compiler.pipeline import CompileOptions
 from vlmprune.passes.methods import get_method
@@ -226,7 +227,7 @@ def main() -> int:
             names = [o.name for o in llm.get_outputs()]
 
             def ttft():
-                features = tower.run(["image_features"], {"pixel_values": pixel})[0]
+                features = tower.run([FEATURES], {PIXELS: pixel})[0]
                 embeds = np.concatenate([text_before, features, text_after], axis=1).astype(np.float32)
                 # Positions 0..S-1: a tower-pruned image's original positions (handoff) cost the same.
                 positions = np.arange(embeds.shape[1], dtype=np.int64)[None]

@@ -48,6 +48,7 @@ from onnx import TensorProto, helper
 
 from vlmprune.targets.runtime import ort_session
 from machine_load import CpuMeter, busy_line, physical_cores
+from vlmprune.compiler.contract import KEPT
 from vlmprune.compiler.pipeline import CompileOptions
 from vlmprune.kernels.build import build_ort_library
 from vlmprune.passes.methods import get_method
@@ -93,12 +94,12 @@ def _copy_model(b: int, n: int, d: int, k: int) -> onnx.ModelProto:
     c = lambda name, vals: helper.make_tensor(name, TensorProto.INT64, [len(vals)], vals)  # noqa: E731
     nodes = [helper.make_node("Slice", ["hidden", "z", "rows", "ax1"], ["tokens"]),
              helper.make_node("Slice", ["scores", "z", "k", "ax1"], ["top"]),
-             helper.make_node("Cast", ["top"], ["kept_indices"], to=TensorProto.INT64)]
+             helper.make_node("Cast", ["top"], [KEPT], to=TensorProto.INT64)]
     graph = helper.make_graph(nodes, "copy", [
         helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [b, n + 1, d]),
         helper.make_tensor_value_info("scores", TensorProto.FLOAT, [b, n])], [
         helper.make_tensor_value_info("tokens", TensorProto.FLOAT, [b, k + 2, d]),
-        helper.make_tensor_value_info("kept_indices", TensorProto.INT64, [b, k])],
+        helper.make_tensor_value_info(KEPT, TensorProto.INT64, [b, k])],
         [c("z", [0]), c("rows", [k + 2]), c("k", [k]), c("ax1", [1])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 

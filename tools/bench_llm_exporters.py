@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Time to first token of the dense LLM prefill: onnxruntime-genai's builder graph vs compiler.llm.export's, one run.
+"""Time to first token of the dense LLM prefill: onnxruntime-genai's builder graph vs torch.onnx's, one run.
 
     python tools/bench_llm_exporters.py [--repeats 5] [--image 193] [--text 64] [--workdir DIR]
 
@@ -11,7 +11,7 @@ after), 257 tokens by default.
 
 Rows (each the configuration its user would run fastest: ORT_ENABLE_ALL graph optimisations,
 the same intra-op threads, one per physical core):
-- torch.onnx: compiler.llm.export.export_decoder(lm, None, folder)'s prefill.onnx (standard ops,
+- torch.onnx: compiler.llm.torch_exporter.export_decoder(lm, None, folder)'s prefill.onnx (standard ops,
   MatMul/Softmax attention with GQA heads expanded; logits of the last token only), fed
   inputs_embeds and position_ids 0..T-1.
 - genai: onnxruntime-genai's model builder (compiler.llm.genai.export_genai, exclude_embeds:
@@ -46,7 +46,7 @@ import torch
 from bench_e2e import SETTLE_S, _blocks, qwen2_05b_shaped
 from machine_load import CpuMeter, busy_line, interleaved, physical_cores
 from vlmprune.compiler.frontend.source import quiet_transformers
-from vlmprune.compiler.llm.export import PREFILL, export_decoder
+from vlmprune.compiler.llm.torch_exporter import PREFILL, export_decoder
 from vlmprune.compiler.llm.genai import MODEL, export_genai, genai_version
 
 
@@ -100,7 +100,7 @@ def main() -> int:
         length = embeds.shape[1]
         graphs = {}
         if not (folder / "torch" / PREFILL).is_file():
-            log("export with torch.onnx (compiler.llm.export.export_decoder, dense)")
+            log("export with torch.onnx (compiler.llm.torch_exporter.export_decoder, dense)")
             export_decoder(lm, None, folder / "torch")
         graphs["torch.onnx"] = folder / "torch" / PREFILL
         for name, last in (("genai", False), ("genai last-logits", True)):

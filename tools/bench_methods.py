@@ -31,6 +31,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from machine_load import CpuMeter, busy_line, interleaved, physical_cores
+from vlmprune.compiler.contract import KEPT, WEIGHTS
 from vlmprune.compiler.frontend import export_onnx, load_source
 from vlmprune.compiler.frontend.images import parity_inputs
 from vlmprune.compiler.pipeline import CompileOptions
@@ -52,7 +53,7 @@ def site_graph(method, params, tokens: int, width: int, heads: int, head_dim: in
         q = ir.Value(name="q", type=f32, shape=ir.Shape([1, heads, tokens, head_dim]))
         k = ir.Value(name="k", type=f32, shape=ir.Shape([1, heads, tokens, head_dim]))
         inputs += [q, k]
-        # What passes.structure gives the emission for an ONNX Attention block: Q, K, the scale.
+        # What passes.graph.structure gives the emission for an ONNX Attention block: Q, K, the scale.
         block = types.SimpleNamespace(q=q, k=k, k_transposed=False, scale_ops=[], softmax=None,
                                       scale=head_dim ** -0.5)
     graph = ir.Graph(inputs, [], nodes=[], name=method.name, opset_imports={"": 18})
@@ -60,7 +61,7 @@ def site_graph(method, params, tokens: int, width: int, heads: int, head_dim: in
     out, kept = method.emit(b, params, GraphInputs(hidden, has_cls, tokens - has_cls, block),
                             OrtTarget().formulation(method))
     graph.extend(b.nodes)
-    out.name, kept.name = "tokens", "kept_indices"
+    out.name, kept.name = "tokens", KEPT
     graph.outputs.extend([out, kept])
     model = ir.Model(graph, ir_version=10)
     ShapeInferencePass()(model)
@@ -99,7 +100,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         dense = export_onnx(pipe, source.image_size, 1, 18)
-        ir.external_data.unload_from_model(dense, folder, "weights.bin", size_threshold_bytes=1024)
+        ir.external_data.unload_from_model(dense, folder, WEIGHTS, size_threshold_bytes=1024)
         ir.save(dense, folder / "dense.onnx")
         dense_session = ort_session(folder / "dense.onnx")
         towers["dense"] = lambda s=dense_session: run_session(s, x)

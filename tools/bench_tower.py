@@ -55,11 +55,12 @@ import onnx_ir as ir
 import torch
 
 from machine_load import CpuMeter, busy_line, physical_cores
+from vlmprune.compiler.contract import FEATURES, KEPT, WEIGHTS
 from vlmprune.compiler.frontend import export_onnx, load_source
 from vlmprune.compiler.frontend.images import parity_inputs
 from vlmprune.compiler.frontend.tower import BLOCK
 from vlmprune.compiler.pipeline import CompileOptions
-from vlmprune.compiler.reference import MethodPruner
+from vlmprune.compiler.parity.reference import MethodPruner
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import Method, SiteSpec
 from vlmprune.targets.base import PruneConfig
@@ -251,7 +252,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         dense = export_onnx(pipeline, source.image_size, 1, 18)
-        ir.external_data.unload_from_model(dense, folder, "weights.bin", size_threshold_bytes=1024)
+        ir.external_data.unload_from_model(dense, folder, WEIGHTS, size_threshold_bytes=1024)
         ir.save(dense, folder / "dense.onnx")
         del dense
         paths = {"dense": folder / "dense.onnx",
@@ -284,7 +285,7 @@ def main() -> int:
             row = f"onnxruntime, {name}"
             session = ort_session(path)
             result = run_session(session, x_np)  # warm-up
-            out = result["image_features"] if name == "dense" else (result["image_features"], result["kept_indices"])
+            out = result[FEATURES] if name == "dense" else (result[FEATURES], result[KEPT])
             checks[row] = _agreement(outputs[name], out)
             labels[row] = "not profiled (--no-profile)" if args.no_profile else _ort_attention(session, path, x_np, folder)
             ort_threads = session.get_session_options().intra_op_num_threads

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from vlmprune.compiler.contract import FEATURES
 from vlmprune.compiler.errors import VlmpruneError
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 from vlmprune.passes.methods import METHODS
@@ -32,7 +33,7 @@ def _cell(report) -> str:
             figures.append(f"agree {stage.indices['agreement']:.3f}")
             if stage.indices.get("tie_resolved_images"):
                 figures.append(f"ties {stage.indices['tie_resolved_images']}")
-        features = stage.outputs.get("image_features", {})
+        features = stage.outputs.get(FEATURES, {})
         if "cosine_min" in features:
             figures.append(f"cos {features['cosine_min']:.5f}")
         parts.append(f"{stage.stage} {'PASS' if stage.passed else 'FAIL'} ({', '.join(figures)})")

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from vlmprune.compiler.contract import FEATURES
 from vlmprune.targets import qnn_tools, rknn_env
 
 CALIB_SEEDS = range(100, 116)
@@ -185,14 +186,14 @@ def selection_report(layers=(2, None)) -> dict:
                                                                            method_options={"lambda": 0.3} if layer else 0.0))
                     finally:
                         targets.TARGETS[target] = saved
-                    fields = result.manifest["target"]
+                    fields = result.manifest.target
                     for variant, rows in fields["placement"].items():
                         devices = [r["device"] for r in rows]
                         islands = sum(1 for i, d in enumerate(devices) if d == "CPU" and (i == 0 or devices[i - 1] != "CPU"))
                         stages = {s.stage: s for s in result.report.stages if s.stage.startswith(("rknn", "qnn"))}
                         key = f"{target} {variant} layer={layer or 'last'} {selection}"
                         figures = {name: {"agreement": s.indices["per_image"] if s.indices else None,
-                                          "cosine_min": s.outputs.get("image_features", {}).get("cosine_min"),
+                                          "cosine_min": s.outputs.get(FEATURES, {}).get("cosine_min"),
                                           "passed": s.passed} for name, s in stages.items()}
                         results[key] = {"layers": len(rows), "cpu_layers": devices.count("CPU"), "cpu_islands": islands,
                                         "cycles": fields.get("op_trace", {}).get("cycles"), "parity": figures}

@@ -5,8 +5,9 @@ weights it needs (safetensors only), says what the model is (has [CLS], patch gr
 feature layer and select strategy, the positions an LLM needs for kept tokens), how its
 images are preprocessed (size, mean, std), and builds the dense torch pipeline, which is
 both the parity reference (its output equals the family's own image-feature path in
-transformers) and what is exported. Adding a family is one module with one adapter
-class plus its tests, and one line in frontend/__init__.py.
+transformers) and what is exported. What a compile asks of the family beyond loading is
+its family object's (compiler.frontend.family). Adding a family is one module with its
+adapter and its family object, its tests, and one line in frontend/__init__.py's FAMILIES.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ class ModelAdapter(abc.ABC):
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]  # config.json model_type values this adapter loads
     summary: ClassVar[str]
+
+    @classmethod
+    def claims(cls, checkpoint: Checkpoint) -> bool:
+        """Whether this adapter loads the checkpoint; asked in table order, so a family sharing a model_type
+        (a LLaVA on another tower) claims its checkpoints before the general one."""
+        return checkpoint.model_type in cls.model_types
 
     @abc.abstractmethod
     def load(self, checkpoint: Checkpoint, feature_layer: int | None) -> Source:

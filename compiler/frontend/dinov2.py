@@ -11,6 +11,7 @@ Preprocessing from preprocessor_config.json, else ImageNet's mean and std (DINOv
 from __future__ import annotations
 
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
+from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Family
 from vlmprune.compiler.frontend.source import Source, feature_blocks, from_pretrained, sha256_files
 from vlmprune.compiler.frontend.tower import BlockParts, TowerParts, VisionPipeline
 
@@ -48,3 +49,9 @@ class Dinov2Adapter(ModelAdapter):
                       config.image_size, config.patch_size, True, mean, std, pipeline=pipeline,
                       details={"model_type": checkpoint.model_type, "feature_layer": fl, "select_strategy": "default",
                                "vision_layers": config.num_hidden_layers, "register_tokens": prefix - 1})
+
+
+class Dinov2Family(Family):
+    id = "dinov2"
+    adapter = Dinov2Adapter
+    has = {PATCH_TOKENS: "DINOv2", CLS_TOKEN: "DINOv2"}

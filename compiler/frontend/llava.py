@@ -11,6 +11,7 @@ from __future__ import annotations
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import SIGLIP_MEAN, SIGLIP_STD, build_tower, tower_parts
+from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Family
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, inner_tower, load_state,
                                                read_safetensors, sha256_files, sha256_state, strip_prefix)
 from vlmprune.compiler.frontend.tower import Projector, VisionPipeline
@@ -106,3 +107,10 @@ class LlavaAdapter(ModelAdapter):
                       pipeline.has_cls, pipeline=pipeline,
                       details={"feature_layer": fl, "select_strategy": strategy,
                                "vision_layers": vcfg.num_hidden_layers})
+
+
+class LlavaFamily(Family):
+    id = "llava"
+    adapter = LlavaAdapter
+    has = {PATCH_TOKENS: "LLaVA", CLS_TOKEN: "LLaVA on CLIP"}
+    language_model = {"llava": "LlavaForConditionalGeneration"}

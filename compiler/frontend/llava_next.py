@@ -25,7 +25,7 @@ Choices, and why:
   by); visionzip is refused. Outputs: `image_features`, `kept_indices` (c·N + i) and
   `kept_positions` (crop, row, col) from this family's position table (positions "cyx").
 - Targets: ort, orin and xavier. rk3588 and qnn run batch 1 only, and the crops are the
-  graph's batch: refused before the export, in one line (pipeline._crops_on_target).
+  graph's batch: refused before the export, in one line (LlavaNextFamily.check_target).
 - The select strategy must be `default`: pack_image_features lays each crop out as an s x s
   grid, which a [CLS] token in the features (`full`, or --cls keep) breaks; both are refused.
 """
@@ -38,9 +38,15 @@ import torch
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
+from vlmprune.compiler.frontend.family import CROPS, PATCH_TOKENS, Family, IndicesPositions
+from vlmprune.compiler.frontend.images import load_image_crops, parity_crops
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
 from vlmprune.compiler.frontend.source import Source, check_floating, feature_blocks, read_safetensors, sha256_files
 from vlmprune.compiler.frontend.tower import VisionPipeline
+
+
+PROPORTIONAL, EQUAL = "proportional", "equal"
+BUDGETS = (PROPORTIONAL, EQUAL)  # --crop-budget: how K is split over the crops (passes.methods.crops)
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -213,3 +219,233 @@ def assemble_llm_input(tokens: torch.Tensor, positions: torch.Tensor, newline: t
     for row in torch.unique_consecutive(grid_rows).tolist():
         out += [grid_tokens[grid_rows == row], newline.to(tokens.dtype).reshape(1, -1)]
     return torch.cat(out)
+
+
+def anyres_positions(offset: int, kept_positions: np.ndarray, grid: tuple[int, int], side: int, extra: int = 0,
+                     ) -> tuple[np.ndarray, int]:
+    """Anyres crops: (1-D position of every row of the assembled sequence, the text position after it).
+
+    The assembled sequence is assemble_llm_input's (image at the grid's resolution, nothing
+    unpadded): the base tokens (crop 0) in the order given, the grid tokens by (row Y, column X),
+    image_newline after each grid row that keeps a token; then `extra` rows. Each row sits where
+    it sits in the dense packed sequence (pack_image_features): base token (r, x) at r * side + x,
+    grid token (Y, X) at N + Y * (W + 1) + X and row Y's newline at N + Y * (W + 1) + W
+    (N = side², W = cols * side); extra row e at dense + e, the text at dense + extra, all from
+    offset. With every token kept: offset, offset + 1, ...
+    """
+    rows, cols = grid
+    n, width = side * side, cols * side
+    kept_positions = np.asarray(kept_positions, dtype=np.int64).reshape(-1, 3)
+    crop, r, x = kept_positions.T
+    base = crop == 0
+    tile = np.maximum(crop - 1, 0)
+    y, xg = (tile // cols * side + r)[~base], (tile % cols * side + x)[~base]
+    grid_positions = np.sort(n + y * (width + 1) + xg, kind="stable")  # by (Y, X), as the assembly orders them
+    grid_rows = (grid_positions - n) // (width + 1)
+    out = [r[base] * side + x[base]]
+    for row in np.unique(grid_rows):
+        out += [grid_positions[grid_rows == row], np.array([n + row * (width + 1) + width])]
+    dense = packed_length(grid, side)
+    out.append(dense + np.arange(extra))
+    return (offset + np.concatenate(out)).astype(np.int64), offset + dense + extra
+
+
+class CyxPositions(IndicesPositions):
+    """Anyres crops: the kept rows assembled over the crops (assemble_llm_input), each at its position in the dense
+    packed sequence of one image at the grid's resolution (anyres_positions)."""
+
+    kind = "cyx"
+    meaning = "kept_positions[b, j] is the (crop, row, col) of row prefix + j (crop 0: the base image, then the tiles)"
+    rule = ("assemble the sequence as the anyres section of the bundle README says (base tokens, then the "
+            "tiles' tokens by global row and column with image_newline after each row that keeps one); each "
+            "assembled row (newlines included) at offset + its position in the dense packed sequence (base "
+            "r * s + x; grid N + Y * (cols * s + 1) + X; row Y's newline N + Y * (cols * s + 1) + cols * s); "
+            "extra row e at offset + dense_image_tokens + e; text from offset + dense_image_tokens + extra")
+    needs_model = True
+    repeats_batch = False  # the batch is one image's crops
+
+    def dense_image_tokens(self, model: dict, dense: int | None) -> int | None:
+        """HF's pack_image_features of one image at the grid's resolution: the base crop's N, then the tiles'
+        (rows·side) x (cols·side) grid with one image_newline per row (no unpadding at that size)."""
+        if not model.get("grid"):
+            return dense
+        size, patch = model.get("image_size"), model.get("patch_size")
+        return packed_length(parse_grid(model["grid"]), size // patch) if size and patch else None
+
+    def readme_places(self, rows: dict, dense, after) -> str:
+        return ("- the rows are assembled as the anyres section below says; each assembled row (image_newline "
+                f"included) takes offset + its position in the dense packed sequence of {dense} rows\n"
+                f"- merged row e: offset + {dense} + e\n- the text after the image: from offset + {after}")
+
+    def place_pruned(self, source: Source, features, kept, kept_positions, prefix: int, extra: int):
+        table = self.kept_table(source, kept, kept_positions, prefix)
+        grid, side, k = tuple(source.crops["grid"]), source.crops["side"], len(kept)
+        newline = source.pipeline.image_newline
+        rows = torch.cat([assemble_llm_input(features[:k], torch.from_numpy(table), newline, grid, side),
+                          features[k:]])
+        place = lambda offset: anyres_positions(offset, table, grid, side, extra)  # noqa: E731
+        if len(place(0)[0]) != len(rows):
+            raise ValueError(f"the assembly gives {len(rows)} rows, the positions rule {len(place(0)[0])}")
+        return rows, place
+
+
+class LlavaNextFamily(Family):
+    """Anyres crops: the input is the C crops of one image at one grid fixed at compile time (--grid)."""
+
+    id = "llava_next"
+    adapter = LlavaNextAdapter
+    options = {
+        "grid": (str, "Anyres models (llava_next): the crops' grid ROWSxCOLS, one of the model's image_grid_pinpoints "
+                      "(input [1 + ROWS*COLS, 3, S, S]). Default: the largest (LLaVA-1.6: 2x2 at 672x672)."),
+        "crop_budget": (str, "Anyres models: split --keep over the crops `proportional` to each crop's saliency mass "
+                             "(the default for cls) or `equal` (the default, and only split, for divprune and dart)."),
+    }
+    has = {PATCH_TOKENS: "LLaVA-NeXT", CROPS: "LLaVA-NeXT"}
+    positions = CyxPositions()
+    language_model = {"llava_next": "LlavaNextForConditionalGeneration"}
+
+    def check_options(self, given: dict) -> None:
+        budget = given.get("crop_budget")
+        if budget is not None and budget not in BUDGETS:
+            raise InputError(f"--crop-budget is {' or '.join(BUDGETS)}, got {budget!r}")
+        if given.get("grid") is not None:
+            parse_grid(given["grid"])
+
+    def refuse_elsewhere(self, name: str, source: Source) -> str:
+        what = source.details.get("model_type", source.family)  # qwen2_5_vl, not its family's qwen2_vl
+        return f"--{name.replace('_', '-')} applies to anyres models (llava_next), not to this {what} model"
+
+    def fix(self, source: Source, options: dict, *, prune: bool, batch: int | None, cls: str | None) -> None:
+        """The grid to compile for, and whether the export packs the crops.
+
+        A pruned bundle prunes each crop's features, so its export stops before HF's packing
+        (which the LLM runtime does on the kept tokens); a dense one packs like HF.
+        """
+        if options.get("grid") is not None:
+            source.regrid(options["grid"])
+        count = source.crops["count"]
+        if cls == "keep":
+            raise InputError("--cls keep is not available for anyres crops: each crop is packed as a patch grid, "
+                             "without [CLS]")
+        if batch is not None:
+            raise InputError(f"--batch does not apply to anyres models: the input is the {count} crops of one image "
+                             f"[{count}, 3, {source.image_size}, {source.image_size}]; run one image per call")
+        if not prune and options.get("crop_budget") is not None:
+            raise InputError("--no-prune takes no --crop-budget")
+        source.pipeline.pack = not prune
+        super().fix(source, options, prune=prune, batch=batch, cls=cls)
+
+    def llm_source(self, checkpoint, options: dict) -> Source:
+        source = self.adapter().load(checkpoint, None)
+        if options.get("grid") is not None:
+            source.regrid(options["grid"])
+        return source
+
+    def other_input(self, model: dict, source: Source) -> str | None:
+        if model.get("grid") != source.details.get("grid"):
+            return (f"compiled for --grid {model.get('grid')}, eval runs {source.details.get('grid')} "
+                    f"(pass --grid {model.get('grid')})")
+        return None
+
+    def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
+        return {"pixel_values": torch.from_numpy(pixel)[None], "image_sizes": torch.tensor([source.crops["resolution"]])}
+
+    def check_target(self, source: Source, target: str, check_batch) -> None:
+        """The crops of one image are the graph's batch: refuse, before the export, a target that cannot run it."""
+        count = source.crops["count"]
+        try:
+            check_batch(count)
+        except InputError as exc:
+            why = str(exc).split(": ")[0]
+            raise InputError(f"target {target} cannot run an anyres model: its input is the {count} crops of one "
+                             f"image as a batch of {count}, and {why}") from None
+
+    def token_layout(self, source: Source, options: dict) -> dict | None:
+        """The method runs over the crops under one global budget (passes.methods.crops)."""
+        return {"crops": source.crops, "budget": options.get("crop_budget")}
+
+    def export_batch(self, source: Source, batch: int | None) -> int | None:
+        return source.crops["count"]  # one image's crops
+
+    def parity_pixels(self, source: Source, images: int) -> tuple[np.ndarray, dict]:
+        photos = max(2, images // source.crops["count"])  # one photo per chunk of C crops, two at least
+        return parity_crops(photos, source.crops, source.image_size, source.mean, source.std)
+
+    def cannot_draw(self, manifest: dict) -> str | None:
+        return "an anyres bundle (several crops per image)"
+
+    def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
+        """One image per call: the processor's crops of it for the bundle's grid."""
+        if len(image_files) != 1:
+            raise InputError(f"this bundle takes one image per call (its {static} crops): pass --image once")
+        model, pre = manifest["model"], manifest["preprocess"]
+        rows, cols = parse_grid(model["grid"])
+        crops = {"grid": [rows, cols], "count": model["crops"], "resolution": model["resolution"]}
+        try:
+            pixel, described = load_image_crops(image_files[0], crops, pre["size"], pre["mean"], pre["std"])
+        except Exception as exc:
+            raise InputError(f"{image_files[0]}: cannot read the image ({exc})") from None
+        return pixel, [f"{image_files[0]}: {described}"]
+
+    def readme_section(self, manifest: dict) -> str:
+        """The bundle README's section on assembling the LLM input from the crops.
+
+        Why in the README: which grid rows still hold tokens is known only at run time, so the
+        pruned graph outputs the kept tokens and their (crop, row, col), and the runtime packs them.
+        """
+        model = manifest["model"]
+        if not model.get("grid") or not model.get("crops"):
+            return ""
+        rows, cols = parse_grid(model["grid"])
+        count, size, patch = model["crops"], model["image_size"], model["patch_size"]
+        s = size // patch
+        height, width = model.get("resolution", [rows * size, cols * size])
+        method = manifest["method"]
+        dense = packed_length((rows, cols), s)
+        head = f"""
+## Assembling the LLM input (LLaVA-NeXT anyres crops)
+
+For this anyres bundle, this section supersedes the token counts and positions of any generic hand-off above
+(those count one crop). Input `pixel_values` [{count}, 3, {size}, {size}]: what LlavaNextImageProcessor gives for an image of this
+bundle's grid, {rows}x{cols} tiles at {height}x{width} (`vlmprune compile --grid`): crop 0 is the whole image
+resized to {size}x{size}, crops 1..{count - 1} the tiles in raster order. Another image size is resized to fit
+{height}x{width} keeping its aspect and padded (as the processor does), then cut the same way. One call is one image.
+"""
+        if method["name"] == "none":
+            return head + f"""
+`image_features` [1, {dense}, D] is the LLM's image sequence as transformers builds it (`get_image_features`,
+i.e. `pack_image_features`): the {s * s} base tokens, then the {rows * s} grid rows of {cols * s} tokens, each
+followed by `image_newline`. For an image whose aspect differs from the grid's, drop the padded rows or columns
+first (unpad_image, rule 2 below), with their newlines.
+"""
+        keep = method["keep"]
+        summary = method["tokens_out"] - method["prefix"] - keep
+        return head + f"""
+`image_features` [1, {keep + summary}, D]: the K = {keep} kept tokens in crop-then-raster order
+{"then one summary token (the mean of every pruned token)" if summary else "(no summary token)"};
+`kept_positions` [1, {keep}, 3]: (crop c, row r, col x) of each, r and x within the crop's {s}x{s} patch grid
+(`kept_indices` = c * {s * s} + r * {s} + x). The dense model's sequence is [{dense}, D]; the pruned one is
+assembled with the same layout rule, keeping only the kept tokens:
+
+1. Base: the kept tokens of crop 0, in the order given.
+2. Grid: a kept token of crop c >= 1 sits at grid row Y = ((c - 1) // {cols}) * {s} + r and column
+   X = ((c - 1) % {cols}) * {s} + x of the {rows * s} x {cols * s} token grid. Unpadding (an image of original size
+   h x w whose aspect differs from the grid's; transformers' unpad_image): if w / h > {cols * s} / {rows * s}, drop rows
+   Y < p and Y >= {rows * s} - p with p = ({rows * s} - int(round(h * {cols * s} / w, 7))) // 2; otherwise drop columns
+   X < p and X >= {cols * s} - p with p = ({cols * s} - int(round(w * {rows * s} / h, 7))) // 2 (Python's int(round(., 7)),
+   as transformers computes it). An image of {height}x{width} drops nothing.
+3. Order the remaining grid tokens by (Y, X); after the last token of every grid row Y that holds at least one kept
+   token, insert `image_newline` (the checkpoint's LlavaNextModel.image_newline vector, [D]); a row with no kept
+   token gets no newline.
+4. The LLM input is: base tokens, grid tokens with their newlines{", then the summary token" if summary else ""}.
+   Its length is {keep + summary} + (grid rows holding a kept token): set the prompt's image placeholder count
+   from it, per image.
+5. Positions (a runtime that takes them; others renumber): each assembled row keeps its place in the dense
+   packed sequence of an image of {height}x{width}: base token (r, x) at offset + r * {s} + x, grid token (Y, X) at
+   offset + {s * s} + Y * {cols * s + 1} + X, row Y's newline at offset + {s * s} + Y * {cols * s + 1} + {cols * s};
+   {f"the summary token at offset + {dense}; " if summary else ""}the text after the image from offset + {dense + summary}
+   (the manifest's `llm.positions`; `vlmprune generate` feeds exactly these).
+
+The budget K is split over the crops by `{method["params"]["crops"]["budget"]}` (manifest `method.params.crops`);
+padded tokens, when there are any, count in K and are dropped by rule 2.
+"""

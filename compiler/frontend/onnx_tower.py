@@ -1,7 +1,7 @@
 """Family `onnx`: a vision tower exported to .onnx elsewhere.
 
 There is no torch model: the passes find its blocks by structure, and parity's reference
-comes from the original graph itself (compiler.reference). Loading reads the graph
+comes from the original graph itself (compiler.parity.reference). Loading reads the graph
 without its weights and checks what would otherwise fail later with a traceback: a
 readable protobuf, pixel input [B, C, H, W] with static H and W, and every external-data
 file present and long enough.
@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, DenseRequest, Family
 from vlmprune.compiler.frontend.source import Source, sha256_files
 
 FAMILY = "onnx"
@@ -56,3 +57,44 @@ def check_external_data(path: Path, proto) -> list[Path]:
             raise InputError(f"{path}: external data file {location.name} is truncated "
                              f"({location.stat().st_size} bytes, the model reads up to {end})")
     return sorted(files)
+
+
+class OnnxFamily(Family):
+    """An .onnx tower: no torch model, so no adapter; the original graph is its own reference."""
+
+    id = FAMILY
+    has = {PATCH_TOKENS: ".onnx towers"}
+    torch_reference = False
+
+    def fix(self, source: Source, options: dict, *, prune: bool, batch: int | None, cls: str | None) -> None:
+        if batch is not None:
+            raise InputError("--batch cannot change an .onnx source; re-export it with the batch you need")
+
+    def check_method(self, source: Source, config, site_spec: type) -> None:
+        """What needs a torch tower is refused now; the insertion checks its site in the graph."""
+        config.method.check_onnx_source(config.params)
+
+    def dense_model(self, source: Source, request: DenseRequest):
+        """The graph itself, given the bundle's output contract (passes.onnx_tower, handed down as onnx_contract).
+
+        --cls drop|keep, else dropped (LLaVA's default; bare towers follow it).
+        """
+        import onnx_ir as ir
+
+        path = source.onnx_path
+        request.step(f"load {path.name} (ONNX, opset {_opset_of(path)})")
+        try:
+            model = ir.load(path)
+        except Exception as exc:  # external data that ONNX cannot read, after the checks at load
+            raise InputError(f"{path}: cannot be loaded ({str(exc).splitlines()[0]})") from None
+        contract = request.onnx_contract(drop_cls=request.cls != "keep")
+        contract(model)
+        source.patch_size = source.patch_size or contract.patch_size  # pictures need it
+        return model
+
+
+def _opset_of(path: Path) -> int:
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)

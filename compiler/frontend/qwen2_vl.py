@@ -44,6 +44,7 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
+from vlmprune.compiler.frontend.family import MERGED_TOKENS, PATCH_TOKENS, Family, IndicesPositions, Place
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, no_init_weights,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import FEATURES, Pruner, SiteTensors
@@ -308,3 +309,98 @@ class Qwen2VLAdapter(ModelAdapter):
         mean, std = checkpoint.preprocessing(CLIP_MEAN, CLIP_STD)
         return qwen_source(str(checkpoint.path.resolve()), "hf", checkpoint.model_type, visual, image_size,
                            sha256_files(checkpoint.files()), mean, std)
+
+
+def thw_positions(offset: int, kept_positions: np.ndarray, grid_thw: tuple[int, int, int], extra: int = 0,
+                  ) -> tuple[np.ndarray, int]:
+    """mRoPE (Qwen2-VL): ([3, K + extra] (t, h, w) positions of the rows, the text position after the image).
+
+    As Qwen2-VL's get_rope_index places an image: each axis starts at the placeholder's position,
+    and the text resumes one past the largest position of the dense grid, offset + max(t, h, w).
+    Extra rows (a method's summary token) sit there, equal on every axis, and the text after them.
+    A dense image is kept_positions = the whole position table (Source.position_table).
+    """
+    kept_positions = np.asarray(kept_positions, dtype=np.int64).reshape(-1, 3)
+    after = offset + max(grid_thw)
+    tail = np.broadcast_to(after + np.arange(extra, dtype=np.int64), (3, extra))
+    return np.concatenate([offset + kept_positions.T, tail], axis=1).astype(np.int64), after + extra
+
+
+class ThwPositions(IndicesPositions):
+    """mRoPE: each kept row at its dense (t, h, w) (thw_positions), the text after the dense grid's largest axis."""
+
+    kind = "thw"
+    meaning = "kept_positions[b, j] is the (t, h, w) grid position of row prefix + j (mRoPE's three position axes)"
+    rule = ("row prefix + j at offset + kept_positions[j] on each mRoPE axis (t, h, w); extra row e at "
+            "offset + max(t, h, w) of the dense merged grid + e on every axis; text after the image from "
+            "offset + max(t, h, w) + extra")
+    needs_model = True
+
+    def text_resumes_at(self, model: dict, dense: int | None, extra: int) -> int | None:
+        grid = (model.get("token_counts") or {}).get("merged_grid_thw")
+        return max(grid) + extra if grid else None
+
+    def readme_places(self, rows: dict, dense, after) -> str:
+        return (f"- row {rows['prefix']} + j: offset + kept_positions[j] on each mRoPE axis (t, h, w)\n"
+                f"- merged row e: offset + {after - rows['extra'] if isinstance(after, int) else after} + e "
+                "on every axis\n"
+                f"- the text after the image: from offset + {after}")
+
+    def place_dense(self, source: Source, tokens: int) -> Place:
+        table, grid = source.position_table, merged_grid(source)
+        if len(table) != tokens:
+            raise ValueError(f"{tokens} dense rows for a {grid} merged grid")
+        return lambda offset: thw_positions(offset, table, grid)
+
+    def place_pruned(self, source: Source, features, kept, kept_positions, prefix: int, extra: int):
+        table, grid = self.kept_table(source, kept, kept_positions, prefix), merged_grid(source)
+        return features, lambda offset: thw_positions(offset, table, grid, extra)
+
+
+def merged_grid(source: Source) -> tuple[int, int, int]:
+    return tuple(source.details["token_counts"]["merged_grid_thw"])
+
+
+class Qwen2VLFamily(Family):
+    """Dynamic resolution: compiled at one static image size (--image-size); merged tokens, (t, h, w) positions."""
+
+    id = "qwen2_vl"
+    adapter = Qwen2VLAdapter
+    options = {"image_size": (int, "Static image size S for dynamic-resolution models (qwen2_vl, qwen2_5_vl): a "
+                                   "multiple of patch x merge (28). Default 448 (1024 patches, 256 merged tokens).")}
+    has = {PATCH_TOKENS: "Qwen2-VL / Qwen2.5-VL", MERGED_TOKENS: "Qwen2-VL / Qwen2.5-VL"}
+    positions = ThwPositions()
+    language_model = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                      "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+    vision_span = ("vision_start_token_id", "vision_end_token_id")
+
+    def llm_source(self, checkpoint, options: dict) -> Source:
+        return self.adapter().load(checkpoint, None, image_size=options.get("image_size"))
+
+    def other_input(self, model: dict, source: Source) -> str | None:
+        if model["image_size"] != source.image_size:
+            return (f"compiled at --image-size {model['image_size']}, eval runs at {source.image_size} "
+                    f"(pass --image-size {model['image_size']})")
+        return None
+
+    def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
+        """The processor's patches and image_grid_thw of the already-resized image."""
+        from transformers import Qwen2VLImageProcessorPil
+
+        vcfg = config.vision_config
+        processor = Qwen2VLImageProcessorPil(do_resize=False, do_rescale=False, do_normalize=False,
+                                             do_convert_rgb=False, patch_size=vcfg.patch_size,
+                                             merge_size=vcfg.spatial_merge_size,
+                                             temporal_patch_size=vcfg.temporal_patch_size)
+        inputs = processor(images=list(pixel), return_tensors="pt", input_data_format="channels_first")
+        return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+
+    def check_options(self, given: dict) -> None:
+        size = given.get("image_size")
+        if size is None:
+            return
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise InputError(f"--image-size must be an integer, got {size!r}")
+        if size < 1:
+            raise InputError(f"--image-size must be >= 1, got {size}")

@@ -7,7 +7,7 @@ against transformers), and with_pruner() runs a pruning method at its site, hand
 tensors it needs (SiteTensors). A family adapter says how its modules are laid out
 (TowerParts: the embeddings, the blocks and, per block, its norms, projections and layer
 scales); the block arithmetic is the same for all of them, written here once. The frontend
-knows nothing of methods: a pruner is any callable with a site; compiler.reference builds them.
+knows nothing of methods: a pruner is any callable with a site; compiler.parity.reference builds them.
 """
 
 from __future__ import annotations
@@ -163,9 +163,18 @@ class VisionPipeline(nn.Module):
         if self.projector is not None:
             h = self.projector(h)
         if pruner is not None and pruner.site == FEATURES:
-            h, kept = self._prune(SiteTensors(h, self.has_cls and prefix > 0, pixel_values=pixel_values,
-                                              patch_size=self.patch_size, prefix=prefix))
+            h, kept = self.prune_features(h, pixel_values)
         return h if pruner is None else (h, kept)
+
+    def prune_features(self, features: torch.Tensor, pixel_values: torch.Tensor):
+        """The pruner at the FEATURES site, on features the dense forward gave: (tokens, kept).
+
+        What forward runs there; the parity reference calls it on the dense reference's
+        output, so that the tower runs once for both references (compiler.parity.reference).
+        """
+        prefix = 0 if self.drop_cls else self.prefix
+        return self._prune(SiteTensors(features, self.has_cls and prefix > 0, pixel_values=pixel_values,
+                                       patch_size=self.patch_size, prefix=prefix))
 
     def _prune(self, tensors: SiteTensors):
         tokens, kept, self.last_trace = self.pruner(tensors)

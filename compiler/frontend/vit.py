@@ -9,6 +9,7 @@ ViT's mean and std of 0.5.
 from __future__ import annotations
 
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
+from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Family
 from vlmprune.compiler.frontend.source import Source, feature_blocks, from_pretrained, sha256_files
 from vlmprune.compiler.frontend.tower import BlockParts, TowerParts, VisionPipeline
 
@@ -43,3 +44,9 @@ class VitAdapter(ModelAdapter):
                       config.image_size, config.patch_size, True, mean, std, pipeline=pipeline,
                       details={"model_type": checkpoint.model_type, "feature_layer": fl, "select_strategy": "default",
                                "vision_layers": config.num_hidden_layers})
+
+
+class VitFamily(Family):
+    id = "vit"
+    adapter = VitAdapter
+    has = {PATCH_TOKENS: "ViT", CLS_TOKEN: "ViT"}

@@ -4,7 +4,7 @@ Orin users build LLM engines with TensorRT Edge-LLM: its exporter (`tensorrt-edg
 run here in a virtual environment of its own, compiler.llm.edgellm_env) writes an ONNX graph
 built around its TensorRT plugins, and its C++ builder (`llm_build`) and runtime
 (`llm_inference`) on the device take that graph. So for orin the bundle's llm/ is what that
-exporter writes, not the plain-ONNX prefill/decode pair of compiler.llm.export.
+exporter writes, not the plain-ONNX prefill/decode pair of compiler.llm.torch_exporter.
 
 What goes in:
 - `demo` or a LLaVA checkpoint: the language model (Llama or Qwen2 family) is written as a
@@ -47,11 +47,13 @@ import numpy as np
 import torch
 
 from vlmprune.compiler.errors import InputError, failure_cause
+from vlmprune.compiler.contract import LLM_MODEL
 from vlmprune.compiler.llm import edgellm_env
+from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter
+from vlmprune.compiler.llm.lm_source import check_family, check_width, language_model
 from vlmprune.targets.venvs import clean_env
 
-LLM_DIR = "llm"
-ONNX_NAME = "model.onnx"
+ONNX_NAME = LLM_MODEL  # what tensorrt-edgellm-export writes and its runtime loads
 LOG_NAME = "edgellm_export.log"
 EXPORTER = f"TensorRT Edge-LLM {edgellm_env.EDGELLM_VERSION} (tensorrt-edgellm-export)"
 TEXT_FAMILIES = ("llama", "qwen2")  # language models of LLaVA checkpoints that go through Edge-LLM's default LLM path
@@ -147,8 +149,6 @@ def _checkpoint_weights(path: Path, config) -> _Weights:
 
 def _resolve(model):
     """(kind, causal LM or None, checkpoint dir or None, text config): one line for anything Edge-LLM is not given."""
-    from vlmprune.compiler.llm.fastv import check_family
-
     if not isinstance(model, (str, os.PathLike)):
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) not in TEXT_FAMILIES:
@@ -175,8 +175,6 @@ def _resolve(model):
         if text_type not in TEXT_FAMILIES:
             raise InputError(f"--with-llm for orin (TensorRT Edge-LLM): {spec}'s language model type {text_type!r} "
                              f"is not supported (supported: {', '.join(TEXT_FAMILIES)})")
-    from vlmprune.compiler.llm.export import language_model
-
     lm = language_model(spec)  # one line for anything else; it checks the family (check_family) too
     return "lm", lm, (path if spec != "demo" and path.is_dir() else None), lm.config
 
@@ -517,13 +515,10 @@ def export_edgellm(model, manifest: dict, options=None, folder: Path | str = "."
     """
     from vlmprune.compiler.errors import ParityError
 
-    if options is not None and getattr(options, "fastv_layer", None) is not None:
-        raise InputError("--fastv-layer: FastV is not part of TensorRT Edge-LLM's language-model graph (target "
-                         "orin); prune in the tower instead, or use target ort for FastV")
+    if options is not None:
+        EdgeLlmExporter().check_options(getattr(options, "fastv_layer", None))
     kind, lm, source, config = _resolve(model)
-    hidden = (manifest or {}).get("llm", {}).get("hidden_size")
-    if isinstance(hidden, int) and hidden != config.hidden_size:
-        raise InputError(f"the bundle's image features are {hidden} wide, its language model takes {config.hidden_size}")
+    check_width(manifest, config)
     folder = Path(folder)
     target = folder / LLM_DIR
     target.mkdir(parents=True, exist_ok=True)
@@ -608,7 +603,7 @@ def recheck(model, bundle_dir: Path, manifest: dict) -> dict:
     The source is resolved as at compile time (the LM for demo/LLaVA, the checkpoint's tensors
     for Qwen2.5-VL); what needs TensorRT stays listed, not run.
     """
-    llm = manifest["llm_graphs"]
+    llm = manifest.llm_graphs
     kind, lm, source, config = _resolve(model)
     weights = _module_weights(lm) if kind == "lm" else _checkpoint_weights(source, config)
     folder = Path(bundle_dir) / LLM_DIR
@@ -640,10 +635,8 @@ def positions_note(kind: str) -> str:
 
 
 def readme_section(manifest: dict) -> str:
-    """The bundle README's language-model section for target orin (empty without an Edge-LLM export)."""
-    llm = manifest.get("llm_graphs") or {}
-    if not str(llm.get("exporter", "")).startswith("TensorRT Edge-LLM"):
-        return ""
+    """The bundle README's language-model section for an Edge-LLM export."""
+    llm = manifest.llm_graphs
     files, graph, checks = llm["files"], llm["graph"], llm["checks"]
     tokens = llm.get("image_tokens")
     image = tokens if isinstance(tokens, int) else 576
@@ -690,3 +683,53 @@ Checked at compile time without TensorRT: `onnx.load` + `onnx.checker`: {graph['
 {checks['weights']['tensors_checked']} checkpoint tensors found in the graph, max-abs {checks['weights']['max_abs']:.2g}
 in fp16; {ops_line}. Needs the device: {'; '.join(checks['needs_device'])}.
 """
+
+
+class EdgeLlmExporter(LlmExporter):
+    """TensorRT Edge-LLM's own exporter (its venv): the plugin graph Orin users build engines from; no FastV."""
+
+    id = "edgellm"
+    name = "TensorRT Edge-LLM"
+    summary = f"TensorRT Edge-LLM {edgellm_env.EDGELLM_VERSION} exporter"
+    features = "its plugin graph, dense"
+    fastv_refusal = ("--fastv-layer: FastV is not part of TensorRT Edge-LLM's language-model graph (target "
+                     "orin); prune in the tower instead, or use target ort for FastV")
+    families = TEXT_FAMILIES + VLM_FAMILIES
+    runtime = "onnx + onnxruntime (graph cut at the TensorRT Edge-LLM plugins)"
+    precision = "fp16"
+    atol = PARITY_ATOL
+
+    def available(self) -> tuple[bool, str]:
+        return edgellm_env.creatable()
+
+    def check_model(self, spec: str, fastv) -> None:
+        """Nothing before the tower's export: the exporter's families are checked by _resolve, at export."""
+
+    def export(self, model_spec: str, manifest: dict, options, folder: Path, progress, fastv) -> dict:
+        from vlmprune.compiler.errors import ToolchainError
+
+        try:
+            return export_edgellm(model_spec, manifest, options, folder, progress)
+        except edgellm_env.EdgeLlmError as exc:
+            raise ToolchainError(str(exc)) from None
+
+    def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
+        """The checks that run without TensorRT (fp16 weights; the plugins need the device)."""
+        got = recheck(model_spec, bundle_dir, manifest)
+        weights, ops = got["weights"], got["standard_ops"]
+        outputs = {"weights": {"note": f"{weights['tensors_checked']} checkpoint tensors in the graph, max-abs "
+                                       f"{weights['max_abs']:.3g} in fp16"
+                                       + (f", missing {', '.join(weights['missing'])}" if weights["missing"] else ""),
+                               "passed": bool(weights["passed"])}}
+        if ops.get("ran"):
+            outputs["standard ops"] = {"note": f"graph minus plugins in ONNX Runtime: QKV max-abs "
+                                               f"{ops['qkv_max_abs']:.3g}, logits max-abs {ops['logits_max_abs']:.3g} "
+                                               f"(≤ {PARITY_ATOL:g})",
+                                       "passed": bool(ops["passed"])}
+        else:
+            outputs["standard ops"] = {"note": f"not run: {ops.get('reason')}", "passed": None}
+        outputs["device"] = {"note": "not run here: " + "; ".join(got["needs_device"]), "passed": None}
+        return got["passed"], outputs
+
+    def readme_section(self, manifest: dict) -> str:
+        return readme_section(manifest)

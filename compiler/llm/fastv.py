@@ -39,13 +39,8 @@ import math
 import torch
 
 from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.llm.lm_source import decoder_of, uses_mrope
 from vlmprune.passes.methods.selection import topk_lower_index
-
-# Hugging Face model_type values whose decoder layer this module knows: Llama and Qwen2, and the
-# language models of Qwen2-VL / Qwen2.5-VL (Qwen2's layer; their rotary embedding takes mRoPE's
-# (t, h, w) positions, [3, B, T], and hands the layers ordinary cos/sin).
-FAMILIES = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
-MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +84,6 @@ class FastVSpec:
                              f"[{self.image_start}, {self.image_end}): FastV scores from the last prompt token")
 
 
-def uses_mrope(config) -> bool:
-    """Positions are [3, B, T] (t, h, w) rather than [B, T]."""
-    return getattr(config, "model_type", None) in MROPE
-
-
 def default_positions(config, batch: int, length: int) -> torch.Tensor:
     """0..T-1 for every token (a dense text prompt): [B, T], or [3, B, T] with t = h = w for mRoPE."""
     positions = torch.arange(length).expand(batch, -1)
@@ -105,23 +95,6 @@ def gather_positions(positions: torch.Tensor, index: torch.Tensor) -> torch.Tens
     if positions.dim() == 3:
         return torch.gather(positions, 2, index.unsqueeze(0).expand(positions.shape[0], -1, -1))
     return torch.gather(positions, 1, index)
-
-
-def decoder_of(model):
-    """(inner decoder model, its config) of a Llama- or Qwen2-family causal LM; one line for anything else."""
-    config = getattr(model, "config", None)
-    check_family(config)
-    return model.model, config
-
-
-def check_family(config) -> None:
-    """One line for a language model whose decoder layer this module does not know."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise InputError(f"language model type {model_type!r} is not supported for export "
-                         f"(supported: {', '.join(FAMILIES)})")
-    if getattr(config, "use_sliding_window", False):
-        raise InputError("a sliding-window language model is not supported for export")
 
 
 @contextlib.contextmanager

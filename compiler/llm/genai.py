@@ -1,6 +1,6 @@
 """The dense language model through onnxruntime-genai's model builder: the graph its users build and run.
 
-Why a second exporter: compiler.llm.export spells the decoder out in standard ops so that it
+Why a second exporter: compiler.llm.torch_exporter spells the decoder out in standard ops so that it
 runs on any ONNX runtime and can hold FastV; users of onnxruntime-genai instead run what its
 model builder (`python -m onnxruntime_genai.models.builder`) makes of the same checkpoint:
 fused com.microsoft ops (GroupQueryAttention with the rotary embedding inside,
@@ -8,7 +8,7 @@ SkipSimplifiedLayerNormalization, packed QKV). This module runs that builder on 
 language model, so the bundle can ship the graph those users load, checked against the same
 Hugging Face reference.
 
-What the builder's graph lacks, against compiler.llm.export's:
+What the builder's graph lacks, against compiler.llm.torch_exporter's:
 
 - No position_ids input. GroupQueryAttention derives every token's position from the attention
   mask (the sequence's length so far), so positions are contiguous 0..T-1 over the prompt as
@@ -56,15 +56,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlmprune.compiler.contract import LLM_MODEL
 from vlmprune.compiler.errors import InputError, ParityError, ToolchainError, failure_cause
-from vlmprune.compiler.llm.fastv import check_family, decoder_of
+from vlmprune.compiler.llm import lm_source
+from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, tokens_note
+from vlmprune.compiler.llm.lm_source import check_family, decoder_of
 from vlmprune.compiler.parity import figure_text
 
 EXPORTER = "onnxruntime-genai"
-MODEL, CONFIG = "model.onnx", "genai_config.json"
+MODEL, CONFIG = LLM_MODEL, "genai_config.json"
 FAMILIES = ("llama", "qwen2")  # checked here with the builder's LlamaModel / QwenModel (1-D RoPE)
 PRECISIONS = ("fp32",)  # what the parity check below holds to PARITY_ATOL on the CPU
-PARITY_ATOL = 1e-4  # fp32 logits, as compiler.llm.export's
+PARITY_ATOL = 1e-4  # fp32 logits, as compiler.llm.torch_exporter's
 DECODE_STEPS = 3
 PROMPT_TOKENS = 12
 LOG = "genai_builder.log"  # in the temporary directory, kept (and named) only on failure
@@ -110,7 +113,7 @@ def export_genai(lm, folder: Path, precision: str = "fp32", execution_provider: 
     tokenizer: the model's tokenizer (a transformers tokenizer, or a directory holding its
     files), copied by the builder into folder; None: a placeholder for the builder only (see
     the module docstring), no tokenizer in folder. last_logits_only: the builder's
-    prune_lm_head (logits of the last token only, as compiler.llm.export's prefill gives).
+    prune_lm_head (logits of the last token only, as compiler.llm.torch_exporter's prefill gives).
     parity: run genai_parity and raise ParityError when it fails.
     """
     check_genai_options(lm, precision, execution_provider, tokenizer)
@@ -395,13 +398,9 @@ def read_genai_config(folder: Path) -> dict:
     return json.loads((Path(folder) / CONFIG).read_text())
 
 
-
-
 def readme_section(manifest: dict) -> str:
-    """The bundle README's language-model section for a genai export (empty otherwise)."""
-    llm = manifest.get("llm_graphs") or {}
-    if not str(llm.get("exporter", "")).startswith(EXPORTER):
-        return ""
+    """The bundle README's language-model section for a genai export."""
+    llm = manifest.llm_graphs
     files, parity = llm["files"], llm["parity"]
     runtime = parity.get("genai_runtime") or {}
     generator = ("onnxruntime-genai's generator ran it on the same embeddings, greedy tokens "
@@ -433,3 +432,53 @@ Checked at compile time against the Hugging Face model (plain ONNX Runtime, batc
 {' and '.join(map(str, parity['batches']))}, seed {parity['seed']}): logits max-abs {parity['logits_max_abs']:.2g},
 greedy tokens over {parity['decode_steps']} steps {'identical' if parity['tokens_identical'] else 'DIFFERENT'}.
 """
+
+
+def _tokenizer_dir(model_spec: str) -> Path | None:
+    """The checkpoint directory when it holds tokenizer files (the genai builder copies them), else None."""
+    from vlmprune.compiler.llm.lm_source import has_tokenizer
+
+    path = Path(model_spec)
+    return path if model_spec != "demo" and path.is_dir() and has_tokenizer(path) else None
+
+
+class GenaiExporter(LlmExporter):
+    """onnxruntime-genai's model builder: the dense LLM as its users run it (contiguous positions, no FastV)."""
+
+    id = "genai"
+    name = EXPORTER
+    summary = "onnxruntime-genai's model builder"
+    features = "dense, contiguous positions"
+    fastv_refusal = ("--fastv-layer: FastV cannot be compiled into onnxruntime-genai's graph (one cache length "
+                     "for every layer); use --llm-exporter torch for FastV")
+    families = FAMILIES
+    runtime = "onnxruntime (onnxruntime-genai's graph)"
+    atol = PARITY_ATOL
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            return True, f"{EXPORTER} {genai_version()}"
+        except ToolchainError as exc:
+            return False, str(exc)
+
+    def export(self, model_spec: str, manifest: dict, options, folder: Path, progress, fastv) -> dict:
+        """The dense LLM through the builder (last-token logits: prune_lm_head, as the torch prefill graph)."""
+        lm = lm_source.language_model(model_spec)
+        lm_source.check_width(manifest, lm.config)
+        info = export_genai(lm, folder / LLM_DIR, tokenizer=_tokenizer_dir(model_spec), last_logits_only=True,
+                            progress=progress)
+        info["files"] = {"model": f"{LLM_DIR}/{MODEL}", "config": f"{LLM_DIR}/{CONFIG}",
+                         "all": [f"{LLM_DIR}/{name}" for name in info["files"]]}
+        return info
+
+    def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
+        """The graph's parity again (plain ONNX Runtime vs Hugging Face at contiguous positions, batch 1 and 2)."""
+        got = genai_parity(lm_source.language_model(model_spec), bundle_dir / LLM_DIR)
+        outputs = {"logits": {"note": f"max-abs {got['logits_max_abs']:.3g} (≤ {PARITY_ATOL:g}), batch "
+                                      f"{' and '.join(map(str, got['batches']))}, {got['prompt_tokens']} prompt "
+                                      f"tokens, contiguous positions", "passed": got["logits_max_abs"] <= PARITY_ATOL},
+                   "greedy tokens": tokens_note(got)}
+        return got["passed"], outputs
+
+    def readme_section(self, manifest: dict) -> str:
+        return readme_section(manifest)

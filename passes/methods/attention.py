@@ -17,7 +17,7 @@ import torch
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.methods.builder import INT64_MAX
 from vlmprune.passes.methods.selection import SCORE_EPS
-from vlmprune.passes.structure import scale_operand, static_dim
+from vlmprune.passes.graph.structure import scale_operand, static_dim
 
 
 def cls_attention(q: torch.Tensor, k: torch.Tensor, scale: float, prefix: int = 1) -> torch.Tensor:

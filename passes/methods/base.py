@@ -24,10 +24,11 @@ import onnx_ir as ir
 import torch
 
 from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
 
-__all__ = ["BLOCK", "BY_SCORE", "FEATURES", "GREEDY", "FusedOp", "GraphInputs", "Method", "Needs", "SiteSpec",
-           "SiteTensors", "TorchResult", "finite_option", "positive_int"]
+__all__ = ["BLOCK", "BY_SCORE", "FEATURES", "GREEDY", "Formulation", "FusedOp", "GraphInputs", "Method", "Needs",
+           "SiteSpec", "SiteTensors", "TorchResult", "finite_option", "positive_int"]
 
 # Sites: BLOCK, after block L on the residual stream ([CLS] at index 0 when the tower has one);
 # FEATURES, on the tower's output after the projector (the tokens the LLM sees).
@@ -97,8 +98,8 @@ class GraphInputs:
     hidden: ir.Value  # [B, prefix + N, D]
     has_cls: bool
     num_patches: int
-    block: Any = None  # passes.structure.AttentionBlock (BLOCK sites)
-    structure: Any = None  # passes.structure.TowerStructure
+    block: Any = None  # passes.graph.structure.AttentionBlock (BLOCK sites)
+    structure: Any = None  # passes.graph.structure.TowerStructure
     prefix: int | None = None  # leading non-patch tokens ([CLS], registers); None: 1 with [CLS], else 0
     head: Any = None  # compiler.frontend.tower.PoolingHead, where the tower has one (its weights become initializers)
 
@@ -112,9 +113,15 @@ class Method(abc.ABC):
 
     name: ClassVar[str]
     summary: ClassVar[str]
+    prunes: ClassVar[bool] = True  # every method in METHODS prunes; methods.dense.Dense is the one that does not
     selection: ClassVar[str] = BY_SCORE  # BY_SCORE or GREEDY: how parity compares the kept indices
     options: ClassVar[dict[str, tuple[type, str]]] = {}  # option name -> (type, help); the CLI flag is --NAME
-    formulations: ClassVar[tuple[str, ...]] = ("standard",)  # graph forms of the selection; [0] is the default
+    # Graph forms of the selection, in the method's order of preference ([0] is the default); each says what a
+    # target asks of it (Formulation.control_flow), so that a target chooses without naming the method.
+    formulations: ClassVar[tuple[str, ...]] = ("standard",)
+    # Why int8 quantisation of the method's own nodes (its merge, after the selection) loses its output, by
+    # measurement; "" where it does not. An int8 mode that quantises those nodes refuses the method with it.
+    int8_loss: ClassVar[str] = ""
     choices: ClassVar[dict[str, tuple[str, ...]]] = {}  # option -> its named values (--score), listed per value
     official: ClassVar[str] = ""  # where the official algorithm lives
 
@@ -142,7 +149,7 @@ class Method(abc.ABC):
 
     def check_onnx_source(self, params: dict) -> None:
         """Refuse, before any work, what an .onnx source cannot serve: its reference reads the graph's own tensors
-        (compiler.reference), not a family's torch pipeline. Nothing by default."""
+        (compiler.parity.reference), not a family's torch pipeline. Nothing by default."""
 
     def check(self, params: dict, spec: SiteSpec) -> None:
         """Refuse, in one line naming what is missing, a site this method cannot serve."""
@@ -161,11 +168,16 @@ class Method(abc.ABC):
         if not 1 <= keep < n:
             raise InputError(f"--keep must satisfy 1 <= keep < {n} (the tower has {n} patch tokens), got {keep}")
 
-    def serves(self) -> str:
-        """Which model families the method serves, for `vlmprune methods` (from what it needs by default)."""
-        if self.needs(self.parse(64, {})).cls:
-            return "towers with a [CLS] token (CLIP, ViT, DINOv2, LLaVA on CLIP)"
-        return "every family (no [CLS] needed: CLIP, SigLIP, ViT, DINOv2, LLaVA, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL)"
+    def serves(self) -> tuple[tuple[Capability, str], ...]:
+        """What the method needs of a model, for `vlmprune methods`: (capability, the options that use it) pairs,
+        any one of which serves (compiler.frontend.family; the families say which have it). By default what
+        needs() says: a [CLS] token, or patch tokens only."""
+        return ((CLS_TOKEN if self.needs(self.parse(64, {})).cls else PATCH_TOKENS, ""),)
+
+    def reads_projector_output(self, params: dict) -> bool:
+        """Whether the selection reads the projector output (a FEATURES site): then the whole tower decides the
+        kept set, so an int8 mode that keeps what feeds the selection in floating point would keep all of it so."""
+        return self.needs(params).site == FEATURES
 
     def output_tokens(self, params: dict) -> int:
         """Patch-derived tokens in the output (without [CLS]): K, plus a summary token where the method adds one."""
@@ -208,6 +220,18 @@ class Method(abc.ABC):
             raise InputError(f"method {self.name} has no {formulation!r} formulation "
                              f"(it has {', '.join(self.formulations)})")
         return formulation
+
+
+class Formulation(str):
+    """A graph form of a selection: its name (what the manifest records and `emit` receives), and whether it holds
+    control flow (an ONNX Loop), which a target that compiles none, or runs it badly, does not take."""
+
+    control_flow: bool
+
+    def __new__(cls, name: str, control_flow: bool = False):
+        form = super().__new__(cls, name)
+        form.control_flow = control_flow
+        return form
 
 
 def positive_int(method: str, name: str, value, minimum: int = 1) -> int:

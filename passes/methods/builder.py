@@ -16,11 +16,9 @@ import contextlib
 import numpy as np
 import onnx_ir as ir
 
-from vlmprune.passes.dataflow import fresh_initializer, producers_upstream
+from vlmprune.compiler.contract import ROLE, ROLES, SCORE, SELECT, TOKENS  # noqa: F401  (their home)
+from vlmprune.passes.graph.dataflow import fresh_initializer, producers_upstream
 
-ROLE = "vlmprune.role"
-SCORE, SELECT, TOKENS = "score", "select", "tokens"
-ROLES = (SCORE, SELECT, TOKENS)
 INT64_MAX = np.iinfo(np.int64).max
 
 

@@ -31,7 +31,8 @@ import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.passes.dataflow import const_array
+from vlmprune.compiler.frontend.family import CROPS
+from vlmprune.passes.graph.dataflow import const_array
 from vlmprune.passes.methods import attention, probe, received
 from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, FEATURES, FusedOp, GraphInputs, Method, Needs, SiteTensors,
                                           TorchResult, finite_option)
@@ -82,9 +83,8 @@ class ClsMethod(Method):
                              "score block's Q and K come from its torch tower, which an .onnx tower does not have "
                              "(divprune and dart serve .onnx towers)")
 
-    def serves(self) -> str:
-        return (f"{super().serves()}; LLaVA-NeXT's crops under one budget; {probe.PROBE_SERVES}; "
-                f"{received.SERVES}")
+    def serves(self) -> tuple:
+        return (*super().serves(), (CROPS, " under one budget"), probe.PROBE_SERVES, received.SERVES)
 
     def output_tokens(self, params: dict) -> int:
         return params["keep"] + 1
@@ -279,6 +279,7 @@ def selection_model(batch: int | str, n: int, d: int, keep: int, dtype=np.float3
     """
     from onnx_ir.passes.common import ShapeInferencePass
 
+    from vlmprune.compiler.contract import KEPT
     from vlmprune.passes.methods.builder import Builder
 
     elem = ir.DataType.from_numpy(np.dtype(dtype))
@@ -288,7 +289,7 @@ def selection_model(batch: int | str, n: int, d: int, keep: int, dtype=np.float3
     b = Builder(graph, opset, "vlmprune/select")
     tokens, kept = emit_selection(b, hidden, scores, keep, n)
     graph.extend(b.nodes)
-    tokens.name, kept.name = "tokens", "kept_indices"
+    tokens.name, kept.name = "tokens", KEPT
     graph.outputs.extend([tokens, kept])
     model = ir.Model(graph, ir_version=10)
     ShapeInferencePass()(model)

@@ -29,18 +29,19 @@ float32 in both the graph and the reference, op for op, so that both round alike
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 import torch
 
 from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.llava_next import BUDGETS, EQUAL, PROPORTIONAL
 from vlmprune.passes.methods import attention
 from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, Builder
 from vlmprune.passes.methods.selection import SCORE_EPS, gather_rows
 
-PROPORTIONAL, EQUAL = "proportional", "equal"
-BUDGETS = (PROPORTIONAL, EQUAL)
 SCORED = ("cls",)  # methods with a per-patch score to split the budget by, and to rank crops' patches with
 PER_CROP = ("divprune", "dart")  # methods run per crop with its (constant) budget
 
@@ -53,6 +54,16 @@ def crop_params(params: dict, crops: dict, budget: str) -> dict:
 
 def default_budget(method: Method) -> str:
     return PROPORTIONAL if method.name in SCORED else EQUAL
+
+
+def over_tokens(config, layout: dict | None):
+    """The prune config over a family's token layout (Family.token_layout): the method over the crops of one image,
+    under one global budget (the layout's, else the method's default); config itself for one image's tokens."""
+    if layout is None:
+        return config
+    budget = layout["budget"] or default_budget(config.method)
+    return dataclasses.replace(config, method=CropBudget(config.method),
+                               params=crop_params(config.params, layout["crops"], budget))
 
 
 def split_budget(mass: torch.Tensor, keep: int, per_crop: int) -> torch.Tensor:

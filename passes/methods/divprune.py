@@ -18,9 +18,10 @@ Choices where the official code is batch-1 only or silent:
 - with a [CLS] token in the features (select strategy `full`), [CLS] passes through and
   only patch tokens are selected.
 
-Formulations (the greedy loop is sequential; each target picks one by measurement, see
-the targets): "loop", one ONNX Loop over the K - 1 picks after the first, and
-"unrolled", the same body repeated in the graph. ONNX Runtime fuses the loop into one
+Formulations (the greedy loop is sequential): "loop", one ONNX Loop over the K - 1 picks
+after the first (control flow), and "unrolled", the same body repeated in the graph; a
+target that takes no control flow gets "unrolled" (Target.control_flow, and each target's
+reason by measurement). ONNX Runtime fuses the loop into one
 `DivPruneSelect` node (kernels/cpu; kernels/cuda for the CUDA twin): DivPruneFusion.
 """
 
@@ -31,8 +32,9 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from vlmprune.passes.dataflow import const_array, const_ints
-from vlmprune.passes.methods.base import FEATURES, GREEDY, FusedOp, GraphInputs, Method, Needs, SiteTensors, TorchResult
+from vlmprune.passes.graph.dataflow import const_array, const_ints
+from vlmprune.passes.methods.base import (FEATURES, GREEDY, Formulation, FusedOp, GraphInputs, Method, Needs,
+                                           SiteTensors, TorchResult)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix
 
@@ -73,7 +75,7 @@ class DivPruneMethod(Method):
     name = "divprune"
     summary = "DivPrune: K tokens of maximal diversity (greedy max-min cosine distance) on the projector output"
     selection = GREEDY
-    formulations = ("loop", "unrolled")
+    formulations = (Formulation("loop", control_flow=True), Formulation("unrolled"))
     official = "https://github.com/vbdi/divprune"
 
     def needs(self, params: dict) -> Needs:

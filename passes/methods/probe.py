@@ -31,11 +31,12 @@ import onnx_ir as ir
 import torch
 
 from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.family import POOLING_HEAD
 from vlmprune.passes.methods.builder import INT64_MAX
 
 SCORES = ("cls", "probe")  # the values of --score
 SCORE_HELP = "what ranks the patches: cls ([CLS] attention of block L, default) or probe (SigLIP's attention-pooling head)"
-PROBE_SERVES = "SigLIP towers with their attention-pooling head, with --score probe"
+PROBE_SERVES = (POOLING_HEAD, ", with --score probe")  # Method.serves: what --score probe needs
 
 
 def parse_score(method: str, value, allowed: tuple[str, ...] = SCORES) -> str:

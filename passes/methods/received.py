@@ -29,7 +29,7 @@ groups are vlmprune's, stated here as the contract. (An unofficial port,
 Hanjiangli/VisionZip-Qwen2VL, reads token 0's row as if it were [CLS]; Qwen has none, which
 is why the column mean is used instead.)
 
-Graph: found by structure (passes.structure), not by names: among the attention blocks
+Graph: found by structure (passes.graph.structure), not by names: among the attention blocks
 (Softmax over Q·Kᵀ, no non-zero mask: masked-window blocks are not taken), the last one
 whose Softmax spans the most tokens T, batched per image (the window blocks are batches of
 windows over T / windows tokens); T must be a multiple of the site's M merged tokens. The
@@ -47,14 +47,15 @@ import onnx_ir as ir
 import torch
 
 from vlmprune.compiler.errors import InputError, StructureError
+from vlmprune.compiler.frontend.family import MERGED_TOKENS
 from vlmprune.passes.methods import probe
-from vlmprune.passes.structure import scale_operand
+from vlmprune.passes.graph.structure import scale_operand
 
 ATTENTION = "attention"  # the --score value
 SCORE_HELP = ("what ranks the patches: cls ([CLS] attention of block L, default), probe (SigLIP's "
               "attention-pooling head) or attention (the attention each merged token receives at the last "
               "full-attention block: Qwen2-VL / Qwen2.5-VL)")
-SERVES = "Qwen2-VL / Qwen2.5-VL merged tokens, with --score attention"
+SERVES = (MERGED_TOKENS, ", with --score attention")  # Method.serves: what --score attention needs
 
 
 def parse_score(method: str, value) -> str:

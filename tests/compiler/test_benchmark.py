@@ -14,10 +14,8 @@ from cli_helpers import one_line_error as _one_line_error, run_cli as _run
 
 
 @pytest.fixture(scope="module")
-def bundle(tiny_llava_dir, tmp_path_factory):
-    from vlmprune.compiler.pipeline import CompileOptions, compile_model
-
-    return compile_model(str(tiny_llava_dir), tmp_path_factory.mktemp("bench") / "b", CompileOptions(keep=16)).bundle
+def bundle(tiny_llava_dir, compiled):
+    return compiled(tiny_llava_dir, keep=16).bundle
 
 
 @pytest.fixture(scope="module")

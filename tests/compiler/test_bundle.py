@@ -10,13 +10,17 @@ import pytest
 
 from vlmprune.compiler import bundle
 from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.bundle.manifest import SECTIONS
+
+# The least a manifest holds to load: every section, empty.
+EMPTY = {"vlmprune_version": "test", **{key: kind() for key, kind in SECTIONS.items()}}
 
 
 def _write_bundle(out, force=False, files=None):
     with bundle.staging(out, force) as tmp:
         for name, text in (files or {"model.onnx": "graph"}).items():
             (tmp / name).write_text(text)
-        bundle.write_manifest(tmp, {"vlmprune_version": "test"})
+        bundle.write_manifest(tmp, EMPTY)
     return out
 
 
@@ -38,7 +42,7 @@ def test_second_writer_is_refused_while_the_first_writes(tmp_path):
         with pytest.raises(InputError, match="being written"):  # --force never replaces one being written
             with bundle.staging(out, True):
                 pass
-        bundle.write_manifest(tmp, {})
+        bundle.write_manifest(tmp, EMPTY)
     assert (out / "model.onnx").read_text() == "first"
     bundle.load_manifest(out)
 

@@ -81,9 +81,22 @@ def test_targets_lists_availability():
         ok, why = cls().available()
         status = lines[name].split(None, 1)[1]
         assert status.startswith("available ") if ok else status.startswith(f"unavailable: {why[:20]}"), lines[name]
+    listed = result.output.splitlines()[len(TARGETS):]
+    for cls in TARGETS.values():  # each target's own lines (qnn: its --soc values), from the target
+        own = cls().listing()
+        assert [line for line in listed if line in own] == own
+    assert sum(len(cls().listing()) for cls in TARGETS.values()) > 1
     llm = result.output.split("--with-llm (the language model):\n", 1)[1].splitlines()
     assert [line.split()[0] for line in llm] == ["ort", "ort", "orin", "xavier", "rk3588", "qnn"]
     assert "not supported" in llm[3] and "TensorRT Edge-LLM 0.11.0 exporter" in llm[2]
+
+
+def test_check_engine_asks_the_bundles_target(demo_bundle):
+    """--engine is the target's hook: a bundle whose target builds no engine is refused before any parity."""
+    result = _run("check", demo_bundle.bundle, "--engine")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"error: {demo_bundle.bundle} targets ort, which has no engine stage (--engine: orin, xavier)"]
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -225,7 +238,7 @@ def test_compile_summary_lines(tiny_llava_dir, tmp_path):
 
 def test_a_failing_llm_figure_reads_as_failing():
     """A logits gap just over its tolerance must not print as the tolerance itself."""
-    from vlmprune.compiler.cli import _llm_parity_line
+    from vlmprune.compiler.api import llm_parity_line as _llm_parity_line
 
     parity = {"passed": False, "logits_max_abs": 1.00004e-4, "tolerance": 1e-4, "tokens_identical": True,
               "decode_steps": 3}

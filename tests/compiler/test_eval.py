@@ -29,7 +29,7 @@ def inputs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(inputs):
-    from vlmprune.compiler.llm.evaluate import evaluate
+    from vlmprune.compiler.evaluate import evaluate
 
     return evaluate(str(inputs["model"]), inputs["images"], inputs["prompts"], ["divprune"], [8, 63],
                     max_new_tokens=3)
@@ -37,9 +37,9 @@ def report(inputs):
 
 def test_report_figures_are_what_they_say(report, inputs):
     from vlmprune.compiler.frontend.images import load_image_file
-    from vlmprune.compiler.llm import generate as gen
-    from vlmprune.compiler.llm.evaluate import kl_divergence
-    from vlmprune.compiler.reference import MethodPruner
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.evaluate import kl_divergence
+    from vlmprune.compiler.parity.reference import MethodPruner
     from vlmprune.passes.methods import get_method
 
     assert report["images"] == ["astronaut.png", "coffee.jpg"] and len(report["prompts"]) == 2
@@ -81,7 +81,7 @@ def test_report_figures_are_what_they_say(report, inputs):
 
 def test_a_bundle_evaluates_as_its_reference(inputs, tmp_path):
     """A compiled bundle's row: its own graph under ONNX Runtime, the same figures as the method's reference."""
-    from vlmprune.compiler.llm.evaluate import evaluate, table
+    from vlmprune.compiler.evaluate import evaluate, table
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
     bundle = compile_model(str(inputs["model"]), tmp_path / "cls8", CompileOptions(keep=8)).bundle

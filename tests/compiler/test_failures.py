@@ -44,16 +44,24 @@ def _leftovers(parent: Path) -> list[str]:
 # --- 1. one output, one writer ------------------------------------------------------------
 
 def test_two_compiles_into_one_output(tiny_llava_dir, tmp_path):
+    """The second compile starts while the first holds its claim (from inside the first's parity step), so the
+    race has one outcome: the second process is refused with the one line a live writer's claim gives."""
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
     out = tmp_path / "same"
-    cmd = [*CLI, "compile", str(tiny_llava_dir), "--keep", "16", "-o", str(out), "-q"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
-    codes = sorted(rc for rc, _, _ in results)
-    assert codes == [0, 2], results
-    loser = next(err for rc, _, err in results if rc == 2)
-    assert "Traceback" not in loser and len(loser.strip().splitlines()) == 1
-    assert "being written by another vlmprune compile" in loser or "already exists" in loser
-    assert bundle.load_manifest(out)["parity"]["passed"]  # the winner's bundle, whole
+    second = []
+
+    def start_the_second_while_writing(message):
+        if message.endswith("] parity"):
+            cmd = [*CLI, "compile", str(tiny_llava_dir), "--keep", "16", "-o", str(out), "-q"]
+            second.append(subprocess.run(cmd, capture_output=True, text=True, timeout=600))
+
+    compile_model(str(tiny_llava_dir), out, CompileOptions(keep=16), start_the_second_while_writing)
+    (loser,) = second
+    assert loser.returncode == 2 and loser.stdout == "", (loser.stdout, loser.stderr)
+    assert loser.stderr.splitlines() == [f"error: {out} is being written by another vlmprune compile; "
+                                         "wait for it to finish or choose another --output"], loser.stderr
+    assert bundle.load_manifest(out)["parity"]["passed"]  # the first writer's bundle, whole
     assert _leftovers(tmp_path) == []
 
 
@@ -120,13 +128,9 @@ def test_run_and_check_refuse_a_batch_the_bundle_cannot_take(tiny_llava_dir, tmp
 
 # --- 3. machine-readable output stays machine-readable --------------------------------------
 
+@pytest.mark.slow  # two processes, each loading the HTP emulator: ~55 s on 2 cores
 @pytest.mark.skipif(sys.platform != "linux", reason="the QNN HTP emulator is a Linux x86_64 wheel")
-def test_json_on_qnn_is_only_json(tiny_llava_dir, tmp_path):
-    from vlmprune.targets import qnn_tools
-
-    ok, why = qnn_tools.available()
-    if not ok:
-        pytest.skip(f"QNN toolchain unavailable: {why}")
+def test_json_on_qnn_is_only_json(qnn_ready, tiny_llava_dir, tmp_path):
     out = tmp_path / "q"
     proc = subprocess.run([*CLI, "compile", str(tiny_llava_dir), "--target", "qnn", "--keep", "16", "-o", str(out),
                            "--json"], capture_output=True, text=True, timeout=900)
@@ -159,11 +163,11 @@ def test_other_options_are_validated_before_anything(tmp_path, args, needle):
 
 # --- 5. an edited manifest is a modified bundle -----------------------------------------------
 
-def test_edited_manifest_is_refused_everywhere(tiny_llava_dir, tmp_path):
+def test_edited_manifest_is_refused_everywhere(tiny_llava_dir, compiled, tmp_path):
     from PIL import Image
 
     out = tmp_path / "b"
-    assert _run("compile", tiny_llava_dir, "--keep", 16, "-o", out, "-q").exit_code == 0
+    shutil.copytree(compiled(tiny_llava_dir, keep=16).bundle, out)  # a copy: the compiled bundle is shared
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["method"]["keep"] = 12
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.llm.fastv import (FastVSpec, causal_mask, decoder_of, eager_attention, reference_generate,
-                                        reference_prefill)
+from vlmprune.compiler.llm.fastv import FastVSpec, causal_mask, eager_attention, reference_generate, reference_prefill
+from vlmprune.compiler.llm.lm_source import decoder_of
 
 
 def tiny_lm(family: str, layers: int = 3, seed: int = 0):

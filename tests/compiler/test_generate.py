@@ -93,7 +93,7 @@ def _hf_inputs(setup, tokens: int):
 
 
 def test_dense_bundle_generates_what_transformers_generates(setup):
-    from vlmprune.compiler.llm.generate import generate, load_vlm
+    from vlmprune.compiler.generate import generate, load_vlm
 
     result = generate(setup["dense"], None, setup["image"], PROMPT, max_new_tokens=12)
     assert result.answer.image_tokens == 64 and result.kept is None
@@ -112,7 +112,7 @@ def test_dense_bundle_generates_what_transformers_generates(setup):
 
 
 def test_pruned_tokens_reach_the_llm_at_their_original_positions(setup):
-    from vlmprune.compiler.llm import generate as gen
+    from vlmprune.compiler import generate as gen
 
     result = gen.generate(setup["pruned"], None, setup["image"], PROMPT, max_new_tokens=6)
     kept, before, after = result.kept, result.prompt.before, result.prompt.after
@@ -150,7 +150,7 @@ def test_pruned_tokens_reach_the_llm_at_their_original_positions(setup):
     torch.testing.assert_close(logits, result.answer.first_logits, rtol=0, atol=1e-5)
     assert int(logits.argmax()) == result.answer.tokens[0]
     # Pruning moved the distribution (KL > 0), the dense bundle against itself did not.
-    from vlmprune.compiler.llm.evaluate import kl_divergence
+    from vlmprune.compiler.evaluate import kl_divergence
 
     dense = gen.generate(setup["dense"], None, setup["image"], PROMPT, max_new_tokens=1)
     assert kl_divergence(dense.answer.first_logits, dense.answer.first_logits) == 0.0
@@ -158,7 +158,8 @@ def test_pruned_tokens_reach_the_llm_at_their_original_positions(setup):
 
 
 def test_positions_rule():
-    from vlmprune.compiler.llm.handoff import image_positions, thw_positions
+    from vlmprune.compiler.frontend.family import image_positions
+    from vlmprune.compiler.frontend.qwen2_vl import thw_positions
 
     positions, text = image_positions(5, 65, 1, np.array([0, 3, 63]), 1)  # [CLS] kept, 3 patches, a summary
     assert positions.tolist() == [5, 6, 9, 69, 70] and text == 71
@@ -217,7 +218,7 @@ def test_generate_bad_input(setup, tiny_clip_dir):
 
 def test_chat_template_prompt(setup):
     """A tokenizer's text-only chat template: the placeholder goes into the text, a BOS it writes is not doubled."""
-    from vlmprune.compiler.llm.generate import build_prompt, load_vlm
+    from vlmprune.compiler.generate import build_prompt, load_vlm
 
     vlm = load_vlm(str(setup["model"]))
     vlm.tokenizer.chat_template = ("{{ bos_token }}{% for m in messages %}USER: {{ m['content'] }}{% endfor %}"
@@ -232,7 +233,7 @@ def test_chat_template_prompt(setup):
 def test_demo_model_is_the_preset_and_prompts_without_a_tokenizer():
     """`--model demo` is the preset's own weights (same content hash), and with no tokenizer the prompt is bytes."""
     from vlmprune.compiler.frontend.presets import load_preset
-    from vlmprune.compiler.llm.generate import build_prompt, load_vlm
+    from vlmprune.compiler.generate import build_prompt, load_vlm
 
     vlm = load_vlm("demo")
     assert vlm.source.content_hash == load_preset("demo").content_hash
@@ -263,7 +264,7 @@ def test_a_moved_source_is_named_and_found_with_model(setup, tmp_path):
 
 def test_a_fastv_graph_compiled_for_another_image_start_is_named():
     """generate warns when the bundle's FastV prefill graph expects the image elsewhere than this prompt puts it."""
-    from vlmprune.compiler.llm.generate import fastv_mismatch
+    from vlmprune.compiler.generate import fastv_mismatch
 
     manifest = {"llm_graphs": {"fastv": {"image_start": 5, "image_tokens": 33, "layer": 1, "keep": 0.5}}}
     assert fastv_mismatch(manifest, 5) is None

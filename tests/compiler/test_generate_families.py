@@ -66,7 +66,7 @@ def setup(tmp_path_factory):
               "llava_next": tiny_llava_next(root / "llava_next")}
     bundles = {
         "qwen2_vl": compile_model(str(models["qwen2_vl"]), root / "qwen_divprune8",
-                                  CompileOptions(method="divprune", keep=8, image_size=112)).bundle,
+                                  CompileOptions(method="divprune", keep=8, family_options={"image_size": 112})).bundle,
         "llava_next": compile_model(str(models["llava_next"]), root / "next_cls30", CompileOptions(keep=30)).bundle,
     }
     return {"root": root, "images": images, "image": images / "cat.png", "prompts": prompts, "models": models,
@@ -74,7 +74,7 @@ def setup(tmp_path_factory):
 
 
 def _vlm(setup, family, **kwargs):
-    from vlmprune.compiler.llm.generate import load_vlm
+    from vlmprune.compiler.generate import load_vlm
 
     return load_vlm(str(setup["models"][family]), **kwargs)
 
@@ -82,8 +82,8 @@ def _vlm(setup, family, **kwargs):
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_next"])
 def test_harness_dense_splice_is_the_hf_forward(setup, family):
     """generate's dense path (HF's own image features, spliced at our positions) = the model's own forward."""
-    from vlmprune.compiler.llm import generate as gen
-    from vlmprune.compiler.llm.evaluate import hf_first_logits, kl_divergence
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.evaluate import hf_first_logits, kl_divergence
 
     vlm = _vlm(setup, family, **({"image_size": 112} if family.startswith("qwen") else {}))
     pixel, _ = gen.load_pixels(vlm, setup["image"])
@@ -109,7 +109,7 @@ def test_harness_dense_splice_is_the_hf_forward(setup, family):
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_next"])
 def test_every_token_kept_is_the_dense_path(setup, family):
     """K = the dense count through the pruned path (positions rule; LLaVA-NeXT's assembly) equals the dense path."""
-    from vlmprune.compiler.llm import generate as gen
+    from vlmprune.compiler import generate as gen
 
     vlm = _vlm(setup, family, **({"image_size": 112} if family.startswith("qwen") else {}))
     pixel, _ = gen.load_pixels(vlm, setup["image"])
@@ -136,8 +136,8 @@ def test_every_token_kept_is_the_dense_path(setup, family):
 
 def test_qwen_bundle_tokens_at_their_mrope_positions(setup):
     """The pruned bundle's 8 of 16 merged tokens reach the LLM at get_rope_index's (t, h, w) of the dense image."""
-    from vlmprune.compiler.llm import generate as gen
-    from vlmprune.compiler.llm.evaluate import kl_divergence
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.evaluate import kl_divergence
 
     bundle = setup["bundles"]["qwen2_vl"]
     vlm = _vlm(setup, "qwen2_vl", image_size=112)
@@ -176,7 +176,7 @@ def test_qwen_bundle_tokens_at_their_mrope_positions(setup):
 
 def test_llava_next_bundle_rows_at_their_packed_positions(setup):
     """cls K = 30 over the 5 crops (+ a summary): rows assembled with image_newline, at dense packed positions."""
-    from vlmprune.compiler.llm import generate as gen
+    from vlmprune.compiler import generate as gen
 
     bundle = setup["bundles"]["llava_next"]
     result = gen.generate(bundle, None, setup["image"], PROMPT, max_new_tokens=3)
@@ -199,7 +199,7 @@ def test_llava_next_bundle_rows_at_their_packed_positions(setup):
 
 def test_eval_qwen_and_llava_next(setup):
     """eval's reference rows and a bundle's: the harness holds, figures finite, the bundle equals its reference."""
-    from vlmprune.compiler.llm.evaluate import evaluate
+    from vlmprune.compiler.evaluate import evaluate
 
     for family, method, keep in (("qwen2_vl", "divprune", 8), ("llava_next", "cls", 30)):
         report = evaluate(str(setup["models"][family]), setup["images"], setup["prompts"], [method], [keep],

@@ -157,8 +157,14 @@ def test_split_graph_equals_reference(batch, tmp_path):
 # ------------------------------------------------------------------------ pruned bundles
 
 
+def _options(**kwargs) -> CompileOptions:
+    """CompileOptions with this family's options (--grid, --crop-budget) in family_options, as the CLI passes them."""
+    family = {k: kwargs.pop(k) for k in ("grid", "crop_budget") if k in kwargs}
+    return CompileOptions(**kwargs, family_options=family)
+
+
 def _compile(path, out, **kwargs):
-    result = compile_model(str(path), out, CompileOptions(**{"keep": 30, **kwargs}))
+    result = compile_model(str(path), out, _options(**{"keep": 30, **kwargs}))
     assert result.report.passed, result.manifest["parity"]
     return result
 
@@ -184,7 +190,7 @@ def test_pruned_bundles_match_the_reference(llava_next_dir, tmp_path, method, ta
 
 def test_kept_positions_and_budgets(llava_next_dir, tmp_path):
     """(crop, row, col) of each kept token, in crop-then-raster order; proportional budgets follow the masses."""
-    from vlmprune.compiler.reference import pruner_for
+    from vlmprune.compiler.parity.reference import pruner_for
     from vlmprune.passes.prune import prune_record
 
     result = _compile(llava_next_dir, tmp_path / "b", keep=47)
@@ -220,7 +226,7 @@ def test_kept_positions_and_budgets(llava_next_dir, tmp_path):
 @pytest.mark.parametrize("method,budget", [("cls", "equal"), ("divprune", "equal"), ("dart", "equal")])
 def test_reference_at_batch_3_is_image_by_image(llava_next_dir, method, budget):
     """The crop-budget reference, batched over 3 images, equals it run one image at a time."""
-    from vlmprune.compiler.reference import MethodPruner
+    from vlmprune.compiler.parity.reference import MethodPruner
     from vlmprune.passes.methods import get_method
     from vlmprune.passes.methods.crops import CropBudget, crop_params
 
@@ -244,7 +250,7 @@ def test_grid_option_and_check_reload_it(llava_next_dir, tmp_path):
     result = _compile(llava_next_dir, tmp_path / "b", grid="1x2", keep=20)
     m = result.manifest
     assert m["inputs"][0]["shape"] == [3, 3, 56, 56] and m["model"]["grid"] == "1x2"
-    assert m["compile_options"]["grid"] == "1x2"
+    assert m["compile_options"]["family_options"] == {"grid": "1x2"} and m["model"]["family"] == "llava_next"
     assert check_bundle(tmp_path / "b").passed  # check reloads the source with the bundle's grid
     from click.testing import CliRunner
     from PIL import Image
@@ -278,13 +284,13 @@ def test_grid_option_and_check_reload_it(llava_next_dir, tmp_path):
 ])
 def test_refusals(llava_next_dir, tmp_path, options, message):
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        compile_model(str(llava_next_dir), tmp_path / "b", CompileOptions(**options))
+        compile_model(str(llava_next_dir), tmp_path / "b", _options(**options))
     assert not (tmp_path / "b").exists()
 
 
 def test_grid_on_another_family_is_refused(tiny_clip_dir, tmp_path):
     with pytest.raises(InputError, match="--grid applies to anyres models"):
-        compile_model(str(tiny_clip_dir), tmp_path / "b", CompileOptions(grid="2x2"))
+        compile_model(str(tiny_clip_dir), tmp_path / "b", CompileOptions(family_options={"grid": "2x2"}))
 
 
 def test_cli_refusal_is_one_line(llava_next_dir, tmp_path):

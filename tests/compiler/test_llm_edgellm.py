@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.llm import edgellm_env
+from vlmprune.compiler.llm import edgellm_env, export
 from vlmprune.compiler.llm.edgellm import (LLM_DIR, MINIMAL_CHAT_TEMPLATE, PLUGIN_DOMAIN, export_edgellm,
                                            readme_section, write_lm_checkpoint)
+from vlmprune.compiler.bundle.manifest import Manifest
 
 EXPECTED_INPUTS = ["inputs_embeds", "past_key_values_0", "past_key_values_1", "rope_rotary_cos_sin", "positions",
                    "query_start_offsets", "query_lengths", "past_lengths", "attention_sequence_lengths",
@@ -125,11 +126,13 @@ def test_weights_equal_the_checkpoint_and_standard_ops_match(llava_export):
 
 def test_readme_section_has_the_build_commands(llava_export):
     _llava, _folder, info = llava_export
-    text = readme_section({"llm_graphs": info})
+    text = readme_section(Manifest({"llm_graphs": info}))
     assert "llm_build --onnxDir llm --engineDir engines/llm" in text and "--maxInputLen" in text
     assert "llm_inference --engineDir engines/llm" in text and "trt_edgellm::AttentionPlugin" in text
     assert "JetPack 7.2" in info["device_requirements"] and "TensorRT 10.3" in text
-    assert readme_section({}) == "" and readme_section({"llm_graphs": {"exporter": "torch.onnx"}}) == ""
+    # the pipeline's readme_section asks the exporter the manifest names by id; none without --with-llm
+    assert export.readme_section(Manifest({"llm_graphs": {**info, "exporter_id": "edgellm"}})) == text
+    assert export.readme_section(Manifest()) == ""
 
 
 def test_the_lm_checkpoint_leaves_the_model_alone(tmp_path):
@@ -189,7 +192,7 @@ def test_qwen2_5_vl_language_model_goes_through_skip_visual(edgellm_ready, tmp_p
     assert info["checks"]["weights"]["tensors_checked"] == 2 * 8 + 3
     assert info["checks"]["standard_ops_in_onnxruntime"]["passed"]
     assert info["edgellm_config"]["rope_scaling"]["mrope_section"] == [2, 3, 3]
-    assert "--vlm" in readme_section({"llm_graphs": info})
+    assert "--vlm" in readme_section(Manifest({"llm_graphs": info}))
 
 
 def test_compile_orin_with_llm_and_check_repeat_the_edgellm_checks(edgellm_ready, tiny_llava_dir, tmp_path):
@@ -206,6 +209,7 @@ def test_compile_orin_with_llm_and_check_repeat_the_edgellm_checks(edgellm_ready
     manifest = bundle.load_manifest(out, verify=True)  # llm/ is hashed like every other file
     assert {"llm/model.onnx", "llm/model.onnx.data", "llm/embedding.safetensors"} <= set(manifest["files"])
     assert manifest["llm_graphs"]["exporter"].startswith("TensorRT Edge-LLM")
+    assert manifest["llm_graphs"]["exporter_id"] == "edgellm"
     assert "llm_build --onnxDir llm" in (out / "README.md").read_text()
     checked = CliRunner().invoke(main, ["check", str(out), "--json"])
     assert checked.exit_code == 0, checked.output

@@ -14,7 +14,7 @@ import torch
 
 from test_fastv import tiny_lm
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.llm.export import DECODE, PREFILL, export_decoder, export_prefill
+from vlmprune.compiler.llm.torch_exporter import DECODE, PREFILL, export_decoder, export_prefill
 from vlmprune.compiler.llm.fastv import FastVSpec, reference_generate, reference_prefill
 from vlmprune.targets.runtime import ort_session
 
@@ -176,6 +176,93 @@ def test_llm_options_are_refused_in_one_line_before_any_work(tmp_path, args, nee
     assert not (tmp_path / "b").exists()
 
 
+# ------------------------------------------------------------------ the exporter registry
+
+
+def test_every_target_declares_exporters_the_registry_has():
+    """A target names its exporters by id (targets sit below the LLM side); each id is one registered exporter."""
+    from vlmprune.compiler.llm.export import EXPORTERS
+    from vlmprune.targets import TARGETS
+
+    assert all(cls.id == llm_id for llm_id, cls in EXPORTERS.items())
+    for name, target in TARGETS.items():
+        assert set(target.llm_exporters) <= set(EXPORTERS), name
+        assert target.llm_exporters or target.no_llm_why != "no LLM toolchain", f"{name} says why it takes no LLM"
+    taken = {i for target in TARGETS.values() for i in target.llm_exporters}
+    assert taken == set(EXPORTERS)  # no exporter is left without a target
+    assert {name: t.llm_exporters for name, t in TARGETS.items() if t.llm_exporters} == \
+        {"ort": ("torch", "genai"), "orin": ("edgellm",)}
+
+
+@pytest.mark.parametrize("target", ["xavier", "rk3588", "qnn"])
+def test_the_refusal_line_is_the_targets_declaration(tmp_path, target):
+    from vlmprune.targets import TARGETS
+
+    result = _cli("compile", "demo", "--target", target, "--with-llm", "-o", tmp_path / "b")
+    assert result.exit_code == 2 and not (tmp_path / "b").exists()
+    assert result.output.splitlines() == [f"error: --with-llm: target {target} does not take the language model yet "
+                                          f"({TARGETS[target].no_llm_why}; supported: ort, orin)"]
+
+
+def test_a_declaration_is_all_it_takes(monkeypatch):
+    """Give xavier Edge-LLM in its declaration: it takes --with-llm, refuses --llm-exporter, and is listed."""
+    from types import SimpleNamespace
+
+    from vlmprune.compiler.llm.export import check_llm_options, exporter_for, exporter_lines
+    from vlmprune.targets.tensorrt import XavierTarget
+
+    monkeypatch.setattr(XavierTarget, "llm_exporters", ("edgellm",))
+    options = SimpleNamespace(target="xavier", with_llm=True, llm_exporter=None, fastv_layer=None, fastv_keep=None,
+                              image_start=None)
+    assert exporter_for(options).id == "edgellm" and check_llm_options(options) is None
+    with pytest.raises(InputError) as refused:
+        check_llm_options(SimpleNamespace(**{**vars(options), "llm_exporter": "genai"}))
+    assert str(refused.value) == ("--llm-exporter applies to target ort; target xavier's language model is exported "
+                                  "with TensorRT Edge-LLM")
+    with pytest.raises(InputError, match="FastV is not part of TensorRT Edge-LLM's language-model graph"):
+        check_llm_options(SimpleNamespace(**{**vars(options), "fastv_layer": 1, "image_start": 3}))
+    assert [line.split()[0] for line in exporter_lines()] == ["ort", "ort", "orin", "xavier", "rk3588", "qnn"]
+    assert next(line for line in exporter_lines() if line.split()[0] == "xavier").startswith(
+        "  xavier   TensorRT Edge-LLM 0.11.0 exporter: ")
+
+
+def test_check_and_readme_ask_the_exporter_by_its_id_never_by_the_exporter_string():
+    from vlmprune.compiler.llm.export import check_llm, readme_section
+    from vlmprune.compiler.bundle.manifest import Manifest
+
+    # No exporter_id:
+    legacy = Manifest({"llm_graphs": {"exporter": "TensorRT Edge-LLM 0.11.0 (tensorrt-edgellm-export)"}})
+    line = ("the bundle's llm_graphs names no known LLM exporter (exporter_id None; known: torch, genai, edgellm): "
+            "compile it again with this vlmprune")
+    with pytest.raises(InputError) as exc:
+        readme_section(legacy)
+    assert str(exc.value) == line
+    with pytest.raises(InputError) as exc:
+        check_llm("demo", ".", legacy)
+    assert str(exc.value) == line
+    assert readme_section(Manifest()) == ""
+
+
+def test_the_language_model_source_is_imported_one_way():
+    """Every exporter reads the LM from lm_source; none imports the registry, another exporter, or FastV for it."""
+    import ast
+    from pathlib import Path
+
+    import vlmprune.compiler.llm as llm
+
+    def imports(module: str) -> set[str]:
+        tree = ast.parse((Path(llm.__file__).parent / f"{module}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+            {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    prefix = "vlmprune.compiler.llm."
+    for module in ("torch_exporter", "genai", "edgellm", "fastv", "lm_source", "exporter"):
+        assert prefix + "export" not in imports(module), module
+    assert prefix + "fastv" not in imports("genai") and prefix + "fastv" not in imports("edgellm")
+    assert prefix + "torch_exporter" not in imports("edgellm") | imports("genai")
+    assert not {i for i in imports("lm_source") if i.startswith(prefix)}
+
+
 def test_with_llm_adds_the_decoder_to_the_bundle_and_the_manifest_hashes_it(tiny_llava_dir, tmp_path):
     import json
 
@@ -188,6 +275,7 @@ def test_with_llm_adds_the_decoder_to_the_bundle_and_the_manifest_hashes_it(tiny
     assert {"llm/prefill.onnx", "llm/decode.onnx", "llm/llm.weights.bin"} <= set(manifest["files"])
     graphs = manifest["llm_graphs"]
     assert graphs["parity"]["passed"] and graphs["parity"]["tokens_identical"] and graphs["fastv"] is None
+    assert graphs["exporter_id"] == "torch" and graphs["exporter"].startswith("torch.onnx (dynamo)")
     assert "## The language model (`--with-llm`)" in (out / "README.md").read_text()
     assert json.loads(result.stdout)["parity"]["passed"] is True
     checked = _cli("check", out, "--json", "--junit", tmp_path / "check.xml")  # check re-runs the LLM's parity
@@ -251,8 +339,9 @@ def test_fastv_layer_out_of_range_is_refused_before_the_export(tiny_qwen25_dir, 
 
 def test_mrope_positions_are_not_the_1d_ones(tiny_qwen25_dir, tmp_path):
     """The parity prompt's image span has h and w that differ from t: 1-D positions would give other logits."""
-    from vlmprune.compiler.llm.export import language_model, parity_positions
     from vlmprune.compiler.llm.fastv import reference_prefill
+    from vlmprune.compiler.llm.lm_source import language_model
+    from vlmprune.compiler.llm.torch_exporter import parity_positions
 
     lm = language_model(str(tiny_qwen25_dir))
     positions = parity_positions(lm.config, 1, 14, 2, 9)

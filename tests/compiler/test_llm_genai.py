@@ -134,6 +134,7 @@ def test_compile_with_the_genai_exporter_and_check_repeat_its_parity(tmp_path):
     assert {"llm/model.onnx", "llm/genai_config.json"} <= set(manifest["files"])
     graphs = manifest["llm_graphs"]
     assert graphs["exporter"].startswith("onnxruntime-genai") and graphs["last_logits_only"] is True
+    assert graphs["exporter_id"] == "genai"
     assert graphs["parity"]["passed"] and "contiguous" in graphs["positions"]
     assert "Positions are **contiguous**" in (out / "README.md").read_text()
     checked = CliRunner().invoke(main, ["check", str(out), "--json"])

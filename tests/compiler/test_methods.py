@@ -16,7 +16,6 @@ from vlmprune.compiler.bundle import load_manifest
 from vlmprune.compiler.cli import main
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
-from vlmprune.targets import qnn_tools
 
 METHODS = {"cls": {"lambda": 0.2}, "visionzip": {"contextual": 4}, "divprune": {}, "dart": {"pivots": 3}}
 KEEP = 16
@@ -74,9 +73,8 @@ def test_tensorrt_targets(tiny_llava_dir, tmp_path, target, method):
         assert result.manifest["method"]["formulation"] == "unrolled"
 
 
-@pytest.mark.skipif(not qnn_tools.available()[0], reason=f"QNN toolchain unavailable: {qnn_tools.available()[1]}")
 @pytest.mark.parametrize("method", ["visionzip", "dart", "divprune"])
-def test_qnn(tiny_llava_dir, tmp_path, method):
+def test_qnn(qnn_ready, tiny_llava_dir, tmp_path, method):
     result = _compile(tiny_llava_dir, tmp_path / "b", method, target="qnn")
     _assert_parity(result, 2)
     assert result.manifest["target"]["placement_summary"]["qdq"]["cpu_ops"] == {}  # all on HTP

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmprune.compiler import output_files as of
+from vlmprune.compiler.bundle import output_files as of
 from vlmprune.compiler.bundle import interrupted_line, tracking
 from vlmprune.compiler.errors import InputError
 

@@ -14,14 +14,12 @@ from cli_helpers import one_line_error as _one_line_error, run_cli as _run
 
 
 @pytest.fixture(scope="module")
-def bundles(tiny_llava_dir, tmp_path_factory):
-    """The tiny LLaVA (64 patches) compiled twice: visionzip (12 dominant + 4 contextual) and cls, K = 16."""
-    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+def bundles(tiny_llava_dir, compiled):
+    """The tiny LLaVA (64 patches) compiled twice: visionzip (12 dominant + 4 contextual) and cls, K = 16.
 
-    root = tmp_path_factory.mktemp("pictures")
-    vz = compile_model(str(tiny_llava_dir), root / "vz", CompileOptions(method="visionzip", keep=16,
-                                                                        method_options={"contextual": 4}))
-    cls = compile_model(str(tiny_llava_dir), root / "cls", CompileOptions(keep=16, layer=1))
+    The same two bundles as test_report's and test_benchmark's: `compiled` makes each once a session."""
+    vz = compiled(tiny_llava_dir, method="visionzip", keep=16, method_options={"contextual": 4})
+    cls = compiled(tiny_llava_dir, keep=16)
     return vz.bundle, cls.bundle
 
 
@@ -178,8 +176,9 @@ def test_compare_of_one_bundle_says_one_picture(bundles, photo, tmp_path):
 def test_a_bundle_without_a_patch_size_is_drawn_from_its_patch_count():
     """Bundles compiled before .onnx sources recorded their patch size: the grid is the patch count's side."""
     from vlmprune.compiler.errors import InputError
+    from vlmprune.compiler.bundle.manifest import Manifest
 
-    manifest = {"model": {"patch_size": None}, "preprocess": {"size": 112}, "method": {"num_patches": 64}}
+    manifest = Manifest({"model": {"patch_size": None}, "preprocess": {"size": 112}, "method": {"num_patches": 64}})
     assert pictures.token_grid(manifest) == 8
     manifest["method"]["num_patches"] = 60
     with pytest.raises(InputError, match="^this bundle records neither a patch size nor a square patch count"):

@@ -24,7 +24,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.images import parity_inputs
 from vlmprune.compiler.pipeline import CompileOptions, check_bundle, compile_model
-from vlmprune.compiler.reference import torch_reference
+from vlmprune.compiler.parity.reference import torch_reference
 from vlmprune.targets import qnn_tools
 from vlmprune.targets.runtime import ort_session, run_session
 
@@ -117,7 +117,8 @@ def _run(path, pixel, libraries=()):
 def divprune_bundle(qwen_dirs, tmp_path_factory):
     """Qwen2.5-VL at 140 px (unequal, masked windows) with divprune for ort, dynamic batch."""
     out = tmp_path_factory.mktemp("qwen_bundles") / "divprune"
-    return compile_model(str(qwen_dirs["qwen2_5_vl"]), out, CompileOptions(method="divprune", keep=8, image_size=140))
+    return compile_model(str(qwen_dirs["qwen2_5_vl"]), out, CompileOptions(method="divprune", keep=8,
+                                                                           family_options={"image_size": 140}))
 
 
 def test_divprune_on_ort_batch_1_and_3_with_hf_positions(divprune_bundle, qwen_dirs, hf_models):
@@ -128,7 +129,8 @@ def test_divprune_on_ort_batch_1_and_3_with_hf_positions(divprune_bundle, qwen_d
     assert list(outputs) == ["image_features", "kept_indices", "kept_positions"]
     assert outputs["kept_positions"]["shape"] == ["batch", 8, 3] and outputs["kept_positions"]["dtype"] == "int64"
     assert manifest["model"]["positions"] == "thw" and manifest["model"]["token_counts"]["merged_grid_thw"] == [1, 5, 5]
-    assert manifest["compile_options"]["image_size"] == 140 and manifest["method"]["num_patches"] == 25
+    assert manifest["compile_options"]["family_options"] == {"image_size": 140}
+    assert manifest["method"]["num_patches"] == 25
     assert [s.stage for s in result.report.stages] == ["export", "rewritten", "fused"]
     source = load_source(str(qwen_dirs["qwen2_5_vl"]), image_size=140)
     record = {k: manifest["method"][k] for k in ("params", "site", "layer", "has_cls", "num_patches", "prefix")}
@@ -154,7 +156,8 @@ def test_divprune_on_ort_batch_1_and_3_with_hf_positions(divprune_bundle, qwen_d
                                                            ("qwen2_5_vl", "xavier", "dart", 1)])
 def test_tensorrt_targets(qwen_dirs, tmp_path, family, target, method, batch):
     result = compile_model(str(qwen_dirs[family]), tmp_path / "b",
-                           CompileOptions(target=target, method=method, keep=6, batch=batch, image_size=112,
+                           CompileOptions(target=target, method=method, keep=6, batch=batch,
+                                          family_options={"image_size": 112},
                                           method_options={"pivots": 2}))
     assert result.report.passed, result.manifest["parity"]
     for stage in result.report.stages[1:]:  # after the dense export stage
@@ -174,7 +177,8 @@ def test_qnn_and_rk3588(request, qwen_dirs, tmp_path, target):
     elif not qnn_tools.available()[0]:
         pytest.skip(f"QNN toolchain unavailable: {qnn_tools.available()[1]}")
     result = compile_model(str(qwen_dirs["qwen2_5_vl"]), tmp_path / "b",
-                           CompileOptions(target=target, method="dart", keep=6, batch=1, image_size=112,
+                           CompileOptions(target=target, method="dart", keep=6, batch=1,
+                                          family_options={"image_size": 112},
                                           method_options={"pivots": 2}))
     assert result.report.passed, result.manifest["parity"]
     stages = json.loads((result.bundle / "parity.json").read_text())["stages"]
@@ -240,7 +244,7 @@ def test_score_attention_on_an_onnx_tower_is_refused_before_the_passes(qwen_dirs
     """An .onnx Qwen tower (a dense bundle's graph) has no torch tower to hand over the score block's Q and K:
     refused on loading, not at parity after the passes and the target's emission."""
     dense = compile_model(str(qwen_dirs["qwen2_5_vl"]), tmp_path / "dense",
-                          CompileOptions(prune=False, image_size=112)).bundle
+                          CompileOptions(prune=False, family_options={"image_size": 112})).bundle
     result = CliRunner().invoke(main, ["compile", str(dense / "model.decomposed.onnx"), "-m", "cls", "--score",
                                        "attention", "--keep", "8", "-o", str(tmp_path / "b")])
     assert result.exit_code == 2, result.output
@@ -333,7 +337,7 @@ def _hf_received(model, pixel: torch.Tensor, block: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("family, size, block", [("qwen2_vl", 112, 1), ("qwen2_5_vl", 112, 1), ("qwen2_5_vl", 140, 1)])
 def test_received_attention_is_hf_attention_weights(qwen_dirs, hf_models, family, size, block):
-    from vlmprune.compiler.reference import pruner_for
+    from vlmprune.compiler.parity.reference import pruner_for
 
     source = load_source(str(qwen_dirs[family]), image_size=size)
     assert source.pipeline.score_block() == block  # Qwen2-VL: its last block; Qwen2.5-VL: fullatt_block_indexes[-1]
@@ -358,7 +362,7 @@ def test_received_attention_is_hf_attention_weights(qwen_dirs, hf_models, family
                                                ("qwen2_5_vl", 56, 2)])  # 56 px: one window, the whole image
 def test_cls_score_attention_on_ort_batch_1_and_3(qwen_dirs, hf_models, tmp_path, family, size, keep):
     result = compile_model(str(qwen_dirs[family]), tmp_path / "b",
-                           CompileOptions(method="cls", keep=keep, image_size=size,
+                           CompileOptions(method="cls", keep=keep, family_options={"image_size": size},
                                           method_options={"score": "attention"}))
     assert result.report.passed, result.manifest["parity"]
     assert [s.stage for s in result.report.stages] == ["export", "rewritten", "fused"]
@@ -395,7 +399,7 @@ def test_cls_score_attention_on_ort_batch_1_and_3(qwen_dirs, hf_models, tmp_path
 def test_cls_score_attention_bad_options(qwen_dirs, tmp_path, options, message):
     with pytest.raises(InputError, match=message):
         compile_model(str(qwen_dirs["qwen2_vl"]), tmp_path / "b",
-                      CompileOptions(method="cls", keep=6, image_size=112, method_options=options))
+                      CompileOptions(method="cls", keep=6, family_options={"image_size": 112}, method_options=options))
     assert not (tmp_path / "b").exists()
 
 
@@ -405,7 +409,7 @@ def test_score_attention_is_refused_on_clip_and_by_visionzip(tiny_clip_dir, qwen
                                                                          method_options={"score": "attention"}))
     with pytest.raises(InputError, match="--score of method visionzip is one of cls, probe, got 'attention'"):
         compile_model(str(qwen_dirs["qwen2_vl"]), tmp_path / "c", CompileOptions(method="visionzip", keep=6,
-                                                                                 image_size=112,
+                                                                                 family_options={"image_size": 112},
                                                                                  method_options={"score": "attention"}))
     result = CliRunner().invoke(main, ["methods"])
     assert result.exit_code == 0 and "Qwen2-VL / Qwen2.5-VL merged tokens, with --score attention" in result.output

@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from vlmprune.compiler import pictures, report
+from vlmprune.compiler.bundle.manifest import Manifest
 from cli_helpers import one_line_error as _one_line_error, run_cli as _run
 
 XSD = Path(__file__).with_name("junit-10.xsd")
@@ -38,13 +39,10 @@ def _headless(chromium: str, profile: Path, *args) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="module")
-def checked(tiny_llava_dir, tmp_path_factory):
+def checked(tiny_llava_dir, compiled, tmp_path_factory):
     """A visionzip bundle of the tiny LLaVA, checked twice: as compiled (passes) and with --atol 0 (fails)."""
-    from vlmprune.compiler.pipeline import CompileOptions, compile_model
-
     root = tmp_path_factory.mktemp("report")
-    bundle = compile_model(str(tiny_llava_dir), root / "vz", CompileOptions(method="visionzip", keep=16,
-                                                                            method_options={"contextual": 4})).bundle
+    bundle = compiled(tiny_llava_dir, method="visionzip", keep=16, method_options={"contextual": 4}).bundle
     ok = _run("check", bundle, "--report", root / "ok.html", "--junit", root / "ok.xml", "--json")
     bad = _run("check", bundle, "-q", "--report", root / "bad.html", "--junit", root / "bad.xml",
                "--atol", "image_features:0")
@@ -133,9 +131,10 @@ def test_tie_band_explanation_and_heat_map_by_pixel():
 
 
 def test_greedy_methods_get_no_heat_map_and_say_why():
-    manifest = {"method": {"name": "divprune", "summary": "DivPrune"}, "target": {"name": "ort", "summary": "x"},
-                "model": {"source": "demo", "kind": "preset", "patch_size": 14}, "vlmprune_version": "0",
-                "preprocess": {"size": 28, "mean": [0.5] * 3, "std": [0.5] * 3}}
+    manifest = Manifest({"method": {"name": "divprune", "summary": "DivPrune"},
+                         "target": {"name": "ort", "summary": "x"},
+                         "model": {"source": "demo", "kind": "preset", "patch_size": 14}, "vlmprune_version": "0",
+                         "preprocess": {"size": 28, "mean": [0.5] * 3, "std": [0.5] * 3}})
     data = {"passed": True, "inputs": {"images": ["a"]}, "stages": [],
             "reference": {"kept": [[0, 3]], "scores": None, "boundary": None, "selection": "greedy"}}
     page = report.html_report(data, manifest, "b", np.zeros((1, 3, 28, 28), np.float32))
@@ -156,7 +155,7 @@ def test_check_flags_are_refused_in_one_line(checked, tmp_path):
 
 def test_tolerance_overrides_per_output_and_rtol():
     from vlmprune.compiler import parity
-    from vlmprune.compiler.reference import Reference
+    from vlmprune.compiler.parity.reference import Reference
 
     got = parity.parse_overrides({"atol": ("1e-3", "image_features:0"), "rtol": (), "cosine": ("b:0.5",)},
                                  ["image_features", "b"], ["kept_indices"])
@@ -191,25 +190,26 @@ def test_a_failing_figure_never_reads_as_passing():
     assert _line(stage) == "  rewritten  FAIL  cosine_min 0.99999997, max_abs 2e-07"  # the progress line
     rows = report.figure_rows(stage.to_json())
     page = report.html_report({"passed": False, "inputs": {}, "stages": [stage.to_json()]},
-                              {"method": {"summary": "cls", "name": "cls"}, "target": {"name": "ort", "summary": "s"},
-                               "model": {"source": "m", "kind": "hf"}, "vlmprune_version": "0"}, "b", None)
+                              Manifest({"method": {"summary": "cls", "name": "cls"},
+                                        "target": {"name": "ort", "summary": "s"},
+                                        "model": {"source": "m", "kind": "hf"}, "vlmprune_version": "0"}), "b", None)
     assert "<td>min cosine over tokens</td><td>0.99999997</td><td>≥ 1</td><td class=\"bad\">FAIL" in page
     assert [r["value"] for r in rows if r["figure"] == "min cosine over tokens"] == [0.99999997]
-    xml = report.junit_xml({"stages": [stage.to_json()]}, {"target": {"name": "ort"}, "method": {"summary": "cls"},
-                                                            "model": {"source": "m"}, "vlmprune_version": "0"}, "b", 1.0)
+    xml = report.junit_xml({"stages": [stage.to_json()]},
+                           Manifest({"target": {"name": "ort"}, "method": {"summary": "cls"}, "model": {"source": "m"},
+                                     "vlmprune_version": "0"}), "b", 1.0)
     assert b"min cosine over tokens 0.99999997 (needs \xe2\x89\xa5 1)" in xml
 
 
-def test_the_compile_summary_shows_a_failing_cosine_as_failing(capsys):
-    import types
+def test_the_compile_summary_shows_a_failing_cosine_as_failing():
+    from vlmprune.compiler.api import CompileResult
+    from vlmprune.compiler.bundle.manifest import Manifest
 
-    from vlmprune.compiler.cli import _print_summary
-
-    manifest = {"model": {}, "method": {"name": "none"}, "target": {},
-                "parity": {"stages": {"export": {"passed": False, "runtime": "ort", "precision": "fp32",
-                                                 "cosine_min": 0.999989996, "max_abs": 1.00004e-4}}}}
-    _print_summary(manifest, types.SimpleNamespace(bundle="b", seconds=1.0))
-    assert "parity export     FAIL  cosine 0.999989996, max-abs 0.000100004" in capsys.readouterr().out.splitlines()
+    manifest = Manifest({"model": {}, "method": {"name": "none"}, "target": {},
+                         "parity": {"stages": {"export": {"passed": False, "runtime": "ort", "precision": "fp32",
+                                                          "cosine_min": 0.999989996, "max_abs": 1.00004e-4}}}})
+    lines = CompileResult("b", manifest, None, 1.0).lines()
+    assert "parity export     FAIL  cosine 0.999989996, max-abs 0.000100004" in lines
 
 
 def test_check_says_where_its_files_went_and_json_stays_alone(checked, tmp_path):

@@ -60,3 +60,21 @@ def edited_copy(source: Path, copy: Path, edit) -> Path:
     edit(config)
     (copy / "config.json").write_text(json.dumps(config))
     return copy
+
+
+def tiny_llava_dinov2(path: Path, seed: int = 0, **llava) -> Path:
+    """A seeded tiny LlavaForConditionalGeneration on a 3-block DINOv2 tower (112 px, patch 14: [CLS] + 64
+    patches), its tower spread, saved (safetensors) at path. llava: overrides of LlavaConfig (feature layer, ...)."""
+    from transformers import Dinov2Config, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = Dinov2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                          image_size=112, patch_size=14, layerscale_value=0.5)
+    text = LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, vocab_size=128)
+    options = dict(vision_feature_layer=-2, vision_feature_select_strategy="default", image_token_index=100)
+    options.update(llava)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, **options))
+    spread(model, ("model.vision_tower.",))
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return Path(path)

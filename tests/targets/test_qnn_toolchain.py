@@ -9,8 +9,7 @@ import pytest
 from vlmprune.targets import probe_graph as probe_lib
 from vlmprune.targets import qnn_tools
 
-QNN_OK, QNN_REASON = qnn_tools.available()
-needs_qnn = pytest.mark.skipif(not QNN_OK, reason=f"QNN toolchain unavailable: {QNN_REASON}")
+needs_qnn = pytest.mark.usefixtures("qnn_ready")  # skips, saying why, without the HTP emulator
 CALIB_SEEDS = range(100, 116)
 TEST_SEEDS = (1, 2)
 

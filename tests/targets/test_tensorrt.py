@@ -30,6 +30,7 @@ from click.testing import CliRunner
 from vlmprune.targets import trt_engine as engine_lib
 from vlmprune.compiler.frontend import images
 from vlmprune.compiler.bundle import load_manifest
+from vlmprune.compiler.bundle.manifest import Manifest
 from vlmprune.compiler.cli import main
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.targets.runtime import ort_session, run_session
@@ -454,7 +455,7 @@ def test_build_engine_with_a_fake_tensorrt(orin_copy, monkeypatch):
     assert path.read_bytes() == b"fake plan" and record["sha256"] == hashlib.sha256(b"fake plan").hexdigest()
     assert record["tensorrt"] == "10.3.0.26" and record["precision"] == "fp16"
     assert record["model_sha256"] == manifest["files"]["model.onnx"]
-    assert get_target("orin").stages(orin_copy, manifest)[-1].stage == "engine"  # the engine joins the parity stages
+    assert get_target("orin").stages(orin_copy, Manifest(manifest))[-1].stage == "engine"  # the engine joins the parity stages
     # Nothing loads an engine that differs from its record, or comes from another TensorRT.
     path.write_bytes(b"tampered")
     with pytest.raises(engine_lib.EngineError, match="does not match the sha256"):

@@ -17,7 +17,7 @@ from vlmprune.compiler.frontend import export_onnx
 from vlmprune.compiler.frontend.clip import build_tower, pooling_head, tower_parts
 from vlmprune.compiler.frontend.tower import VisionPipeline
 from vlmprune.compiler.pipeline import CompileOptions
-from vlmprune.compiler.reference import MethodPruner
+from vlmprune.compiler.parity.reference import MethodPruner
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import GraphInputs, SiteSpec
 from vlmprune.passes.methods.builder import Builder

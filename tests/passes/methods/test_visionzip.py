@@ -9,7 +9,7 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import SiteTensors
-from vlmprune.compiler.reference import MethodPruner
+from vlmprune.compiler.parity.reference import MethodPruner
 from vlmprune.passes.methods.base import SiteSpec
 from vlmprune.passes.methods.visionzip import VisionZipMethod, contextual_default, target_positions
 from vlmprune.passes.prune import KEPT_INDICES, InsertPruningPass, prune_record

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from vlmprune.compiler.reference import FEATURES, KEPT, Reference
+from vlmprune.compiler.parity.reference import FEATURES, KEPT, Reference
 from vlmprune.passes.methods.base import GREEDY
 from vlmprune.passes.methods.selection import boundary_ties, tie_band
 
@@ -144,7 +144,7 @@ def compare_tokens(ref: np.ndarray, cand: np.ndarray, tol: Tolerance, skip_image
     """max-abs, mean-abs and the minimum cosine over tokens.
 
     Images resolved differently by a tie are left out, and so are reference rows that
-    are NaN (rows the reference cannot define, see compiler.reference) and merged rows
+    are NaN (rows the reference cannot define, see compiler.parity.reference) and merged rows
     whose merge decision lies in the tie band (row_margins, e.g. visionzip's contextual
     tokens): counted in the result, not hidden.
     """
@@ -229,6 +229,11 @@ class StageResult:
         data = dataclasses.asdict(self)
         data["tolerance"] = dataclasses.asdict(self.tolerance)
         return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> StageResult:
+        """The inverse of to_json (compiler.pipeline.cache keeps the export stage's result this way)."""
+        return cls(**{**data, "tolerance": Tolerance(**data["tolerance"])})
 
 
 def run_stage(stage: str, runtime: str, precision: str, run: Callable[[np.ndarray], dict[str, np.ndarray]],

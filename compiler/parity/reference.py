@@ -21,19 +21,15 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import FEATURES, KEPT, KEPT_POSITIONS
 from vlmprune.compiler.frontend import Source
-from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
-from vlmprune.passes.dataflow import consumers_downstream, producers_upstream
+from vlmprune.compiler.frontend.tower import BLOCK, FEATURES as FEATURES_SITE, SiteTensors
+from vlmprune.passes.graph.dataflow import consumers_downstream, producers_upstream
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import Method
-from vlmprune.passes.positions import KEPT_POSITIONS  # [B, K, P] int64, where the LLM needs more than the index
 from vlmprune.passes.methods.crops import CropBudget
-from vlmprune.passes.structure import find_tower_structure
+from vlmprune.passes.graph.structure import find_tower_structure
 from vlmprune.targets.runtime import ort_session, run_session
-
-FEATURES = "image_features"
-KEPT = "kept_indices"
-
 
 @dataclasses.dataclass
 class MethodPruner:
@@ -66,16 +62,29 @@ def pruner_for(record: dict) -> MethodPruner:
     return MethodPruner(method, record["params"], record["site"], record["layer"])
 
 
-def torch_reference(source: Source, record: dict | None, pixel: np.ndarray) -> tuple[Reference, Reference | None]:
-    """(dense reference, pruned reference or None for a dense bundle) from the torch model."""
-    x = torch.from_numpy(pixel)
+def dense_reference(source: Source, pixel: np.ndarray) -> Reference:
+    """The dense pipeline's output on pixel: the model's own image-feature path."""
     with torch.inference_mode():
-        dense = Reference({FEATURES: source.pipeline(x).numpy()})
+        return Reference({FEATURES: source.pipeline(torch.from_numpy(pixel)).numpy()})
+
+
+def torch_reference(source: Source, record: dict | None, pixel: np.ndarray,
+                    dense: Reference | None = None) -> tuple[Reference, Reference | None]:
+    """(dense reference, pruned reference or None for a dense bundle) from the torch model.
+
+    dense: the dense reference where it is at hand already (compiler.pipeline.cache), else computed here.
+    """
+    x = torch.from_numpy(pixel)
+    dense = dense_reference(source, pixel) if dense is None else dense
+    with torch.inference_mode():
         if record is None:
             return dense, None
         pruner = pruner_for(record)
         pipeline = source.pipeline.with_pruner(pruner)
-        feats, kept = pipeline(x)
+        if pruner.site == FEATURES_SITE and hasattr(pipeline, "prune_features"):  # the tower's end: run it once
+            feats, kept = pipeline.prune_features(torch.from_numpy(dense.outputs[FEATURES]), x)
+        else:
+            feats, kept = pipeline(x)
         outputs = {FEATURES: feats.numpy(), KEPT: kept.numpy()}
         if source.position_table is not None:  # the LLM positions of the reference's kept tokens
             outputs[KEPT_POSITIONS] = np.asarray(source.position_table)[kept.numpy()]

@@ -20,7 +20,7 @@ import dataclasses
 import onnx_ir as ir
 
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.dataflow import consumers_downstream, producers_upstream
+from vlmprune.passes.graph.dataflow import consumers_downstream, producers_upstream
 
 # Elementwise ops that may sit between the Q·Kᵀ MatMul and the Softmax with a
 # constant scalar operand (scaling by 1/sqrt(d), or a temperature).

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.llm import generate as gen
+from vlmprune.compiler import generate as gen
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".gif")
 
@@ -84,6 +84,7 @@ def read_prompts(path: Path) -> list[str]:
 def settings_for(source, methods: list[str], keeps: list[int]) -> list[Setting]:
     """Every method x K, parsed and checked against the tower as `compile` would (one line for one it cannot serve);
     over an anyres source's crops, under one global budget with the method's default split, as compile does."""
+    from vlmprune.compiler.frontend import family_for
     from vlmprune.passes.methods import get_method
     from vlmprune.passes.methods.base import BLOCK, SiteSpec
     from vlmprune.passes.methods.crops import CropBudget, crop_params, default_budget
@@ -91,15 +92,16 @@ def settings_for(source, methods: list[str], keeps: list[int]) -> list[Setting]:
     if not methods or not keeps:
         raise InputError("eval needs at least one --method and one --keep")
     pipe = source.pipeline
+    layout = family_for(source).token_layout(source, {})  # anyres: the crops, under the method's default split
     out = []
     for name in methods:
         method = get_method(name)
-        if source.crops is not None:
+        if layout is not None:
             method = CropBudget(method)
         for keep in keeps:
             params = method.parse(keep, {})
-            if source.crops is not None:
-                params = crop_params(params, source.crops, default_budget(method))
+            if layout is not None:
+                params = crop_params(params, layout["crops"], default_budget(method))
             needs = method.needs(params)
             prefix = pipe.prefix if needs.site == BLOCK or not pipe.drop_cls else 0
             method.check(params, SiteSpec(source.num_patches, bool(source.has_cls and prefix), source.num_blocks,
@@ -194,18 +196,16 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
 
 def _same_input(path: Path, manifest: dict, source) -> None:
     """A bundle of the model at another --image-size (Qwen2-VL) or --grid (LLaVA-NeXT) takes other pixels: one line."""
-    model = manifest["model"]
-    if source.family == "qwen2_vl" and model["image_size"] != source.image_size:
-        raise InputError(f"--bundle {path}: compiled at --image-size {model['image_size']}, eval runs at "
-                         f"{source.image_size} (pass --image-size {model['image_size']})")
-    if source.crops is not None and model.get("grid") != source.details.get("grid"):
-        raise InputError(f"--bundle {path}: compiled for --grid {model.get('grid')}, eval runs "
-                         f"{source.details.get('grid')} (pass --grid {model.get('grid')})")
+    from vlmprune.compiler.frontend import family_for
+
+    differs = family_for(source).other_input(manifest["model"], source)
+    if differs:
+        raise InputError(f"--bundle {path}: {differs}")
 
 
 def _reference_rows(vlm, setting: Setting):
     """pixel -> (the method reference's rows of one image, positions(offset) -> (image positions, text start))."""
-    from vlmprune.compiler.reference import MethodPruner
+    from vlmprune.compiler.parity.reference import MethodPruner
 
     source = vlm.source
     pipeline = source.pipeline.with_pruner(MethodPruner(setting.method, setting.params, setting.site, setting.layer))

@@ -26,9 +26,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from vlmprune.compiler.contract import MANIFEST
 from vlmprune.compiler.errors import InputError
 
-MANIFEST = "manifest.json"
 DIGEST_KEY = "manifest_sha256"
 _LOCK = ".vlmprune-writing"
 _complete: list[str] | None = None  # while tracking(): the outputs complete so far, as the interrupt line names them
@@ -239,51 +239,32 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def write_manifest(bundle_dir: Path, manifest: dict) -> dict:
-    """Record every file's sha256 (the manifest itself excepted), then the manifest's own digest."""
+def write_manifest(bundle_dir: Path, manifest: dict):
+    """Record every file's sha256 (the manifest itself excepted), then the manifest's own digest; the Manifest."""
+    from vlmprune.compiler.bundle.manifest import Manifest  # manifest.py reads bundles with the helpers above
+
     files = {}
     for path in sorted(p for p in bundle_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, _LOCK)):
         files[str(path.relative_to(bundle_dir))] = sha256_file(path)
-    manifest = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
+    manifest = Manifest({k: v for k, v in manifest.items() if k != DIGEST_KEY})
     manifest["files"] = files
     manifest[DIGEST_KEY] = manifest_digest(manifest)
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def source_of(manifest: dict, model: str | None = None, how: str = "pass --model PATH") -> str:
+def source_of(manifest, model: str | None = None, how: str = "pass --model PATH") -> str:
     """The model to load for a bundle: model where given (its source moved; the content hash is still compared
     after loading), else the recorded source, which must still be where it was compiled from."""
-    recorded = manifest["model"]["source"]
+    recorded = manifest.model.source
     spec = recorded if model is None else str(model)
-    if spec == recorded and manifest["model"]["kind"] != "preset" and not Path(spec).exists():
+    if spec == recorded and manifest.model.kind != "preset" and not Path(spec).exists():
         raise InputError(f"the bundle's source {spec} was not found (moved?); {how}")
     return spec
 
 
-def load_manifest(bundle_dir: Path, verify: bool = True) -> dict:
-    """Read manifest.json; with verify, refuse a bundle whose manifest or files were modified."""
-    bundle_dir = Path(bundle_dir)
-    path = bundle_dir / MANIFEST
-    if not bundle_dir.is_dir():
-        raise InputError(f"{bundle_dir}: no such bundle directory")
-    if not path.is_file():
-        raise InputError(f"{bundle_dir}: not a vlmprune bundle (no {MANIFEST})")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({getattr(exc, 'msg', exc)}); the bundle was modified") from None
-    if not isinstance(manifest, dict):
-        raise InputError(f"{path}: not a vlmprune manifest; the bundle was modified")
-    if verify:
-        if manifest.get(DIGEST_KEY) != manifest_digest(manifest):
-            raise InputError(f"{bundle_dir}: {MANIFEST} does not match its recorded digest: the bundle was "
-                             "modified after it was compiled; recompile it")
-        for name, expected in manifest.get("files", {}).items():
-            file = bundle_dir / name
-            if not file.is_file():
-                raise InputError(f"{bundle_dir}: {name} is listed in the manifest but missing")
-            if sha256_file(file) != expected:
-                raise InputError(f"{bundle_dir}: {name} does not match its sha256 in the manifest; "
-                                 "the bundle was modified; refusing to load it")
-    return manifest
+def load_manifest(bundle_dir: Path, verify: bool = True):
+    """Manifest.load: read manifest.json; with verify, refuse a bundle whose manifest or files were modified."""
+    from vlmprune.compiler.bundle.manifest import Manifest  # manifest.py reads bundles with the helpers above
+
+    return Manifest.load(bundle_dir, verify)

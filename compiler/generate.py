@@ -2,20 +2,20 @@
 
 The bundle's tower runs under its own runner (the target's runtime here); its
 `image_features` rows replace the image placeholder in the prompt's embeddings, and every
-row gets its original position, by the rules of handoff (one function per family): the LLM
+row gets its original position, by its family's positions rule (Family.positions): the LLM
 sees the pruned image where the dense one was, with gaps where the pruned tokens were.
 
 - LLaVA-1.5 (LlavaForConditionalGeneration, and the `demo` preset): 1-D positions from
-  kept_indices (handoff.image_positions).
+  kept_indices (frontend.family.image_positions).
 - Qwen2-VL / Qwen2.5-VL (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration):
   the merged tokens at their dense mRoPE (t, h, w) positions from kept_positions, 3 x seq
   position ids, the text resuming at the dense image's largest position + 1
-  (handoff.thw_positions). The checkpoint is loaded at the bundle's --image-size, and an
+  (frontend.qwen2_vl.thw_positions). The checkpoint is loaded at the bundle's --image-size, and an
   image is resized and centre-cropped to it, as `vlmprune run` feeds the bundle.
 - LLaVA-NeXT (LlavaNextForConditionalGeneration): the kept rows assembled as the bundle
   README's anyres rule packs them (frontend.llava_next.assemble_llm_input: base tokens,
   grid tokens, image_newline after each row that keeps one), each at its position in the
-  dense packed sequence (handoff.anyres_positions). The image is centre-cropped to the
+  dense packed sequence (frontend.llava_next.anyres_positions). The image is centre-cropped to the
   bundle grid's aspect and resized to its resolution (as parity feeds it), so that nothing
   is padded: the dense sequence is then the static one the manifest counts
   (dense_image_tokens), and transformers' own path selects the same grid for it.
@@ -47,18 +47,17 @@ import numpy as np
 import torch
 
 from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.family import image_positions
 from vlmprune.compiler.llm import handoff
+from vlmprune.compiler.llm.lm_source import has_tokenizer
 
 LLAVA_PROMPT = "USER: <image>\n{prompt} ASSISTANT:"
 QWEN_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
                "<|vision_start|><|image_pad|><|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n")
 IMAGE_MARK = "<image>"
 QWEN_MARK, QWEN_START, QWEN_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one: it has one
 _PROCESSOR_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
-FAMILIES = {"llava": "llava", "llava_next": "llava_next", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
 SUPPORTED = "LLaVA-1.5, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL checkpoints (their ...ForConditionalGeneration)"
-_KINDS = {"llava": "indices", "llava_next": "cyx", "qwen2_vl": "thw"}  # the manifest's llm.positions.kind
 
 
 @dataclasses.dataclass
@@ -70,7 +69,13 @@ class Vlm:
     chat_template: object | None  # a processor or tokenizer with a chat template, or None
     source: object  # compiler.frontend.Source of the same weights (hash, preprocessing, dense pipeline)
     spec: str
-    family: str = "llava"  # "llava" | "llava_next" | "qwen2_vl" (Qwen2.5-VL included)
+    family: str = "llava"  # the family's id (frontend FAMILIES); `rules` is its object
+
+    @property
+    def rules(self):
+        from vlmprune.compiler.frontend import family_by_id
+
+        return family_by_id(self.family)
 
 
 @dataclasses.dataclass
@@ -111,6 +116,7 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
     and its --image-size / --grid are the defaults.
     """
     from vlmprune.compiler.frontend.adapter import Checkpoint
+    from vlmprune.compiler.frontend.family import PATCH_TOKENS
     from vlmprune.compiler.frontend.llava import LlavaAdapter
     from vlmprune.compiler.frontend.presets import demo_model
     from vlmprune.compiler.frontend.source import from_pretrained, quiet_transformers
@@ -118,7 +124,7 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
     quiet_transformers()
     family = None if bundle is None or bundle["model"]["kind"] == "onnx" else bundle["model"]["family"]
     if spec == "demo":
-        _bundle_family(spec, "llava", bundle)
+        _bundle_family(spec, LlavaAdapter.family, bundle)
         if image_size is not None or grid is not None:
             raise InputError("--image-size and --grid do not apply to `demo` (a LLaVA-1.5 model)")
         model = demo_model()
@@ -127,38 +133,27 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
     if not path.is_dir():
         raise InputError(f"{spec}: not a checkpoint directory (nor `demo`); generate and eval run {SUPPORTED}")
     checkpoint = Checkpoint(path)
-    mine = FAMILIES.get(checkpoint.model_type)
-    if mine is None:
+    import transformers
+
+    from vlmprune.compiler.frontend import FAMILIES
+
+    owner = next((f for f in FAMILIES if checkpoint.model_type in f.language_model and f.adapter.claims(checkpoint)),
+                 None)  # the family whose adapter loads it (a LLaVA on DINOv2 before the general LLaVA)
+    if owner is None:
         raise InputError(f"{spec}: generate and eval run {SUPPORTED}; this one is {checkpoint.model_type!r}")
+    mine = owner.id
     _bundle_family(spec, mine, bundle, checkpoint.model_type)
-    if family == "qwen2_vl" and image_size is None:
-        image_size = bundle["model"]["image_size"]
-    if family == "llava_next" and grid is None:
-        grid = bundle["model"].get("grid")
-    if image_size is not None and mine != "qwen2_vl":
-        raise InputError(f"--image-size applies to Qwen2-VL / Qwen2.5-VL checkpoints, not to {spec} ({mine})")
-    if grid is not None and mine != "llava_next":
-        raise InputError(f"--grid applies to LLaVA-NeXT checkpoints, not to {spec} ({mine})")
-    if mine == "llava":
-        from transformers import LlavaForConditionalGeneration as model_class
-
-        source = LlavaAdapter().load(checkpoint, None)
-    elif mine == "llava_next":
-        from transformers import LlavaNextForConditionalGeneration as model_class
-
-        from vlmprune.compiler.frontend.llava_next import LlavaNextAdapter
-
-        source = LlavaNextAdapter().load(checkpoint, None)
-        if grid is not None:
-            source.regrid(grid)
-    else:
-        import transformers
-
-        from vlmprune.compiler.frontend.qwen2_vl import Qwen2VLAdapter
-
-        model_class = (transformers.Qwen2VLForConditionalGeneration if checkpoint.model_type == "qwen2_vl"
-                       else transformers.Qwen2_5_VLForConditionalGeneration)
-        source = Qwen2VLAdapter().load(checkpoint, None, image_size=image_size)
+    given = {"image_size": image_size, "grid": grid}
+    for name in given:  # the bundle's own --image-size / --grid are the defaults
+        if family is not None and given[name] is None and name in owner.options:
+            given[name] = bundle["model"].get(name)
+    for name, value in given.items():
+        if value is not None and name not in owner.options:
+            theirs = next(f for f in FAMILIES if name in f.options and f.language_model)
+            raise InputError(f"--{name.replace('_', '-')} applies to {theirs.has[PATCH_TOKENS]} checkpoints, "
+                             f"not to {spec} ({mine})")
+    source = owner.llm_source(checkpoint, {k: v for k, v in given.items() if v is not None})
+    model_class = getattr(transformers, owner.language_model[checkpoint.model_type])
     model = from_pretrained(model_class, checkpoint, f"{mine} checkpoint")
     tokenizer = _tokenizer(path)
     return Vlm(model, tokenizer, _chat_template(path, tokenizer), source, str(path), mine)
@@ -173,10 +168,6 @@ def _bundle_family(spec: str, family: str, bundle: dict | None, model_type: str 
         theirs = bundle["model"].get("model_type") or bundle["model"]["family"]
         raise InputError(f"{spec} is not the model this bundle was compiled from ({bundle['model']['source']}): it is "
                          f"a {model_type or family} checkpoint, the bundle's model a {theirs} one")
-
-
-def has_tokenizer(path: Path) -> bool:
-    return any((path / f).is_file() for f in TOKENIZER_FILES)
 
 
 def _tokenizer(path: Path):
@@ -208,8 +199,7 @@ def _first_line(exc: Exception) -> str:
 
 
 def image_token_id(vlm: Vlm) -> int:
-    config = vlm.model.config
-    return config.image_token_id if vlm.family == "qwen2_vl" else config.image_token_index
+    return vlm.model.config.image_token_id  # LLaVA's image_token_index too (its config maps the name)
 
 
 # ---------------------------------------------------------------------------------- prompt
@@ -219,7 +209,7 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     """The prompt's token ids before and after the image placeholder (see the module docstring)."""
     if not prompt.strip():
         raise InputError("--prompt is empty")
-    qwen = vlm.family == "qwen2_vl"
+    qwen = vlm.rules.vision_span is not None  # Qwen's convention: the image between vision_start/vision_end
     image_token = image_token_id(vlm)
     default_mark = QWEN_MARK if qwen else IMAGE_MARK
     mark = default_mark
@@ -255,7 +245,7 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
         specials = {}
         if qwen:
             config = vlm.model.config
-            specials = {QWEN_START: config.vision_start_token_id, QWEN_END: config.vision_end_token_id}
+            specials = {mark: getattr(config, key) for mark, key in zip((QWEN_START, QWEN_END), vlm.rules.vision_span)}
         before, after = (_bytes(part, specials) for part in text.split(mark))
         return Prompt(before, after, text, how + "; no tokenizer: UTF-8 bytes as token ids")
     # A template that writes the BOS token itself must not get a second one from the tokenizer.
@@ -310,19 +300,7 @@ def load_pixels(vlm: Vlm, image: Path, preprocess: dict | None = None) -> tuple[
 
 def hf_image_inputs(vlm: Vlm, pixel: np.ndarray) -> dict:
     """The model's own forward's image arguments for one preprocessed image (pixel: load_pixels' array)."""
-    x = torch.from_numpy(pixel)
-    if vlm.family == "llava":
-        return {"pixel_values": x}
-    if vlm.family == "llava_next":
-        return {"pixel_values": x[None], "image_sizes": torch.tensor([vlm.source.crops["resolution"]])}
-    from transformers import Qwen2VLImageProcessorPil
-
-    vcfg = vlm.model.config.vision_config
-    processor = Qwen2VLImageProcessorPil(do_resize=False, do_rescale=False, do_normalize=False, do_convert_rgb=False,
-                                         patch_size=vcfg.patch_size, merge_size=vcfg.spatial_merge_size,
-                                         temporal_patch_size=vcfg.temporal_patch_size)
-    inputs = processor(images=list(pixel), return_tensors="pt", input_data_format="channels_first")
-    return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+    return vlm.rules.hf_image_inputs(vlm.model.config, vlm.source, pixel)
 
 
 def hf_forward_ids(vlm: Vlm, prompt: Prompt, tokens: int) -> dict:
@@ -330,7 +308,7 @@ def hf_forward_ids(vlm: Vlm, prompt: Prompt, tokens: int) -> dict:
     forward, with Qwen's mm_token_type_ids."""
     ids = torch.tensor([prompt.before + [image_token_id(vlm)] * tokens + prompt.after])
     out = {"input_ids": ids}
-    if vlm.family == "qwen2_vl":
+    if vlm.rules.vision_span is not None:  # Qwen's forward marks the image tokens
         out["mm_token_type_ids"] = (ids == image_token_id(vlm)).int()
     return out
 
@@ -390,7 +368,7 @@ def dense_features(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None
     packed with image_newline, as pack_image_features does; Qwen: the merger's output on the processor's patches)."""
     config = vlm.model.config
     kwargs = hf_image_inputs(vlm, pixel)
-    if vlm.family != "qwen2_vl":
+    if vlm.rules.vision_span is None:  # LLaVA's get_image_features takes the feature layer (Qwen's merger: none)
         kwargs["vision_feature_layer"] = config.vision_feature_layer if feature_layer is None else feature_layer
         kwargs["vision_feature_select_strategy"] = config.vision_feature_select_strategy
     with torch.inference_mode():
@@ -400,13 +378,8 @@ def dense_features(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None
 
 
 def dense_place(vlm: Vlm, tokens: int) -> Callable[[int], tuple[np.ndarray, int]]:
-    """Positions of a dense image of `tokens` rows: consecutive; for mRoPE the whole merged grid (thw_positions)."""
-    if vlm.family == "qwen2_vl":
-        table, grid = vlm.source.position_table, _merged_grid(vlm)
-        if len(table) != tokens:
-            raise ValueError(f"{tokens} dense rows for a {grid} merged grid")
-        return lambda offset: handoff.thw_positions(offset, table, grid)
-    return lambda offset: handoff.image_positions(offset, tokens, 0, None, 0)
+    """Positions of a dense image of `tokens` rows, by the family's rule (consecutive; mRoPE: the whole grid)."""
+    return vlm.rules.positions.place_dense(vlm.source, tokens)
 
 
 def dense_image(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None) -> ImageRows:
@@ -422,36 +395,9 @@ def pruned_image(vlm: Vlm, features: torch.Tensor, kept: np.ndarray, kept_positi
 
     kept: the kept indices [K]; kept_positions [K, 3] (the bundle's output; None: the source's position table).
     """
-    source = vlm.source
     kept = np.asarray(kept, dtype=np.int64)
-    if vlm.family == "llava":
-        dense = prefix + source.num_patches
-        return ImageRows(features, lambda offset: handoff.image_positions(offset, dense, prefix, kept, extra),
-                         kept.tolist())
-    if kept_positions is None:
-        kept_positions = np.asarray(source.position_table)[kept]
-    kept_positions = np.asarray(kept_positions, dtype=np.int64)
-    if prefix:
-        raise ValueError(f"{vlm.family} features have no prefix rows")
-    if vlm.family == "qwen2_vl":
-        grid = _merged_grid(vlm)
-        return ImageRows(features, lambda offset: handoff.thw_positions(offset, kept_positions, grid, extra),
-                         kept.tolist())
-    from vlmprune.compiler.frontend.llava_next import assemble_llm_input
-
-    grid, side = tuple(source.crops["grid"]), source.crops["side"]
-    k = len(kept)
-    newline = source.pipeline.image_newline
-    rows = torch.cat([assemble_llm_input(features[:k], torch.from_numpy(kept_positions), newline, grid, side),
-                      features[k:]])
-    place = lambda offset: handoff.anyres_positions(offset, kept_positions, grid, side, extra)  # noqa: E731
-    if len(place(0)[0]) != len(rows):
-        raise ValueError(f"the assembly gives {len(rows)} rows, the positions rule {len(place(0)[0])}")
+    rows, place = vlm.rules.positions.place_pruned(vlm.source, features, kept, kept_positions, prefix, extra)
     return ImageRows(rows, place, kept.tolist())
-
-
-def _merged_grid(vlm: Vlm) -> tuple[int, int, int]:
-    return tuple(vlm.source.details["token_counts"]["merged_grid_thw"])
 
 
 # ----------------------------------------------------------------------------------- bundle
@@ -474,22 +420,21 @@ def bundle_tokens(bundle_dir: Path, manifest: dict, pixel: np.ndarray, vlm: Vlm 
 
     vlm: the bundle's model, needed for mRoPE and anyres bundles (their grid, position table, image_newline).
     """
+    from vlmprune.compiler.frontend import family_of
     from vlmprune.targets import get_target
 
     llm = manifest.get("llm") or handoff.llm_section(manifest)
-    kind = llm["positions"]["kind"]
-    if kind not in _KINDS.values():
-        raise InputError(f"this bundle's positions are {kind!r}; generate places {', '.join(_KINDS.values())}")
-    if kind != "indices" and (vlm is None or _KINDS[vlm.family] != kind):
-        raise ValueError(f"a {kind!r} bundle needs its own model's Vlm to place its tokens")
+    rule = family_of(manifest).positions
+    if rule.needs_model and (vlm is None or vlm.rules.positions.kind != rule.kind):
+        raise ValueError(f"a {rule.kind!r} bundle needs its own model's Vlm to place its tokens")
     static = manifest["inputs"][0]["shape"][0]
-    if kind != "cyx" and isinstance(static, int) and static > 1:  # a static batch: the image in every slot, slot 0
+    if rule.repeats_batch and isinstance(static, int) and static > 1:  # a static batch: the image in every slot, slot 0
         pixel = np.repeat(pixel, static, axis=0)
     runner, runtime = get_target(manifest["target"]["name"]).runner(Path(bundle_dir), manifest)
     outputs = runner(pixel)
     kept = outputs[handoff.KEPT][0] if handoff.KEPT in outputs else None
     features = torch.from_numpy(np.ascontiguousarray(outputs[llm["features_output"]][0]))
-    if kind == "indices":
+    if not rule.needs_model:
         return BundleTokens(features, kept, llm, runtime)
     if kept is None:  # a dense bundle: its features are the dense sequence
         return BundleTokens(features, None, llm, runtime, dense_place(vlm, len(features)))
@@ -503,8 +448,8 @@ def bundle_positions(tokens: BundleTokens, offset: int) -> tuple[np.ndarray, int
         return tokens.place(offset)
     rows = tokens.llm["rows"]
     if tokens.kept is None:
-        return handoff.image_positions(offset, len(tokens.features), 0, None, 0)
-    return handoff.image_positions(offset, tokens.llm["dense_image_tokens"], rows["prefix"], tokens.kept,
+        return image_positions(offset, len(tokens.features), 0, None, 0)
+    return image_positions(offset, tokens.llm["dense_image_tokens"], rows["prefix"], tokens.kept,
                                    rows["extra"])
 
 
@@ -513,8 +458,10 @@ def default_model(manifest: dict) -> str:
     directory)."""
     from vlmprune.compiler.bundle import source_of
 
+    from vlmprune.compiler.frontend import family_of
+
     model = manifest["model"]
-    if model["family"] in _KINDS and (model["kind"] == "hf" or model["source"] == "demo"):
+    if family_of(manifest).language_model and (model["kind"] == "hf" or model["source"] == "demo"):
         return source_of(manifest)
     raise InputError(f"--model is needed: the bundle was compiled from {model['source']} ({model['kind']}, "
                      f"family {model['family']}), which holds no language model")

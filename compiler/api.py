@@ -1,0 +1,716 @@
+"""vlmprune's Python API: each `vlmprune` command as one call that returns a typed result.
+
+A CI script or a notebook calls these instead of shelling out, and the CLI (compiler/cli.py)
+is a thin layer over them: it parses options, calls one function here and prints the
+result (its `lines()`, or its `to_json()` for --json). Options are keyword-only with the
+CLI's defaults. Bad input raises vlmprune.compiler.errors.InputError (a VlmpruneError) with
+the message the CLI prints after `error:`; a failing parity figure is data (`passed`), not
+an exception. `progress`, where taken, receives the lines the CLI prints on stderr while a
+command works (progress, notes and warnings); None drops them.
+
+    from vlmprune.compiler import api
+    bundle = api.compile("demo", "build/demo", keep=64)
+    report = api.check(bundle.bundle)
+    result = api.run(bundle.bundle, images=["photo.jpg"], benchmark=True)
+    print(report.passed, result.kept[0][:8], result.benchmark["latency_ms"]["p50"])
+
+(README.md's example; tests/compiler/test_api.py runs it.) The CLI's own error boundary
+(`tracking`, `interrupted_line`) is re-exported here so that the CLI needs nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+
+from vlmprune.compiler import benchmark as bench
+from vlmprune.compiler import pictures
+from vlmprune.compiler.bundle import interrupted_line, tracking  # noqa: F401 (the CLI's error boundary)
+from vlmprune.compiler.contract import KEPT
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend import FAMILIES, family_of, family_option_names
+from vlmprune.compiler.bundle.manifest import Manifest, MethodSection
+from vlmprune.compiler.bundle.output_files import check_output_file, write_file
+from vlmprune.compiler.parity import DEFAULT_TOLERANCES, ParityReport, figure_text, parse_overrides, summary_bounds
+from vlmprune.compiler.pipeline import CompileOptions, check_bundle, compile_model
+from vlmprune.passes.methods import METHODS
+from vlmprune.targets import DEFAULT_TARGET, PLANNED, TARGETS, get_target
+from vlmprune.targets import placement
+
+Progress = Callable[[str], None] | None
+
+__all__ = ["CompileResult", "InspectResult", "Manifest", "ParityReport", "RunResult", "EvalResult", "CompareResult",
+           "MethodInfo", "TargetListing", "compile", "check", "run", "inspect", "eval", "compare", "generate",
+           "generate_json", "methods", "targets", "DEFAULT_TARGET"]
+
+
+def _say(progress: Progress) -> Callable[[str], None]:
+    return progress or (lambda _m: None)
+
+
+# ---------------------------------------------------------------------- options the tables declare
+
+
+def declared_options() -> dict[str, tuple[type, list[str]]]:
+    """Every option a method or target declares -> (type, its help texts): the CLI's --lambda, --precision, ..."""
+    declared: dict[str, tuple[type, list[str]]] = {}
+    for cls in METHODS.values():
+        for name, (kind, text) in cls.options.items():
+            declared.setdefault(name, (kind, []))[1].append(text)
+    for cls in TARGETS.values():
+        for name, text in cls.options.items():
+            declared.setdefault(name, (str, []))[1].append(text)
+    return declared
+
+
+def declared_family_options() -> dict[str, tuple[type, list[str]]]:
+    """Every option a model family declares -> (type, its help texts): the CLI's --grid, --image-size, ..."""
+    return family_option_names()
+
+
+def split_options(given: dict) -> tuple[dict, dict]:
+    """Declared options given (None: not given) -> (method_options, target_options); a target's name wins."""
+    given = {k: v for k, v in given.items() if v is not None}
+    target_names = {n for cls in TARGETS.values() for n in cls.options}
+    method_names = {n for cls in METHODS.values() for n in cls.options}
+    method = {k: v for k, v in given.items() if k in method_names and k not in target_names}
+    target = {k: v for k, v in given.items() if k in target_names}
+    return method, target
+
+
+def target_commands() -> list:
+    """The click commands the targets contribute (Target.commands, e.g. build-engine), one per name."""
+    commands: dict[str, object] = {}
+    for cls in TARGETS.values():
+        for command in cls().commands():
+            commands.setdefault(command.name, command)
+    return list(commands.values())
+
+
+# ---------------------------------------------------------------------- compile
+
+
+@dataclasses.dataclass
+class CompileResult:
+    """A compiled bundle: where it is, its manifest, the parity report it was checked with, and how long it took."""
+
+    bundle: Path
+    manifest: Manifest
+    report: ParityReport
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.report.passed
+
+    def to_json(self) -> dict:
+        """`vlmprune compile --json`'s summary."""
+        m = self.manifest
+        return {"bundle": str(self.bundle), "target": m.target.name, "method": dict(m.method),
+                "outputs": [dict(o) for o in m.outputs], "parity": dict(m.parity), "seconds": round(self.seconds, 2)}
+
+    def lines(self) -> list[str]:
+        """The summary `vlmprune compile` prints: tokens in and out, each parity stage's figures, placement."""
+        manifest, method = self.manifest, self.manifest.method
+        out = []
+        counts = manifest.model.get("token_counts")
+        if counts:  # a merging tower: its patches are not the tokens the LLM sees
+            t, h, w = counts["merged_grid_thw"]
+            out.append(f"image {counts['image_size']}x{counts['image_size']}: {counts['patch_grid'][0]}x"
+                       f"{counts['patch_grid'][1]} = {counts['patches']} patches, merged "
+                       f"{counts['spatial_merge']}x{counts['spatial_merge']} into {h}x{w} = {counts['tokens']} tokens")
+        if not method.pruned:
+            out.append("tokens: dense (no pruning)")
+        elif method.site == "block":
+            where = (f"at the tower's end, after block {method.layer}/{method.num_blocks}"
+                     if method.layer == method.num_blocks else
+                     f"after block {method.layer}/{method.num_blocks}; " + _later(method))
+            out.append(f"tokens: {_tokens_in(method, 'patch tokens')} -> {method.summary.split(' (')[0]} ({where})")
+        else:
+            out.append(f"tokens: {_tokens_in(method, 'tokens')} -> {method.summary.split(' (')[0]} "
+                       "(on the projector output)")
+        out += [_stage_line(name, stage) for name, stage in manifest.parity.stages.items()]
+        if manifest.llm_graphs:
+            out.append(llm_parity_line(manifest.llm_graphs))
+        out += _placement_summary(manifest)
+        out.append(f"bundle: {self.bundle} ({self.seconds:.1f}s)")
+        return out
+
+
+def compile(model: str, output: str | Path = "build", *, target: str = DEFAULT_TARGET, method: str = "cls",
+            keep: int = 192, layer: int | None = None, prune: bool = True, batch: int | None = None, opset: int = 18,
+            feature_layer: int | None = None, cls: str | None = None, with_llm: bool = False,
+            llm_exporter: str | None = None, fastv_layer: int | None = None, fastv_keep: float | None = None,
+            image_start: int | None = None, method_options: dict | None = None, target_options: dict | None = None,
+            family_options: dict | None = None, cache: bool = True, force: bool = False, debug: bool = False,
+            progress: Progress = None) -> CompileResult:
+    """Compile MODEL (a preset such as `demo`, a Hugging Face directory, or an .onnx tower) into a bundle at output.
+
+    The keywords are `vlmprune compile`'s options (prune=False is --no-prune; method_options,
+    target_options and family_options hold the options the tables declare, e.g. {"lambda": 0.3},
+    {"precision": "int8"}, {"grid": "2x2"}). Returns the CompileResult even when a parity stage
+    fails (result.passed is False; the CLI exits 1). Raises InputError for bad options or a model
+    it cannot compile, ToolchainError where a target's toolchain is missing.
+    """
+    options = CompileOptions(target=target, method=method, keep=keep, layer=layer, prune=prune, batch=batch,
+                             opset=opset, feature_layer=feature_layer, force=force, debug=debug, cls=cls,
+                             method_options=dict(method_options or {}), target_options=dict(target_options or {}),
+                             family_options={k: v for k, v in (family_options or {}).items() if v is not None},
+                             cache=cache, with_llm=with_llm, llm_exporter=llm_exporter, fastv_layer=fastv_layer,
+                             fastv_keep=fastv_keep, image_start=image_start)
+    result = compile_model(model, Path(output), options, _say(progress))
+    return CompileResult(result.bundle, result.manifest, result.report, result.seconds)
+
+
+def _later(method: MethodSection) -> str:
+    n = method.num_blocks - method.layer
+    return (f"the {n} later blocks run on {method.tokens_out} tokens" if n > 1 else
+            f"the last block runs on {method.tokens_out} tokens")
+
+
+def _tokens_in(method: MethodSection, noun: str) -> str:
+    """The tokens the method ranks: N, or an anyres image's C crops of N each (num_patches is per crop)."""
+    n, crops = method.num_patches, method.params.get("crops")
+    return f"{crops['count'] * n} {noun} ({crops['count']} crops x {n})" if crops else f"{n} {noun}"
+
+
+def _stage_line(name: str, stage: dict) -> str:
+    """One parity stage of the manifest in figures, each held to its precision's defaults (as compile holds it)."""
+    figures = []
+    default = DEFAULT_TOLERANCES.get(stage.get("precision"))
+    bounds = summary_bounds(default) if default else {}
+    if "cosine_min" in stage:
+        figures.append(f"cosine {figure_text(stage['cosine_min'], 7, **bounds.get('cosine_min', {}))}")
+    if "max_abs" in stage:
+        figures.append(f"max-abs {figure_text(stage['max_abs'], 3, **bounds.get('max_abs', {}))}")
+    if "index_agreement" in stage:
+        figures.append(f"kept-index agreement "
+                       f"{figure_text(stage['index_agreement'], 4, **bounds.get('index_agreement', {}))}")
+        if stage.get("tie_resolved_images"):
+            images = ", ".join(map(str, stage["tie_resolved_images"]))
+            why = ("it diverges at a greedy step whose two best candidates tie" if "first_divergent_step" in stage
+                   else "every differing index lies in the K-th boundary tie band")
+            figures.append(f"image {images}: {why}")
+    status = "PASS" if stage["passed"] else "FAIL"
+    return f"parity {name:<10} {status}  {', '.join(figures)}" + (f"  {stage['error']}" if "error" in stage else "")
+
+
+def llm_parity_line(llm: dict) -> str:
+    """The language model's compile-time check, in its exporter's figures (`check` repeats it as stage llm)."""
+    parity = llm.get("parity")
+    if parity:  # torch.onnx or onnxruntime-genai: logits and greedy tokens against the reference decoder
+        passed = parity["passed"]
+        figures = [f"logits max-abs {figure_text(parity['logits_max_abs'], 3, at_most=parity.get('tolerance'))}",
+                   f"greedy tokens {'identical' if parity['tokens_identical'] else 'DIFFER'} over "
+                   f"{parity['decode_steps']} decode steps"]
+    else:  # TensorRT Edge-LLM: the graph's weights, and the graph minus its plugins where that runs here
+        weights, ops = llm["checks"]["weights"], llm["checks"]["standard_ops_in_onnxruntime"]
+        passed = weights["passed"] and (not ops.get("ran") or ops["passed"])
+        figures = [f"weights max-abs {weights['max_abs']:.2e} over {weights['tensors_checked']} tensors",
+                   f"standard-ops logits max-abs {figure_text(ops['logits_max_abs'], 3, at_most=ops.get('tolerance'))}"
+                   if ops.get("ran")
+                   else "standard ops not run here"]
+    return f"parity {'llm':<10} {'PASS' if passed else 'FAIL'}  {', '.join(figures)}"
+
+
+def _placement_summary(manifest: Manifest) -> list[str]:
+    return [placement.summary_line(name, summary)
+            for name, summary in manifest.target.get("placement_summary", {}).items()]
+
+
+# ---------------------------------------------------------------------- check
+
+
+def _tolerance_specs(value) -> tuple[str, ...]:
+    """A tolerance keyword as check's repeated option: VALUE or OUTPUT:VALUE strings (a number is VALUE)."""
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, (str, int, float)) else list(value)
+    return tuple(str(v) for v in values)
+
+
+def check(bundle: str | Path, *, batch: int | None = None, atol=(), rtol=(), cosine=(), engine: bool = False,
+          model: str | None = None, cache: bool = True, report: str | Path | None = None,
+          junit: str | Path | None = None, force: bool = False, progress: Progress = None) -> ParityReport:
+    """Re-run BUNDLE's parity against a freshly loaded PyTorch reference (`vlmprune check`).
+
+    atol / rtol / cosine: a number for every value output, or "OUTPUT:VALUE" strings (repeatable, as
+    the CLI's options). report: also write an .html page or .json data there; junit: a JUnit .xml.
+    engine: require the target's device-engine stage. Returns the ParityReport (report.passed, its
+    stages, report.to_json() as --json prints it); a failing stage is data, not an exception.
+    Raises InputError for bad options, a modified bundle or a moved/changed source.
+    """
+    atol, rtol, cosine = _tolerance_specs(atol), _tolerance_specs(rtol), _tolerance_specs(cosine)
+    if report:
+        check_output_file(report, force, (".html", ".htm", ".json"), "--report")
+        if Path(report).suffix.lower() != ".json":
+            pictures.require_pillow()
+    if junit:
+        check_output_file(junit, force, (".xml",), "--junit")
+    if report and junit and Path(report).resolve() == Path(junit).resolve():
+        raise InputError("--report and --junit name the same file")
+    tolerances = None
+    if atol or rtol or cosine:
+        outputs = Manifest.load(bundle, verify=False).output_names
+        tolerances = parse_overrides({"atol": atol, "rtol": rtol, "cosine": cosine},
+                                     [o for o in outputs if o != KEPT], [KEPT])
+    required = None  # engine: the stage the bundle's target names for its device engine
+    if engine:
+        required = get_target(Manifest.load(bundle, verify=False).target.name).require_engine(bundle)
+    started = time.perf_counter()
+    result = check_bundle(bundle, batch, _say(progress), tolerances, model, cache=cache)
+    seconds = time.perf_counter() - started
+    if required and required not in [s.stage for s in result.stages]:
+        raise InputError(f"the {required} stage did not run (see the progress lines above)")
+    if report or junit:
+        from vlmprune.compiler import report as reports
+
+        data = result.to_json()
+        manifest = Manifest.load(bundle, verify=False)  # check_bundle verified it
+        name = Path(bundle).resolve().name
+        if report and Path(report).suffix.lower() == ".json":
+            write_file(report, (json.dumps(data, indent=2) + "\n").encode(), force)
+        elif report:
+            write_file(report, reports.html_report(data, manifest, name, reports.parity_images(data, manifest)).encode(),
+                       force)
+        if junit:
+            write_file(junit, reports.junit_xml(data, manifest, name, seconds), force)
+    return result
+
+
+# ---------------------------------------------------------------------- run
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One run of a bundle here: its outputs as numpy arrays, the kept indices, and the benchmark's figures."""
+
+    bundle: Path
+    runtime: str  # what ran it, e.g. "onnxruntime 1.22.0 CPUExecutionProvider"
+    inputs: np.ndarray  # the pixel values the bundle ran on (the family's preprocessing of the images)
+    outputs: dict[str, np.ndarray]
+    benchmark: dict | None = None  # latency_ms {min, mean, p50, p90, p99, max}, throughput_images_per_s, ...
+    saved_outputs: Path | None = None
+    show: Path | None = None
+
+    @property
+    def kept(self) -> np.ndarray | None:
+        """The kept patch indices, (batch, K) int64; None for a bundle without them (dense)."""
+        return self.outputs.get(KEPT)
+
+    def to_json(self) -> dict:
+        """`vlmprune run --json`'s summary."""
+        data = {"bundle": str(self.bundle), "runtime": self.runtime, "batch": int(self.inputs.shape[0]),
+                "outputs": {name: {"shape": list(v.shape), "dtype": str(v.dtype)} for name, v in self.outputs.items()}}
+        if self.kept is not None:
+            data[KEPT] = self.kept.tolist()
+        if self.benchmark is not None:
+            data["benchmark"] = self.benchmark
+        if self.saved_outputs:
+            data["saved_outputs"] = str(self.saved_outputs)
+        if self.show:
+            data["show"] = str(self.show)
+        return data
+
+    def lines(self) -> list[str]:
+        """What `vlmprune run` prints: the runtime, each output's shape, image 0's kept indices, the figures."""
+        out = [f"({self.runtime})"]
+        out += [f"{name}: shape {list(value.shape)} dtype {value.dtype}" for name, value in self.outputs.items()]
+        if self.kept is not None:
+            out.append("kept (image 0): " + " ".join(map(str, self.kept[0].tolist())))
+        if self.benchmark is not None:
+            out += bench.format_benchmark(self.benchmark, self.runtime)
+        if self.saved_outputs:
+            out.append(f"outputs written to {self.saved_outputs}")
+        if self.show:
+            out.append(f"picture written to {self.show}")
+        return out
+
+
+def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | Path | np.ndarray | None = None,
+        benchmark: bool = False, warmup: int | None = None, iterations: int | None = None,
+        save_outputs: str | Path | None = None, show: str | Path | None = None, force: bool = False,
+        progress: Progress = None) -> RunResult:
+    """Run BUNDLE with its target's runtime here (`vlmprune run`) on images or on inputs, never both.
+
+    images: image files, preprocessed as the bundle's model does (one per static batch slot);
+    inputs: the pixel values as a float32 array, or an .npz file holding one (--load-inputs).
+    benchmark: also time the runtime (warmup 5, iterations 50 by default). save_outputs: write
+    every output to this .npz; show: draw what was kept into this PNG. Returns a RunResult.
+    Raises InputError for bad input, a modified bundle, or a runtime this machine lacks.
+    """
+    say = _say(progress)
+    images = [Path(i) for i in images]
+    if bool(images) == (inputs is not None):
+        raise InputError("give the input either as --image (one or more) or as --load-inputs FILE.npz")
+    if not benchmark and (warmup is not None or iterations is not None):
+        raise InputError("--warmup and --iterations only apply with --benchmark")
+    warmup, iterations = 5 if warmup is None else warmup, 50 if iterations is None else iterations
+    bench.check_counts(warmup, iterations)
+    if show:
+        pictures.require_pillow()
+        check_output_file(show, force, (".png",), "--show")
+    if save_outputs:
+        check_output_file(save_outputs, force, (".npz",), "--save-outputs")
+    if show and save_outputs and Path(show).resolve() == Path(save_outputs).resolve():
+        raise InputError("--show and --save-outputs name the same file")
+    bundle = Path(bundle)
+    m = Manifest.load(bundle, verify=True)
+    if show and not m.method.pruned:
+        raise InputError("--show needs a pruned bundle: this one keeps every patch (compiled with --no-prune)")
+    family = family_of(m)
+    if show and family.cannot_draw(m):
+        raise InputError(f"--show draws one patch grid per image; {family.cannot_draw(m)} cannot be drawn yet")
+    # The runtime first: on a machine without it (TensorRT off the Jetson) that is the one line to say.
+    runner, runtime = get_target(m.target.name).runner(bundle, m)
+    if images:  # the family's input loader (an anyres bundle: one image is the input's crops)
+        pixel = _load_images(m, images, say, _static_batch(m))
+    elif isinstance(inputs, np.ndarray):
+        pixel = bench.check_inputs(inputs, m, "inputs")
+    else:
+        pixel = bench.load_inputs(inputs, m)
+        say(f"{inputs}: {m.inputs[0].name} {list(pixel.shape)} float32")
+    outputs = runner(pixel)
+    result = RunResult(bundle, runtime, pixel, outputs)
+    if benchmark:
+        result.benchmark = bench.benchmark(runner, pixel, warmup, iterations)
+    if save_outputs:
+        write_file(save_outputs, bench.npz_bytes(outputs), force)
+        result.saved_outputs = Path(save_outputs)
+    if show:
+        if KEPT not in outputs:
+            raise InputError("--show needs the bundle's kept_indices output, and this bundle has none")
+        sels, note = pictures.selections_for_run(m, pixel, outputs[KEPT], bundle.resolve().name)
+        if note:
+            say(f"warning: {note}")
+        drawn = [pictures.picture(sel) for sel in sels]
+        write_file(show, pictures.png_bytes(drawn[0] if len(drawn) == 1 else pictures.grid_of(drawn)), force)
+        result.show = Path(show)
+    return result
+
+
+def _static_batch(m: Manifest):
+    return m.target.get("batch") or m.inputs[0].shape[0]
+
+
+def _load_images(m: Manifest, image_files, say: Callable[[str], None], static=None) -> np.ndarray:
+    """The images preprocessed as the bundle's model does, by its family, saying how (and warning of heavy
+    upscaling)."""
+    pixel, notes = family_of(m).load_images(m, image_files, static)
+    for note in notes:
+        say(note)
+    return pixel
+
+
+# ---------------------------------------------------------------------- compare
+
+
+@dataclasses.dataclass
+class CompareResult:
+    output: Path
+    pictures: int  # one per bundle
+
+    def lines(self) -> list[str]:
+        return [f"{self.pictures} picture{'' if self.pictures == 1 else 's'} written to {self.output}"]
+
+
+def compare(bundles: Iterable[str | Path], *, image: str | Path, output: str | Path, columns: int | None = None,
+            force: bool = False, progress: Progress = None) -> CompareResult:
+    """Draw what each bundle keeps on the same image, side by side, into the PNG output (`vlmprune compare`).
+
+    Returns a CompareResult; raises InputError for a dense bundle, a bundle that cannot be drawn, or bad options.
+    """
+    say = _say(progress)
+    bundles = [Path(b) for b in bundles]
+    pictures.require_pillow()
+    check_output_file(output, force, (".png",), "-o")
+    if columns is not None and (columns < 1):
+        raise InputError(f"--columns must be >= 1, got {columns}")
+    manifests = [Manifest.load(b, verify=True) for b in bundles]  # every bundle checked before any run
+    for b, m in zip(bundles, manifests):
+        if not m.method.pruned:
+            raise InputError(f"{b}: a dense bundle (--no-prune) keeps every patch; nothing to compare")
+        if family_of(m).cannot_draw(m):
+            raise InputError(f"{b}: {family_of(m).cannot_draw(m)} cannot be drawn yet")
+    tiles = []
+    for b, m in zip(bundles, manifests):
+        pixel = _load_images(m, [image], say)
+        static = _static_batch(m)
+        if isinstance(static, int) and static > 1:  # a static batch: the same image in every slot
+            pixel = np.repeat(pixel, static, axis=0)
+        runner, runtime = get_target(m.target.name).runner(b, m)
+        say(f"{b}: {runtime}")
+        kept = runner(pixel)[KEPT][:1]
+        sels, note = pictures.selections_for_run(m, pixel[:1], kept, b.resolve().name)
+        if note:
+            say(f"warning: {b}: {note}")
+        tiles.append(pictures.picture(sels[0]))
+    write_file(output, pictures.png_bytes(pictures.grid_of(tiles, columns)), force)
+    return CompareResult(Path(output), len(tiles))
+
+
+# ---------------------------------------------------------------------- inspect
+
+
+@dataclasses.dataclass
+class InspectResult:
+    """A verified bundle as `vlmprune inspect` shows it: the manifest, its placement tables, model.onnx's ops."""
+
+    bundle: Path
+    manifest: Manifest
+    ops: list[dict] | None = None  # model.onnx's ops (name, op type, role, placement), where asked for
+
+    @property
+    def placement(self) -> dict[str, list[dict]]:
+        """Per graph, where the target placed each op (targets that report it: qnn, rk3588)."""
+        return self.manifest.target.get("placement", {})
+
+    @property
+    def placement_summary(self) -> list[str]:
+        return _placement_summary(self.manifest)
+
+    def to_json(self) -> dict:
+        """`vlmprune inspect --json`: the verified manifest and the op listing."""
+        return {"bundle": str(self.bundle), "manifest": self.manifest, "ops": self.ops}
+
+    def lines(self) -> list[str]:
+        from vlmprune.compiler.ops import op_lines
+
+        m, t = self.manifest, self.manifest.target
+        out = [f"vlmprune {m.version} bundle: {self.bundle}",
+               f"target:   {t.name} — {t.summary}",
+               "toolchain: " + ", ".join(f"{k} {v}" for k, v in t.toolchain.items()),
+               f"model:    {m.model.source} ({m.model.kind}, sha256 {m.model.sha256[:16]}…)",
+               f"method:   {m.method.summary}"]
+        for kind, tensors in (("input", m.inputs), ("output", m.outputs)):
+            out += [f"{kind:<9} {io.name} {io.shape} {io.dtype}" for io in tensors]
+        out.append(f"parity:   {'PASS' if m.parity.passed else 'FAIL'} ({', '.join(m.parity.stages)})")
+        out.append("files:")
+        out += [f"  {name:<28} {digest[:16]}…" for name, digest in m.files.items()]
+        for name, rows in self.placement.items():
+            out.append(f"placement of {name} ({len(rows)} ops):")
+            out += placement.table(rows)
+        out += self.placement_summary
+        if self.ops is not None:
+            out.append(f"ops of model.onnx ({len(self.ops)}):")
+            out += op_lines(self.ops, bool(t.get("placement")))
+        return out
+
+
+def inspect(bundle: str | Path, *, ops: bool = True) -> InspectResult:
+    """BUNDLE's manifest after checking every file's sha256, with model.onnx's ops where ops (`vlmprune inspect`).
+
+    Raises InputError for a missing, foreign or modified bundle.
+    """
+    from vlmprune.compiler.ops import op_rows
+
+    m = Manifest.load(bundle, verify=True)
+    return InspectResult(Path(bundle), m, op_rows(bundle, m) if ops else None)
+
+
+# ---------------------------------------------------------------------- generate and eval
+
+
+def generate(bundle: str | Path, *, image: str | Path, prompt: str, model: str | None = None, dense: bool = False,
+             max_new_tokens: int = 32, progress: Progress = None):
+    """Run BUNDLE on image and let the checkpoint's LLM answer prompt, greedily (`vlmprune generate`).
+
+    model: the checkpoint whose LLM answers (default: the bundle's source); dense: feed the model's
+    own image features instead. Returns compiler.generate.GenerateResult (answer.text,
+    answer.tokens, kept, runtime, fastv_warning). Raises InputError for bad input.
+    """
+    from vlmprune.compiler.generate import generate as generate_answer
+
+    return generate_answer(Path(bundle), model, Path(image), prompt, dense, max_new_tokens, _say(progress))
+
+
+def generate_json(result) -> dict:
+    """`vlmprune generate --json`: the answer and what was fed to the LLM (a GenerateResult as data)."""
+    a = result.answer
+    return {"path": result.path, "runtime": result.runtime, "prompt": result.prompt.text,
+            "image_start": result.image_start, "image_tokens": a.image_tokens, KEPT: result.kept,
+            "position_ids": a.position_ids, "tokens": a.tokens, "text": a.text}
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """`vlmprune eval`'s report: per method and K (and per bundle), first-token KL and answer agreement."""
+
+    data: dict  # the report as --json prints it: rows, images, prompts, dense_image_tokens, harness_kl_max, ...
+    report: Path | None = None
+
+    @property
+    def rows(self) -> list[dict]:
+        return self.data["rows"]
+
+    def to_json(self) -> dict:
+        return self.data
+
+    def lines(self) -> list[str]:
+        """The table `vlmprune eval` prints, and what it was measured over."""
+        from vlmprune.compiler.evaluate import table
+
+        data = self.data
+        starts = sorted(set(data["image_start"]))
+        return [*table(data),
+                f"({len(data['images'])} images x {len(data['prompts'])} prompts; dense: "
+                f"{data['dense_image_tokens']} image tokens; harness check KL {data['harness_kl_max']:.2g})",
+                f"(the image starts at prompt token {', '.join(map(str, starts))}: FastV's --image-start for "
+                f"{'these prompts' if len(starts) == 1 else 'the prompts, in order of value'})"]
+
+
+def eval(model: str, *, images: str | Path, prompts: str | Path, methods: Iterable[str] | None = None,
+         keeps: Iterable[int] | None = None, bundles: Iterable[str | Path] = (), max_new_tokens: int = 8,
+         image_size: int | None = None, grid: str | None = None, report: str | Path | None = None,
+         force: bool = False, progress: Progress = None) -> EvalResult:
+    """Pruned against dense on MODEL's own LLM (`vlmprune eval`): per method and K, KL and greedy agreement.
+
+    images: a directory of images; prompts: a text file, one prompt a line. methods and keeps (each
+    item a value or a comma list, as the CLI's options) default to cls and 64 unless bundles
+    (compiled from MODEL) are given. report: also write the
+    report as .json or .html. Returns an EvalResult. Raises InputError for bad input.
+    """
+    from vlmprune.compiler.evaluate import evaluate
+
+    if report:
+        check_output_file(report, force, (".json", ".html", ".htm"), "--report")
+    bundles = [Path(b) for b in bundles]
+    if not bundles:
+        methods, keeps = methods or ("cls",), keeps or (64,)
+    methods, keeps = _comma_list(methods or ()), _comma_list(keeps or (), int, "--keep")
+    data = evaluate(model, Path(images), Path(prompts), methods, keeps, max_new_tokens, _say(progress), bundles,
+                    image_size, grid)
+    if report and Path(report).suffix.lower() == ".json":
+        write_file(report, (json.dumps(data, indent=2) + "\n").encode(), force)
+    elif report:
+        from vlmprune.compiler.report import eval_html
+
+        write_file(report, eval_html(data).encode(), force)
+    return EvalResult(data, Path(report) if report else None)
+
+
+def _comma_list(values, kind=str, what="value") -> list:
+    """Values as eval's repeatable options take them: each one a value or a comma list of values."""
+    out = []
+    for value in values:
+        for part in str(value).split(","):
+            if part.strip():
+                try:
+                    out.append(kind(part.strip()))
+                except ValueError:
+                    raise InputError(f"{what} {part.strip()!r} is not an integer") from None
+    return out
+
+
+# ---------------------------------------------------------------------- listings
+
+
+@dataclasses.dataclass
+class MethodInfo:
+    """One pruning method as `vlmprune methods` lists it."""
+
+    name: str
+    summary: str
+    needs: str  # what it needs from the model
+    serves: str  # the families that have it
+    options: dict[str, str]  # --OPTION -> what it does
+    targets: list[str]  # per target: how it runs the method, or why it refuses it
+    official: str | None = None
+
+    def lines(self) -> list[str]:
+        out = [f"{self.name}: {self.summary}", f"  needs:    {self.needs}", f"  serves:   {self.serves}"]
+        out += [f"  --{option}: {text}" for option, text in self.options.items()]
+        out.append("  targets:  " + ", ".join(self.targets))
+        if self.official:
+            out.append(f"  official: {self.official}")
+        return out
+
+
+def methods() -> list[MethodInfo]:
+    """The pruning methods: what each needs from the model, its options, and how each target runs it."""
+    out = []
+    for name, cls in METHODS.items():
+        method = cls()
+        params = method.parse(64, {})
+        rows = []
+        for target_name, target_cls in TARGETS.items():
+            target = target_cls()
+            refused = target.refusal(method)
+            if refused:
+                rows.append(f"{target_name} refuses it ({refused})")
+                continue
+            parts = [] if target.formulation(method) == "standard" else [target.formulation(method)]
+            parts += [_fusion_text(method, target.spellings)]
+            rows.append(f"{target_name} ({', '.join(p for p in parts if p) or 'standard ops'})")
+        out.append(MethodInfo(name, method.summary, method.needs(params).describe(), _serves(method),
+                              {option: text.split(": ", 1)[-1] for option, (_kind, text) in method.options.items()},
+                              rows, method.official or None))
+    return out
+
+
+def _serves(method) -> str:
+    """The families that have what the method needs (Method.serves against Family.has), in the table's order."""
+    parts = []
+    for capability, using in method.serves():
+        names = [f.has[capability] for f in FAMILIES if capability in f.has]
+        if names:
+            parts.append(capability.phrase.format(", ".join(names)) + using)
+    return "; ".join(parts)
+
+
+def _fusion_text(method, spellings) -> str:
+    """What a target fuses the method into, per value of an option that changes it ('' where nothing is fused)."""
+    for option, values in method.choices.items():
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for value in values:
+            groups.setdefault(tuple(method.fused_into(spellings, method.parse(64, {option: value}))), []).append(value)
+        if len(groups) > 1:
+            return "; ".join(f"{'fused into ' + ', '.join(ops) if ops else 'standard ops'} with --{option} "
+                             f"{' or '.join(chosen)}" for ops, chosen in groups.items())
+    fused = method.fused_into(spellings, method.parse(64, {}))
+    return f"fused into {', '.join(fused)}" if fused else ""
+
+
+@dataclasses.dataclass
+class TargetInfo:
+    name: str
+    summary: str
+    available: bool | None  # None: planned, not in this version
+    why: str = ""  # why it is unavailable here
+
+    def line(self) -> str:
+        state = ("planned (not in this version)" if self.available is None else
+                 "available" if self.available else "unavailable: " + self.why)
+        return f"{self.name:<8} {state:<40} {self.summary}"
+
+
+@dataclasses.dataclass
+class TargetListing:
+    """`vlmprune targets`: each target and whether its toolchain is here, the targets' own lines, the LLM exporters."""
+
+    targets: list[TargetInfo]
+    notes: list[str]  # what each target lists of its own (e.g. a target option's values)
+    llm: list[str]  # the --with-llm exporters, per target
+
+    def lines(self) -> list[str]:
+        return [*(t.line() for t in self.targets), *self.notes, "--with-llm (the language model):", *self.llm]
+
+
+def targets() -> TargetListing:
+    """The targets, whether each one's toolchain is available here, and the language-model exporters."""
+    from vlmprune.compiler.llm.export import exporter_lines
+
+    listed, notes = [], []
+    for name, cls in TARGETS.items():
+        target = cls()
+        ok, why = target.available()
+        listed.append(TargetInfo(name, target.summary, ok, why))
+    listed += [TargetInfo(name, summary, None) for name, summary in PLANNED.items()]
+    for cls in TARGETS.values():
+        notes += cls().listing()
+    return TargetListing(listed, notes, exporter_lines())

@@ -1,0 +1,231 @@
+"""The family interface: what a model family declares and answers, beside Method and Target.
+
+The pipeline asks a loaded source's family, never tests the family itself: which options it
+takes (like Method.options), how they fix the source at load, whether a target can run its
+input, the dense model (export or load), the parity images, the token layout pruning runs
+over, its bundle README section, and, from a finished bundle's manifest, how `vlmprune run`
+feeds and draws it. The LLM side reads two declarations: `positions` (the kind of
+`llm.positions` its bundles hand over: "indices" the patch index of each kept token, "thw"
+Qwen2-VL's (t, h, w), "cyx" LLaVA-NeXT's (crop, row, col)) and `language_model` (the
+transformers class of its full VLM per model_type, whose language model `generate` runs;
+empty for a bare tower).
+
+A family says what it has (`has`: capabilities, below), a method what it needs; the CLI
+joins the two for `vlmprune methods`. Adding a family is one module (its adapter and its
+family object), its tests, and one line in frontend/__init__.py's FAMILIES.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
+
+import numpy as np
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.export import export_onnx
+from vlmprune.compiler.frontend.images import UPSCALE_WARNING, load_image_file, parity_inputs
+from vlmprune.compiler.frontend.source import Source
+from vlmprune.compiler.frontend.tower import BLOCK
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """Something a family's models have that a method may need; `phrase` names the models that have it."""
+
+    name: str
+    phrase: str  # formatted with the families' own names for them
+
+
+# The vocabulary families and methods share (methods import it from here; the frontend imports no method).
+PATCH_TOKENS = Capability("tokens", "every family (no [CLS] needed: {})")  # what every method needs
+CLS_TOKEN = Capability("cls", "towers with a [CLS] token ({})")
+POOLING_HEAD = Capability("head", "{}")  # an attention-pooling head (SigLIP's): --score probe
+MERGED_TOKENS = Capability("merged", "{} merged tokens")  # features that merge patches (Qwen2-VL's 2x2)
+CROPS = Capability("crops", "{}'s crops")  # several crops of one image, pruned under one budget
+
+
+def image_positions(offset: int, dense_tokens: int, prefix: int, kept: np.ndarray | None, extra: int,
+                    ) -> tuple[np.ndarray, int]:
+    """(position of every image row, the text position after the image) under the original-positions rule.
+
+    kept: the kept patch indices of one image ([K]), or None for a dense image (N = dense - prefix rows).
+    """
+    patches = np.arange(dense_tokens - prefix) if kept is None else np.asarray(kept, dtype=np.int64)
+    rows = [offset + np.arange(prefix), offset + prefix + patches, offset + dense_tokens + np.arange(extra)]
+    return np.concatenate(rows).astype(np.int64), offset + dense_tokens + extra
+
+
+Place = Callable[[int], tuple[np.ndarray, int]]  # the placeholder's offset -> (row positions, text start)
+
+
+class IndicesPositions:
+    """The positions rule of a family's bundles (the manifest's llm.positions), and how `vlmprune generate` places
+    their rows. This default (LLaVA-1.5, every tower): 1-D original positions from kept_indices (image_positions).
+
+    Why an object: handoff and generate ask it, so neither names a family or a kind; a family with positions of
+    its own (mRoPE, crops) declares a subclass in its module.
+    """
+
+    kind: ClassVar[str] = "indices"
+    meaning: ClassVar[str] = ("kept_indices[b, j] is the patch index (raster order, 0..N-1) of row prefix + j of "
+                              "image_features")
+    rule: ClassVar[str] = ("prefix row r at offset + r; kept row j at offset + prefix + kept_indices[j]; extra row e "
+                           "at offset + dense_image_tokens + e; text after the image from offset + dense_image_tokens "
+                           "+ extra")
+    needs_model: ClassVar[bool] = False  # placing needs the bundle's own model (its grid, table): generate's Vlm
+    repeats_batch: ClassVar[bool] = True  # a static batch takes the image in every slot
+
+    def dense_image_tokens(self, model: dict, dense: int | None) -> int | None:
+        """What the processor expands the placeholder to without pruning (dense: prefix + N, None: unknown)."""
+        return dense
+
+    def text_resumes_at(self, model: dict, dense: int | None, extra: int) -> int | None:
+        """The text position after the image, relative to the placeholder's (dense: dense_image_tokens)."""
+        return None if dense is None else dense + extra
+
+    def readme_places(self, rows: dict, dense, after) -> str:
+        """The bundle README's lines placing the rows of a pruned bundle."""
+        return (f"- prefix row r: offset + r\n- kept row j: offset + {rows['prefix']} + kept_indices[j]\n"
+                f"- merged row e: offset + {dense} + e\n- the text after the image: from offset + {after}")
+
+    def place_dense(self, source: Source, tokens: int) -> Place:
+        """Positions of a dense image of `tokens` rows: consecutive."""
+        return lambda offset: image_positions(offset, tokens, 0, None, 0)
+
+    def place_pruned(self, source: Source, features, kept: np.ndarray, kept_positions: np.ndarray | None,
+                     prefix: int, extra: int) -> tuple[object, Place]:
+        """A pruned image's rows (prefix, K kept, extra) in the order the LLM takes them, and their positions.
+
+        kept: the kept indices [K]; kept_positions [K, P] (a bundle's output; None: the source's position table).
+        """
+        dense = prefix + source.num_patches
+        return features, lambda offset: image_positions(offset, dense, prefix, kept, extra)
+
+    @staticmethod
+    def kept_table(source: Source, kept: np.ndarray, kept_positions: np.ndarray | None, prefix: int) -> np.ndarray:
+        """The kept rows' positions [K, P] for a family whose features have no prefix rows."""
+        if prefix:
+            raise ValueError(f"{source.family} features have no prefix rows")
+        table = np.asarray(source.position_table)[kept] if kept_positions is None else kept_positions
+        return np.asarray(table, dtype=np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseRequest:
+    """What the dense-model hook is given: the compile's batch, opset and --cls, a progress step, and the
+    passes that give an .onnx tower the bundle's output contract (built above the frontend: passes.outputs)."""
+
+    batch: int | None
+    opset: int
+    cls: str | None
+    step: Callable[[str], None]
+    onnx_contract: Callable[..., object] | None = None
+
+
+class Family:
+    """One model family. The defaults are a torch tower's; a family overrides what differs."""
+
+    id: ClassVar[str]
+    adapter: ClassVar[type | None] = None  # the ModelAdapter that loads its Hugging Face directories
+    options: ClassVar[dict[str, tuple[type, str]]] = {}  # family options (--grid, ...) -> (type, help)
+    has: ClassVar[dict[Capability, str]] = {}  # capability -> how `vlmprune methods` names its models with it
+    positions: ClassVar[IndicesPositions] = IndicesPositions()  # the LLM positions rule of its bundles
+    language_model: ClassVar[dict[str, str]] = {}  # model_type -> transformers class of the full VLM
+    vision_span: ClassVar[tuple[str, str] | None] = None  # config keys of the ids around its image (Qwen's)
+    torch_reference: ClassVar[bool] = True  # parity's reference is its torch pipeline (False: the graph itself)
+
+    def check_options(self, given: dict) -> None:
+        """Check the values of this family's own options, before any work (one line for a bad one)."""
+
+    def refuse_elsewhere(self, name: str, source: Source) -> str:
+        """The line for this family's option `name` given with a source of another family."""
+        what = source.details.get("model_type", source.family)
+        return f"--{name.replace('_', '-')} applies to {self.id} models, not to this {what} model"
+
+    def fix(self, source: Source, options: dict, *, prune: bool, batch: int | None, cls: str | None) -> None:
+        """Fix the loaded source for this compile: --cls (the select strategy) and the family's options."""
+        if cls is not None:
+            source.pipeline.drop_cls = cls == "drop"
+            source.details["select_strategy"] = f"{source.details.get('select_strategy')} (--cls {cls})"
+
+    def check_target(self, source: Source, target: str, check_batch: Callable[[int], None]) -> None:
+        """Refuse, before the export, a target that cannot run this source's input (check_batch: the target's
+        check of a static batch). Every batch a compile may choose is the target's own to check, by default."""
+
+    def token_layout(self, source: Source, options: dict) -> dict | None:
+        """The layout pruning runs over when it is not one image's patch tokens (passes.methods.crops), or None."""
+        return None
+
+    def check_method(self, source: Source, config, site_spec: type) -> None:
+        """Catch what the insertion would reject before the export (site_spec: the methods' SiteSpec)."""
+        method, params = config.method, config.params
+        blocks = source.num_blocks
+        if config.layer is not None and not 1 <= config.layer <= blocks:
+            raise InputError(f"--layer {config.layer} is out of range: this tower runs {blocks} blocks "
+                             f"(1..{blocks})")
+        pipe = source.pipeline
+        site = method.needs(params).site
+        prefix = pipe.prefix if site == BLOCK or not pipe.drop_cls else 0
+        method.check(params, site_spec(source.num_patches, bool(source.has_cls and prefix), config.layer or blocks,
+                                       blocks, prefix=prefix, head=config.head is not None,
+                                       merge=source.spatial_merge))
+
+    def dense_model(self, source: Source, request: DenseRequest):
+        """The dense tower as an onnx_ir model: the torch pipeline's export (at the batch the input needs)."""
+        batch = self.export_batch(source, request.batch)
+        request.step(f"export (torch.onnx dynamo, opset {request.opset}, batch {batch or 'dynamic'})")
+        return export_onnx(source.pipeline, source.image_size, batch, request.opset)
+
+    def export_batch(self, source: Source, batch: int | None) -> int | None:
+        return batch
+
+    def parity_pixels(self, source: Source, images: int) -> tuple[np.ndarray, dict]:
+        """The parity photos, preprocessed as the model's processor does."""
+        return parity_inputs(images, source.image_size, source.mean, source.std)
+
+    def readme_section(self, manifest: dict) -> str:
+        """This family's section of the bundle README ("" when it has none)."""
+        return ""
+
+    # ------------------------------------------------------------------ its language model (generate, eval)
+
+    def llm_source(self, checkpoint, options: dict) -> Source:
+        """The vision Source of a full VLM checkpoint of this family, at the given options (--image-size, --grid)."""
+        return self.adapter().load(checkpoint, None)
+
+    def other_input(self, model: dict, source: Source) -> str | None:
+        """How a bundle (its manifest's model) takes other pixels than this source (another option value), or None."""
+        return None
+
+    def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
+        """The transformers model's own forward's image arguments for one preprocessed image."""
+        import torch
+
+        return {"pixel_values": torch.from_numpy(pixel)}
+
+    # ------------------------------------------------------------------ finished bundles
+
+    def cannot_draw(self, manifest: dict) -> str | None:
+        """What of this bundle `--show` and `compare` cannot draw (one patch grid per image), or None."""
+        return None
+
+    def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
+        """The bundle's input for these images, preprocessed as its model does, and the lines saying how
+        (with a warning for heavy upscaling). static: the bundle's static batch, checked against the images."""
+        if isinstance(static, int) and static != len(image_files):
+            raise InputError(f"this bundle has a static batch of {static}: pass --image {static} times "
+                             f"(got {len(image_files)}), or recompile with --batch {len(image_files)}")
+        pre, batch, notes = manifest["preprocess"], [], []
+        for image in image_files:
+            try:
+                pixel, described, scale = load_image_file(image, pre["size"], pre["mean"], pre["std"])
+            except Exception as exc:
+                raise InputError(f"{image}: cannot read the image ({exc})") from None
+            notes.append(f"{image}: {described}")
+            if scale > UPSCALE_WARNING:
+                notes.append(f"warning: {image} is upscaled x{scale:.3g}: the model sees mostly interpolated pixels, "
+                             "and the kept patches say little about the picture")
+            batch.append(pixel)
+        return np.concatenate(batch), notes

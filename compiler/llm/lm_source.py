@@ -1,0 +1,136 @@
+"""Where the language model comes from: the causal LM inside a VLM checkpoint, and the decoder families known.
+
+Why a module of its own: every LLM exporter (compiler.llm.torch_exporter, genai, edgellm) and
+FastV's reference read the language model the same way, so they all import it from here and
+none imports another exporter for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from vlmprune.compiler.errors import InputError
+
+# Hugging Face model_type values whose decoder layer the exporters know: Llama and Qwen2, and the
+# language models of Qwen2-VL / Qwen2.5-VL (Qwen2's layer; their rotary embedding takes mRoPE's
+# (t, h, w) positions, [3, B, T], and hands the layers ordinary cos/sin).
+FAMILIES = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text"})
+_CAUSAL_LM_TYPES = ("llama", "qwen2")  # text models with a causal-LM class of their own
+
+
+def uses_mrope(config) -> bool:
+    """Positions are [3, B, T] (t, h, w) rather than [B, T]."""
+    return getattr(config, "model_type", None) in MROPE
+
+
+def decoder_of(model):
+    """(inner decoder model, its config) of a Llama- or Qwen2-family causal LM; one line for anything else."""
+    config = getattr(model, "config", None)
+    check_family(config)
+    return model.model, config
+
+
+def check_family(config) -> None:
+    """One line for a language model whose decoder layer the exporters do not know."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise InputError(f"language model type {model_type!r} is not supported for export "
+                         f"(supported: {', '.join(FAMILIES)})")
+    if getattr(config, "use_sliding_window", False):
+        raise InputError("a sliding-window language model is not supported for export")
+
+
+def check_width(manifest: dict, config) -> None:
+    """One line when the bundle's image features are not as wide as the language model's embeddings."""
+    hidden = (manifest or {}).get("llm", {}).get("hidden_size")
+    if isinstance(hidden, int) and hidden != config.hidden_size:
+        raise InputError(f"the bundle's image features are {hidden} wide, "
+                         f"its language model takes {config.hidden_size}")
+
+
+class CausalLM(nn.Module):
+    """A VLM's own text model and head, seen as a causal LM (no copy of the weights).
+
+    For the VLMs whose text model has no causal-LM class of its own (Qwen2-VL's and
+    Qwen2.5-VL's take mRoPE positions): what decoder_of, the reference and the graphs read.
+    """
+
+    def __init__(self, model: nn.Module, lm_head: nn.Module, config):
+        super().__init__()
+        self.model, self.lm_head, self.config = model, lm_head, config
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+
+def llm_checkpoint(spec: str):
+    """The Checkpoint of a VLM directory whose language model --with-llm exports; one line for anything else."""
+    from vlmprune.compiler.frontend.adapter import Checkpoint
+
+    path = Path(spec)
+    checkpoint = Checkpoint(path) if path.is_dir() else None
+    if checkpoint is None or checkpoint.model_type not in vlm_classes():
+        kind = f"model type {checkpoint.model_type!r}" if checkpoint is not None else "not a checkpoint directory"
+        raise InputError(f"--with-llm needs `demo` or a LLaVA, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL checkpoint that holds its "
+                         f"language model; {spec} is {kind}")
+    return checkpoint
+
+
+def vlm_classes() -> dict[str, str]:
+    """Checkpoints whose language model --with-llm exports -> the transformers class that loads them: what the
+    families declare (Family.language_model)."""
+    from vlmprune.compiler.frontend import FAMILIES
+
+    return {t: name for f in FAMILIES for t, name in f.language_model.items()}
+
+
+def text_config(spec: str):
+    """MODEL's language-model config from its config alone (no weights); None where MODEL does not exist
+    (the frontend says what is missing)."""
+    if spec == "demo":
+        from vlmprune.compiler.frontend.presets import demo_config
+
+        return demo_config().text_config
+    if not Path(spec).exists():
+        return None
+    return llm_checkpoint(spec).config.text_config
+
+
+def language_model(spec: str):
+    """The causal LM of MODEL (`demo`, a LLaVA(-NeXT) or Qwen2-VL / Qwen2.5-VL checkpoint): the VLM's own, no copy."""
+    from vlmprune.compiler.frontend.source import no_init_weights, quiet_transformers
+
+    quiet_transformers()
+    if spec == "demo":
+        from vlmprune.compiler.frontend.presets import demo_model
+
+        vlm = demo_model()
+    else:
+        import transformers
+
+        from vlmprune.compiler.frontend.source import from_pretrained
+
+        checkpoint = llm_checkpoint(spec)
+        vlm = from_pretrained(getattr(transformers, vlm_classes()[checkpoint.model_type]), checkpoint, "checkpoint")
+    text = vlm.config.text_config
+    check_family(text)
+    if text.model_type in _CAUSAL_LM_TYPES:
+        from transformers import AutoModelForCausalLM
+
+        with no_init_weights():
+            lm = AutoModelForCausalLM.from_config(text)
+        lm.model = vlm.model.language_model
+        lm.lm_head = vlm.lm_head
+        return lm.eval()
+    return CausalLM(vlm.model.language_model, vlm.lm_head, text).eval()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one: it has one
+
+
+def has_tokenizer(path: Path) -> bool:
+    """Whether a checkpoint directory ships a tokenizer: `generate` decodes with it, genai's builder copies it."""
+    return any((path / f).is_file() for f in TOKENIZER_FILES)

@@ -1,0 +1,463 @@
+"""The language model as two ONNX graphs in standard ops (torch.onnx, dynamo): prefill and decode step.
+
+Why two graphs and not one with an optional cache: FastV gives the layers two cache lengths
+(every prompt token below K, the kept ones from K on), and the prefill graph holds the
+selection that produces them; the decode graph is the plain step every runtime knows, over
+caches of whatever length each layer has. Why a position input: after FastV a layer's cache
+length is not the next token's position.
+
+prefill.onnx
+    in:  inputs_embeds [batch, sequence, hidden] (the image span at the compiled place),
+         position_ids [batch, sequence] (each token's position: 0, 1, ... for a dense prompt; a
+         tower-pruned image keeps its patches' original positions, compiler.llm.handoff)
+    out: logits [batch, 1, vocab] (the last prompt token's), kept_image_indices [batch, R]
+         (FastV only: kept image tokens, indices within the span, ascending),
+         present.{i}.key / present.{i}.value [batch, kv_heads, length_i, head_dim]
+decode.onnx
+    in:  inputs_embeds [batch, 1, hidden], position_ids [batch, 1] (original positions: the
+         first step is the prompt's length), past_key_values.{i}.key / .value
+    out: logits [batch, 1, vocab], present.{i}.key / .value (past + the new token)
+
+The layer math is spelled out over the Hugging Face model's own modules (projections, norms,
+MLP, rotary embedding): attention as MatMul/Softmax with GQA heads expanded, so the graph runs
+on any ONNX runtime. The parity reference (compiler.llm.fastv) runs the Hugging Face decoder
+layers themselves.
+
+This is the default exporter of target ort (`--llm-exporter torch`, compiler.llm.exporter);
+FastV is compiled in only here.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+from torch import nn
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.export import torch_onnx
+from vlmprune.compiler.llm import lm_source
+from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, tokens_note
+from vlmprune.compiler.llm.fastv import FastVSpec, default_positions, gather_positions
+from vlmprune.compiler.llm.lm_source import decoder_of, uses_mrope
+from vlmprune.compiler.parity import figure_text
+
+WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx
+PREFILL, DECODE = "prefill.onnx", "decode.onnx"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, T, d] -> [B, Hkv * groups, T, d] (GQA: each kv head serves `groups` query heads)."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+class _Decoder(nn.Module):
+    """The shared layer math; holds the Hugging Face causal LM so both graphs name its weights alike."""
+
+    def __init__(self, model):
+        super().__init__()
+        inner, config = decoder_of(model)
+        self.lm = model
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.groups = self.heads // self.kv_heads
+        self.num_layers = config.num_hidden_layers
+
+    @property
+    def inner(self):
+        return self.lm.model
+
+    def attention(self, layer, x, rope, past=None, causal=True):
+        """(attention output, new k, new v, q, expanded k): the last two for FastV's score row."""
+        attn = layer.self_attn
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        kx, vx = _expand_heads(k, self.groups), _expand_heads(v, self.groups)
+        scores = torch.matmul(q, kx.transpose(-1, -2)) * attn.scaling
+        if causal:
+            n = scores.shape[-1]
+            steps = torch.arange(n)
+            scores = scores.masked_fill(steps[None, :] > steps[:, None], float("-inf"))
+        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(weights, vx).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return attn.o_proj(out), k, v, q, kx
+
+    def layer(self, layer, hidden, rope, past=None, causal=True):
+        out, k, v, q, kx = self.attention(layer, layer.input_layernorm(hidden), rope, past, causal)
+        hidden = hidden + out
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden, k, v, q, kx
+
+    def head(self, hidden):
+        return self.lm.lm_head(self.inner.norm(hidden))
+
+
+class PrefillGraph(_Decoder):
+    """The prompt -> last-token logits and every layer's cache; FastV after layer spec.layer when given."""
+
+    def __init__(self, model, spec: FastVSpec | None):
+        super().__init__(model)
+        if spec is not None:
+            spec.check(self.num_layers)
+        self.spec = spec
+
+    def forward(self, inputs_embeds, position_ids):
+        b, length, width = inputs_embeds.shape
+        rope = self.inner.rotary_emb(inputs_embeds, position_ids)
+        hidden, presents, kept = inputs_embeds, [], None
+        spec = self.spec
+        for i, layer in enumerate(self.inner.layers):
+            hidden, k, v, q, kx = self.layer(layer, hidden, rope)
+            presents += [k, v]
+            if spec is not None and i == spec.layer - 1:
+                # Layer K's attention row of the last prompt token, recomputed from its own Q and K:
+                # O(T·d), so the layer's attention itself stays whatever the runtime makes of it.
+                row = torch.softmax((torch.matmul(q[:, :, -1:], kx.transpose(-1, -2)) * layer.self_attn.scaling)
+                                    .float(), dim=-1)
+                score = row.mean(dim=1)[:, 0, spec.image_start:spec.image_end]  # [B, N]
+                kept = torch.topk(score, spec.kept, dim=-1).indices.sort(dim=-1).values
+                index = torch.cat([torch.arange(spec.image_start).unsqueeze(0).expand(b, spec.image_start),
+                                   kept + spec.image_start,
+                                   torch.arange(spec.image_end, length).unsqueeze(0)
+                                   .expand(b, length - spec.image_end)],
+                                  dim=1)
+                hidden = torch.gather(hidden, 1, index.unsqueeze(-1).expand(b, index.shape[1], width))
+                rope = self.inner.rotary_emb(hidden, gather_positions(position_ids, index))  # original positions
+        logits = self.head(hidden[:, -1:])
+        return (logits, kept, *presents) if spec is not None else (logits, *presents)
+
+
+class DecodeGraph(_Decoder):
+    """One token on top of each layer's cache (whatever its length), at an explicit original position."""
+
+    def forward(self, inputs_embeds, position_ids, *past):
+        rope = self.inner.rotary_emb(inputs_embeds, position_ids)
+        hidden, presents = inputs_embeds, []
+        for i, layer in enumerate(self.inner.layers):
+            hidden, k, v, _q, _kx = self.layer(layer, hidden, rope, (past[2 * i], past[2 * i + 1]), causal=False)
+            presents += [k, v]
+        return (self.head(hidden), *presents)
+
+
+def cache_names(num_layers: int, prefix: str) -> list[str]:
+    return [f"{prefix}.{i}.{part}" for i in range(num_layers) for part in ("key", "value")]
+
+
+def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, opset: int) -> ir.Model:
+    return torch_onnx("torch.onnx export of the language model", module, args, input_names=input_names,
+                      output_names=output_names, dynamic_shapes=dynamic, opset_version=opset)
+
+
+def export_prefill(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
+    graph = PrefillGraph(model, spec)
+    _inner, config = decoder_of(model)
+    start = spec.image_end + 1 if spec is not None else 1
+    example = torch.zeros(2, start + 2, config.hidden_size)
+    positions = default_positions(config, 2, start + 2).clone()
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    sequence = torch.export.Dim("sequence", min=start, max=config.max_position_embeddings)
+    outputs = ["logits", *(["kept_image_indices"] if spec is not None else []),
+               *cache_names(graph.num_layers, "present")]
+    position_dims = {1: batch, 2: sequence} if uses_mrope(config) else {0: batch, 1: sequence}
+    return _export(graph, (example, positions), ["inputs_embeds", "position_ids"], outputs,
+                   ({0: batch, 1: sequence}, position_dims), opset)
+
+
+def export_decode(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
+    graph = DecodeGraph(model)
+    _inner, config = decoder_of(model)
+    d = graph.head_dim
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    full = torch.export.Dim("past_sequence", min=1, max=config.max_position_embeddings)
+    pruned = spec is not None and spec.kept < spec.image_len
+    kept = torch.export.Dim("past_sequence_kept", min=1, max=config.max_position_embeddings) if pruned else full
+    lengths = [(9 if spec is None or i < spec.layer else 6 if pruned else 9) for i in range(graph.num_layers)]
+    past = [torch.zeros(2, graph.kv_heads, n, d) for n in lengths for _ in range(2)]
+    dims = [{0: batch, 2: full if spec is None or i < spec.layer else kept}
+            for i in range(graph.num_layers) for _ in range(2)]
+    mrope = uses_mrope(config)
+    position = torch.full((3, 2, 1) if mrope else (2, 1), 9, dtype=torch.long)
+    args = (torch.zeros(2, 1, config.hidden_size), position, *past)
+    dynamic = ({0: batch}, {1: batch} if mrope else {0: batch}, tuple(dims))  # *past is one argument to torch.export
+    return _export(graph, args, ["inputs_embeds", "position_ids", *cache_names(graph.num_layers, "past_key_values")],
+                   ["logits", *cache_names(graph.num_layers, "present")], dynamic, opset)
+
+
+def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = 18) -> dict:
+    """prefill.onnx and decode.onnx in folder, their weights in one llm.weights.bin; returns what was written.
+
+    The decode graph's initializers are the prefill graph's where their content agrees
+    (share_weights), so the weights are stored once.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    prefill = export_prefill(model, spec, opset)
+    decode = export_decode(model, spec, opset)
+    ir.external_data.unload_from_model(prefill, folder, WEIGHTS, size_threshold_bytes=1024)
+    share_weights(decode, prefill)
+    ir.save(prefill, folder / PREFILL)
+    ir.save(decode, folder / DECODE)
+    if _has_large_inline(decode):  # a weight only decode uses (none expected): keep the .onnx small anyway
+        ir.external_data.unload_from_model(decode, folder, f"decode.{WEIGHTS}", size_threshold_bytes=1024)
+        ir.save(decode, folder / DECODE)
+    return {"prefill": PREFILL, "decode": DECODE, "weights": WEIGHTS,
+            "io": {"prefill": _io(prefill), "decode": _io(decode)}}
+
+
+def share_weights(model: ir.Model, owner: ir.Model) -> int:
+    """Point model's large initializers at owner's (external) tensors of the same content; returns how many.
+
+    By content, not by name: the exporter names folded weights (a Linear's transposed matrix)
+    per graph, so two exports of the same model name the same matrix differently.
+    """
+    by_content = {_digest(v.const_value): v.const_value for v in owner.graph.initializers.values()
+                  if v.const_value is not None and v.const_value.nbytes > 1024}
+    shared = 0
+    for value in model.graph.initializers.values():
+        if value.const_value is not None and value.const_value.nbytes > 1024:
+            tensor = by_content.get(_digest(value.const_value))
+            if tensor is not None:
+                value.const_value = tensor
+                shared += 1
+    return shared
+
+
+def _digest(tensor) -> tuple:
+    import hashlib
+
+    array = tensor.numpy()
+    return array.dtype.str, array.shape, hashlib.sha256(array.tobytes()).hexdigest()
+
+
+def _has_large_inline(model: ir.Model) -> bool:
+    return any(v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor)
+               and v.const_value.nbytes > 1024 for v in model.graph.initializers.values())
+
+
+def _io(model: ir.Model) -> dict:
+    def one(v):
+        return {"name": v.name, "shape": [d if isinstance(d, int) else str(d) for d in v.shape] if v.shape else None,
+                "dtype": v.dtype.name.lower() if v.dtype else None}
+    return {"inputs": [one(v) for v in model.graph.inputs], "outputs": [one(v) for v in model.graph.outputs]}
+
+
+PARITY_ATOL = 1e-4  # fp32 logits and caches, as the tower's fp32 stages
+DECODE_STEPS = 3
+
+
+def parity_positions(config, batch: int, length: int, image_start: int, image_tokens: int) -> torch.Tensor:
+    """The parity prompt's positions: 0..T-1, or for mRoPE an image span laid out as a grid.
+
+    mRoPE: text tokens have t = h = w; image token j of a g-wide grid sits at (s, s + j // g, s + j % g)
+    and the text after it resumes at the span's largest position + 1, as Qwen2-VL numbers a prompt,
+    so the three sections of the rotary embedding see different positions.
+    """
+    positions = default_positions(config, batch, length).clone()
+    if positions.dim() == 3 and image_tokens > 0:
+        g = max(1, math.isqrt(image_tokens - 1) + 1)
+        j = torch.arange(image_tokens)
+        span = slice(image_start, image_start + image_tokens)
+        positions[0, :, span] = image_start
+        positions[1, :, span] = image_start + (j // g)
+        positions[2, :, span] = image_start + (j % g)
+        resume = int(positions[:, :, span].max()) + 1
+        positions[:, :, image_start + image_tokens:] = resume + torch.arange(length - image_start - image_tokens)
+    return positions
+
+
+@torch.no_grad()
+def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int) -> dict:
+    """Prefill logits, every present, kept tokens and greedy decode of the graphs vs the reference, batch 2, seed 0."""
+    import numpy as np
+
+    from vlmprune.compiler.llm.fastv import reference_generate, reference_prefill
+    from vlmprune.targets.runtime import ort_session
+
+    _inner, config = decoder_of(lm)
+    length = (spec.image_end if spec is not None else image_tokens) + 4
+    embeds = torch.randn(2, length, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    positions = parity_positions(config, 2, length, spec.image_start if spec is not None else 0,
+                                 spec.image_len if spec is not None else image_tokens)
+    ref = reference_prefill(lm, embeds, spec, positions)
+    prefill = ort_session(folder / PREFILL)
+    names = [o.name for o in prefill.get_outputs()]
+    got = dict(zip(names, prefill.run(None, {"inputs_embeds": embeds.numpy(), "position_ids": positions.numpy()})))
+    worst = float(np.abs(got["logits"][:, 0] - ref.logits.numpy()).max())
+    for i, layer in enumerate(ref.cache.layers):
+        for part, tensor in (("key", layer.keys), ("value", layer.values)):
+            worst = max(worst, float(np.abs(got[f"present.{i}.{part}"] - tensor.numpy()).max()))
+    kept_ok = spec is None or bool(np.array_equal(got["kept_image_indices"], ref.kept.numpy()))
+    expected = reference_generate(lm, embeds, spec, DECODE_STEPS, positions).numpy()
+    decode = ort_session(folder / DECODE)
+    out_names = [o.name for o in decode.get_outputs()]
+    table = lm.get_input_embeddings().weight.detach().numpy()
+    past = {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in got.items() if k.startswith("present.")}
+    tokens = [got["logits"][:, 0].argmax(-1)]
+    for step in range(1, DECODE_STEPS):
+        feed = {"inputs_embeds": table[tokens[-1]][:, None],
+                "position_ids": (positions[..., -1:] + step).numpy(), **past}
+        outs = dict(zip(out_names, decode.run(None, feed)))
+        tokens.append(outs["logits"][:, 0].argmax(-1))
+        past = {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in outs.items() if k.startswith("present.")}
+    same = bool(np.array_equal(np.stack(tokens, axis=1), expected))
+    return {"batch": 2, "prompt_tokens": length, "seed": 0, "logits_max_abs": worst, "tolerance": PARITY_ATOL,
+            "kept_identical": kept_ok, "decode_steps": DECODE_STEPS, "tokens_identical": same,
+            "passed": worst <= PARITY_ATOL and kept_ok and same}
+
+
+def spec_of(llm: dict) -> FastVSpec | None:
+    """The FastVSpec a bundle's llm_graphs section was compiled with (None: a dense decoder)."""
+    fastv = llm.get("fastv")
+    if not fastv:
+        return None
+    return FastVSpec(fastv["image_start"], fastv["image_tokens"], fastv["layer"], fastv["keep"])
+
+
+def _layers(first: int, last: int) -> str:
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
+
+
+def readme_section(manifest: dict) -> str:
+    """The bundle README's language-model section for the torch.onnx graphs."""
+    llm = manifest.llm_graphs
+    files, fastv = llm["files"], llm["fastv"]
+    n = llm["layers"]
+    if fastv:
+        how = (f"FastV is compiled into `{files['prefill']}`: {_layers(1, fastv['layer'])} see every token; layer "
+               f"{fastv['layer']}'s attention row of the last prompt token over the image span (prompt positions "
+               f"{fastv['image_start']}..{fastv['image_start'] + fastv['image_tokens'] - 1}, averaged over heads) "
+               f"keeps {fastv['kept']} of the {fastv['image_tokens']} image tokens (`kept_image_indices`), and "
+               f"{_layers(fastv['layer'] + 1, n)} run on them at their original positions and cache only them. "
+               f"The prompt must put the image at token {fastv['image_start']} and end with text after it.")
+    else:
+        how = "The decoder is dense (every prompt token in every layer)."
+    if llm.get("mrope"):
+        positions, step = "[3, batch, sequence]", "[3, batch, 1]"
+        how += (" Positions are mRoPE's (t, h, w) rows: text tokens have t = h = w, image tokens the bundle's "
+                "`kept_positions` (offset by the image's place in the prompt).")
+    else:
+        positions, step = "[batch, sequence]", "[batch, 1]"
+    return f"""
+## The language model (`--with-llm`)
+
+`{files['prefill']}` and `{files['decode']}` ({llm['family']}, {n} layers, standard ONNX ops, weights in
+`{files['weights']}`), exported with {llm['exporter']}; they run in plain ONNX Runtime. {how}
+
+- prefill: `inputs_embeds` [batch, sequence, {llm['hidden_size']}] (text embeddings with `image_features` in
+  the image's place) and `position_ids` {positions} (the positions above) -> `logits` [batch, 1,
+  {llm['vocab_size']}] of the last prompt token, and `present.{{i}}.key` / `.value` [batch, {llm['kv_heads']},
+  length_i, {llm['head_dim']}] per layer.
+- decode: `inputs_embeds` [batch, 1, {llm['hidden_size']}], `position_ids` {step} (the prompt's last position
+  + 1, then + 1 per step: with FastV the later layers' caches are shorter than the position),
+  `past_key_values.{{i}}.key` / `.value` (the presents) -> `logits` and the presents with the new token.
+
+```python
+import numpy as np, onnxruntime as ort
+prefill = ort.InferenceSession("{files['prefill']}"); decode = ort.InferenceSession("{files['decode']}")
+names = [o.name for o in prefill.get_outputs()]
+out = dict(zip(names, prefill.run(None, {{"inputs_embeds": embeds, "position_ids": positions}})))
+past = {{"past_key_values." + k[len("present."):]: v for k, v in out.items() if k.startswith("present.")}}
+token, position = out["logits"][:, -1].argmax(-1), positions[..., -1:] + 1
+# each step: decode.run(None, {{"inputs_embeds": embed(token)[:, None], "position_ids": position, **past}})
+```
+
+Checked at compile time against the PyTorch reference (batch 2, seed 0): logits and caches max-abs
+{llm['parity']['logits_max_abs']:.2g}, greedy tokens over {llm['parity']['decode_steps']} steps
+{'identical' if llm['parity']['tokens_identical'] else 'DIFFERENT'} (`manifest.json`, `llm_graphs`).
+"""
+
+
+class TorchExporter(LlmExporter):
+    """torch.onnx (dynamo): prefill + decode in standard ops, original positions, FastV compiled in."""
+
+    id = "torch"
+    name = "torch.onnx"
+    summary = "torch.onnx prefill + decode"
+    features = "original positions, FastV"
+    runtime = "onnxruntime (prefill + decode)"
+    atol = PARITY_ATOL
+
+    def export(self, model_spec: str, manifest: dict, options, folder: Path, progress, fastv) -> dict:
+        """Export the LLM's prefill and decode graphs into folder/llm, check them against the reference.
+
+        The image span's length is the bundle's image-token count (manifest.llm["image_tokens"]).
+        """
+        from vlmprune.compiler.errors import ParityError
+
+        spec = fastv
+        lm = lm_source.language_model(model_spec)
+        _inner, config = decoder_of(lm)
+        tokens = (manifest.llm or {}).get("image_tokens")
+        if spec is not None:
+            if not isinstance(tokens, int):
+                raise InputError(f"FastV needs a fixed image-token count; this bundle's is {tokens!r}")
+            spec = FastVSpec(spec.image_start, tokens, spec.layer, spec.keep)
+            spec.check(config.num_hidden_layers)
+        lm_source.check_width(manifest, config)
+        progress(f"export LLM ({config.model_type}, {config.num_hidden_layers} layers"
+                 + (f", FastV after layer {spec.layer} keeping {spec.kept} of {spec.image_len} image tokens)"
+                    if spec is not None else ", dense)") + " with torch.onnx (dynamo)")
+        written = export_decoder(lm, spec, folder / LLM_DIR, options.opset)
+        parity = llm_parity(lm, spec, folder / LLM_DIR, tokens if isinstance(tokens, int) else 8)
+        gap = figure_text(parity["logits_max_abs"], 3, at_most=PARITY_ATOL)  # a failing figure must read as failing
+        progress(f"  llm        {'PASS' if parity['passed'] else 'FAIL'}  logits max-abs {gap}, "
+                 f"greedy tokens {'identical' if parity['tokens_identical'] else 'DIFFER'}")
+        if not parity["passed"]:
+            raise ParityError(f"the exported language model disagrees with its PyTorch reference "
+                              f"(logits max-abs {gap}, tolerance {PARITY_ATOL})")
+        return {
+            "exporter": f"torch.onnx (dynamo) {torch.__version__}, opset {options.opset}",
+            "runtime": "ONNX Runtime (any execution provider), standard ops only",
+            "family": config.model_type, "mrope": uses_mrope(config), "layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "kv_heads": config.num_key_value_heads, "head_dim": getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads, "vocab_size": config.vocab_size,
+            "files": {k: f"{LLM_DIR}/{written[k]}" for k in ("prefill", "decode", "weights")},
+            "io": written["io"],
+            "fastv": None if spec is None else {
+                "layer": spec.layer, "keep": spec.keep, "image_start": spec.image_start, "image_tokens": spec.image_len,
+                "kept": spec.kept,
+                "cache_lengths": f"{_layers(1, spec.layer)} cache every prompt token, "
+                                 f"{_layers(spec.layer + 1, config.num_hidden_layers)} the prompt minus the "
+                                 f"{spec.image_len - spec.kept} dropped image tokens"},
+            "parity": parity,
+        }
+
+    def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
+        llm = manifest.llm_graphs
+        tokens = (manifest.llm or {}).get("image_tokens")
+        got = llm_parity(lm_source.language_model(model_spec), spec_of(llm), bundle_dir / LLM_DIR,
+                         tokens if isinstance(tokens, int) else 8)
+        outputs = {
+            "logits + present": {"note": f"max-abs {got['logits_max_abs']:.3g} (≤ {PARITY_ATOL:g}), "
+                                         f"batch {got['batch']}, {got['prompt_tokens']} prompt tokens, "
+                                         f"seed {got['seed']}",
+                                 "passed": got["logits_max_abs"] <= PARITY_ATOL},
+            "greedy tokens": tokens_note(got),
+        }
+        if llm.get("fastv"):
+            outputs["kept_image_indices"] = {"note": "identical" if got["kept_identical"] else "DIFFER",
+                                             "passed": got["kept_identical"]}
+        return got["passed"], outputs
+
+    def readme_section(self, manifest: dict) -> str:
+        return readme_section(manifest)

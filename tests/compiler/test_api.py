@@ -1,0 +1,139 @@
+"""The Python API (compiler/api.py): the README's example as written, and each call's typed result against the
+CLI that is a thin layer over it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlmprune.compiler import api
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.bundle.manifest import Manifest
+from vlmprune.compiler.parity import ParityReport
+from cli_helpers import one_line_error, run_cli
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_llava_dir, compiled):
+    return compiled(tiny_llava_dir, keep=16).bundle
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory):
+    from skimage import data
+
+    path = tmp_path_factory.mktemp("api_photo") / "astronaut.png"
+    Image.fromarray(data.astronaut()).save(path)
+    return path
+
+
+def _readme_example() -> str:
+    section = README.read_text().split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, "the Python API section has one example"
+    return blocks[0]
+
+
+def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The five lines a user copies: compile the embedded `demo` preset, check it, run it on a photo, print."""
+    from skimage import data
+
+    code = _readme_example()
+    assert len(code.strip().splitlines()) == 5
+    monkeypatch.chdir(tmp_path)
+    Image.fromarray(data.chelsea()).save(tmp_path / "photo.jpg")
+    names: dict = {}
+    exec(compile(code, str(README), "exec"), names)  # noqa: S102 (the README's own code)
+    printed = capsys.readouterr().out.split()
+    kept = names["result"].kept
+    assert printed[0] == "True" and names["report"].passed
+    assert kept.shape == (1, 64) and kept.dtype == np.int64
+    assert float(printed[-1]) == names["result"].benchmark["latency_ms"]["p50"] > 0
+    assert isinstance(names["bundle"].manifest, Manifest) and names["bundle"].manifest.method.keep == 64
+    assert (tmp_path / "build" / "demo" / "manifest.json").is_file()
+
+
+def test_run_returns_arrays_and_the_kept_indices_run_json_prints(bundle, photo):
+    result = api.run(bundle, images=[photo])
+    assert isinstance(result, api.RunResult)
+    assert all(isinstance(v, np.ndarray) for v in result.outputs.values())
+    printed = run_cli("run", bundle, "--image", photo, "--json")
+    assert printed.exit_code == 0, printed.output
+    data = json.loads(printed.stdout)
+    assert result.kept.tolist() == data["kept_indices"]
+    assert result.to_json() == data
+    assert run_cli("run", bundle, "--image", photo).stdout.splitlines() == result.lines()
+
+
+def test_run_takes_the_pixel_values_as_an_array_and_reports_the_benchmark_as_data(bundle, photo):
+    pixel = api.run(bundle, images=[photo]).inputs
+    result = api.run(bundle, inputs=pixel, benchmark=True, warmup=0, iterations=3)
+    assert result.kept.tolist() == api.run(bundle, images=[photo]).kept.tolist()
+    lat = result.benchmark["latency_ms"]
+    assert result.benchmark["iterations"] == 3 and 0 < lat["min"] <= lat["p50"] <= lat["max"]
+    with pytest.raises(InputError) as bad:
+        api.run(bundle, inputs=pixel.astype(np.float64))
+    assert str(bad.value) == "inputs: pixel_values is float64, the bundle takes float32"
+
+
+def test_check_returns_the_parity_report_as_data(bundle):
+    report = api.check(bundle)
+    assert isinstance(report, ParityReport) and report.passed is True
+    assert [s.stage for s in report.stages] == list(Manifest.load(bundle).parity.stages)
+    assert report.to_json()["passed"] is True
+
+
+def test_inspect_returns_the_manifest_and_prints_what_the_cli_prints(bundle):
+    result = api.inspect(bundle)
+    assert isinstance(result.manifest, Manifest) and result.manifest.method.keep == 16
+    assert result.ops and {"name", "op", "role"} <= set(result.ops[0])
+    printed = run_cli("inspect", bundle, "--json")
+    assert json.loads(printed.stdout) == json.loads(json.dumps(result.to_json()))
+    plain = api.inspect(bundle, ops=False)
+    assert plain.ops is None
+    assert run_cli("inspect", bundle).stdout.splitlines() == plain.lines()
+
+
+def test_listings_are_data_and_the_cli_prints_their_lines():
+    methods = api.methods()
+    assert [m.name for m in methods][0] == "cls" and all(m.targets for m in methods)
+    assert run_cli("methods").stdout.splitlines() == [line for m in methods for line in m.lines()]
+    listing = api.targets()
+    assert "ort" in [t.name for t in listing.targets if t.available]
+    assert run_cli("targets").stdout.splitlines() == listing.lines()
+
+
+@pytest.mark.parametrize("call,args,message", [
+    ("run", [], "give the input either as --image (one or more) or as --load-inputs FILE.npz"),
+    ("run", ["--image", "PHOTO", "--warmup", "2"], "--warmup and --iterations only apply with --benchmark"),
+    ("inspect", [], None),
+])
+def test_bad_input_raises_input_error_with_the_clis_message(bundle, photo, tmp_path, call, args, message):
+    if call == "run":
+        kwargs = {"images": [photo]} if args else {}
+        if "--warmup" in args:
+            kwargs["warmup"] = 2
+        args = [photo if a == "PHOTO" else a for a in args]
+        where = bundle
+        with pytest.raises(InputError) as raised:
+            api.run(where, **kwargs)
+    else:
+        where, message = tmp_path / "nothing", f"{tmp_path / 'nothing'}: no such bundle directory"
+        with pytest.raises(InputError) as raised:
+            api.inspect(where)
+    assert str(raised.value) == message
+    result = run_cli(call, where, *args)
+    one_line_error(result, message)
+    assert result.stderr.splitlines() == [f"error: {message}"]
+
+
+def test_eval_refuses_a_k_that_is_not_an_integer_before_any_work(tmp_path):
+    with pytest.raises(InputError, match=r"^--keep '6x' is not an integer$"):
+        api.eval("demo", images=tmp_path, prompts=tmp_path / "p.txt", methods=["cls"], keeps=["64,6x"])

@@ -1,0 +1,154 @@
+"""compiler.pipeline.cache: a second compile of the same model reuses the dense export and its parity products.
+
+dart and visionzip are used because they fuse no custom op on ort: a private, empty
+VLMPRUNE_CACHE then builds no op library.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_helpers import run_cli
+from vlmprune.compiler.pipeline import cache
+from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+
+@pytest.fixture
+def products(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLMPRUNE_PRODUCTS", raising=False)  # the default place: $VLMPRUNE_CACHE/products
+    return tmp_path / "cache" / "products"
+
+
+def _compile(model, out, **options):
+    lines = []
+    result = compile_model(str(model), out, CompileOptions(**{"keep": 16, **options}), lines.append)
+    return result, [line.split("] ", 1)[1] for line in lines]
+
+
+def _entries(products):
+    return sorted(p.name for p in products.iterdir() if not p.name.startswith("."))
+
+
+def _export_key(products):
+    return next(json.loads((products / k / cache.ENTRY).read_text())["key"] for k in _entries(products)
+                if json.loads((products / k / cache.ENTRY).read_text())["parts"]["product"] == "dense-export")
+
+
+def test_a_second_compile_with_another_method_reuses_the_dense_products(tiny_clip_dir, products, tmp_path):
+    first, first_lines = _compile(tiny_clip_dir, tmp_path / "dart", method="dart")
+    assert "export (torch.onnx dynamo, opset 18, batch dynamic)" in first_lines
+    assert len(_entries(products)) == 3  # the export, the dense reference, the export stage
+    key = _export_key(products)
+    second, lines = _compile(tiny_clip_dir, tmp_path / "visionzip", method="visionzip")
+    assert f"export (cached: {key[:12]})" in lines
+    assert "reference (cached)" in lines and "export parity (cached)" in lines
+    assert not any(line.startswith("export (torch.onnx") for line in lines)
+    assert len(_entries(products)) == 3  # nothing new: every product was found
+    peer, peer_lines = _compile(tiny_clip_dir, tmp_path / "peer", method="visionzip", cache=False)
+    assert not any("cached" in line for line in peer_lines)
+    assert second.report.to_json() == peer.report.to_json()  # the same figures, to the last bit
+    for name in ("model.onnx", "model.decomposed.onnx", "weights.bin", "parity.json"):
+        assert (tmp_path / "visionzip" / name).read_bytes() == (tmp_path / "peer" / name).read_bytes(), name
+    assert second.report.stages[0].to_json() == first.report.stages[0].to_json()  # the export stage, kept
+
+
+@pytest.mark.parametrize("change", [{"opset": 17}, {"feature_layer": -2}, {"cls": "keep"}, {"batch": 2}])
+def test_what_changes_the_export_is_a_miss(tiny_clip_dir, products, tmp_path, change):
+    _compile(tiny_clip_dir, tmp_path / "a", method="dart")
+    key = _export_key(products)
+    _, lines = _compile(tiny_clip_dir, tmp_path / "b", method="dart", **change)
+    assert not any("cached" in line for line in lines)
+    assert len(_entries(products)) == 6 and key in _entries(products)
+
+
+def test_changed_weights_are_a_miss(tiny_clip_dir, products, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_clip_dir, other)
+    state = load_file(other / "model.safetensors")
+    name = next(k for k in sorted(state) if k.endswith("fc1.weight"))
+    state[name] = state[name] * 1.01
+    save_file(state, other / "model.safetensors", metadata={"format": "pt"})
+    _compile(tiny_clip_dir, tmp_path / "a", method="dart")
+    _, lines = _compile(other, tmp_path / "b", method="dart")
+    assert not any("cached" in line for line in lines)
+    assert len(_entries(products)) == 6
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_entry_is_rebuilt_not_used(tiny_clip_dir, products, tmp_path, damage):
+    _compile(tiny_clip_dir, tmp_path / "a", method="dart")
+    key = _export_key(products)
+    weights = products / key / cache.WEIGHTS
+    data = bytearray(weights.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    result, lines = _compile(tiny_clip_dir, tmp_path / "b", method="visionzip")
+    assert f"cache entry {key[:12]} is damaged (weights.bin does not match its sha256): removed, rebuilding" in lines
+    assert "export (torch.onnx dynamo, opset 18, batch dynamic)" in lines
+    assert result.report.passed
+    recorded = json.loads((products / key / cache.ENTRY).read_text())["files"][cache.WEIGHTS]
+    assert cache.sha256_file(products / key / cache.WEIGHTS) == recorded  # rebuilt whole
+    _, again = _compile(tiny_clip_dir, tmp_path / "c", method="visionzip")
+    assert f"export (cached: {key[:12]})" in again
+
+
+def test_no_cache_writes_nothing(tiny_clip_dir, products, tmp_path):
+    result = run_cli("compile", tiny_clip_dir, "--method", "dart", "--keep", 16, "--no-cache", "-o", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    assert not products.parent.exists()
+    result = run_cli("check", tmp_path / "b", "--no-cache")
+    assert result.exit_code == 0, result.output
+    assert not products.parent.exists()
+
+
+def test_check_reuses_the_products_of_the_compile(tiny_clip_dir, products, tmp_path):
+    run_cli("compile", tiny_clip_dir, "--method", "dart", "--keep", 16, "-o", tmp_path / "b")
+    result = run_cli("check", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    lines = [line.split("] ", 1)[-1] for line in result.output.splitlines()]
+    assert "reference (cached)" in lines and "export parity (cached)" in lines
+
+
+@pytest.mark.parametrize("method", ["divprune", "cls"])  # the tower's end (from the dense output), a block
+def test_the_pruned_reference_from_the_dense_one_is_the_same(tiny_source, method):
+    import numpy as np
+
+    from vlmprune.compiler.parity import reference
+    from vlmprune.compiler.frontend.images import parity_inputs
+    from vlmprune.passes.methods import get_method
+
+    params = get_method(method).parse(16, {})
+    record = {"method": method, "params": params, "site": get_method(method).needs(params).site,
+              "layer": tiny_source.num_blocks}
+    pixel, _ = parity_inputs(2, tiny_source.image_size, tiny_source.mean, tiny_source.std)
+    dense = reference.dense_reference(tiny_source, pixel)
+    _, alone = reference.torch_reference(tiny_source, record, pixel)
+    _, shared = reference.torch_reference(tiny_source, record, pixel, dense)
+    assert alone.outputs.keys() == shared.outputs.keys()
+    for name in alone.outputs:
+        np.testing.assert_array_equal(alone.outputs[name], shared.outputs[name])
+    assert alone.trace.keys() == shared.trace.keys()
+    if method == "divprune":  # the pruner ran on the dense output given, not on another run of the tower
+        doubled = reference.Reference({reference.FEATURES: 2 * dense.outputs[reference.FEATURES]})
+        _, scaled = reference.torch_reference(tiny_source, record, pixel, doubled)
+        np.testing.assert_array_equal(scaled.outputs[reference.KEPT], alone.outputs[reference.KEPT])
+        np.testing.assert_allclose(scaled.outputs[reference.FEATURES], 2 * alone.outputs[reference.FEATURES])
+
+
+def test_the_products_folder_moves_alone(monkeypatch, tmp_path):
+    from vlmprune.kernels.build import cache_dir
+
+    monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("VLMPRUNE_PRODUCTS", str(tmp_path / "products"))
+    assert cache.products_dir() == tmp_path / "products"
+    assert cache_dir() == tmp_path / "cache"  # the kernels and venvs stay where they are

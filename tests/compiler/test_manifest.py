@@ -1,0 +1,74 @@
+"""compiler.manifest.Manifest: the manifest.json a compile writes, read through typed fields; refused in one line
+when a section is missing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from cli_helpers import one_line_error, run_cli
+from vlmprune.compiler import bundle
+from vlmprune.compiler.contract import FEATURES, KEPT, MANIFEST, PIXELS
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.bundle.manifest import Manifest, manifest_digest
+from vlmprune.passes.methods import METHODS
+from vlmprune.passes.methods.dense import Dense
+
+
+def test_typed_fields_read_a_real_bundle_and_keep_its_json(demo_bundle):
+    raw = json.loads((demo_bundle.bundle / MANIFEST).read_text())
+    m = Manifest.load(demo_bundle.bundle)
+    assert m == raw and json.dumps(m, indent=2) + "\n" == (demo_bundle.bundle / MANIFEST).read_text()
+    assert manifest_digest(m) == raw["manifest_sha256"]  # what is on disk did not change
+    assert isinstance(demo_bundle.manifest, Manifest) and demo_bundle.manifest == raw
+    assert (m.target.name, m.target.options, m.target.fused) == ("ort", raw["target"]["options"],
+                                                                 raw["target"]["fused"])
+    assert m.target.get("custom_op_library") == raw["target"].get("custom_op_library")
+    model = raw["model"]
+    assert (m.model.source, m.model.kind, m.model.family, m.model.sha256) == (
+        "demo", "preset", model["family"], model["sha256"])
+    assert (m.model.image_size, m.model.patch_size) == (model["image_size"], model["patch_size"])
+    method = raw["method"]
+    assert m.method.pruned and (m.method.name, m.method.keep, m.method.layer, m.method.site) == (
+        "cls", 192, 2, "block")
+    assert (m.method.tokens_in, m.method.tokens_out, m.method.has_cls, m.method.prefix, m.method.params) == (
+        method["tokens_in"], method["tokens_out"], method["has_cls"], method["prefix"], method["params"])
+    assert m.method.params["lambda"] == 0.3 and isinstance(m.method.method(), METHODS["cls"])
+    assert [(t.name, t.shape, t.dtype) for t in m.inputs] == [(PIXELS, raw["inputs"][0]["shape"], "float")]
+    assert m.output_names == [FEATURES, KEPT] == [t.name for t in m.outputs]
+    assert (m.preprocess.mean, m.preprocess.std, m.preprocess.size) == (
+        raw["preprocess"]["mean"], raw["preprocess"]["std"], raw["preprocess"]["size"])
+    assert m.compile_options == raw["compile_options"] and m.llm == raw["llm"] and m.llm_graphs is None
+    assert m.parity.passed is True and m.parity.stages == raw["parity"]["stages"]
+    assert m.files == raw["files"] and m.version == raw["vlmprune_version"]
+    with pytest.raises(TypeError):
+        m.method["name"] = "cls"  # the views are read-only
+
+
+def test_a_dense_bundle_records_the_dense_method(compiled, tiny_llava_dir):
+    m = bundle.load_manifest(compiled(tiny_llava_dir, prune=False).bundle)
+    assert isinstance(m, Manifest)
+    assert m["method"] == {"name": "none", "summary": "dense (no pruning)"}  # as every dense bundle so far
+    assert not m.method.pruned and m.method.prefix is None
+    dense = m.method.method()
+    assert isinstance(dense, Dense) and not dense.prunes and dense.summary == m.method.summary
+    assert all(cls.prunes for cls in METHODS.values())
+
+
+@pytest.mark.parametrize("section", ["method", "inputs"])
+def test_a_manifest_missing_a_section_is_one_line(demo_bundle, tmp_path, section):
+    out = tmp_path / "b"
+    shutil.copytree(demo_bundle.bundle, out)  # the compiled bundle is shared
+    data = json.loads((out / MANIFEST).read_text())
+    del data[section]
+    data["manifest_sha256"] = manifest_digest(data)  # edited and re-signed: the digest alone would not tell
+    (out / MANIFEST).write_text(json.dumps(data))
+    line = (f"{out / MANIFEST}: not a vlmprune manifest (no {section!r} section); the bundle was modified or is not "
+            "a vlmprune bundle")
+    for verify in (True, False):
+        with pytest.raises(InputError) as exc:
+            Manifest.load(out, verify=verify)
+        assert str(exc.value) == line
+    one_line_error(run_cli("inspect", str(out)), line)

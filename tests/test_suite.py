@@ -1,0 +1,34 @@
+"""The suite's own promises: compiled bundles shared per options, the markers applied, the README's command."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_a_compile_is_made_once_per_model_and_options(compiled, tiny_llava_dir):
+    first = compiled(tiny_llava_dir, keep=16)
+    assert compiled(tiny_llava_dir, keep=16) is first
+    other = compiled(tiny_llava_dir, method="visionzip", keep=16, method_options={"contextual": 4})
+    assert other.bundle != first.bundle and other.manifest["method"]["name"] == "visionzip"
+
+
+def test_toolchain_tests_are_marked_and_only_they():
+    """-m 'not toolchain' must leave out exactly the tests that ask for a pinned toolchain (here: QNN, rknn)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", "toolchain", "tests/compiler/test_methods.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    picked = {line.split("::")[1] for line in done.stdout.splitlines() if "::" in line}
+    assert picked == {f"test_{t}[{m}]" for t in ("qnn", "rk3588") for m in ("visionzip", "dart", "divprune")}
+
+
+def test_the_readme_test_command_lists_the_slowest_tests():
+    """.ci/run runs the README's second command verbatim: found by its own pattern, it asks for the durations."""
+    pattern = re.search(r"grep -m1 -E '([^']+)' README.md", (ROOT / ".ci" / "run").read_text())[1]
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if re.search(pattern, line))
+    assert line.endswith("&& python -m pytest -q --durations=25")
