@@ -83,6 +83,23 @@ def split_options(given: dict) -> tuple[dict, dict]:
     return method, target
 
 
+def llm_option_texts() -> dict:
+    """--with-llm's help, and --llm-exporter's choices and help, from what each target declares it takes
+    (Target.llm_exporters) and what each exporter says of itself: the CLI names no target or exporter."""
+    from vlmprune.compiler.llm.export import EXPORTERS
+
+    takes = {name: cls.llm_exporters for name, cls in TARGETS.items() if cls.llm_exporters}
+    with_llm = "Also export the language model into llm/ (" + "; ".join(
+        f"{name}: {EXPORTERS[ids[0]]().summary}" for name, ids in takes.items()) + ")."
+    several = {name: ids for name, ids in takes.items() if len(ids) > 1}
+    choices = list(dict.fromkeys(i for ids in several.values() for i in ids))
+    helps = []
+    for name, ids in several.items():
+        told = [f"{i} ({'default; ' if n == 0 else ''}{EXPORTERS[i]().features})" for n, i in enumerate(ids)]
+        helps.append(f"{name}, with --with-llm: {' or '.join(told)}")
+    return {"with_llm": with_llm, "exporters": choices, "exporter": "; ".join(helps) + "."}
+
+
 def target_commands() -> list:
     """The click commands the targets contribute (Target.commands, e.g. build-engine), one per name."""
     commands: dict[str, object] = {}

@@ -113,6 +113,9 @@ def _progress(quiet: bool):
     return (lambda _m: None) if quiet else (lambda m: click.echo(m, err=True))
 
 
+_LLM = api.llm_option_texts()  # --with-llm / --llm-exporter, from the declarations
+
+
 class _UsageLine(click.ClickException):
     """A click usage error, shown as every other bad input is: one `error:` line, exit code 2."""
 
@@ -192,11 +195,8 @@ def _family_options(fn):
 @click.option("--cls", "cls_token", type=click.Choice(["drop", "keep"]), default=None,
               help="Drop or keep the [CLS] token in image_features. Default: the model's select strategy "
                    "(LLaVA's vision_feature_select_strategy; towers without one drop it, like LLaVA's default).")
-@click.option("--with-llm", is_flag=True,
-              help="Also export the language model into llm/ (ort: prefill + decode ONNX; orin: TensorRT Edge-LLM).")
-@click.option("--llm-exporter", type=click.Choice(["torch", "genai"]), default=None,
-              help="ort, with --with-llm: torch (default; original positions, FastV) or genai (onnxruntime-genai's "
-                   "model builder, dense, contiguous positions).")
+@click.option("--with-llm", is_flag=True, help=_LLM["with_llm"])
+@click.option("--llm-exporter", type=click.Choice(_LLM["exporters"]), default=None, help=_LLM["exporter"])
 @click.option("--fastv-layer", type=int, default=None, help="--with-llm: FastV after this LLM layer (from 1).")
 @click.option("--fastv-keep", type=float, default=None, help="FastV: share of image tokens kept (default 0.5).")
 @click.option("--image-start", type=int, default=None,
@@ -262,7 +262,9 @@ def _refuse_pruning_options(method_options: dict) -> None:
 @click.option("--force", is_flag=True, help="Replace an existing --report / --junit file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full parity report as JSON on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
-@click.option("--engine", is_flag=True, help="TensorRT bundles: require the engine stage (run on the device).")
+@click.option("--engine", is_flag=True,
+              help="Require the bundle's engine stage, for a target whose engine is built on the device "
+                   "(its README says how).")
 @click.option("--model", default=None,
               help="Where the bundle's source is now, if it moved since the compile (its content hash must match).")
 @click.option("--no-cache", "no_cache", is_flag=True,

@@ -147,9 +147,9 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
     source = vlm.source
     settings = settings_for(source, methods, keeps) if methods or keeps or not bundles else []
     for path, manifest in manifests:
-        if manifest["model"]["sha256"] != source.content_hash or manifest["method"]["name"] == "none":
+        if manifest.model.sha256 != source.content_hash or not manifest.method.pruned:
             raise InputError(f"--bundle {path}: " + ("a dense bundle has nothing to compare"
-                                                     if manifest["method"]["name"] == "none" else
+                                                     if not manifest.method.pruned else
                                                      f"not compiled from {model} (its content hash differs)"))
         _same_input(path, manifest, source)
     built = [gen.build_prompt(vlm, p) for p in prompts]
@@ -166,7 +166,7 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
                                          dense_runs[i, j].first_logits))
     rows = []
     runs = [(s.name, s.params["keep"], "reference", _reference_rows(vlm, s)) for s in settings]
-    runs += [(m["method"]["name"], m["method"]["keep"], f"bundle {p.name} ({m['target']['name']})",
+    runs += [(m.method.name, m.method.keep, f"bundle {p.name} ({m.target.name})",
               _bundle_rows(p, m, vlm)) for p, m in manifests]
     for name, keep, origin, rows_of in runs:
         samples = []
@@ -198,7 +198,7 @@ def _same_input(path: Path, manifest: dict, source) -> None:
     """A bundle of the model at another --image-size (Qwen2-VL) or --grid (LLaVA-NeXT) takes other pixels: one line."""
     from vlmprune.compiler.frontend import family_for
 
-    differs = family_for(source).other_input(manifest["model"], source)
+    differs = family_for(source).other_input(manifest.model, source)
     if differs:
         raise InputError(f"--bundle {path}: {differs}")
 

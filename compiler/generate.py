@@ -47,7 +47,8 @@ import numpy as np
 import torch
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.family import image_positions
+from vlmprune.compiler.frontend import family_of
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, image_positions
 from vlmprune.compiler.llm import handoff
 from vlmprune.compiler.llm.lm_source import has_tokenizer
 
@@ -57,7 +58,6 @@ QWEN_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im
 IMAGE_MARK = "<image>"
 QWEN_MARK, QWEN_START, QWEN_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 _PROCESSOR_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
-SUPPORTED = "LLaVA-1.5, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL checkpoints (their ...ForConditionalGeneration)"
 
 
 @dataclasses.dataclass
@@ -108,7 +108,15 @@ class ImageRows:
     kept: list[int] | None = None
 
 
-def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, bundle: dict | None = None) -> Vlm:
+def supported() -> str:
+    """The checkpoints generate and eval run: every family that declares a language model, in its own words."""
+    from vlmprune.compiler.frontend import FAMILIES
+
+    names = [f.has[PATCH_TOKENS] for f in FAMILIES if f.language_model]
+    return f"{', '.join(names[:-1])} and {names[-1]} checkpoints (their ...ForConditionalGeneration)"
+
+
+def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, bundle=None) -> Vlm:
     """`demo`, or a local LLaVA / LLaVA-NeXT / Qwen2-VL directory; anything else is one line.
 
     image_size: Qwen2-VL's static size (default 448); grid: LLaVA-NeXT's crops grid (default its largest).
@@ -116,13 +124,12 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
     and its --image-size / --grid are the defaults.
     """
     from vlmprune.compiler.frontend.adapter import Checkpoint
-    from vlmprune.compiler.frontend.family import PATCH_TOKENS
     from vlmprune.compiler.frontend.llava import LlavaAdapter
     from vlmprune.compiler.frontend.presets import demo_model
     from vlmprune.compiler.frontend.source import from_pretrained, quiet_transformers
 
     quiet_transformers()
-    family = None if bundle is None or bundle["model"]["kind"] == "onnx" else bundle["model"]["family"]
+    family = None if bundle is None or not family_of(bundle).identifies_model else bundle.model.family
     if spec == "demo":
         _bundle_family(spec, LlavaAdapter.family, bundle)
         if image_size is not None or grid is not None:
@@ -131,7 +138,7 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
         return Vlm(model, None, None, LlavaAdapter.from_model("demo", model), "demo")
     path = Path(spec)
     if not path.is_dir():
-        raise InputError(f"{spec}: not a checkpoint directory (nor `demo`); generate and eval run {SUPPORTED}")
+        raise InputError(f"{spec}: not a checkpoint directory (nor `demo`); generate and eval run {supported()}")
     checkpoint = Checkpoint(path)
     import transformers
 
@@ -140,13 +147,13 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
     owner = next((f for f in FAMILIES if checkpoint.model_type in f.language_model and f.adapter.claims(checkpoint)),
                  None)  # the family whose adapter loads it (a LLaVA on DINOv2 before the general LLaVA)
     if owner is None:
-        raise InputError(f"{spec}: generate and eval run {SUPPORTED}; this one is {checkpoint.model_type!r}")
+        raise InputError(f"{spec}: generate and eval run {supported()}; this one is {checkpoint.model_type!r}")
     mine = owner.id
     _bundle_family(spec, mine, bundle, checkpoint.model_type)
     given = {"image_size": image_size, "grid": grid}
     for name in given:  # the bundle's own --image-size / --grid are the defaults
         if family is not None and given[name] is None and name in owner.options:
-            given[name] = bundle["model"].get(name)
+            given[name] = bundle.model.get(name)
     for name, value in given.items():
         if value is not None and name not in owner.options:
             theirs = next(f for f in FAMILIES if name in f.options and f.language_model)
@@ -159,14 +166,14 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
     return Vlm(model, tokenizer, _chat_template(path, tokenizer), source, str(path), mine)
 
 
-def _bundle_family(spec: str, family: str, bundle: dict | None, model_type: str | None = None) -> None:
+def _bundle_family(spec: str, family: str, bundle, model_type: str | None = None) -> None:
     """A checkpoint of another family than the bundle's model, in one line (an .onnx tower's bundle: any LLaVA).
 
     Named by model_type where known: one family (qwen2_vl) holds two model types.
     """
-    if bundle is not None and bundle["model"]["kind"] != "onnx" and bundle["model"]["family"] != family:
-        theirs = bundle["model"].get("model_type") or bundle["model"]["family"]
-        raise InputError(f"{spec} is not the model this bundle was compiled from ({bundle['model']['source']}): it is "
+    if bundle is not None and family_of(bundle).identifies_model and bundle.model.family != family:
+        theirs = bundle.model.get("model_type") or bundle.model.family
+        raise InputError(f"{spec} is not the model this bundle was compiled from ({bundle.model.source}): it is "
                          f"a {model_type or family} checkpoint, the bundle's model a {theirs} one")
 
 
@@ -415,22 +422,21 @@ class BundleTokens:
     place: Callable[[int], tuple[np.ndarray, int]] | None = None
 
 
-def bundle_tokens(bundle_dir: Path, manifest: dict, pixel: np.ndarray, vlm: Vlm | None = None) -> BundleTokens:
+def bundle_tokens(bundle_dir: Path, manifest, pixel: np.ndarray, vlm: Vlm | None = None) -> BundleTokens:
     """Run the bundle's tower on one preprocessed image (load_pixels) with its target's runner here.
 
     vlm: the bundle's model, needed for mRoPE and anyres bundles (their grid, position table, image_newline).
     """
-    from vlmprune.compiler.frontend import family_of
     from vlmprune.targets import get_target
 
-    llm = manifest.get("llm") or handoff.llm_section(manifest)
+    llm = manifest.llm or handoff.llm_section(manifest)
     rule = family_of(manifest).positions
     if rule.needs_model and (vlm is None or vlm.rules.positions.kind != rule.kind):
         raise ValueError(f"a {rule.kind!r} bundle needs its own model's Vlm to place its tokens")
-    static = manifest["inputs"][0]["shape"][0]
+    static = manifest.inputs[0].shape[0]
     if rule.repeats_batch and isinstance(static, int) and static > 1:  # a static batch: the image in every slot, slot 0
         pixel = np.repeat(pixel, static, axis=0)
-    runner, runtime = get_target(manifest["target"]["name"]).runner(Path(bundle_dir), manifest)
+    runner, runtime = get_target(manifest.target.name).runner(Path(bundle_dir), manifest)
     outputs = runner(pixel)
     kept = outputs[handoff.KEPT][0] if handoff.KEPT in outputs else None
     features = torch.from_numpy(np.ascontiguousarray(outputs[llm["features_output"]][0]))
@@ -453,18 +459,16 @@ def bundle_positions(tokens: BundleTokens, offset: int) -> tuple[np.ndarray, int
                                    rows["extra"])
 
 
-def default_model(manifest: dict) -> str:
+def default_model(manifest) -> str:
     """The bundle's own source, when it is a full VLM (the demo preset, or a LLaVA / LLaVA-NeXT / Qwen2-VL
     directory)."""
     from vlmprune.compiler.bundle import source_of
 
-    from vlmprune.compiler.frontend import family_of
-
-    model = manifest["model"]
-    if family_of(manifest).language_model and (model["kind"] == "hf" or model["source"] == "demo"):
+    model = manifest.model
+    if family_of(manifest).language_model and (model.kind == "hf" or model.source == "demo"):
         return source_of(manifest)
-    raise InputError(f"--model is needed: the bundle was compiled from {model['source']} ({model['kind']}, "
-                     f"family {model['family']}), which holds no language model")
+    raise InputError(f"--model is needed: the bundle was compiled from {model.source} ({model.kind}, "
+                     f"family {model.family}), which holds no language model")
 
 
 @dataclasses.dataclass
@@ -482,13 +486,13 @@ class GenerateResult:
         return len(self.prompt.before)
 
 
-def fastv_mismatch(manifest: dict, image_start: int) -> str | None:
+def fastv_mismatch(manifest, image_start: int) -> str | None:
     """A warning when the bundle's FastV graph was compiled for another image start than this prompt's.
 
     FastV's image span is compiled into the prefill graph, so a prompt that puts the image elsewhere
     would score (and drop) the wrong tokens in that graph.
     """
-    fastv = (manifest.get("llm_graphs") or {}).get("fastv")
+    fastv = (manifest.llm_graphs or {}).get("fastv")
     if not fastv or fastv["image_start"] == image_start:
         return None
     return (f"this bundle's FastV prefill graph was compiled with --image-start {fastv['image_start']}, but this "
@@ -508,14 +512,14 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
         raise InputError(f"{image}: no such image file")
     spec = model or default_model(manifest)
     vlm = load_vlm(spec, bundle=manifest)
-    if manifest["model"]["kind"] != "onnx" and vlm.source.content_hash != manifest["model"]["sha256"]:
-        raise InputError(f"{spec} is not the model this bundle was compiled from ({manifest['model']['source']}): "
+    if family_of(manifest).identifies_model and vlm.source.content_hash != manifest.model.sha256:
+        raise InputError(f"{spec} is not the model this bundle was compiled from ({manifest.model.source}): "
                          "its content hash differs, and its LLM expects its own tower's features")
     hidden = vlm.model.config.text_config.hidden_size
-    width = (manifest.get("llm") or handoff.llm_section(manifest))["hidden_size"]
+    width = (manifest.llm or handoff.llm_section(manifest))["hidden_size"]
     if width != hidden:
         raise InputError(f"the bundle's image_features are {width} wide, but the LLM of {spec} takes {hidden}")
-    pixel, described = load_pixels(vlm, image, manifest["preprocess"])
+    pixel, described = load_pixels(vlm, image, manifest.preprocess)
     progress(f"{image}: {described}")
     built = build_prompt(vlm, prompt)
     progress(f"prompt ({built.how}): {built.text!r}")
@@ -523,7 +527,7 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
     progress(f"the image starts at prompt token {offset} (FastV's --image-start for this chat template)")
     warning = fastv_mismatch(manifest, offset)
     if dense:
-        rows = dense_image(vlm, pixel, manifest["model"].get("feature_layer_override"))
+        rows = dense_image(vlm, pixel, manifest.model.get("feature_layer_override"))
         result = answer(vlm, built, rows.rows, *rows.place(offset), max_new_tokens)
         return GenerateResult(result, built, "transformers (the model's own image features, dense)", "dense", None,
                               warning)

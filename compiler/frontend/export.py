@@ -11,11 +11,9 @@ import torch
 from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
 from onnxscript.optimizer import fold_constants
 
+from vlmprune.compiler.contract import FEATURES, PIXELS
 from vlmprune.compiler.errors import VlmpruneError, failure_cause
 from vlmprune.compiler.frontend.tower import Exported, VisionPipeline
-
-FEATURES = "image_features"
-PIXELS = "pixel_values"
 
 
 def export_onnx(pipeline: VisionPipeline, image_size: int, batch: int | None, opset: int):

@@ -135,6 +135,9 @@ class Family:
     language_model: ClassVar[dict[str, str]] = {}  # model_type -> transformers class of the full VLM
     vision_span: ClassVar[tuple[str, str] | None] = None  # config keys of the ids around its image (Qwen's)
     torch_reference: ClassVar[bool] = True  # parity's reference is its torch pipeline (False: the graph itself)
+    # Its bundles name the checkpoint they came from (content hash, family), so generate and eval can hold a
+    # checkpoint to it; False: a graph exported elsewhere (.onnx), which any checkpoint with that tower may run.
+    identifies_model: ClassVar[bool] = True
 
     def check_options(self, given: dict) -> None:
         """Check the values of this family's own options, before any work (one line for a bad one)."""

@@ -400,7 +400,6 @@ class LlavaNextFamily(Family):
         count, size, patch = model["crops"], model["image_size"], model["patch_size"]
         s = size // patch
         height, width = model.get("resolution", [rows * size, cols * size])
-        method = manifest["method"]
         dense = packed_length((rows, cols), s)
         head = f"""
 ## Assembling the LLM input (LLaVA-NeXT anyres crops)
@@ -411,15 +410,16 @@ bundle's grid, {rows}x{cols} tiles at {height}x{width} (`vlmprune compile --grid
 resized to {size}x{size}, crops 1..{count - 1} the tiles in raster order. Another image size is resized to fit
 {height}x{width} keeping its aspect and padded (as the processor does), then cut the same way. One call is one image.
 """
-        if method["name"] == "none":
+        if not manifest.method.pruned:
             return head + f"""
 `image_features` [1, {dense}, D] is the LLM's image sequence as transformers builds it (`get_image_features`,
 i.e. `pack_image_features`): the {s * s} base tokens, then the {rows * s} grid rows of {cols * s} tokens, each
 followed by `image_newline`. For an image whose aspect differs from the grid's, drop the padded rows or columns
 first (unpad_image, rule 2 below), with their newlines.
 """
-        keep = method["keep"]
-        summary = method["tokens_out"] - method["prefix"] - keep
+        method = manifest.method
+        keep = method.keep
+        summary = method.tokens_out - method.prefix - keep
         return head + f"""
 `image_features` [1, {keep + summary}, D]: the K = {keep} kept tokens in crop-then-raster order
 {"then one summary token (the mean of every pruned token)" if summary else "(no summary token)"};
@@ -446,6 +446,6 @@ assembled with the same layout rule, keeping only the kept tokens:
    {f"the summary token at offset + {dense}; " if summary else ""}the text after the image from offset + {dense + summary}
    (the manifest's `llm.positions`; `vlmprune generate` feeds exactly these).
 
-The budget K is split over the crops by `{method["params"]["crops"]["budget"]}` (manifest `method.params.crops`);
+The budget K is split over the crops by `{method.params["crops"]["budget"]}` (manifest `method.params.crops`);
 padded tokens, when there are any, count in K and are dropped by rule 2.
 """

@@ -65,6 +65,7 @@ class OnnxFamily(Family):
     id = FAMILY
     has = {PATCH_TOKENS: ".onnx towers"}
     torch_reference = False
+    identifies_model = False
 
     def fix(self, source: Source, options: dict, *, prune: bool, batch: int | None, cls: str | None) -> None:
         if batch is not None:

@@ -30,31 +30,31 @@ from vlmprune.compiler.frontend import family_of
 from vlmprune.compiler.parity.reference import FEATURES, KEPT, KEPT_POSITIONS  # [B, K, 3]: (t, h, w) or (crop, row, col)
 
 
-def llm_section(manifest: dict) -> dict:
+def llm_section(manifest) -> dict:
     """The manifest's `llm` section, from its outputs, method and model fields (see the module docstring)."""
-    outputs = {o["name"]: o for o in manifest["outputs"]}
-    features = outputs.get(FEATURES) or manifest["outputs"][0]
-    shape = features.get("shape") or [None, None, None]
+    outputs = {o.name: o for o in manifest.outputs}
+    features = outputs.get(FEATURES) or manifest.outputs[0]
+    shape = features.shape or [None, None, None]
     tokens, hidden = shape[1], shape[-1]
-    method, model = manifest["method"], manifest["model"]
+    method, model = manifest.method, manifest.model
     patches = method.get("num_patches") or _patches(model)
-    if method["name"] == "none":
+    if not method.pruned:
         kept, extra = patches, 0
         prefix = tokens - patches if isinstance(tokens, int) and patches else 0
     else:
         kept = method.get("kept_count", method.get("keep"))
         site_prefix = method.get("prefix", int(bool(method.get("has_cls"))))
-        prefix = site_prefix if manifest.get("cls", {}).get("in_features") else 0
+        prefix = site_prefix if manifest.cls_section.get("in_features") else 0
         out = tokens if isinstance(tokens, int) else method.get("tokens_out", 0) - site_prefix + prefix
         extra = out - prefix - kept if isinstance(out, int) and isinstance(kept, int) else 0
     rule = family_of(manifest).positions
     dense = rule.dense_image_tokens(model, prefix + patches if patches else None)
     return {
-        "features_output": features["name"],
+        "features_output": features.name,
         "image_tokens": tokens,  # an int, or the dimension's name where it is symbolic (a variable K)
         "dense_image_tokens": dense,
         "hidden_size": hidden,
-        "dtype": _DTYPES.get(features.get("dtype"), features.get("dtype")),
+        "dtype": _DTYPES.get(features.dtype, features.dtype),
         "rows": {"prefix": prefix, "kept": kept, "extra": extra},
         "positions": {"kind": rule.kind, "outputs": [n for n in (KEPT, KEPT_POSITIONS) if n in outputs],
                       "meaning": rule.meaning, "rule": rule.rule},
@@ -72,10 +72,10 @@ def _patches(model: dict) -> int | None:
 
 def readme_section(manifest: dict) -> str:
     """The bundle README's hand-off section: the exact calls per LLM runtime, with this bundle's token counts."""
-    llm = manifest.get("llm") or llm_section(manifest)
+    llm = manifest.llm or llm_section(manifest)
     t, d, dtype = llm["image_tokens"], llm["hidden_size"], llm["dtype"]
     dense, rows, after = llm["dense_image_tokens"], llm["rows"], llm["text_resumes_at"]
-    size = manifest["preprocess"]["size"]
+    size = manifest.preprocess.size
     if handoff_kept := KEPT in llm["positions"]["outputs"]:
         layout = (f"{rows['prefix']} prefix rows, {rows['kept']} kept rows (row {rows['prefix']} + j is patch "
                   f"`kept_indices[:, j]`), {rows['extra']} merged rows")

@@ -134,7 +134,7 @@ def _is_setting(value) -> bool:
 
 # The code each product comes from: the frontend makes the export and the dense reference and imports nothing
 # else of vlmprune but errors (tests/test_layers.py); the export stage is run and judged by these modules.
-EXPORT_CODE = ("vlmprune.compiler.frontend", "vlmprune.compiler.errors")
+EXPORT_CODE = ("vlmprune.compiler.frontend", "vlmprune.compiler.errors", "vlmprune.compiler.contract")
 STAGE_CODE = ("vlmprune.compiler.parity", "vlmprune.compiler.parity.reference", "vlmprune.targets.runtime")
 
 

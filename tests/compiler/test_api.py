@@ -137,3 +137,31 @@ def test_bad_input_raises_input_error_with_the_clis_message(bundle, photo, tmp_p
 def test_eval_refuses_a_k_that_is_not_an_integer_before_any_work(tmp_path):
     with pytest.raises(InputError, match=r"^--keep '6x' is not an integer$"):
         api.eval("demo", images=tmp_path, prompts=tmp_path / "p.txt", methods=["cls"], keeps=["64,6x"])
+
+
+def test_the_cli_reaches_only_the_api_and_names_no_target_or_exporter():
+    """cli.py is a thin layer: it imports the API (and errors, the version), and every target, exporter or family
+    it shows comes from their declarations, so a new one needs no CLI edit."""
+    import ast
+
+    from vlmprune.compiler.llm.export import EXPORTERS
+    from vlmprune.targets import TARGETS
+
+    path = Path(__file__).resolve().parents[2] / "compiler" / "cli.py"
+    tree = ast.parse(path.read_text())
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name for n in ast.walk(tree)
+                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert {m for m in imported if m and m.startswith("vlmprune")} == {"vlmprune.compiler", "vlmprune.compiler.errors"}
+    names = set(TARGETS) | set(EXPORTERS) | {"tensorrt", "TensorRT", "Edge-LLM", "onnxruntime-genai"}
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    named = sorted({name for name in names for text in strings if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)})
+    assert named == [], named
+
+
+def test_the_llm_options_are_the_declarations():
+    from vlmprune.compiler import api
+
+    texts = api.llm_option_texts()
+    assert texts["exporters"] == ["torch", "genai"]  # ort, the one target with a choice, declares these
+    assert texts["with_llm"] == ("Also export the language model into llm/ (ort: torch.onnx prefill + decode; "
+                                 "orin: TensorRT Edge-LLM 0.11.0 exporter).")

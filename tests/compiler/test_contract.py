@@ -19,7 +19,7 @@ NAMES = {value: name for name, value in vars(contract).items()
          if name.isupper() and isinstance(value, str) and value not in ("llm", *contract.ROLES)}
 STANDALONE = {"targets/trt_engine.py", "targets/rknn_worker.py"}  # no vlmprune import: tested to mirror below
 # compiler/frontend/export.py still defines FEATURES and PIXELS: its helper converts it (issue 18 §3).
-PENDING = {"compiler/frontend/export.py"}
+PENDING: set[str] = set()
 
 
 def _constants(path: Path):

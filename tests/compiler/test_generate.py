@@ -208,8 +208,13 @@ def test_generate_bad_input(setup, tiny_clip_dir):
     _one_line_error(_run("generate", bundle, "--image", image, "--prompt", PROMPT, "--max-new-tokens", 0),
                     "--max-new-tokens must be an integer >= 1")
     _one_line_error(_run("generate", bundle, "--image", image, "--prompt", "  "), "--prompt is empty")
+    from vlmprune.compiler.generate import supported
+
+    # The list is every family that declares a language model, in the families' own words.
+    assert supported() == ("LLaVA on DINOv2, LLaVA, LLaVA-NeXT and Qwen2-VL / Qwen2.5-VL checkpoints "
+                           "(their ...ForConditionalGeneration)")
     _one_line_error(_run("generate", bundle, "--image", image, "--prompt", PROMPT, "--model", tiny_clip_dir),
-                    "generate and eval run LLaVA-1.5, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL")
+                    f"generate and eval run {supported()}; this one is 'clip_vision_model'")
     other = tiny_vlm(setup["root"] / "other", seed=2)
     _one_line_error(_run("generate", bundle, "--image", image, "--prompt", PROMPT, "--model", other),
                     "is not the model this bundle was compiled from")
@@ -264,10 +269,11 @@ def test_a_moved_source_is_named_and_found_with_model(setup, tmp_path):
 
 def test_a_fastv_graph_compiled_for_another_image_start_is_named():
     """generate warns when the bundle's FastV prefill graph expects the image elsewhere than this prompt puts it."""
+    from vlmprune.compiler.bundle.manifest import Manifest
     from vlmprune.compiler.generate import fastv_mismatch
 
-    manifest = {"llm_graphs": {"fastv": {"image_start": 5, "image_tokens": 33, "layer": 1, "keep": 0.5}}}
+    manifest = Manifest({"llm_graphs": {"fastv": {"image_start": 5, "image_tokens": 33, "layer": 1, "keep": 0.5}}})
     assert fastv_mismatch(manifest, 5) is None
-    assert fastv_mismatch({"llm_graphs": {"fastv": None}}, 2) is None and fastv_mismatch({}, 2) is None
+    assert fastv_mismatch(Manifest({"llm_graphs": {"fastv": None}}), 2) is None and fastv_mismatch(Manifest(), 2) is None
     assert fastv_mismatch(manifest, 2) == ("this bundle's FastV prefill graph was compiled with --image-start 5, but "
                                            "this prompt puts the image at token 2: recompile with --image-start 2")

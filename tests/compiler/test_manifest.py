@@ -1,4 +1,4 @@
-"""compiler.manifest.Manifest: the manifest.json a compile writes, read through typed fields; refused in one line
+"""compiler.bundle.manifest.Manifest: the manifest.json a compile writes, read through typed fields; refused in one line
 when a section is missing."""
 
 from __future__ import annotations
