@@ -279,6 +279,10 @@ def test_check_a_bundle_whose_source_moved(tiny_clip_dir, tiny_llava_dir, tmp_pa
 
 # The console script's own code (pyproject's [project.scripts]), as a subprocess: signals need a real process.
 ENTRY = ["-c", "from vlmprune.compiler.__main__ import main; main()"]
+# As a shell starts a command: SIGINT at its default and unblocked, whatever the test process has come to hold
+# in a long session (a child inherits an ignored or blocked SIGINT across exec, and would then never see one).
+AS_A_SHELL_STARTS_IT = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                        "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])\n")
 
 
 def test_the_console_script_is_the_interrupt_boundary():
@@ -295,7 +299,7 @@ def test_ctrl_c_while_the_cli_imports_is_one_line(tmp_path):
     import subprocess
     import sys
 
-    at_import = ("import importlib.abc, os, signal, sys\n"
+    at_import = (AS_A_SHELL_STARTS_IT + "import importlib.abc, os, signal, sys\n"
                  "class Interrupt(importlib.abc.MetaPathFinder):\n"
                  "    def find_spec(self, name, path=None, target=None):\n"
                  "        if name == 'vlmprune.targets':\n"
@@ -321,7 +325,8 @@ def test_ctrl_c_after_the_bundle_line_leaves_a_complete_bundle_said_so(tiny_clip
     from vlmprune.compiler.bundle import load_manifest
 
     out = tmp_path / "b"
-    proc = subprocess.Popen([sys.executable, *ENTRY, "compile", str(tiny_clip_dir), "--keep", "8", "-o", str(out)],
+    proc = subprocess.Popen([sys.executable, "-c", AS_A_SHELL_STARTS_IT + ENTRY[1], "compile", str(tiny_clip_dir),
+                             "--keep", "8", "-o", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("bundle: "):
