@@ -37,6 +37,7 @@ from vlmprune.compiler.frontend import FAMILIES, family_of, family_option_names
 from vlmprune.compiler.bundle.manifest import Manifest, MethodSection
 from vlmprune.compiler.bundle.output_files import check_output_file, write_file
 from vlmprune.compiler.parity import DEFAULT_TOLERANCES, ParityReport, figure_text, parse_overrides, summary_bounds
+from vlmprune.compiler import pipeline
 from vlmprune.compiler.pipeline import CompileOptions, check_bundle, compile_model
 from vlmprune.passes.methods import METHODS
 from vlmprune.targets import DEFAULT_TARGET, PLANNED, TARGETS, get_target
@@ -113,13 +114,9 @@ def target_commands() -> list:
 
 
 @dataclasses.dataclass
-class CompileResult:
-    """A compiled bundle: where it is, its manifest, the parity report it was checked with, and how long it took."""
-
-    bundle: Path
-    manifest: Manifest
-    report: ParityReport
-    seconds: float
+class CompileResult(pipeline.CompileResult):
+    """A compiled bundle: where it is, its manifest, the parity report it was checked with, and how long it took
+    (the pipeline's result, with what the CLI prints of it)."""
 
     @property
     def passed(self) -> bool:
@@ -181,7 +178,7 @@ def compile(model: str, output: str | Path = "build", *, target: str = DEFAULT_T
                              cache=cache, with_llm=with_llm, llm_exporter=llm_exporter, fastv_layer=fastv_layer,
                              fastv_keep=fastv_keep, image_start=image_start)
     result = compile_model(model, Path(output), options, _say(progress))
-    return CompileResult(result.bundle, result.manifest, result.report, result.seconds)
+    return CompileResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
 
 
 def _later(method: MethodSection) -> str:

@@ -81,7 +81,7 @@ def _which(env_var: str, default: str, hint: str, extra: tuple[str, ...] = ()) -
     return found
 
 
-def _publish_dir(tmp: Path, final: Path) -> Path:
+def publish_dir(tmp: Path, final: Path) -> Path:
     """Rename a finished build into place; a concurrent builder that won keeps its copy."""
     try:
         tmp.rename(final)
@@ -124,7 +124,7 @@ def ort_headers_dir() -> Path:
         staged.mkdir()
         for header in headers.glob("*.h"):
             shutil.copy2(header, staged / header.name)
-        staged_final = _publish_dir(staged, final)
+        staged_final = publish_dir(staged, final)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # drops the ~150 MB of iOS binaries
     return staged_final
@@ -187,7 +187,7 @@ def build_ort_library(force: bool = False) -> Path:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         if force and final.exists():
             shutil.rmtree(final)
-        return _publish_dir(tmp, final) / LIBRARY_NAME
+        return publish_dir(tmp, final) / LIBRARY_NAME
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,12 +17,22 @@ def _tiny_vision(kind: str, image_size: int = 112):
     return CLIPVisionConfig(**common) if kind == "clip" else SiglipVisionConfig(**common)
 
 
+def _shared_root(tmp_path_factory) -> Path:
+    """A folder every process of this run sees: the session's own temporary root, or under pytest-xdist
+    (`-n auto`, as the README runs the suite) the root its workers' temporary folders share."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_products(tmp_path_factory):
-    """One product cache (compiler.pipeline.cache) per session: compiles of one export share it, as a user's do, and
-    the user's own cache is neither read nor grown (the venvs and the op library stay in VLMPRUNE_CACHE)."""
+    """One product cache (compiler.pipeline.cache) per run, shared by its workers: compiles of one export share it,
+    as a user's do (the cache is safe for concurrent compiles), and the user's own cache is neither read nor grown
+    (the venvs and the op library stay in VLMPRUNE_CACHE)."""
     patch = pytest.MonkeyPatch()
-    patch.setenv("VLMPRUNE_PRODUCTS", str(tmp_path_factory.mktemp("products")))
+    products = _shared_root(tmp_path_factory) / "products"
+    products.mkdir(exist_ok=True)
+    patch.setenv("VLMPRUNE_PRODUCTS", str(products))
     yield
     patch.undo()
 
@@ -111,28 +122,57 @@ def tiny_dense_path(tiny_source, tmp_path_factory):
     return path
 
 
+def _content(model: Path) -> str:
+    """A preset's name, or the sha256 of a checkpoint folder's (or an .onnx file's) bytes."""
+    import hashlib
+
+    if not model.exists():
+        return str(model)
+    digest = hashlib.sha256()
+    for path in sorted(model.rglob("*")) if model.is_dir() else [model]:
+        if path.is_file():
+            digest.update(f"{path.relative_to(model) if model.is_dir() else path.name}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory):
     """compiled(model, **options): model (a preset or a checkpoint path) compiled with CompileOptions(**options).
 
-    A compile is the suite's dearest step, so each (model, options) is compiled once a session and its
-    CompileResult shared by every test that asks for it. The bundle is shared: a test that edits one (a tampered
-    file, a --force rewrite) edits a copy (shutil.copytree) instead.
+    A compile is the suite's dearest step, so each (model, options) is compiled once a run and its
+    CompileResult shared by every test that asks for it, in every worker: the first worker to ask compiles under a
+    file lock, and the others wait and load its result. The bundle is shared: a test that edits one (a tampered
+    file, a --force rewrite) edits a copy (shutil.copytree) instead. Checkpoints are made per worker, at a
+    fixed seed, so the key names a checkpoint by its content, not its path.
     """
+    made = {}
+    root = _shared_root(tmp_path_factory) / "compiled"
+    root.mkdir(exist_ok=True)
+    return lambda model, **options: compile_shared(root, made, model, options)
+
+
+def compile_shared(root: Path, made: dict, model, options: dict):
+    """compiled()'s body: made holds this process's results, root the run's (a file lock and a pickle per key)."""
+    import fcntl
+    import hashlib
     import json
+    import pickle
 
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
-    made = {}
-
-    def compile_once(model, **options):
-        key = (str(model), json.dumps(options, sort_keys=True))
-        if key not in made:
-            out = tmp_path_factory.mktemp("compiled") / "bundle"
-            made[key] = compile_model(str(model), out, CompileOptions(**options))
-        return made[key]
-
-    return compile_once
+    key = (str(model), json.dumps(options, sort_keys=True))
+    if key not in made:
+        digest = hashlib.sha256(json.dumps([_content(Path(str(model))), key[1]]).encode()).hexdigest()[:16]
+        done = root / f"{digest}.pickle"
+        with open(root / f"{digest}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if done.is_file():
+                made[key] = pickle.loads(done.read_bytes())
+            else:
+                made[key] = compile_model(str(model), root / digest / "bundle", CompileOptions(**options))
+                done.write_bytes(pickle.dumps(made[key]))
+    return made[key]
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,24 @@ def test_a_compile_is_made_once_per_model_and_options(compiled, tiny_llava_dir):
     assert other.bundle != first.bundle and other.manifest["method"]["name"] == "visionzip"
 
 
+def test_another_worker_loads_the_compile_a_first_one_made(compiled, tiny_llava_dir, tmp_path):
+    """Under pytest-xdist each worker makes its own checkpoints (same seed, another folder) and its own results;
+    the run's shared folder gives the second the first's bundle, and a checkpoint that differs is compiled anew."""
+    import shutil
+
+    from conftest import compile_shared
+
+    first = compiled(tiny_llava_dir, keep=16)
+    root = first.bundle.parents[1]
+    copy = shutil.copytree(tiny_llava_dir, tmp_path / "their_tiny_llava")
+    theirs = compile_shared(root, {}, copy, {"keep": 16})  # a fresh process: nothing made yet
+    assert theirs is not first and theirs.bundle == first.bundle and theirs.manifest == first.manifest
+    assert theirs.report.to_json() == first.report.to_json()
+    (copy / "config.json").write_text((copy / "config.json").read_text() + "\n")  # one byte more, same model
+    changed = compile_shared(root, {}, copy, {"keep": 16})
+    assert changed.bundle != first.bundle and changed.report.passed
+
+
 def test_toolchain_tests_are_marked_and_only_they():
     """-m 'not toolchain' must leave out exactly the tests that ask for a pinned toolchain (here: QNN, rknn)."""
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -31,4 +49,4 @@ def test_the_readme_test_command_lists_the_slowest_tests():
     """.ci/run runs the README's second command verbatim: found by its own pattern, it asks for the durations."""
     pattern = re.search(r"grep -m1 -E '([^']+)' README.md", (ROOT / ".ci" / "run").read_text())[1]
     line = next(line for line in (ROOT / "README.md").read_text().splitlines() if re.search(pattern, line))
-    assert line.endswith("&& python -m pytest -q --durations=25")
+    assert line.endswith("&& python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25")

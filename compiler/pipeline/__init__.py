@@ -76,6 +76,8 @@ class CompileOptions:
 
 @dataclasses.dataclass
 class CompileResult:
+    """What compile_model made: the bundle, its manifest, its parity report, the seconds it took."""
+
     bundle: Path
     manifest: Manifest
     report: parity.ParityReport

@@ -38,7 +38,7 @@ from vlmprune.compiler.contract import WEIGHTS  # an entry's weights file, named
 from vlmprune.compiler.frontend import DenseRequest, Source
 from vlmprune.compiler.parity import StageResult
 from vlmprune.compiler.parity.reference import Reference
-from vlmprune.kernels.build import _publish_dir, cache_dir
+from vlmprune.kernels.build import publish_dir, cache_dir
 
 Progress = Callable[[str], None]
 ENTRY = "entry.json"  # an entry's record: its key parts and the sha256 of each file; written last
@@ -206,7 +206,7 @@ def _write(key: str, parts: dict, fill: Callable[[Path], object]) -> Path:
         fill(tmp)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         (tmp / ENTRY).write_text(json.dumps({"key": key, "parts": parts, "files": files}, indent=1) + "\n")
-        return _publish_dir(tmp, root / key)
+        return publish_dir(tmp, root / key)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
