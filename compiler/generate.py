@@ -283,26 +283,15 @@ def _bytes(text: str, specials: dict[str, int]) -> list[int]:
 
 
 def load_pixels(vlm: Vlm, image: Path, preprocess: dict | None = None) -> tuple[np.ndarray, str]:
-    """An image file preprocessed for the source's tower: [1, 3, S, S], or LLaVA-NeXT's crops [C, 3, S, S].
+    """An image file preprocessed for the source's tower, as its family's processor does ([1, 3, S, S], or
+    LLaVA-NeXT's crops [C, 3, S, S]), and the line that says how.
 
     preprocess: a bundle manifest's size, mean and std (one image, not crops), else the source's.
     """
-    from vlmprune.compiler.frontend.images import anyres_crops, load_image_file, read_rgb
-
-    source = vlm.source
     try:
-        if source.crops is None:
-            pre = preprocess or {"size": source.image_size, "mean": source.mean, "std": source.std}
-            pixel, described, _scale = load_image_file(str(image), pre["size"], pre["mean"], pre["std"])
-            return pixel, described
-        rgb, depth = read_rgb(str(image))
-        pixel = anyres_crops(rgb, source.crops, source.image_size, source.mean, source.std, fill=True)
+        return vlm.rules.llm_pixels(vlm.source, str(image), preprocess)
     except Exception as exc:
         raise InputError(f"{image}: cannot read the image ({_first_line(exc)})") from None
-    (height, width), (rows, cols) = source.crops["resolution"], source.crops["grid"]
-    return pixel, (f"{rgb.shape[1]}x{rgb.shape[0]} image{depth}: centre-cropped to the {rows}x{cols} grid's aspect "
-                   f"and resized to {width}x{height} (nothing padded), LlavaNextImageProcessor's "
-                   f"{source.crops['count']} crops of {source.image_size}x{source.image_size}")
 
 
 def hf_image_inputs(vlm: Vlm, pixel: np.ndarray) -> dict:

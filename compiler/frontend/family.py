@@ -202,6 +202,15 @@ class Family:
         """How a bundle (its manifest's model) takes other pixels than this source (another option value), or None."""
         return None
 
+    def llm_pixels(self, source: Source, image: str, preprocess: dict | None) -> tuple[np.ndarray, str]:
+        """An image file preprocessed for the LLM side's tower ([1, 3, S, S]) and its preprocessing line.
+
+        preprocess: a bundle manifest's size, mean and std, else the source's.
+        """
+        pre = preprocess or {"size": source.image_size, "mean": source.mean, "std": source.std}
+        pixel, described, _scale = load_image_file(image, pre["size"], pre["mean"], pre["std"])
+        return pixel, described
+
     def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
         """The transformers model's own forward's image arguments for one preprocessed image."""
         import torch

@@ -39,7 +39,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
 from vlmprune.compiler.frontend.family import CROPS, PATCH_TOKENS, Family, IndicesPositions
-from vlmprune.compiler.frontend.images import load_image_crops, parity_crops
+from vlmprune.compiler.frontend.images import anyres_crops, load_image_crops, parity_crops, read_rgb
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
 from vlmprune.compiler.frontend.source import Source, check_floating, feature_blocks, read_safetensors, sha256_files
 from vlmprune.compiler.frontend.tower import VisionPipeline
@@ -346,6 +346,15 @@ class LlavaNextFamily(Family):
             return (f"compiled for --grid {model.get('grid')}, eval runs {source.details.get('grid')} "
                     f"(pass --grid {model.get('grid')})")
         return None
+
+    def llm_pixels(self, source: Source, image: str, preprocess: dict | None) -> tuple[np.ndarray, str]:
+        """The crops [C, 3, S, S] of one image at the source's grid (a bundle's preprocess is one image's, unused)."""
+        rgb, depth = read_rgb(image)
+        pixel = anyres_crops(rgb, source.crops, source.image_size, source.mean, source.std, fill=True)
+        (height, width), (rows, cols) = source.crops["resolution"], source.crops["grid"]
+        return pixel, (f"{rgb.shape[1]}x{rgb.shape[0]} image{depth}: centre-cropped to the {rows}x{cols} grid's "
+                       f"aspect and resized to {width}x{height} (nothing padded), LlavaNextImageProcessor's "
+                       f"{source.crops['count']} crops of {source.image_size}x{source.image_size}")
 
     def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
         return {"pixel_values": torch.from_numpy(pixel)[None], "image_sizes": torch.tensor([source.crops["resolution"]])}

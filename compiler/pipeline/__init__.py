@@ -27,7 +27,7 @@ from vlmprune.compiler import __version__, bundle, parity
 from vlmprune.compiler.pipeline import cache
 
 from vlmprune.compiler.parity import reference
-from vlmprune.compiler.contract import DECOMPOSED, DENSE, FEATURES, PARITY, README, WEIGHTS
+from vlmprune.compiler.contract import DECOMPOSED, DENSE, FEATURES, PARITY, README
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import DenseRequest, Family, Source, check_family_options, images, load_fixed
 from vlmprune.compiler.llm import export as llm_export
@@ -284,11 +284,8 @@ def _dense_model(source: Source, family: Family, options: CompileOptions, folder
     request = DenseRequest(options.batch, options.opset, options.cls, timer.step, onnx_contract=OnnxTowerContractPass)
     # The product cache (compiler.pipeline.cache): a hit skips the export; a family whose dense model is the
     # graph itself (an .onnx tower: its torch_reference is False) has nothing exported to keep.
-    model = cache.dense_export(source, family.id, request, lambda: family.dense_model(source, request), folder / DENSE,
-                               options.cache and family.torch_reference)
-    ir.external_data.unload_from_model(model, folder, WEIGHTS, size_threshold_bytes=1024)
-    ir.save(model, folder / DENSE)
-    return model
+    return cache.dense_export(source, family.id, request, lambda: family.dense_model(source, request), folder, DENSE,
+                              options.cache and family.torch_reference)
 
 
 # ---------------------------------------------------------------------- manifest

@@ -43,6 +43,7 @@ from vlmprune.kernels.build import publish_dir, cache_dir
 Progress = Callable[[str], None]
 ENTRY = "entry.json"  # an entry's record: its key parts and the sha256 of each file; written last
 GRAPH = "dense.onnx"
+LAYOUT = 2  # an entry's files: 2, a bundle's own layout of the dense graph and its weights (save_dense)
 REFERENCE, STAGE = "reference.npz", "stage.json"
 # The pipeline settings that can change the export, read from the pipeline itself so that a family's own
 # setting (llava_next's pack and grid, a feature layer's num_blocks) is part of the key without naming it here.
@@ -61,19 +62,23 @@ def products_dir() -> Path:
     return Path(override).expanduser() if override else cache_dir() / "products"
 
 
-def dense_export(source: Source, family: str, request: DenseRequest, export: Callable[[], ir.Model], dense_path: Path,
-                 enabled: bool) -> ir.Model:
-    """The dense model export() makes (the family's dense_model for request): from the cache, else made and kept.
+def dense_export(source: Source, family: str, request: DenseRequest, export: Callable[[], ir.Model], folder: Path,
+                 name: str, enabled: bool) -> ir.Model:
+    """The dense model export() makes (the family's dense_model for request), written into folder: its graph as
+    name, its weights as WEIGHTS (every later graph of the compile refers to that one file).
 
-    The model returned reads its weights from the cache entry, on a hit as on a miss, so the
-    two give the same graph; the caller writes it into its own folder as before. An .onnx
-    tower (its family's dense model is the graph itself) is read, not exported: the caller
-    passes enabled=False, there is nothing to keep. A hit does not call export(), so a
-    family's dense_model must depend on the key's parts alone.
+    An entry holds exactly those two files as a bundle lays them out (save_dense), so a hit
+    copies them into folder (the kernel copies; nothing is re-serialised) and a --no-cache
+    compile writes the same bytes. The model returned reads folder's copy, on a hit as on
+    a miss, so the two give the same graph, and the bundle never depends on the cache. An
+    .onnx tower (its family's dense model is the graph itself) is read, not exported: the
+    caller passes enabled=False, there is nothing to keep. A hit does not call export(), so
+    a family's dense_model must depend on the key's parts alone.
     """
-    _made.pop(Path(dense_path).resolve(), None)
+    dense_path = Path(folder) / name
+    _made.pop(dense_path.resolve(), None)
     if not enabled:
-        return export()
+        return save_dense(export(), folder, name)
     parts = export_parts(source, family, request.batch, request.opset, request.cls)
     key = _key(parts)
     entry = _read(key, (GRAPH, WEIGHTS), request.step)
@@ -81,9 +86,18 @@ def dense_export(source: Source, family: str, request: DenseRequest, export: Cal
         request.step(f"export (cached: {key[:12]})")
     else:
         model = export()
-        entry = _write(key, parts, lambda folder: ir.save(model, folder / GRAPH, external_data=WEIGHTS))
-    _made[Path(dense_path).resolve()] = key
-    return ir.load(entry / GRAPH)
+        entry = _write(key, parts, lambda tmp: save_dense(model, tmp, GRAPH))
+    shutil.copyfile(entry / WEIGHTS, Path(folder) / WEIGHTS)
+    shutil.copyfile(entry / GRAPH, dense_path)
+    _made[dense_path.resolve()] = key
+    return ir.load(dense_path)
+
+
+def save_dense(model: ir.Model, folder: Path, name: str) -> ir.Model:
+    """The layout of a bundle's dense graph: initializers over 1 KiB in folder/WEIGHTS, the graph beside it."""
+    ir.external_data.unload_from_model(model, folder, WEIGHTS, size_threshold_bytes=1024)
+    ir.save(model, Path(folder) / name)
+    return model
 
 
 def dense_reference(dense_path: Path, pixel: np.ndarray, compute: Callable[[], Reference], step: Progress) -> Reference:
@@ -123,7 +137,7 @@ def export_parts(source: Source, family: str, batch: int | None, opset: int, cls
     pipeline = source.pipeline
     settings = {name: value for name, value in sorted(vars(pipeline).items())
                 if not name.startswith("_") and _is_setting(value)}
-    return {"product": "dense-export", "weights": source.content_hash, "family": family,
+    return {"product": "dense-export", "layout": LAYOUT, "weights": source.content_hash, "family": family,
             "image_size": source.image_size, "crops": source.crops, "pipeline": type(pipeline).__qualname__,
             "settings": settings, "batch": batch, "opset": opset, "cls": cls, "versions": versions()}
 

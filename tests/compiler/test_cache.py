@@ -53,6 +53,14 @@ def test_a_second_compile_with_another_method_reuses_the_dense_products(tiny_cli
     for name in ("model.onnx", "model.decomposed.onnx", "weights.bin", "parity.json"):
         assert (tmp_path / "visionzip" / name).read_bytes() == (tmp_path / "peer" / name).read_bytes(), name
     assert second.report.stages[0].to_json() == first.report.stages[0].to_json()  # the export stage, kept
+    # The hit copied the entry's files (no re-serialising), and the bundle stands without the cache.
+    assert (tmp_path / "visionzip" / "weights.bin").stat().st_nlink == 1
+    import shutil
+
+    from vlmprune.compiler.pipeline import check_bundle
+
+    shutil.rmtree(products)
+    assert check_bundle(second.bundle).passed
 
 
 @pytest.mark.parametrize("change", [{"opset": 17}, {"feature_layer": -2}, {"cls": "keep"}, {"batch": 2}])
