@@ -13,7 +13,8 @@ Python sources, torch, onnx, onnxscript, onnx_ir, transformers and ONNX Runtime.
 is written into a temporary folder and renamed into place, so concurrent compiles never
 see half an entry; it records the sha256 of each of its files, and one that no longer
 matches (truncated, flipped bytes) is removed and rebuilt, never used. Deleting the
-folder is always safe. `--no-cache` (CompileOptions.cache=False) reads and writes nothing.
+folder is always safe. The folder is bounded ($VLMPRUNE_PRODUCTS_MAX_GB, default 20): writing an entry
+removes the least recently used ones over it. `--no-cache` (CompileOptions.cache=False) reads and writes nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import onnx_ir as ir
 from vlmprune.compiler import __version__
 from vlmprune.compiler.bundle import sha256_file
 from vlmprune.compiler.contract import WEIGHTS  # an entry's weights file, named as in a bundle
+from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import DenseRequest, Source
 from vlmprune.compiler.parity import StageResult
 from vlmprune.compiler.parity.reference import Reference
@@ -205,6 +207,7 @@ def _read(key: str, files: tuple[str, ...], step: Progress) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         damaged = f"{ENTRY} ({type(exc).__name__})"
     if damaged is None:
+        os.utime(entry / ENTRY)  # used now: the last to be evicted
         return entry
     step(f"cache entry {key[:12]} is damaged ({damaged} does not match its sha256): removed, rebuilding")
     _remove(entry)
@@ -220,10 +223,46 @@ def _write(key: str, parts: dict, fill: Callable[[Path], object]) -> Path:
         fill(tmp)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         (tmp / ENTRY).write_text(json.dumps({"key": key, "parts": parts, "files": files}, indent=1) + "\n")
-        return publish_dir(tmp, root / key)
+        entry = publish_dir(tmp, root / key)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    evict(root, keep=entry)
+    return entry
+
+
+def limit_bytes() -> int:
+    """$VLMPRUNE_PRODUCTS_MAX_GB (default 20): what the products folder may hold before the least recently used
+    entries go."""
+    raw = os.environ.get("VLMPRUNE_PRODUCTS_MAX_GB", "20")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InputError(f"VLMPRUNE_PRODUCTS_MAX_GB must be a number of gigabytes, got {raw!r}") from None
+    return int(value * 1e9)
+
+
+def evict(root: Path, keep: Path) -> list[str]:
+    """Remove the least recently used entries (by their record's mtime, which a hit touches) until the folder fits
+    limit_bytes(); never keep, the entry just written, even when it alone is over the limit."""
+    entries = []
+    for entry in root.iterdir():
+        if entry.name.startswith(".") or not (entry / ENTRY).is_file():
+            continue  # another compile's temporary folder, or one being removed
+        try:
+            size = sum(f.stat().st_size for f in entry.iterdir())
+            entries.append(((entry / ENTRY).stat().st_mtime, entry, size))
+        except OSError:  # removed meanwhile
+            continue
+    total, removed = sum(size for _, _, size in entries), []
+    for _, entry, size in sorted(entries, key=lambda e: e[0]):
+        if total <= limit_bytes():
+            break
+        if entry != keep:
+            _remove(entry)
+            total -= size
+            removed.append(entry.name)
+    return removed
 
 
 def _remove(entry: Path) -> None:

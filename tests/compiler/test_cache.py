@@ -160,3 +160,40 @@ def test_the_products_folder_moves_alone(monkeypatch, tmp_path):
     monkeypatch.setenv("VLMPRUNE_PRODUCTS", str(tmp_path / "products"))
     assert cache.products_dir() == tmp_path / "products"
     assert cache_dir() == tmp_path / "cache"  # the kernels and venvs stay where they are
+
+
+def test_the_least_recently_used_entries_go_when_the_folder_is_over_its_limit(tmp_path, monkeypatch):
+    import os
+
+    for age, name in enumerate(("new", "middle", "old")):
+        entry = tmp_path / name
+        entry.mkdir()
+        (entry / "payload").write_bytes(b"x" * 1000)
+        (entry / cache.ENTRY).write_text("{}")
+        os.utime(entry / cache.ENTRY, (1e9 - age * 100, 1e9 - age * 100))
+    (tmp_path / ".half-written").mkdir()  # another compile's temporary folder: never counted nor removed
+    monkeypatch.setenv("VLMPRUNE_PRODUCTS_MAX_GB", str(2100 / 1e9))
+    assert cache.evict(tmp_path, keep=tmp_path / "new") == ["old"]
+    assert cache.evict(tmp_path, keep=tmp_path / "middle") == []  # under the limit now
+    monkeypatch.setenv("VLMPRUNE_PRODUCTS_MAX_GB", "0")
+    assert cache.evict(tmp_path, keep=tmp_path / "middle") == ["new"]  # the one just written stays, even alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".half-written", "middle"]
+
+
+def test_a_compile_keeps_the_folder_within_its_limit(tiny_clip_dir, products, tmp_path, monkeypatch):
+    _compile(tiny_clip_dir, tmp_path / "a", method="dart")
+    first = set(_entries(products))
+    size = sum(f.stat().st_size for e in first for f in (products / e).iterdir())
+    monkeypatch.setenv("VLMPRUNE_PRODUCTS_MAX_GB", str(size * 1.5 / 1e9))
+    _compile(tiny_clip_dir, tmp_path / "b", method="dart", opset=17)  # three new entries
+    left = set(_entries(products))
+    assert len(left - first) == 3 and first - left  # the new ones all kept, the oldest gone
+    assert sum(f.stat().st_size for e in left for f in (products / e).iterdir()) <= size * 1.5
+
+
+def test_the_limit_must_be_a_number(monkeypatch):
+    from vlmprune.compiler.errors import InputError
+
+    monkeypatch.setenv("VLMPRUNE_PRODUCTS_MAX_GB", "lots")
+    with pytest.raises(InputError, match=r"^VLMPRUNE_PRODUCTS_MAX_GB must be a number of gigabytes, got 'lots'$"):
+        cache.limit_bytes()
