@@ -197,3 +197,27 @@ def test_the_limit_must_be_a_number(monkeypatch):
     monkeypatch.setenv("VLMPRUNE_PRODUCTS_MAX_GB", "lots")
     with pytest.raises(InputError, match=r"^VLMPRUNE_PRODUCTS_MAX_GB must be a number of gigabytes, got 'lots'$"):
         cache.limit_bytes()
+
+
+def test_two_writers_of_one_key_leave_one_whole_entry(products):
+    """Two compiles of one model at once: both fill a temporary folder; the first rename wins, the second's copy is
+    dropped, and both get the published entry."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    results = []
+
+    def fill(tag):
+        def write(folder):
+            (folder / "product.bin").write_bytes(b"same bytes")
+            barrier.wait(timeout=30)  # both have a whole temporary folder before either publishes
+        return lambda: results.append(cache._write("k" * 64, {"product": "test"}, write))
+
+    threads = [threading.Thread(target=fill(tag)) for tag in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results == [products / ("k" * 64)] * 2
+    assert sorted(p.name for p in products.iterdir()) == ["k" * 64]  # no temporary folder left
+    assert cache._read("k" * 64, ("product.bin",), lambda _m: None) == products / ("k" * 64)
