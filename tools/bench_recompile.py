@@ -9,7 +9,9 @@ Each round, with an empty product cache ($VLMPRUNE_CACHE/products, in a temporar
    dense torch reference and the export parity stage;
 3. `vlmprune compile MODEL --method divprune --no-cache`: the second compile's own peer.
 Times are wall seconds of the whole command, as a user waits for it (interpreter start and
-imports included). The ONNX Runtime custom-op library, which the ort target builds once
+imports included). Each compile writes a bundle folder of its own, and before each one the
+earlier bundles are deleted and the disk's pending writes are flushed (os.sync), untimed, so
+that no command is charged for the one before it. The ONNX Runtime custom-op library, which the ort target builds once
 into the same cache root, is built before timing: the product cache is not what saves it.
 The run reports how much CPU other processes took meanwhile (tools/machine_load.py).
 """
@@ -45,6 +47,18 @@ def compile_seconds(model: str, args: list[str], out: Path, env: dict) -> float:
     return seconds
 
 
+def settle(root: Path) -> None:
+    """Untimed, before each compile: the earlier bundles go and the disk has written what is pending.
+
+    A compile returns while the kernel still writes its gigabytes back (a bundle, a cache
+    entry); without this the next command's reads and its own writes queue behind the last
+    one's, and the second compile is charged for the first's disk time.
+    """
+    for old in root.glob("bundle-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    os.sync()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="clip-l-336")
@@ -59,9 +73,10 @@ def main() -> None:
         meter = CpuMeter()
         for i in range(args.repeats):
             shutil.rmtree(root / "cache" / "products", ignore_errors=True)
-            for row, flags in ROWS.items():
+            for j, (row, flags) in enumerate(ROWS.items()):
+                settle(root)
                 print(f"round {i + 1}: {row}", flush=True)
-                times[row].append(compile_seconds(args.model, flags, root / "bundle", env))
+                times[row].append(compile_seconds(args.model, flags, root / f"bundle-{i}-{j}", env))
                 print(f"  {times[row][-1]:.1f} s", flush=True)
         load = meter.report()
     first, second, peer = (statistics.median(t) for t in times.values())
