@@ -149,7 +149,11 @@ def compiled(tmp_path_factory):
     made = {}
     root = _shared_root(tmp_path_factory) / "compiled"
     root.mkdir(exist_ok=True)
-    return lambda model, **options: compile_shared(root, made, model, options)
+    def compile_once(model, **options):
+        return compile_shared(root, made, model, options)
+
+    compile_once.root, compile_once.shared = root, compile_shared  # for the test that plays another worker
+    return compile_once
 
 
 def compile_shared(root: Path, made: dict, model, options: dict):

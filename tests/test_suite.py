@@ -22,10 +22,9 @@ def test_another_worker_loads_the_compile_a_first_one_made(compiled, tiny_llava_
     the run's shared folder gives the second the first's bundle, and a checkpoint that differs is compiled anew."""
     import shutil
 
-    from conftest import compile_shared
-
     first = compiled(tiny_llava_dir, keep=16)
-    root = first.bundle.parents[1]
+    compile_shared, root = compiled.shared, compiled.root
+    assert first.bundle.parents[1] == root
     copy = shutil.copytree(tiny_llava_dir, tmp_path / "their_tiny_llava")
     theirs = compile_shared(root, {}, copy, {"keep": 16})  # a fresh process: nothing made yet
     assert theirs is not first and theirs.bundle == first.bundle and theirs.manifest == first.manifest
