@@ -11,8 +11,9 @@ Each round, with an empty product cache ($VLMPRUNE_CACHE/products, in a temporar
 Times are wall seconds of the whole command, as a user waits for it (interpreter start and
 imports included). Each compile writes a bundle folder of its own, and before each one the
 earlier bundles are deleted and the disk's pending writes are flushed (os.sync), untimed, so
-that no command is charged for the one before it. The ONNX Runtime custom-op library, which the ort target builds once
-into the same cache root, is built before timing: the product cache is not what saves it.
+that no command is charged for the one before it. The ONNX Runtime custom-op library, which
+the ort target builds once into the same cache root, is built before timing: the product
+cache is not what saves it.
 The run reports how much CPU other processes took meanwhile (tools/machine_load.py).
 """
 

@@ -81,6 +81,7 @@ def dense_export(source: Source, family: str, request: DenseRequest, export: Cal
     _made.pop(dense_path.resolve(), None)
     if not enabled:
         return save_dense(export(), folder, name)
+    limit_bytes()  # a bad $VLMPRUNE_PRODUCTS_MAX_GB is refused before the export, not after it
     parts = export_parts(source, family, request.batch, request.opset, request.cls)
     key = _key(parts)
     entry = _read(key, (GRAPH, WEIGHTS), request.step)
@@ -254,9 +255,9 @@ def evict(root: Path, keep: Path) -> list[str]:
             entries.append(((entry / ENTRY).stat().st_mtime, entry, size))
         except OSError:  # removed meanwhile
             continue
-    total, removed = sum(size for _, _, size in entries), []
+    limit, total, removed = limit_bytes(), sum(size for _, _, size in entries), []
     for _, entry, size in sorted(entries, key=lambda e: e[0]):
-        if total <= limit_bytes():
+        if total <= limit:
             break
         if entry != keep:
             _remove(entry)

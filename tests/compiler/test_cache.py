@@ -221,3 +221,13 @@ def test_two_writers_of_one_key_leave_one_whole_entry(products):
     assert results == [products / ("k" * 64)] * 2
     assert sorted(p.name for p in products.iterdir()) == ["k" * 64]  # no temporary folder left
     assert cache._read("k" * 64, ("product.bin",), lambda _m: None) == products / ("k" * 64)
+
+
+def test_a_bad_limit_is_refused_before_the_export(tiny_clip_dir, products, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLMPRUNE_PRODUCTS_MAX_GB", "lots")
+    from vlmprune.compiler.errors import InputError
+
+    lines = []
+    with pytest.raises(InputError, match="^VLMPRUNE_PRODUCTS_MAX_GB must be a number of gigabytes, got 'lots'$"):
+        compile_model(str(tiny_clip_dir), tmp_path / "b", CompileOptions(keep=16, method="dart"), lines.append)
+    assert not any("export (torch.onnx" in line for line in lines) and not products.exists()
