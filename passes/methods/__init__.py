@@ -11,9 +11,12 @@ from vlmprune.passes.methods.base import Method
 from vlmprune.passes.methods.cls import ClsMethod
 from vlmprune.passes.methods.dart import DartMethod
 from vlmprune.passes.methods.divprune import DivPruneMethod
+from vlmprune.passes.methods.grid import GridMethod
+from vlmprune.passes.methods.random_keep import RandomKeepMethod
 from vlmprune.passes.methods.visionzip import VisionZipMethod
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMethod, DivPruneMethod, DartMethod)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMethod, DivPruneMethod, DartMethod,
+                                                   RandomKeepMethod, GridMethod)}
 DEFAULT = "cls"
 
 

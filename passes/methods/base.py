@@ -114,6 +114,7 @@ class Method(abc.ABC):
     name: ClassVar[str]
     summary: ClassVar[str]
     prunes: ClassVar[bool] = True  # every method in METHODS prunes; methods.dense.Dense is the one that does not
+    baseline: ClassVar[bool] = False  # a reference point for accuracy tables (random keep, a grid), not to deploy
     selection: ClassVar[str] = BY_SCORE  # BY_SCORE or GREEDY: how parity compares the kept indices
     options: ClassVar[dict[str, tuple[type, str]]] = {}  # option name -> (type, help); the CLI flag is --NAME
     # Graph forms of the selection, in the method's order of preference ([0] is the default); each says what a

@@ -134,6 +134,9 @@ class CropBudget(Method):
     def check(self, params: dict, spec: SiteSpec) -> None:
         count, n, _, budget = self._spec(params)
         name, keep = self.name, params["keep"]
+        if getattr(self.inner, "baseline", False):
+            raise InputError(f"method {name} is a baseline of one fixed patch set per image; anyres crops have no "
+                             "defined form of it (use cls, divprune or dart)")
         if name not in SCORED + PER_CROP:
             raise InputError(f"method {name} is not available for anyres crops: its contextual merge has no "
                              "global-budget form over crops (use cls, divprune or dart)")

@@ -269,6 +269,7 @@ def test_grid_option_and_check_reload_it(llava_next_dir, tmp_path):
 
 @pytest.mark.parametrize("options,message", [
     (dict(method="visionzip"), "method visionzip is not available for anyres crops"),
+    (dict(method="random"), "method random is a baseline of one fixed patch set per image; anyres crops"),
     (dict(method="divprune", crop_budget="proportional"), "no per-patch score to split the budget"),
     (dict(layer=1), "anyres crops are pruned at the tower's end"),
     (dict(grid="3x3"), "this model's grids are 1x2, 2x1, 2x2"),

@@ -17,7 +17,8 @@ from vlmprune.compiler.cli import main
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
-METHODS = {"cls": {"lambda": 0.2}, "visionzip": {"contextual": 4}, "divprune": {}, "dart": {"pivots": 3}}
+METHODS = {"cls": {"lambda": 0.2}, "visionzip": {"contextual": 4}, "divprune": {}, "dart": {"pivots": 3},
+           "random": {"seed": 3}, "grid": {"site": "features"}}
 KEEP = 16
 
 
