@@ -44,6 +44,7 @@ from vlmprune.targets import DEFAULT_TARGET, PLANNED, TARGETS, get_target
 from vlmprune.targets import placement
 
 Progress = Callable[[str], None] | None
+EVAL_TARGET = "ort"  # eval --dataset's default: the host runtime, whose runner runs everywhere
 
 __all__ = ["CompileResult", "InspectResult", "Manifest", "ParityReport", "RunResult", "EvalResult", "CompareResult",
            "MethodInfo", "TargetListing", "compile", "check", "run", "inspect", "eval", "compare", "generate",
@@ -555,7 +556,7 @@ def generate_json(result) -> dict:
 class EvalResult:
     """`vlmprune eval`'s report: per method and K (and per bundle), first-token KL and answer agreement."""
 
-    data: dict  # the report as --json prints it: rows, images, prompts, dense_image_tokens, harness_kl_max, ...
+    data: dict  # the report as --json prints it: rows, and what they were measured over (images and prompts, or a dataset)
     report: Path | None = None
 
     @property
@@ -570,6 +571,10 @@ class EvalResult:
         from vlmprune.compiler.evaluate import table
 
         data = self.data
+        if "dataset" in data:
+            from vlmprune.compiler.accuracy import table as accuracy_table
+
+            return accuracy_table(data)
         starts = sorted(set(data["image_start"]))
         return [*table(data),
                 f"({len(data['images'])} images x {len(data['prompts'])} prompts; dense: "
@@ -578,34 +583,71 @@ class EvalResult:
                 f"{'these prompts' if len(starts) == 1 else 'the prompts, in order of value'})"]
 
 
-def eval(model: str, *, images: str | Path, prompts: str | Path, methods: Iterable[str] | None = None,
-         keeps: Iterable[int] | None = None, bundles: Iterable[str | Path] = (), max_new_tokens: int = 8,
-         image_size: int | None = None, grid: str | None = None, report: str | Path | None = None,
-         force: bool = False, progress: Progress = None) -> EvalResult:
-    """Pruned against dense on MODEL's own LLM (`vlmprune eval`): per method and K, KL and greedy agreement.
+def eval(model: str, *, images: str | Path | None = None, prompts: str | Path | None = None,
+         methods: Iterable[str] | None = None, keeps: Iterable[int] | None = None, bundles: Iterable[str | Path] = (),
+         max_new_tokens: int | None = None, image_size: int | None = None, grid: str | None = None,
+         report: str | Path | None = None, force: bool = False, progress: Progress = None,
+         dataset: str | Path | None = None, limit: int | None = None, layers: Iterable = (),
+         target: str | None = None, target_options: dict | None = None, ray: str | None = None,
+         ray_workers: int | None = None, store: str | Path | None = None, bar: bool | None = None) -> EvalResult:
+    """Pruned against dense on MODEL's own LLM (`vlmprune eval`).
 
-    images: a directory of images; prompts: a text file, one prompt a line. methods and keeps (each
-    item a value or a comma list, as the CLI's options) default to cls and 64 unless bundles
-    (compiled from MODEL) are given. report: also write the
-    report as .json or .html. Returns an EvalResult. Raises InputError for bad input.
+    Two modes. images (a directory) and prompts (a text file, one prompt a line): per method and K,
+    first-token KL and greedy agreement against dense; methods and keeps (each item a value or a comma
+    list, as the CLI's options) default to cls and 64 unless bundles (compiled from MODEL) are given.
+    dataset (JSON Lines of image, question, answers; the first `limit`): exact-match accuracy per
+    method x K x layer (ints, or "end") beside dense, random keep and a uniform grid, each compiled once
+    for target and run as a bundle; cells kept in store (default under $VLMPRUNE_CACHE/quality/), run
+    here or on the Ray cluster at `ray` ("auto" or an address) with at most ray_workers actors.
+    report: also write the report as .json or .html. Returns an EvalResult. Raises InputError for bad input.
     """
-    from vlmprune.compiler.evaluate import evaluate
-
     if report:
         check_output_file(report, force, (".json", ".html", ".htm"), "--report")
-    bundles = [Path(b) for b in bundles]
-    if not bundles:
-        methods, keeps = methods or ("cls",), keeps or (64,)
-    methods, keeps = _comma_list(methods or ()), _comma_list(keeps or (), int, "--keep")
-    data = evaluate(model, Path(images), Path(prompts), methods, keeps, max_new_tokens, _say(progress), bundles,
-                    image_size, grid)
+    if dataset is not None:
+        data = _eval_dataset(model, dataset, methods, keeps, bundles, images, prompts, max_new_tokens, limit, layers,
+                             target, target_options, ray, ray_workers, store, progress, bar, image_size, grid)
+    else:
+        from vlmprune.compiler.evaluate import evaluate
+
+        given = [name for name, value in (("--limit", limit), ("--layer", layers or None), ("--ray", ray),
+                                          ("--ray-workers", ray_workers), ("--store", store)) if value]
+        if given or target is not None:
+            raise InputError(f"{', '.join(given) or '--target'} applies to eval --dataset only")
+        if images is None or prompts is None:
+            raise InputError("eval needs --dataset FILE.jsonl, or --images DIR and --prompts FILE")
+        bundles = [Path(b) for b in bundles]
+        if not bundles:
+            methods, keeps = methods or ("cls",), keeps or (64,)
+        methods, keeps = _comma_list(methods or ()), _comma_list(keeps or (), int, "--keep")
+        data = evaluate(model, Path(images), Path(prompts), methods, keeps, max_new_tokens or 8, _say(progress),
+                        bundles, image_size, grid)
     if report and Path(report).suffix.lower() == ".json":
         write_file(report, (json.dumps(data, indent=2) + "\n").encode(), force)
     elif report:
-        from vlmprune.compiler.report import eval_html
+        from vlmprune.compiler.report import eval_html, quality_html
 
-        write_file(report, eval_html(data).encode(), force)
+        write_file(report, (quality_html(data) if dataset is not None else eval_html(data)).encode(), force)
     return EvalResult(data, Path(report) if report else None)
+
+
+def _eval_dataset(model, dataset, methods, keeps, bundles, images, prompts, max_new_tokens, limit, layers, target,
+                  target_options, ray, ray_workers, store, progress, bar, image_size, grid) -> dict:
+    from vlmprune.compiler.accuracy import evaluate_dataset
+    from vlmprune.compiler.quality.executors import InProcess, RayExecutor
+
+    clash = [name for name, value in (("--images", images), ("--prompts", prompts), ("--bundle", list(bundles)),
+                                      ("--image-size", image_size), ("--grid", grid)) if value]
+    if clash:
+        raise InputError(f"--dataset measures accuracy on bundles it compiles itself; drop {', '.join(clash)}")
+    if ray_workers is not None and ray is None:
+        raise InputError("--ray-workers needs --ray auto|ADDRESS")
+    target = target or EVAL_TARGET
+    get_target(target)  # one line for an unknown target, before any work
+    executor = RayExecutor(ray, ray_workers) if ray is not None else InProcess()
+    return evaluate_dataset(model, Path(dataset), _comma_list(methods or ("cls",)),
+                            _comma_list(keeps or (64,), int, "--keep"), list(layers or ()), limit=limit,
+                            target=target, target_options=target_options, max_new_tokens=max_new_tokens or 4,
+                            store=Path(store) if store else None, executor=executor, progress=_say(progress), bar=bar)
 
 
 def _comma_list(values, kind=str, what="value") -> list:

@@ -396,15 +396,30 @@ def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
 
 @main.command("eval")
 @click.argument("model")
-@click.option("--images", "images_dir", required=True, help="A directory of images.")
-@click.option("--prompts", "prompts_file", required=True, help="A text file, one prompt per line.")
+@click.option("--images", "images_dir", default=None, help="A directory of images (with --prompts).")
+@click.option("--prompts", "prompts_file", default=None, help="A text file, one prompt per line (with --images).")
+@click.option("--dataset", type=click.Path(path_type=Path), default=None,
+              help="Accuracy instead: JSON Lines of {image, question, answers}; each method x K x layer, dense, "
+                   "random keep and a uniform grid compiled once and run as bundles.")
+@click.option("--limit", type=int, default=None, help="--dataset: the first N samples.")
+@click.option("--layer", "-l", "layers", multiple=True,
+              help="--dataset: prune after block L (from 1) or at the tower's `end` (default); repeat or comma list.")
+@click.option("--target", "-t", default=None,
+              help="--dataset: the target the bundles are compiled for and run by, with its runner here "
+                   "(default: the host runtime, ONNX Runtime).")
+@click.option("--ray", default=None, metavar="auto|ADDRESS",
+              help="--dataset: spread the cells over a Ray cluster (auto: the running one, else a local one).")
+@click.option("--ray-workers", type=int, default=None, help="--ray: at most this many workers (default: its CPUs).")
+@click.option("--store", type=click.Path(path_type=Path), default=None,
+              help="--dataset: the results store (SQLite; default $VLMPRUNE_CACHE/quality/results.sqlite).")
 @click.option("--method", "-m", "methods", multiple=True,
               help="Pruning method(s): repeat the option or give a comma list. Default: cls (without --bundle).")
 @click.option("--keep", "-k", "keeps", multiple=True,
               help="K value(s): repeat the option or give a comma list. Default: 64 (without --bundle).")
 @click.option("--bundle", "bundles", multiple=True, type=click.Path(path_type=Path),
               help="A bundle compiled from MODEL, evaluated as it runs here (repeatable).")
-@click.option("--max-new-tokens", type=int, default=8, show_default=True, help="Greedy tokens compared per answer.")
+@click.option("--max-new-tokens", type=int, default=None,
+              help="Greedy tokens per answer (default 8; 4 with --dataset).")
 @click.option("--image-size", type=int, default=None,
               help="Qwen2-VL / Qwen2.5-VL: the static image size (a multiple of 28). Default: the bundle's, else 448.")
 @click.option("--grid", default=None,
@@ -415,14 +430,16 @@ def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
 @click.option("--force", is_flag=True, help="Replace an existing --report file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @_one_line_errors
-def eval_command(model, images_dir, prompts_file, methods, keeps, bundles, max_new_tokens, image_size, grid, as_json,
-                 report, force, quiet):
-    """Per method and K: first-token KL and greedy-answer agreement of pruned vs dense on MODEL's own LLM
-    (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL)."""
+def eval_command(model, images_dir, prompts_file, dataset, limit, layers, target, ray, ray_workers, store, methods,
+                 keeps, bundles, max_new_tokens, image_size, grid, as_json, report, force, quiet):
+    """Pruned against dense on MODEL's own LLM (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL): per method and K,
+    first-token KL and greedy agreement (--images, --prompts), or exact-match accuracy on bundles (--dataset)."""
     with _stdout_for_data() as emit:
         result = api.eval(model, images=images_dir, prompts=prompts_file, methods=methods, keeps=keeps,
                           bundles=bundles, max_new_tokens=max_new_tokens, image_size=image_size, grid=grid,
-                          report=report, force=force, progress=_progress(quiet or as_json))
+                          report=report, force=force, progress=_progress(quiet or as_json), dataset=dataset,
+                          limit=limit, layers=layers, target=target, ray=ray, ray_workers=ray_workers, store=store,
+                          bar=False if (quiet or as_json) else None)
         if report:
             click.echo(f"report written to {report}", err=True)
         if as_json:

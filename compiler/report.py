@@ -429,3 +429,87 @@ def _html_table(columns, rows) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in row) + "</tr>" for row in rows)
     return f'<table class="figures"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+# ------------------------------------------------------------------ eval --dataset
+
+CURVE_COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+                (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
+
+
+def accuracy_curves(rows: list[dict], dense: dict, where: str, size=(640, 400)):
+    """Accuracy against K for each method at one pruning place, with 95 % intervals as bars and dense as a dashed
+    line: a PIL image (K on a log2 axis; the baselines drawn thinner)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    w, h = size
+    left, right, top, bottom = 56, 130, 28, 44
+    image = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(image)
+    keeps = sorted({r["keep"] for r in rows})
+    lo_k, hi_k = np.log2(keeps[0]), np.log2(keeps[-1])
+    x = lambda k: left + (0.5 if hi_k == lo_k else (np.log2(k) - lo_k) / (hi_k - lo_k)) * (w - left - right)  # noqa
+    y = lambda a: top + (1 - a) * (h - top - bottom)  # noqa: E731
+    d.rectangle([left, top, w - right, h - bottom], outline=(0, 0, 0))
+    for a in (0, 0.25, 0.5, 0.75, 1.0):
+        d.line([left - 4, y(a), left, y(a)], fill=(0, 0, 0))
+        d.text((left - 34, y(a) - 6), f"{a:.2f}", fill=(0, 0, 0), font=font)
+    for k in keeps:
+        d.line([x(k), h - bottom, x(k), h - bottom + 4], fill=(0, 0, 0))
+        d.text((x(k) - 8, h - bottom + 8), str(k), fill=(0, 0, 0), font=font)
+    d.text((left, 8), f"accuracy vs K, pruned {where}", fill=(0, 0, 0), font=font)
+    d.text(((w - right + left) / 2 - 40, h - 16), "K (kept patches)", fill=(0, 0, 0), font=font)
+    for start in range(left, w - right, 12):  # dense, dashed
+        d.line([start, y(dense["accuracy"]), min(start + 6, w - right), y(dense["accuracy"])], fill=(0, 0, 0))
+    d.text((w - right + 8, y(dense["accuracy"]) - 6), "dense", fill=(0, 0, 0), font=font)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for i, method in enumerate(methods):
+        color = CURVE_COLORS[i % len(CURVE_COLORS)]
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["keep"])
+        points = [(x(r["keep"]), y(r["accuracy"])) for r in mine]
+        width = 1 if mine[0]["baseline"] else 2
+        if len(points) > 1:
+            d.line(points, fill=color, width=width)
+        for r, (px, py) in zip(mine, points):
+            lo, hi = r["accuracy_ci"]
+            d.line([px, y(lo), px, y(hi)], fill=color)
+            d.rectangle([px - 2, py - 2, px + 2, py + 2], fill=color)
+        d.text((w - right + 8, top + 14 * i), method + (" (baseline)" if mine[0]["baseline"] else ""), fill=color,
+               font=font)
+    return image
+
+
+def quality_html(data: dict) -> str:
+    """`vlmprune eval --dataset D --report q.html`: the accuracy table, accuracy-vs-K curves per pruning place, and
+    every sample's answers, as one self-contained page (data: accuracy.evaluate_dataset's report)."""
+    e = html.escape
+    rows = data["rows"]
+    dense = rows[0]
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>vlmprune eval: {e(str(data['model']))}</title>", f"<style>{_STYLE}</style></head><body>",
+           f"<h1>vlmprune eval --dataset: {e(str(data['model']))}</h1>", "<dl>",
+           f"<dt>dataset</dt><dd>{e(data['dataset'])}: {data['samples']} samples</dd>",
+           f"<dt>answers</dt><dd>exact match of at most {data['max_new_tokens']} greedy tokens; majority answer "
+           f"{e(data['majority_answer'])!s}: {data['majority_accuracy']:.3f}</dd>",
+           f"<dt>bundles</dt><dd>{len(rows)}, compiled for {e(data['target'])} and run by its runner here "
+           f"({e(data['executor'])})</dd>",
+           f"<dt>store</dt><dd>{e(data['store'])}: {data['computed']} cells computed, {data['reused']} reused</dd>",
+           "</dl>", "<h2>Accuracy</h2>"]
+    fmt_ci = lambda v: "—" if not all(np.isfinite(v)) else f"[{v[0]:.3f}, {v[1]:.3f}]"  # noqa: E731
+    table_rows = [[r["method"], "" if r["keep"] is None else r["keep"], r["where"], f"{r['accuracy']:.3f}",
+                   fmt_ci(r["accuracy_ci"]), f"{r['retained']:.3f}", fmt_ci(r["retained_ci"]),
+                   "pass" if r["parity_passed"] else "FAIL"] for r in rows]
+    out.append(_html_table(("method", "K", "where", "accuracy", "95% CI", "retained", "95% CI", "bundle parity"),
+                           table_rows))
+    pruned = [r for r in rows if r["keep"] is not None]
+    for where in dict.fromkeys(r["where"] for r in pruned):
+        picture = accuracy_curves([r for r in pruned if r["where"] == where], dense, where)
+        out.append(f'<h2>Pruned {e(where)}</h2><img alt="accuracy vs K, pruned {e(where)}" '
+                   f'src="{_data_uri(picture)}">')
+    out.append("<h2>Samples</h2>")
+    columns = ("method", "K", "where", "sample", "answer", "correct")
+    out.append(_html_table(columns, [[r["method"], r["keep"], r["where"], digest[:12], cell["answer"],
+                                      cell["correct"]] for r in rows for digest, cell in r["answers"].items()]))
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"

@@ -4,8 +4,11 @@
 
 Biases, norms and layer scales keep their Hugging Face names in the ONNX; the MatMul weights are anonymous
 (`onnx::MatMul_N`), so each is named by the bias Add its output feeds and transposed from [in, out]. The
-position table is the 37x37 (518 px) one Dinov2Model interpolates itself. The result's last_hidden_state is
-compared with the graph's own final-LayerNorm output on real photos.
+graph's position table is DINOv2's 37x37 (518 px) one, which it interpolates (bicubic) to the 16x16 grid
+of its 224 px input; the directory holds that interpolated table, computed once by Dinov2Model's own
+interpolation, with image_size 224, so the tower's static input is the graph's (256 patches, 257 tokens
+with [CLS]) and nothing is interpolated at run time. The result's last_hidden_state is compared with the
+graph's own final-LayerNorm output on real photos.
 """
 
 from __future__ import annotations
@@ -114,6 +117,15 @@ def convert(onnx_path, out_dir) -> dict:
                                                  strict=False)
         if missing or unexpected:
             raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        size = imgfocus.SIZE  # bake the table the graph interpolates to at its input size
+        with torch.no_grad():
+            grid = torch.zeros(1, (size // config["patch_size"]) ** 2 + 1, config["hidden_size"])
+            sd["embeddings.position_embeddings"] = hf.embeddings.interpolate_pos_encoding(grid, size, size).numpy()
+        config["image_size"] = size
+        hf = Dinov2Model(Dinov2Config(**config)).eval()
+        hf.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in sd.items()}, strict=True)
+        save_file({k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # Expose the final LayerNorm's output, the tensor Dinov2Model returns as last_hidden_state.
         model.graph.output.append(onnx.helper.make_empty_tensor_value_info(ln_out))
         sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

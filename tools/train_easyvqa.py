@@ -207,7 +207,7 @@ def answers(model, processor, samples: list[dict], batch: int = 16) -> list[str]
     return out
 
 
-def train_easyvqa(out: Path, tower: Path, train_n: int = 3000, epochs: int = 3, test_n: int = 500, seed: int = 0,
+def train_easyvqa(out: Path, tower: Path, train_n: int = 10000, epochs: int = 4, test_n: int = 500, seed: int = 0,
                   lm: dict | None = None, threads: int = 2, force: bool = False, log=print) -> dict:
     """Train, evaluate and publish the checkpoint at out; its training.json record (the existing one if reused)."""
     out = Path(out)
@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                         "easyvqa-llava-dinov2")
     parser.add_argument("--tower", type=Path, default=None,
                         help="a Dinov2Model directory; default: $VLMPRUNE_CACHE/models/dinov2-s14-imgfocus")
-    parser.add_argument("--train", type=int, default=3000, help="training questions (the first N)")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--train", type=int, default=10000, help="training questions (the first N)")
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--test", type=int, default=500, help="test questions for the dense accuracy (the first M)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="retrain and replace an existing model")

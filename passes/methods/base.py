@@ -114,6 +114,8 @@ class Method(abc.ABC):
     name: ClassVar[str]
     summary: ClassVar[str]
     prunes: ClassVar[bool] = True  # every method in METHODS prunes; methods.dense.Dense is the one that does not
+    # Bump when what the method keeps or outputs changes: `eval --dataset` keys stored answers by it.
+    version: ClassVar[int] = 1
     baseline: ClassVar[bool] = False  # a reference point for accuracy tables (random keep, a grid), not to deploy
     selection: ClassVar[str] = BY_SCORE  # BY_SCORE or GREEDY: how parity compares the kept indices
     options: ClassVar[dict[str, tuple[type, str]]] = {}  # option name -> (type, help); the CLI flag is --NAME

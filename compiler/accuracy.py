@@ -1,0 +1,256 @@
+"""`vlmprune eval --dataset`: accuracy kept under pruning, measured on compiled bundles.
+
+For every method x K x layer, and beside them dense (a --no-prune bundle), random keep and a
+uniform grid at the same K and layers: one bundle, compiled once (through the product
+cache; kept under $VLMPRUNE_CACHE/quality/bundles/ by the key of its setting) and run by its
+target's runner here. Its tower gives the image tokens, the checkpoint's own language model
+answers greedily, and the answer is scored by exact match against the sample's accepted
+answers. So an accuracy here is the bundle's, not the method reference's.
+
+Layers: an integer L prunes after block L (the methods that prune inside the tower: cls,
+visionzip, and the baselines with --site block); `end` prunes at the tower's end (those
+methods at the feature layer; divprune and dart, which only prune there; the baselines on
+the projector output). A method that only prunes at the end is run once however many
+layers are asked for.
+
+The cells (setting x sample) live in a store (quality.store, SQLite, default
+$VLMPRUNE_CACHE/quality/results.sqlite) keyed by the model's content hash, the method and
+its version, its parameters, K, the layer, the target and --max-new-tokens: an interrupted
+sweep computes only what is missing, and a changed model or method never reads old rows.
+The cells run in this process, or on a Ray cluster (`--ray`), each worker holding one
+loaded bundle and model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import shutil
+from pathlib import Path
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.quality import stats
+from vlmprune.compiler.quality.dataset import read_dataset
+from vlmprune.compiler.quality.store import Store
+from vlmprune.compiler.quality.sweep import Setting, run_sweep, setting_key
+
+BASELINES = ("random", "grid")
+END = "end"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One bundle of the sweep: what `compile` is asked for, and how the table names it."""
+
+    method: str | None  # None: dense
+    keep: int | None
+    layer: int | str | None  # an int L (after block L), END, or None (dense)
+    method_options: dict
+
+    @property
+    def label(self) -> str:
+        return "dense" if self.method is None else self.method
+
+    @property
+    def where(self) -> str:
+        if self.method is None:
+            return "-"
+        return "tower end" if self.layer == END else f"after block {self.layer}"
+
+
+def parse_layers(values) -> list[int | str]:
+    """--layer values: integers >= 1 or `end`, each a value or a comma list; default: the tower's end."""
+    out: list[int | str] = []
+    for value in values or ():
+        for part in str(value).split(","):
+            part = part.strip().lower()
+            if not part:
+                continue
+            if part == END:
+                out.append(END)
+                continue
+            try:
+                layer = int(part)
+            except ValueError:
+                raise InputError(f"--layer {part!r} is not an integer or `end`") from None
+            if layer < 1:
+                raise InputError(f"--layer must be >= 1 (blocks count from 1) or `end`, got {layer}")
+            out.append(layer)
+    return list(dict.fromkeys(out)) or [END]
+
+
+def plans_for(methods: list[str], keeps: list[int], layers: list[int | str]) -> list[Plan]:
+    """Dense, then every method (and the baselines) x K x layer, each checked as `compile` parses it."""
+    from vlmprune.passes.methods import get_method
+    from vlmprune.passes.methods.base import FEATURES
+
+    if not keeps:
+        raise InputError("eval --dataset needs at least one --keep")
+    plans, seen = [Plan(None, None, None, {})], set()
+    for name in list(dict.fromkeys([*methods, *BASELINES])):
+        method = get_method(name)
+        for keep in keeps:
+            for layer in layers:
+                if method.baseline:
+                    options = {"site": "features"} if layer == END else {"site": "block"}
+                elif method.needs(method.parse(keep, {})).site == FEATURES:
+                    layer, options = END, {}
+                else:
+                    options = {}
+                method.parse(keep, options)  # one line for a bad K or option, before any work
+                plan = Plan(name, keep, layer, options)
+                if (name, keep, layer) not in seen:
+                    seen.add((name, keep, layer))
+                    plans.append(plan)
+    return plans
+
+
+def describe(plan: Plan, model_hash: str, target: str, max_new_tokens: int, target_options: dict) -> dict:
+    """What decides a plan's answers: the store key hashes exactly this."""
+    from vlmprune.passes.methods import get_method
+
+    out = {"model": model_hash, "target": target, "target_options": target_options, "max_new_tokens": max_new_tokens,
+           "method": plan.label}
+    if plan.method is not None:
+        method = get_method(plan.method)
+        out.update(version=method.version, params=method.parse(plan.keep, plan.method_options), layer=plan.layer)
+    return out
+
+
+def bundle_for(model: str, plan: Plan, key: str, target: str, target_options: dict, folder: Path,
+               progress) -> tuple[Path, bool]:
+    """The plan's bundle under folder/<key>: reused when it is whole and of this model, else compiled
+    (through the product cache). Returns the bundle and whether its parity passed."""
+    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+    out = folder / key
+    if (out / "manifest.json").is_file():
+        try:
+            manifest = load_manifest(out, verify=True)
+            return out, manifest.parity.passed if manifest.parity is not None else True
+        except Exception:  # a bundle that fails its own digests is rebuilt, never trusted
+            shutil.rmtree(out)
+    elif out.exists():
+        shutil.rmtree(out)
+    options = CompileOptions(target=target, prune=plan.method is not None, method=plan.method or "cls",
+                             keep=plan.keep or 1, layer=plan.layer if isinstance(plan.layer, int) else None,
+                             method_options=dict(plan.method_options), target_options=dict(target_options))
+    progress(f"compiling {plan.label}" + (f" K={plan.keep} ({plan.where})" if plan.method else "") + f" for {target}")
+    folder.mkdir(parents=True, exist_ok=True)
+    result = compile_model(model, out, options, lambda _m: None)
+    return out, result.report.passed
+
+
+class BundleWorker:
+    """Answers chunks of samples with one bundle and its model, both loaded once (in this process or a Ray actor)."""
+
+    def __init__(self, model: str, bundle: str, max_new_tokens: int):
+        from vlmprune.compiler import generate as gen
+        from vlmprune.compiler.bundle import load_manifest
+
+        self.bundle = Path(bundle)
+        self.manifest = load_manifest(self.bundle, verify=True)
+        self.vlm = gen.load_vlm(model, bundle=self.manifest)
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, chunk: list) -> list[dict]:
+        from vlmprune.compiler import generate as gen
+
+        out, tokens_of = [], {}
+        for sample in chunk:
+            if sample.image not in tokens_of:  # the tower once per image of the chunk
+                pixel = gen.load_pixels(self.vlm, Path(sample.image))[0]
+                tokens_of = {sample.image: gen.bundle_tokens(self.bundle, self.manifest, pixel, self.vlm)}
+            tokens = tokens_of[sample.image]
+            prompt = gen.build_prompt(self.vlm, sample.question)
+            positions, text_start = gen.bundle_positions(tokens, len(prompt.before))
+            a = gen.answer(self.vlm, prompt, tokens.features, positions, text_start, self.max_new_tokens)
+            text = a.text if a.text is not None else " ".join(map(str, a.tokens))
+            extra = {"image_tokens": a.image_tokens}
+            if tokens.kept is not None:
+                extra["kept"] = [int(i) for i in tokens.kept.reshape(-1)]
+            out.append({"sample": sample.digest, "answer": text, "correct": stats.exact_match(text, sample.answers),
+                        "extra": extra})
+        return out
+
+
+def default_store() -> Path:
+    from vlmprune.kernels.build import cache_dir
+
+    return cache_dir() / "quality" / "results.sqlite"
+
+
+def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[int], layers=(), *, limit=None,
+                     target: str = "ort", target_options: dict | None = None, max_new_tokens: int = 4,
+                     store: Path | None = None, executor=None, progress=lambda _m: None, bar: bool | None = None,
+                     on_chunk=None) -> dict:
+    """The accuracy report: dense, then per method x K x layer (and the baselines) exact match, retained, intervals."""
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.quality.executors import InProcess
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+    target_options = dict(target_options or {})
+    samples = read_dataset(dataset, limit)
+    plans = plans_for(methods, keeps, parse_layers(layers))
+    executor = executor or InProcess()
+    store = Store(store or default_store())
+    try:
+        source = gen.load_vlm(model).source  # the content hash keys every cell; one line for a model eval cannot run
+        for keep in keeps:  # before any compile
+            if not keep < source.num_patches:
+                raise InputError(f"--keep must satisfy 1 <= keep < {source.num_patches} (the tower has "
+                                 f"{source.num_patches} patch tokens), got {keep}")
+        folder = store.path.parent / "bundles"
+        settings, bundles = [], {}
+        for plan in plans:
+            description = describe(plan, source.content_hash, target, max_new_tokens, target_options)
+            key = setting_key(description)
+            bundles[key] = bundle_for(model, plan, key, target, target_options, folder, progress)
+            settings.append(Setting(key, description, functools.partial(
+                BundleWorker, str(Path(model).resolve()) if Path(model).exists() else model, str(bundles[key][0]),
+                max_new_tokens)))
+        progress(f"{len(samples)} samples x {len(settings)} bundles ({executor.name})")
+        result = run_sweep(settings, samples, store, executor, progress=bar, on_chunk=on_chunk)
+    finally:
+        store.close()
+    dense_key = settings[0].key
+    dense = [result.cells[dense_key][s.digest]["correct"] for s in samples]
+    rows = []
+    for plan, setting in zip(plans, settings):
+        cells = result.cells[setting.key]
+        correct = [cells[s.digest]["correct"] for s in samples]
+        acc, lo, hi = stats.accuracy_interval(correct)
+        ret, rlo, rhi = stats.retained_interval(correct, dense)
+        rows.append({"method": plan.label, "keep": plan.keep, "layer": plan.layer, "where": plan.where,
+                     "baseline": plan.method in BASELINES, "accuracy": acc, "accuracy_ci": [lo, hi],
+                     "retained": ret, "retained_ci": [rlo, rhi], "bundle": str(bundles[setting.key][0]),
+                     "parity_passed": bundles[setting.key][1], "key": setting.key,
+                     "answers": {s.digest: cells[s.digest] for s in samples}})
+    answers = [s.answers[0] for s in samples]
+    majority = max(set(answers), key=answers.count)
+    return {"model": model, "model_sha256": source.content_hash, "dataset": str(dataset), "samples": len(samples),
+            "sample_digests": [s.digest for s in samples], "images": [s.image for s in samples],
+            "target": target, "max_new_tokens": max_new_tokens, "executor": executor.name,
+            "store": str(store.path), "computed": result.computed, "reused": result.reused,
+            "dense_image_tokens": rows[0]["answers"][samples[0].digest]["extra"].get("image_tokens"),
+            "majority_answer": majority, "majority_accuracy": answers.count(majority) / len(answers),
+            "rows": rows}
+
+
+def table(report: dict) -> list[str]:
+    """The accuracy table, one line per bundle."""
+    lines = [f"{'method':<10} {'K':>4} {'where':<14} {'accuracy':>8} {'95% CI':>15} {'retained':>8} {'95% CI':>15}"]
+    for r in report["rows"]:
+        keep = "" if r["keep"] is None else str(r["keep"])
+        ci = lambda v: f"[{v[0]:.3f}, {v[1]:.3f}]" if all(math.isfinite(x) for x in v) else "-"  # noqa: E731
+        lines.append(f"{r['method']:<10} {keep:>4} {r['where']:<14} {r['accuracy']:>8.3f} {ci(r['accuracy_ci']):>15} "
+                     f"{r['retained']:>8.3f} {ci(r['retained_ci']):>15}" + ("" if r["parity_passed"] else
+                                                                             "  (bundle parity FAILED)"))
+    lines.append(f"({report['samples']} samples, exact match of {report['max_new_tokens']} greedy tokens at most; "
+                 f"majority answer {report['majority_answer']!r}: {report['majority_accuracy']:.3f}; "
+                 f"{report['target']} bundles; {report['computed']} cells computed, {report['reused']} reused "
+                 f"from {report['store']})")
+    return lines

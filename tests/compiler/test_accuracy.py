@@ -1,0 +1,158 @@
+"""`vlmprune eval --dataset` on a tiny random LLaVA with a real tokenizer: bundles compiled once, answered, stored.
+
+Tiny random models answer gibberish, so what is checked is the machinery: each cell's answer
+is the one `vlmprune generate` gives for the same bundle, image and question; the scores and
+intervals follow from the answers; an interrupted sweep resumes with only the missing
+cells; a changed model keys new cells; bad input is one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cli_helpers import one_line_error, run_cli
+from test_generate import tiny_vlm
+from vlmprune.compiler import api
+from vlmprune.compiler.accuracy import evaluate_dataset, plans_for
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.quality import stats
+
+QUESTIONS = ("what is in the image ?", "describe the picture ?")
+
+
+def write_dataset(root: Path, images: int = 3, answers=("cat",)) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(images):
+        Image.fromarray(rng.integers(0, 256, (80, 96, 3), dtype=np.uint8)).save(root / f"img{i}.png")
+        lines += [json.dumps({"image": f"img{i}.png", "question": q, "answers": list(answers)}) for q in QUESTIONS]
+    path = root / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("accuracy")
+    model = tiny_vlm(root / "model")
+    data = write_dataset(root)
+    store = root / "store.sqlite"
+    report = evaluate_dataset(str(model), data, ["cls", "divprune"], [8, 16], ["1", "end"], store=store,
+                              max_new_tokens=3)
+    return model, data, store, report
+
+
+def test_plans_dense_methods_and_baselines():
+    """Dense first; block methods at each layer; divprune only at the end (once); the baselines beside them."""
+    plans = [(p.label, p.keep, p.layer, p.method_options) for p in plans_for(["cls", "divprune"], [8], [2, "end"])]
+    assert plans == [("dense", None, None, {}), ("cls", 8, 2, {}), ("cls", 8, "end", {}), ("divprune", 8, "end", {}),
+                     ("random", 8, 2, {"site": "block"}), ("random", 8, "end", {"site": "features"}),
+                     ("grid", 8, 2, {"site": "block"}), ("grid", 8, "end", {"site": "features"})]
+
+
+def test_every_cell_is_the_bundles_generate_answer(setup, tmp_path):
+    model, data, store, report = setup
+    rows = report["rows"]
+    assert [r["method"] for r in rows][:3] == ["dense", "cls", "cls"] and len(rows) == 1 + 4 + 2 + 4 + 4
+    samples = [json.loads(line) for line in data.read_text().splitlines()]
+    for row in (rows[0], rows[1], next(r for r in rows if r["method"] == "divprune")):
+        for digest, sample in zip(report["sample_digests"][:2], samples[:2]):
+            want = api.generate(row["bundle"], image=data.parent / sample["image"], prompt=sample["question"],
+                                max_new_tokens=3)
+            cell = row["answers"][digest]
+            assert cell["answer"] == want.answer.text
+            assert cell["correct"] == stats.exact_match(want.answer.text, sample["answers"])
+            if row["method"] != "dense":
+                assert cell["extra"]["kept"] == want.kept
+    for row in rows:
+        correct = [row["answers"][d]["correct"] for d in report["sample_digests"]]
+        assert row["accuracy"] == pytest.approx(np.mean(correct))
+        assert row["accuracy_ci"][0] <= row["accuracy"] <= row["accuracy_ci"][1]
+    assert report["computed"] == len(rows) * 6 and report["reused"] == 0
+
+
+def test_a_rerun_reuses_every_cell_and_bundle(setup):
+    model, data, store, report = setup
+    again = evaluate_dataset(str(model), data, ["cls", "divprune"], [8, 16], ["1", "end"], store=store,
+                             max_new_tokens=3)
+    assert again["computed"] == 0 and again["reused"] == report["computed"]
+    assert [r["answers"] for r in again["rows"]] == [r["answers"] for r in report["rows"]]
+    assert [r["bundle"] for r in again["rows"]] == [r["bundle"] for r in report["rows"]]
+
+
+def test_an_interrupted_sweep_resumes_with_only_the_missing_cells(setup, tmp_path):
+    model, data, _, report = setup
+    store, seen = tmp_path / "s.sqlite", []
+
+    def interrupt(key, results):
+        seen.append(len(results))
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_dataset(str(model), data, ["cls"], [8], ["end"], store=store, max_new_tokens=3, on_chunk=interrupt)
+    resumed = evaluate_dataset(str(model), data, ["cls"], [8], ["end"], store=store, max_new_tokens=3)
+    assert resumed["reused"] == sum(seen) and resumed["computed"] == 4 * 6 - sum(seen)
+    full = {(r["method"], r["keep"], r["where"]): r["answers"] for r in report["rows"]}
+    for r in resumed["rows"]:
+        assert r["answers"] == full[(r["method"], r["keep"], r["where"])]
+
+
+def test_another_model_or_decoding_length_keys_new_cells(setup, tmp_path):
+    model, data, store, _ = setup
+    other = tiny_vlm(tmp_path / "other", seed=2)
+    fresh = evaluate_dataset(str(other), data, ["cls"], [8], ["end"], store=store, max_new_tokens=3)
+    assert fresh["reused"] == 0 and fresh["computed"] == 4 * 6
+    longer = evaluate_dataset(str(model), data, ["cls"], [8], ["end"], store=store, max_new_tokens=2)
+    assert longer["reused"] == 0
+
+
+def test_cli_table_json_and_html_report(setup, tmp_path):
+    model, data, store, _ = setup
+    result = run_cli("eval", model, "--dataset", data, "--keep", "8,16", "--layer", "1,end", "--method", "cls",
+                     "--method", "divprune", "--store", store, "--max-new-tokens", "3", "--report",
+                     tmp_path / "q.html")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["method", "K", "where"] and lines[1].startswith("dense")
+    assert any(line.startswith("divprune") and "tower end" in line for line in lines)
+    assert "0 cells computed, 90 reused" in result.stdout
+    page = (tmp_path / "q.html").read_text()
+    assert page.count("<img ") == 2 and "accuracy vs K, pruned after block 1" in page
+    as_json = run_cli("eval", model, "--dataset", data, "--keep", "8", "--store", store, "--max-new-tokens", "3",
+                      "--json", "--limit", "2")
+    assert as_json.exit_code == 0, as_json.output
+    data_out = json.loads(as_json.stdout)
+    assert data_out["samples"] == 2 and [r["method"] for r in data_out["rows"]] == ["dense", "cls", "random", "grid"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--dataset", "missing.jsonl", "--keep", "8"], "--dataset missing.jsonl: no such file"),
+    (["--keep", "8", "--layer", "0"], "--layer must be >= 1 (blocks count from 1) or `end`, got 0"),
+    (["--keep", "8", "--layer", "mid"], "--layer 'mid' is not an integer or `end`"),
+    (["--keep", "8", "--images", "x"], "--dataset measures accuracy on bundles it compiles itself; drop --images"),
+    (["--keep", "8", "--ray-workers", "2"], "--ray-workers needs --ray auto|ADDRESS"),
+    (["--keep", "8", "--limit", "0"], "--limit must be an integer >= 1, got 0"),
+    (["--keep", "8", "--method", "nope"], "unknown method"),
+    (["--keep", "100"], "--keep must satisfy 1 <= keep < 64"),
+    (["--keep", "8", "--target", "tpu"], "tpu"),
+])
+def test_bad_input_is_one_line(setup, tmp_path, args, needle):
+    model, data, _, _ = setup
+    args = [a if a != "DATA" else data for a in args]
+    if "--dataset" not in args:
+        args = ["--dataset", data, *args]
+    result = run_cli("eval", model, *args, "--store", tmp_path / "s.sqlite")
+    one_line_error(result, needle)
+
+
+def test_without_a_dataset_the_dataset_options_are_refused(setup):
+    model, *_ = setup
+    with pytest.raises(InputError, match=r"^--limit, --ray applies to eval --dataset only$"):
+        api.eval(str(model), images="x", prompts="y", limit=3, ray="auto")
