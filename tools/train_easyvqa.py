@@ -13,6 +13,8 @@ scratch, with a word-level tokenizer over easy-vqa's vocabulary and LLaVA-1.5's 
   level), so training, `generate` and the bundles see the same image.
 - The loss is on the answer tokens and eos only. Deterministic at a seed: torch.manual_seed, one
   seeded shuffle per epoch, a fixed thread count.
+- Defaults (--train 10000 --epochs 4, 1,035 images at 224 px): about 11 minutes on 2 cores, dense
+  accuracy 0.808 on the first 500 test questions against 0.354 for the majority answer ("yes").
 - Training data: the first N training questions (easy-vqa's order, grouped by image, so N/10 images);
   test: the first M test questions, as `vlmprune eval --dataset test.jsonl --limit M` takes them
   (tools/easyvqa_jsonl.py). Dense accuracy is the exact match of the saved model's own greedy

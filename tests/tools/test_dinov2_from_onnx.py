@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import sys
 from pathlib import Path
 
@@ -27,6 +29,12 @@ def test_convert_matches_onnx_last_hidden_state(converted):
     assert set(report["max_abs"]) == {"astronaut", "chelsea", "coffee"}
     assert max(report["max_abs"].values()) <= 1e-4
     assert report["tokens"] == 257  # [CLS] + 16x16 patches at 224 px
+    # The graph's interpolated 224 px table, baked: the directory's static input is the graph's.
+    from safetensors import safe_open
+
+    assert json.loads((out / "config.json").read_text())["image_size"] == 224
+    with safe_open(str(out / "model.safetensors"), "np") as f:
+        assert f.get_tensor("embeddings.position_embeddings").shape == (1, 257, 384)
 
 
 def test_converted_tower_compiles_with_parity(converted, tmp_path):
@@ -35,6 +43,7 @@ def test_converted_tower_compiles_with_parity(converted, tmp_path):
     result = api.compile(str(converted[0]), str(tmp_path / "bundle"), target="ort", keep=64)
     assert result.passed, result.report.to_json()
     assert result.manifest.method.keep == 64
+    assert result.manifest.model.image_size == 224 and result.manifest.inputs[0].shape[-1] == 224
 
 
 def test_refuses_non_empty_output(tmp_path, capsys):
