@@ -205,13 +205,13 @@ def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[
                                  f"{source.num_patches} patch tokens), got {keep}")
         folder = store.path.parent / "bundles"
         settings, bundles = [], {}
+        spec = str(Path(model).resolve()) if Path(model).exists() else model  # what every worker loads
         for plan in plans:
             description = describe(plan, source.content_hash, target, max_new_tokens, target_options)
             key = setting_key(description)
             bundles[key] = bundle_for(model, plan, key, target, target_options, folder, progress)
-            settings.append(Setting(key, description, functools.partial(
-                BundleWorker, str(Path(model).resolve()) if Path(model).exists() else model, str(bundles[key][0]),
-                max_new_tokens)))
+            settings.append(Setting(key, description, functools.partial(BundleWorker, spec, str(bundles[key][0]),
+                                                                        max_new_tokens)))
         progress(f"{len(samples)} samples x {len(settings)} bundles ({executor.name})")
         result = run_sweep(settings, samples, store, executor, progress=bar, on_chunk=on_chunk)
     finally:

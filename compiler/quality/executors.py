@@ -56,7 +56,7 @@ class Holder:
 
     def run(self, key, make, chunk):
         if key != self.key:
-            self.key, self.worker = None, None
+            self.key, self.worker = None, None  # the old bundle and model are freed before the next one loads
             self.worker, self.key = make(), key
         return self.worker(list(chunk))
 
