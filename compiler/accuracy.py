@@ -13,9 +13,16 @@ methods at the feature layer; divprune and dart, which only prune there; the bas
 the projector output). A method that only prunes at the end is run once however many
 layers are asked for.
 
+A prompt-aware bundle (a `text_embeds` input: cdpruner, dart --text-pivots, --prompt-weight)
+gets each sample's question as its prompt, the question's non-image token rows of the
+checkpoint's embedding table, as `generate` feeds it (compiler.prompt.bundle_feed); its
+tower then runs once per question rather than once per image.
+
 The cells (setting x sample) live in a store (quality.store, SQLite, default
 $VLMPRUNE_CACHE/quality/results.sqlite) keyed by the model's content hash, the method and
-its version, its parameters, K, the layer, the target and --max-new-tokens: an interrupted
+its version, its parameters, K, the layer, the target and --max-new-tokens, and for a
+prompt-aware bundle by how the prompt is fed (compiler.prompt.FEED); a sample's digest
+holds its image, question and answers, so each question is its own cell: an interrupted
 sweep computes only what is missing, and a changed model or method never reads old rows.
 The cells run in this process, or on a Ray cluster (`--ray`), each worker holding one
 loaded bundle and model.
@@ -50,7 +57,11 @@ class Plan:
 
     @property
     def label(self) -> str:
-        return "dense" if self.method is None else self.method
+        """The table's name: the method, and its options as given (`cls budget=adaptive`)."""
+        if self.method is None:
+            return "dense"
+        given = {k: v for k, v in self.method_options.items() if k != "site"}  # the baselines' site: the place column
+        return " ".join([self.method, *(f"{k.replace('_', '-')}={v}" for k, v in sorted(given.items()))])
 
     @property
     def where(self) -> str:
@@ -80,28 +91,54 @@ def parse_layers(values) -> list[int | str]:
     return list(dict.fromkeys(out)) or [END]
 
 
+def parse_method_spec(spec: str) -> tuple[str, dict]:
+    """A --method value of eval --dataset: NAME, or NAME:OPTION=VALUE[:OPTION=VALUE...] (the method's compile
+    options, spelled as their flags without the dashes: `cls:budget=adaptive`, `cls:merge=local:width=3`), so that
+    one sweep holds a method with and without an option. Values read as int, then float, else text."""
+    name, *parts = spec.strip().split(":")
+    options: dict = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise InputError(f"--method {spec!r}: options are OPTION=VALUE after a colon (e.g. cls:budget=adaptive)")
+        options[key.strip().replace("-", "_")] = _option_value(value.strip())
+    return name.strip(), options
+
+
+def _option_value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def plans_for(methods: list[str], keeps: list[int], layers: list[int | str]) -> list[Plan]:
-    """Dense, then every method (and the baselines) x K x layer, each checked as `compile` parses it."""
+    """Dense, then every method (and the baselines) x K x layer, each checked as `compile` parses it.
+
+    methods: names, or NAME:OPTION=VALUE specs (parse_method_spec)."""
     from vlmprune.passes.methods import get_method
     from vlmprune.passes.methods.base import FEATURES
 
     if not keeps:
         raise InputError("eval --dataset needs at least one --keep")
     plans, seen = [Plan(None, None, None, {})], set()
-    for name in list(dict.fromkeys([*methods, *BASELINES])):
+    for spec in list(dict.fromkeys([*methods, *BASELINES])):
+        name, given = parse_method_spec(spec)
         method = get_method(name)
         for keep in keeps:
             for layer in layers:
                 if method.baseline:
-                    options = {"site": "features"} if layer == END else {"site": "block"}
-                elif method.needs(method.parse(keep, {})).site == FEATURES:
-                    layer, options = END, {}
+                    options = {**given, "site": "features" if layer == END else "block"}
+                elif method.needs(method.parse(keep, given)).site == FEATURES:
+                    layer, options = END, dict(given)
                 else:
-                    options = {}
+                    options = dict(given)
                 method.parse(keep, options)  # one line for a bad K or option, before any work
                 plan = Plan(name, keep, layer, options)
-                if (name, keep, layer) not in seen:
-                    seen.add((name, keep, layer))
+                if (plan.label, keep, layer) not in seen:
+                    seen.add((plan.label, keep, layer))
                     plans.append(plan)
     return plans
 
@@ -114,7 +151,12 @@ def describe(plan: Plan, model_hash: str, target: str, max_new_tokens: int, targ
            "method": plan.label}
     if plan.method is not None:
         method = get_method(plan.method)
-        out.update(version=method.version, params=method.parse(plan.keep, plan.method_options), layer=plan.layer)
+        params = method.parse(plan.keep, plan.method_options)
+        out.update(version=method.version, params=params, layer=plan.layer)
+        if method.needs(params).text:  # a prompt-aware bundle: its answers depend on how each question is fed too
+            from vlmprune.compiler.prompt import FEED
+
+            out["text_embeds"] = FEED
     return out
 
 
@@ -149,22 +191,29 @@ class BundleWorker:
     def __init__(self, model: str, bundle: str, max_new_tokens: int):
         from vlmprune.compiler import generate as gen
         from vlmprune.compiler.bundle import load_manifest
+        from vlmprune.compiler.prompt import text_input_dim
 
         self.bundle = Path(bundle)
         self.manifest = load_manifest(self.bundle, verify=True)
         self.vlm = gen.load_vlm(model, bundle=self.manifest)
         self.max_new_tokens = max_new_tokens
+        self.prompted = text_input_dim(self.manifest) is not None  # a text_embeds input: each question its prompt
 
     def __call__(self, chunk: list) -> list[dict]:
         from vlmprune.compiler import generate as gen
+        from vlmprune.compiler.prompt import bundle_feed, feeding
 
-        out, tokens_of = [], {}
+        out, pixel_of, tokens_of = [], {}, {}
         for sample in chunk:
-            if sample.image not in tokens_of:  # the tower once per image of the chunk
-                pixel = gen.load_pixels(self.vlm, Path(sample.image))[0]
-                tokens_of = {sample.image: gen.bundle_tokens(self.bundle, self.manifest, pixel, self.vlm)}
-            tokens = tokens_of[sample.image]
             prompt = gen.build_prompt(self.vlm, sample.question)
+            if sample.image not in pixel_of:  # each image of the chunk loaded once
+                pixel_of = {sample.image: gen.load_pixels(self.vlm, Path(sample.image))[0]}
+            # The tower once per image, or, for a prompt-aware bundle, once per question: its tokens depend on it.
+            at = (sample.image, sample.question if self.prompted else None)
+            if at not in tokens_of:
+                with feeding(bundle_feed(self.manifest, self.vlm, prompt)):  # None: a bundle without text_embeds
+                    tokens_of = {at: gen.bundle_tokens(self.bundle, self.manifest, pixel_of[sample.image], self.vlm)}
+            tokens = tokens_of[at]
             positions, text_start = gen.bundle_positions(tokens, len(prompt.before))
             a = gen.answer(self.vlm, prompt, tokens.features, positions, text_start, self.max_new_tokens)
             text = a.text if a.text is not None else " ".join(map(str, a.tokens))
@@ -224,7 +273,8 @@ def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[
         correct = [cells[s.digest]["correct"] for s in samples]
         acc, lo, hi = stats.accuracy_interval(correct)
         ret, rlo, rhi = stats.retained_interval(correct, dense)
-        rows.append({"method": plan.label, "keep": plan.keep, "layer": plan.layer, "where": plan.where,
+        rows.append({"method": plan.label, "name": plan.method, "options": plan.method_options, "keep": plan.keep,
+                     "layer": plan.layer, "where": plan.where,
                      "baseline": plan.method in BASELINES, "accuracy": acc, "accuracy_ci": [lo, hi],
                      "retained": ret, "retained_ci": [rlo, rhi], "bundle": str(bundles[setting.key][0]),
                      "parity_passed": bundles[setting.key][1], "key": setting.key,

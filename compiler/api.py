@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmprune.compiler import benchmark as bench
-from vlmprune.compiler import pictures
+from vlmprune.compiler import pictures, roi
 from vlmprune.compiler.bundle import interrupted_line, tracking  # noqa: F401 (the CLI's error boundary)
 from vlmprune.compiler.contract import KEPT
 from vlmprune.compiler.errors import InputError
@@ -38,8 +38,11 @@ from vlmprune.compiler.bundle.manifest import Manifest, MethodSection
 from vlmprune.compiler.bundle.output_files import check_output_file, write_file
 from vlmprune.compiler.parity import DEFAULT_TOLERANCES, ParityReport, figure_text, parse_overrides, summary_bounds
 from vlmprune.compiler import pipeline
+from vlmprune.compiler.contract import TEXT
+from vlmprune.compiler.prompt import empty_prompt, feeding, prompt_embeds
 from vlmprune.compiler.pipeline import CompileOptions, check_bundle, compile_model
-from vlmprune.passes.methods import METHODS
+from vlmprune.passes.methods.base import GENERIC_OPTIONS
+from vlmprune.passes.methods import METHODS, NEEDS_TRAINED_WEIGHTS
 from vlmprune.targets import DEFAULT_TARGET, PLANNED, TARGETS, get_target
 from vlmprune.targets import placement
 
@@ -60,7 +63,8 @@ def _say(progress: Progress) -> Callable[[str], None]:
 
 def declared_options() -> dict[str, tuple[type, list[str]]]:
     """Every option a method or target declares -> (type, its help texts): the CLI's --lambda, --precision, ..."""
-    declared: dict[str, tuple[type, list[str]]] = {}
+    declared: dict[str, tuple[type, list[str]]] = {name: (kind, [text])
+                                                   for name, (kind, text) in GENERIC_OPTIONS.items()}
     for cls in METHODS.values():
         for name, (kind, text) in cls.options.items():
             declared.setdefault(name, (kind, []))[1].append(text)
@@ -79,7 +83,7 @@ def split_options(given: dict) -> tuple[dict, dict]:
     """Declared options given (None: not given) -> (method_options, target_options); a target's name wins."""
     given = {k: v for k, v in given.items() if v is not None}
     target_names = {n for cls in TARGETS.values() for n in cls.options}
-    method_names = {n for cls in METHODS.values() for n in cls.options}
+    method_names = {n for cls in METHODS.values() for n in cls.options} | set(GENERIC_OPTIONS)
     method = {k: v for k, v in given.items() if k in method_names and k not in target_names}
     target = {k: v for k, v in given.items() if k in target_names}
     return method, target
@@ -350,17 +354,24 @@ class RunResult:
 def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | Path | np.ndarray | None = None,
         benchmark: bool = False, warmup: int | None = None, iterations: int | None = None,
         save_outputs: str | Path | None = None, show: str | Path | None = None, force: bool = False,
-        progress: Progress = None) -> RunResult:
+        progress: Progress = None, prompt: str | None = None, model: str | None = None, roi_boxes: Iterable[str] = (),
+        roi_mask: str | Path | None = None) -> RunResult:
     """Run BUNDLE with its target's runtime here (`vlmprune run`) on images or on inputs, never both.
 
     images: image files, preprocessed as the bundle's model does (one per static batch slot);
     inputs: the pixel values as a float32 array, or an .npz file holding one (--load-inputs).
     benchmark: also time the runtime (warmup 5, iterations 50 by default). save_outputs: write
     every output to this .npz; show: draw what was kept into this PNG. Returns a RunResult.
+    prompt: for a bundle with the text_embeds input (a prompt-aware method), the prompt whose rows
+    of the embedding table of `model` (default: the bundle's own checkpoint) it gets; without
+    one it gets no rows (compiler.prompt: the method then runs unconditioned).
+    roi_boxes ("x0,y0,x1,y1" each, pixels of the tower's input) or roi_mask (a PNG at the tower input's size): the
+    region of interest of a bundle compiled with --roi, the same for every image (compiler.roi); without: none.
     Raises InputError for bad input, a modified bundle, or a runtime this machine lacks.
     """
     say = _say(progress)
     images = [Path(i) for i in images]
+    roi_boxes = list(roi_boxes)
     if bool(images) == (inputs is not None):
         raise InputError("give the input either as --image (one or more) or as --load-inputs FILE.npz")
     if not benchmark and (warmup is not None or iterations is not None):
@@ -390,23 +401,55 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
     else:
         pixel = bench.load_inputs(inputs, m)
         say(f"{inputs}: {m.inputs[0].name} {list(pixel.shape)} float32")
-    outputs = runner(pixel)
-    result = RunResult(bundle, runtime, pixel, outputs)
-    if benchmark:
-        result.benchmark = bench.benchmark(runner, pixel, warmup, iterations)
+    text = _run_text(m, prompt, model, say)
+    region = roi.run_roi(roi.layout_of(m), roi_boxes, roi_mask)  # --roi bundles: the flags' region, or none
+    with feeding(text), roi.feeding(region):
+        outputs = runner(pixel)
+        result = RunResult(bundle, runtime, pixel, outputs)
+        if benchmark:
+            result.benchmark = bench.benchmark(runner, pixel, warmup, iterations)
     if save_outputs:
         write_file(save_outputs, bench.npz_bytes(outputs), force)
         result.saved_outputs = Path(save_outputs)
     if show:
         if KEPT not in outputs:
             raise InputError("--show needs the bundle's kept_indices output, and this bundle has none")
-        sels, note = pictures.selections_for_run(m, pixel, outputs[KEPT], bundle.resolve().name)
+        sels, note = pictures.selections_for_run(m, pixel, outputs[KEPT], bundle.resolve().name,
+                                                 roi.forced_for_run(roi.layout_of(m), region, len(pixel)))
         if note:
             say(f"warning: {note}")
         drawn = [pictures.picture(sel) for sel in sels]
         write_file(show, pictures.png_bytes(drawn[0] if len(drawn) == 1 else pictures.grid_of(drawn)), force)
         result.show = Path(show)
     return result
+
+
+def _run_text(m: Manifest, prompt: str | None, model: str | None, say) -> np.ndarray | None:
+    """text_embeds for `run`: the prompt's embedding rows, or none (compiler.prompt); None for other bundles."""
+    text_input = next((i for i in m.inputs if i.name == TEXT), None)
+    if text_input is None:
+        if prompt is not None or model is not None:
+            raise InputError(f"--prompt and --model apply to bundles with a {TEXT} input (prompt-aware methods such "
+                             f"as cdpruner); this one ({m.method.name}) has none")
+        return None
+    dim = text_input.shape[-1]
+    fewest = METHODS[m.method.name]().min_text_rows(m.method.params)
+    if prompt is None:
+        if model is not None:
+            raise InputError("--model applies with --prompt (the checkpoint whose embedding table embeds it)")
+        if fewest:
+            raise InputError(f"this {m.method.name} bundle needs a prompt of at least {fewest} tokens: give --prompt")
+        say(f"{TEXT}: no --prompt, no rows: {m.method.name} runs unconditioned")
+        return empty_prompt(dim)
+    from vlmprune.compiler.generate import default_model, load_vlm
+
+    vlm = load_vlm(model or default_model(m), bundle=m)
+    rows, how = prompt_embeds(vlm, prompt, dim)
+    if len(rows) < fewest:
+        raise InputError(f"this {m.method.name} bundle needs a prompt of at least {fewest} tokens; --prompt gives "
+                         f"{len(rows)}")
+    say(f"{TEXT}: {how}, {list(rows.shape)} from {vlm.spec}'s embedding table")
+    return rows
 
 
 def _static_batch(m: Manifest):
@@ -460,7 +503,8 @@ def compare(bundles: Iterable[str | Path], *, image: str | Path, output: str | P
             pixel = np.repeat(pixel, static, axis=0)
         runner, runtime = get_target(m.target.name).runner(b, m)
         say(f"{b}: {runtime}")
-        kept = runner(pixel)[KEPT][:1]
+        with feeding(_run_text(m, None, None, say)):  # a prompt-aware bundle: no prompt (compiler.prompt)
+            kept = runner(pixel)[KEPT][:1]
         sels, note = pictures.selections_for_run(m, pixel[:1], kept, b.resolve().name)
         if note:
             say(f"warning: {b}: {note}")
@@ -704,9 +748,30 @@ def methods() -> list[MethodInfo]:
             parts += [_fusion_text(method, target.spellings)]
             rows.append(f"{target_name} ({', '.join(p for p in parts if p) or 'standard ops'})")
         out.append(MethodInfo(name, method.summary, method.needs(params).describe(), _serves(method),
-                              {option: text.split(": ", 1)[-1] for option, (_kind, text) in method.options.items()},
+                              {**{option: text.split(": ", 1)[-1] for option, (_kind, text) in method.options.items()},
+                               **_generic_options(method, params)},
                               rows, method.official or None))
     return out
+
+
+def _generic_options(method, params: dict) -> dict[str, str]:
+    """The options the base class parses (--merge, --width, --scorer) that this method takes."""
+    taken = {}
+    if method.local_merge:
+        taken.update({name: text for name, (_kind, text) in GENERIC_OPTIONS.items() if name in ("merge", "width")})
+    if method.scores_by_cls_kernel(params):
+        taken["scorer"] = GENERIC_OPTIONS["scorer"][1]
+    if getattr(method, "prompt_weight", False):  # passes.methods.relevance
+        taken["prompt_weight"] = GENERIC_OPTIONS["prompt_weight"][1]
+    if getattr(method, "roi_keep", False):  # passes.methods.roi
+        taken.update({name: GENERIC_OPTIONS[name][1] for name in ("roi", "roi_max")})
+    return taken
+
+
+def unavailable_methods() -> list[str]:
+    """The lines `vlmprune methods` ends with: the seeds' parts that are trained networks, refused by name."""
+    return ["not available (trained weights that do not exist here):",
+            *(f"  {name}: {why}" for name, why in NEEDS_TRAINED_WEIGHTS.items())]
 
 
 def _serves(method) -> str:

@@ -159,7 +159,7 @@ def _extra_options(fn):
     """--OPTION flags for every method option and target option the tables declare, so a new method or
     target needs no CLI edit. Their values reach the library as method_options / target_options."""
     for name, (kind, texts) in sorted(api.declared_options().items(), reverse=True):
-        fn = click.option(f"--{name}", f"opt_{name}", type=kind, default=None,
+        fn = click.option(f"--{name.replace('_', '-')}", f"opt_{name}", type=kind, default=None,
                           help="; ".join(dict.fromkeys(texts)))(fn)
     return fn
 
@@ -327,12 +327,24 @@ def targets():
 @click.option("--iterations", type=int, default=None, help="--benchmark: timed runs (default 50).")
 @click.option("--json", "as_json", is_flag=True, help="Print the outputs' shapes, kept indices and benchmark as JSON.")
 @click.option("--force", is_flag=True, help="Replace an existing --show / --save-outputs file.")
+@click.option("--prompt", default=None,
+              help="A prompt-aware bundle (text_embeds input, e.g. cdpruner): the prompt, embedded with the "
+                   "checkpoint's embedding table (without it: no rows, the method runs unconditioned).")
+@click.option("--model", default=None, help="With --prompt: the checkpoint to embed it with (default: the bundle's).")
+@click.option("--roi-box", "roi_boxes", multiple=True, metavar="X0,Y0,X1,Y1",
+              help="A bundle compiled with --roi boxes: a box whose patches are always kept, in pixels of the "
+                   "tower's input (as --show draws it); repeatable, up to the bundle's --roi-max.")
+@click.option("--roi-mask", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A bundle compiled with --roi mask: a PNG at the tower input's size; patches with any non-zero "
+                   "pixel are always kept.")
 @_one_line_errors
-def run(bundle_dir, image_files, load_inputs, save_outputs, show, benchmark, warmup, iterations, as_json, force):
+def run(bundle_dir, image_files, load_inputs, save_outputs, show, benchmark, warmup, iterations, as_json, force,
+        prompt, model, roi_boxes, roi_mask):
     """Run BUNDLE on IMAGE with its target's runtime here (ONNX Runtime, an emulator, an engine on the device)."""
     with _stdout_for_data() as emit:  # a runtime's native chatter (an emulator's libraries) goes to stderr too
         result = api.run(bundle_dir, images=image_files, inputs=load_inputs, benchmark=benchmark, warmup=warmup,
-                         iterations=iterations, save_outputs=save_outputs, show=show, force=force, progress=_stderr)
+                         iterations=iterations, save_outputs=save_outputs, show=show, force=force, progress=_stderr,
+                         prompt=prompt, model=model, roi_boxes=roi_boxes, roi_mask=roi_mask)
         if as_json:
             emit(json.dumps(result.to_json(), indent=2))
             return
@@ -362,6 +374,7 @@ def methods():
     """List the pruning methods: what each needs from the model, its options, and how each target runs it."""
     for method in api.methods():
         _echo(method.lines())
+    _echo(api.unavailable_methods())
 
 
 @main.command()
@@ -413,7 +426,9 @@ def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
 @click.option("--store", type=click.Path(path_type=Path), default=None,
               help="--dataset: the results store (SQLite; default $VLMPRUNE_CACHE/quality/results.sqlite).")
 @click.option("--method", "-m", "methods", multiple=True,
-              help="Pruning method(s): repeat the option or give a comma list. Default: cls (without --bundle).")
+              help="Pruning method(s): repeat the option or give a comma list. Default: cls (without --bundle). "
+                   "With --dataset, NAME:OPTION=VALUE adds a method with its options as a row of its own "
+                   "(e.g. cls:budget=adaptive).")
 @click.option("--keep", "-k", "keeps", multiple=True,
               help="K value(s): repeat the option or give a comma list. Default: 64 (without --bundle).")
 @click.option("--bundle", "bundles", multiple=True, type=click.Path(path_type=Path),

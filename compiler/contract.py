@@ -12,7 +12,12 @@ holds them equal to these.
 PIXELS = "pixel_values"  # the tower's image input [B, 3, S, S]
 FEATURES = "image_features"  # the tokens the LLM takes [B, T or K, D]
 KEPT = "kept_indices"  # [B, K] int64: which patch tokens the pruning kept, in order
+NUM_TOKENS = "num_tokens"  # [B] int64: valid leading rows of image_features where K varies per image (zeros after)
 KEPT_POSITIONS = "kept_positions"  # [B, K, P] int64: the kept tokens' LLM positions, where an index is not enough
+TEXT = "text_embeds"  # [B, T, D_llm] float: the prompt's rows of the LLM's embedding table (prompt-aware methods)
+ROI_MASK = "roi_mask"  # [B, H, W] float: --roi mask, the forced-keep region at the pixel input's resolution
+ROI_BOXES = "roi_boxes"  # [B, M, 4] float: --roi boxes, (x0, y0, x1, y1) in pixels of the tower's input
+ROI_COUNT = "roi_count"  # [B] int64: --roi boxes, the valid leading boxes of roi_boxes
 
 # --- files of a bundle ---------------------------------------------------------------------
 MODEL = "model.onnx"  # the target's graph (what a runtime loads)

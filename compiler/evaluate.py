@@ -39,6 +39,7 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler import generate as gen
+from vlmprune.compiler.prompt import bundle_feed, feeding, rows_for_ids, text_input_dim
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".gif")
 
@@ -105,7 +106,8 @@ def settings_for(source, methods: list[str], keeps: list[int]) -> list[Setting]:
             needs = method.needs(params)
             prefix = pipe.prefix if needs.site == BLOCK or not pipe.drop_cls else 0
             method.check(params, SiteSpec(source.num_patches, bool(source.has_cls and prefix), source.num_blocks,
-                                          source.num_blocks, prefix=prefix, merge=source.spatial_merge))
+                                          source.num_blocks, prefix=prefix, merge=source.spatial_merge,
+                                          tower_cls=bool(source.has_cls)))
             out.append(Setting(method, params, needs.site, source.num_blocks if needs.site == BLOCK else None))
     return out
 
@@ -171,8 +173,8 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
     for name, keep, origin, rows_of in runs:
         samples = []
         for i, pixel in enumerate(pixels):
-            features, place = rows_of(pixel)
             for j, prompt in enumerate(built):
+                features, place = rows_of(pixel, prompt)  # per image; per prompt too for a prompt-aware method
                 positions, text_start = place(len(prompt.before))
                 pruned = gen.answer(vlm, prompt, features, positions, text_start, max_new_tokens)
                 dense = dense_runs[i, j]
@@ -207,24 +209,62 @@ def _reference_rows(vlm, setting: Setting):
     """pixel -> (the method reference's rows of one image, positions(offset) -> (image positions, text start))."""
     from vlmprune.compiler.parity.reference import MethodPruner
 
-    source = vlm.source
-    pipeline = source.pipeline.with_pruner(MethodPruner(setting.method, setting.params, setting.site, setting.layer))
-    out_tokens = setting.method.output_tokens(setting.params)
+    from vlmprune.compiler.parity.reference import prompt_site
+    from vlmprune.passes.methods import relevance
 
-    def rows_of(pixel):
+    source = vlm.source
+    pruner = MethodPruner(setting.method, setting.params, setting.site, setting.layer)
+    pipeline = source.pipeline.with_pruner(pruner)
+    out_tokens = setting.method.output_tokens(setting.params)
+    needs = setting.method.needs(setting.params)
+    prompted = needs.text or needs.tower_features
+
+    @_per_image(prompted)
+    def rows_of(pixel, prompt):
         with torch.inference_mode():
-            features, kept = pipeline(torch.from_numpy(pixel))
+            if relevance.weight(setting.params) > 0:  # --prompt-weight: the method's own path, with the prompt's rows
+                rows = rows_for_ids(vlm, prompt.before + prompt.after, vlm.model.config.text_config.hidden_size)
+                pruner.text = torch.from_numpy(np.broadcast_to(rows, (len(pixel), *rows.shape)).copy())
+                features, kept = pipeline(torch.from_numpy(pixel))
+            elif prompted:  # the prompt's embedding rows, as the bundle gets them (compiler.prompt)
+                dim = vlm.model.config.text_config.hidden_size
+                with feeding(rows_for_ids(vlm, prompt.before + prompt.after, dim)):
+                    dense = source.pipeline(torch.from_numpy(pixel)).numpy()
+                    features, kept, _ = prompt_site(source.pipeline, pruner, {"params": setting.params}, dense, pixel)
+            else:
+                features, kept = pipeline(torch.from_numpy(pixel))
         prefix, extra = features.shape[1] - out_tokens, out_tokens - kept.shape[1]
+        trace = pipeline.last_trace or {}
+        if "num_tokens" in trace:  # K varies per image: its valid rows only, as generate takes a bundle's
+            rows = int(trace["num_tokens"][0])
+            features, kept = features[:, : prefix + rows], kept[:, : rows - extra]
         image = gen.pruned_image(vlm, features[0], kept[0].numpy(), None, prefix, extra)
         return image.rows, image.place
     return rows_of
 
 
 def _bundle_rows(bundle_dir: Path, manifest: dict, vlm):
-    def rows_of(pixel):
-        tokens = gen.bundle_tokens(bundle_dir, manifest, pixel, vlm)
+    @_per_image(text_input_dim(manifest) is not None)
+    def rows_of(pixel, prompt):
+        with feeding(bundle_feed(manifest, vlm, prompt)):  # a prompt-aware bundle: the prompt's rows
+            tokens = gen.bundle_tokens(bundle_dir, manifest, pixel, vlm)
         return tokens.features, lambda offset: gen.bundle_positions(tokens, offset)
     return rows_of
+
+
+def _per_image(prompted: bool):
+    """rows_of(pixel, prompt), run once per image unless the rows depend on the prompt too (the last one is kept)."""
+    def wrap(rows_of):
+        last: dict = {}
+
+        def cached(pixel, prompt):
+            key = (id(pixel), id(prompt) if prompted else None)
+            if key not in last:
+                last.clear()
+                last[key] = rows_of(pixel, prompt)
+            return last[key]
+        return cached
+    return wrap
 
 
 def hf_first_logits(vlm, prompt: gen.Prompt, pixel: np.ndarray, tokens: int) -> torch.Tensor:

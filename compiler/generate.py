@@ -429,6 +429,11 @@ def bundle_tokens(bundle_dir: Path, manifest, pixel: np.ndarray, vlm: Vlm | None
     outputs = runner(pixel)
     kept = outputs[handoff.KEPT][0] if handoff.KEPT in outputs else None
     features = torch.from_numpy(np.ascontiguousarray(outputs[llm["features_output"]][0]))
+    if handoff.NUM_TOKENS in outputs:  # K varies per image: its valid rows only, the zero padding dropped
+        rows = int(outputs[handoff.NUM_TOKENS][0])
+        features = features[:rows]
+        if kept is not None:  # prefix, kept, extra rows; kept_indices is -1 after the kept ones
+            kept = kept[: rows - llm["rows"]["prefix"] - llm["rows"]["extra"]]
     if not rule.needs_model:
         return BundleTokens(features, kept, llm, runtime)
     if kept is None:  # a dense bundle: its features are the dense sequence
@@ -520,7 +525,10 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
         result = answer(vlm, built, rows.rows, *rows.place(offset), max_new_tokens)
         return GenerateResult(result, built, "transformers (the model's own image features, dense)", "dense", None,
                               warning)
-    tokens = bundle_tokens(bundle_dir, manifest, pixel, vlm)
+    from vlmprune.compiler.prompt import bundle_feed, feeding
+
+    with feeding(bundle_feed(manifest, vlm, built)):  # a prompt-aware bundle: the prompt's embedding rows
+        tokens = bundle_tokens(bundle_dir, manifest, pixel, vlm)
     positions, text_start = bundle_positions(tokens, offset)
     result = answer(vlm, built, tokens.features, positions, text_start, max_new_tokens)
     kept = None if tokens.kept is None else tokens.kept.tolist()

@@ -15,8 +15,8 @@ autograd (a merged token is linear in the site's hidden states once the selectio
 so its gradient is exactly that weight). It is generic: any method whose kept tokens are
 not plain copies (Method.copied_rows) gets its merges drawn, and no method is named here.
 
-Forced-keep regions (ROI keep) have no method yet: the drawing takes a boolean mask per
-patch, and nothing passes one until a method produces it.
+Forced-keep regions (`--roi` bundles, compiler.roi): `run --roi-box / --roi-mask` passes the
+forced set it fed (compiler.roi.forced_for_run), and those patches are hatched.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Selection:
     grid: int
     kept: np.ndarray  # [K] patch indices the bundle kept
     merges: dict[int, np.ndarray] | None = None  # merge target patch -> patches merged into it
-    forced: np.ndarray | None = None  # bool [N]: forced-keep patches (hatched); no method has them yet
+    forced: np.ndarray | None = None  # bool [N]: forced-keep patches (hatched; --roi bundles, compiler.roi)
     title: str = ""
     legend: str = ""
 
@@ -265,6 +265,8 @@ def reference_merges(manifest: dict, pixel: np.ndarray) -> tuple[Merges | None, 
         per_image = {}
         for j in range(weights.shape[1]):
             target = int(kept[b, copied + j])
+            if target < 0:  # a padded slot of a variable K (its row: zero, or prumerge+'s extra token, no patch)
+                continue
             joined = np.flatnonzero(weights[b, j] > 1e-9)
             per_image[target] = joined[joined != target]
         merges.append(per_image)
@@ -337,9 +339,10 @@ def check_one_grid(kept, grid: int) -> None:
                          "(several crops per image): pictures draw one grid and cannot show it yet")
 
 
-def selections_for_run(manifest: dict, pixel: np.ndarray, kept: np.ndarray,
-                       name: str) -> tuple[list[Selection], str | None]:
-    """One Selection per image of a `vlmprune run`: the bundle's kept indices, merges traced from the reference."""
+def selections_for_run(manifest: dict, pixel: np.ndarray, kept: np.ndarray, name: str,
+                       forced: np.ndarray | None = None) -> tuple[list[Selection], str | None]:
+    """One Selection per image of a `vlmprune run`: the bundle's kept indices, merges traced from the reference;
+    forced: bool [B, N], the ROI's forced patches (hatched), where the run fed one."""
     pre = manifest.preprocess
     grid = token_grid(manifest)
     check_one_grid(kept, grid)
@@ -355,8 +358,9 @@ def selections_for_run(manifest: dict, pixel: np.ndarray, kept: np.ndarray,
                 image_note = (f"the reference kept {differ} other patch{'es' if differ > 1 else ''}; merges shown "
                               "for the targets both kept")
             image_note = (image_note + "; " if image_note else "") + "merges traced from the parity reference"
-        sel = Selection(model_view(pixel[b], pre.mean, pre.std), grid, np.asarray(kept[b]), per_image,
-                        title=title_for(name, manifest))
+        valid = np.asarray(kept[b])[np.asarray(kept[b]) >= 0]  # -1: the padded slots of a variable K
+        sel = Selection(model_view(pixel[b], pre.mean, pre.std), grid, valid, per_image,
+                        forced=None if forced is None else np.asarray(forced[b]), title=title_for(name, manifest))
         sel.legend = legend_for(manifest, sel, image_note)
         sels.append(sel)
     return sels, note

@@ -98,6 +98,59 @@ class FeatureOutputPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
+class ZeroPaddingPass(ir.passes.InPlacePass):
+    """Zero the padded rows of the token output where K varies per image, and count its valid rows.
+
+    Why here and not in the method: at a BLOCK site the method's zero rows still pass the
+    blocks after it and the projector, whose biases make them non-zero. The contract an LLM
+    runtime reads (docs/design.md, "Variable K") is on the graph's token output: rows
+    [0, num_tokens[b]) are the image's tokens, every row after them is zero. num_tokens
+    counts rows of that output, so a prefix ([CLS]) the output keeps is counted in it.
+    Runs after RetargetTokenCountPass (static token counts); a second run changes nothing.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from vlmprune.passes.prune import prune_record  # prune imports this module's neighbours
+
+        record = prune_record(model)
+        graph = model.graph
+        count = next((v for v in graph.outputs if record and v.name == record.get("num_tokens")), None)
+        out = token_output(graph) if count is not None else None
+        if out is None or out.metadata_props.get(_PADDED) == "1":
+            return ir.passes.PassResult(model, modified=False)
+        rows = out.shape[1] if out.shape is not None else None
+        if not isinstance(rows, int):
+            raise StructureError(f"{out.name} has no static token count to pad: {out.shape}")
+        lead = rows - (record["tokens_out"] - record["prefix"])  # the prefix the output keeps (0: [CLS] dropped)
+        init = lambda name, a: fresh_initializer(graph, f"vlmprune/pad_{name}", np.asarray(a))  # noqa: E731
+        nodes = []
+
+        def op(op_type, inputs, name, **attrs):
+            nodes.append(ir.node(op_type, inputs, attributes=attrs or None, name=f"vlmprune/pad_{name}"))
+            return nodes[-1].outputs[0]
+
+        valid_rows = op("Add", [count, init("lead", np.int64(lead))], "rows") if lead else count
+        mask = op("Less", [init("row_ids", np.arange(rows, dtype=np.int64)[None]),
+                           op("Unsqueeze", [valid_rows, init("axes", np.array([1], np.int64))], "rows_col")], "mask")
+        mask = op("Unsqueeze", [op("Cast", [mask], "mask_f", to=out.dtype or ir.DataType.FLOAT),
+                                init("axes_d", np.array([2], np.int64))], "mask_rows")
+        padded = op("Mul", [out, mask], "zeroed")
+        graph.extend(nodes)
+        name = out.name
+        out.name = f"{name}.unpadded"
+        graph.outputs[graph.outputs.index(out)] = padded
+        padded.name, padded.type, padded.shape = name, out.type, ir.Shape(list(out.shape))
+        padded.metadata_props[_PADDED] = "1"
+        if lead:
+            graph.outputs[graph.outputs.index(count)] = valid_rows
+            count.name, valid_rows.name = f"{count.name}.patches", count.name
+            valid_rows.type, valid_rows.shape = count.type, count.shape
+        return ir.passes.PassResult(model, modified=True)
+
+
+_PADDED = "vlmprune.padded"  # value.metadata_props of a token output whose padded rows ZeroPaddingPass zeroed
+
+
 class BatchDimNamePass(ir.passes.InPlacePass):
     """Name a dynamic leading dimension `batch` on every graph input and output.
 

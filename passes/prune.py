@@ -15,7 +15,9 @@ Results travel in the IR, not in pass attributes: the model's metadata_props hol
 manifest reports and what later passes read), every inserted node holds its role
 (passes.methods.builder), and the new token value holds `vlmprune.tokens` ("old,new").
 The graph gains the output `kept_indices` [B, K'] (int64): the patch position of every
-kept token.
+kept token. A method whose K varies per image (Method.variable_k) also gives `num_tokens`
+[B] (int64): its tokens are padded to K' = K_max, kept_indices with -1 there, and
+ZeroPaddingPass (passes.outputs) zeroes the padded rows of the final token output.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from vlmprune.compiler.contract import KEPT as KEPT_INDICES  # the bundle's names: compiler.contract
-from vlmprune.compiler.contract import PRUNE_META, TOKENS_META
+from vlmprune.compiler.contract import NUM_TOKENS, PRUNE_META, TEXT, TOKENS_META
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.graph.dataflow import consumers_downstream, opset
+from vlmprune.passes.methods import roi
 from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, SiteSpec
 from vlmprune.passes.methods.builder import Builder
 from vlmprune.passes.graph.structure import TowerStructure, find_tower_structure, static_dim
@@ -103,8 +106,15 @@ class InsertPruningPass(ir.passes.InPlacePass):
         where = f"L{spec.layer}" if block is not None else "features"
         b = Builder(graph, opset(model), f"vlmprune/{self.method.name}_{where}")
         inputs = GraphInputs(hidden, spec.has_cls, spec.num_patches, block, structure, spec.prefix, self.head)
+        text = _prompt_inputs(graph, self.method, self.params, inputs, structure)
+        # --roi: the forced-keep inputs beside the pixels and F [B, N] from them (passes.methods.roi)
+        pixel = structure.pixel_input if structure is not None else None
+        forced = roi.add_inputs(graph, b, self.params, structure,
+                                pixel.shape[0] if pixel is not None and pixel.shape is not None else None)
+        if forced is not None:
+            inputs.forced = forced[0]
         consumers = list(hidden.uses())
-        tokens, kept = self.method.emit(b, self.params, inputs, self.formulation)
+        tokens, kept, *count = self.method.emit(b, self.params, inputs, self.formulation)  # count: variable K
         anchor = hidden.producer()
         if anchor is None:
             raise StructureError("the tokens to prune are a graph input, not computed by the tower")
@@ -128,6 +138,10 @@ class InsertPruningPass(ir.passes.InPlacePass):
         kept.type = ir.TensorType(ir.DataType.INT64)
         kept.shape = ir.Shape([batch, self.params["keep"]])
         graph.outputs.append(kept)
+        if count:  # K varies per image: tokens padded to K_max, the valid count as an output (passes.outputs)
+            count[0].name = NUM_TOKENS
+            count[0].type, count[0].shape = ir.TensorType(ir.DataType.INT64), ir.Shape([batch])
+            graph.outputs.append(count[0])
         if block is None:
             ShapeInferencePass()(model)
         else:  # shapes downstream are stale until RetargetTokenCountPass rewrites the baked token counts
@@ -139,6 +153,12 @@ class InsertPruningPass(ir.passes.InPlacePass):
                   "num_patches": spec.num_patches, "has_cls": spec.has_cls, "prefix": spec.prefix,
                   "kept": KEPT_INDICES,
                   "kept_count": self.params["keep"], "summary": self.method.describe(self.params)}
+        if text is not None:  # the graph input the prompt-aware method added (compiler.prompt feeds it)
+            record["text"] = {"name": TEXT, "dim": text}
+        if forced is not None:  # the ROI inputs (compiler.roi feeds them)
+            record["roi"] = forced[1]
+        if count:
+            record["num_tokens"] = NUM_TOKENS
         model.metadata_props[PRUNE_META] = json.dumps(record, sort_keys=True)
         return ir.passes.PassResult(model, modified=True)
 
@@ -171,8 +191,40 @@ class InsertPruningPass(ir.passes.InPlacePass):
         has_cls = prefix > 0
         num_patches = tokens - prefix
         has_pixels = structure is not None and structure.pixel_input is not None and structure.grid is not None
-        spec = SiteSpec(num_patches, has_cls, layer, n_blocks, has_pixels, prefix, self.head is not None)
+        # Whether the last block's tokens start with [CLS] ahead of the grid's patches (the features may drop it).
+        last = static_dim(structure.blocks[-1].output, 1) if structure is not None and structure.blocks else None
+        tower_cls = has_cls if needs.site == BLOCK else isinstance(last, int) and n_grid is not None and last > n_grid
+        spec = SiteSpec(num_patches, has_cls, layer, n_blocks, has_pixels, prefix, self.head is not None,
+                        tower_cls=tower_cls)
         return hidden, spec, block
+
+
+def _prompt_inputs(graph: ir.Graph, method: Method, params: dict, inputs: GraphInputs,
+                   structure: TowerStructure | None) -> int | None:
+    """Give a method what Needs.tower_features and Needs.text ask for: the last block's output, and the new graph
+    input text_embeds [B, T, D] (D: the site's width, the LLM's). Returns D where the input was added."""
+    needs = method.needs(params)
+    if needs.tower_features:
+        if structure is None or not structure.blocks:
+            raise StructureError(f"method {method.name} needs the tower features at the feature layer, and this "
+                                 "graph's transformer blocks were not found")
+        features = structure.blocks[-1].output
+        tokens = static_dim(features, 1)
+        if tokens is None or not 0 <= tokens - inputs.num_patches <= 16:  # at most a [CLS] and register prefix
+            raise StructureError(f"method {method.name} needs the feature layer's tokens one to one with the "
+                                 f"projector output's, and this tower's last block has {tokens} tokens for "
+                                 f"{inputs.num_patches} outputs (its projector merges patches)")
+        inputs.features = features
+    if not needs.text:
+        return None
+    dim = static_dim(inputs.hidden, 2)
+    if dim is None:
+        raise StructureError(f"method {method.name} needs a static token width for its text_embeds input")
+    batch = inputs.hidden.shape[0] if inputs.hidden.shape is not None else None
+    inputs.text = ir.Value(name=TEXT, type=ir.TensorType(ir.DataType.FLOAT),
+                           shape=ir.Shape([batch, "text_tokens", dim]))
+    graph.inputs.append(inputs.text)
+    return dim
 
 
 def _outputs(graph: ir.Graph) -> str:

@@ -161,6 +161,8 @@ TENSORRT_OPS: dict[str, TensorRTOps] = {
 PLUGIN_CONTRACT = json.loads(
     (Path(__file__).resolve().parents[1] / "kernels" / "trt" / "plugin_names.json").read_text())
 PLUGIN_DOMAIN = "trt.plugins"  # the parser ignores domains; ONNX tools need one declared
+# The scorer plugin (VlmpClsScore: ClsAttentionScore's attributes; --scorer int8 on orin / xavier).
+SCORER_CONTRACT = PLUGIN_CONTRACT["scorer"]
 
 
 def tensorrt_ops(version: str) -> TensorRTOps:
@@ -488,11 +490,13 @@ def _typed_value(node: ir.Node) -> ir.Value | None:
 
 
 def is_plugin_node(node: ir.Node) -> bool:
-    """A node that the parser maps to the VlmpTokenPrune plugin (op_type, plugin_version, plugin_namespace)."""
+    """A node that the parser maps to one of the plugins (op_type, plugin_version, plugin_namespace):
+    VlmpTokenPrune, or VlmpClsScore (--scorer int8, SCORER_CONTRACT)."""
     attrs = node.attributes
-    return (node.op_type == PLUGIN_CONTRACT["name"]
-            and attrs.get_string("plugin_version", "1") == PLUGIN_CONTRACT["version"]
-            and attrs.get_string("plugin_namespace", "") == PLUGIN_CONTRACT["namespace"])
+    return any(node.op_type == c["name"]
+               and attrs.get_string("plugin_version", "1") == c["version"]
+               and attrs.get_string("plugin_namespace", "") == c["namespace"]
+               for c in (PLUGIN_CONTRACT, SCORER_CONTRACT))
 
 
 def node_support(node: ir.Node, ops: TensorRTOps) -> tuple[bool, str]:

@@ -25,7 +25,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
-from vlmprune.passes.outputs import BatchDimNamePass
+from vlmprune.passes.outputs import BatchDimNamePass, ZeroPaddingPass
 from vlmprune.passes.prune import InsertPruningPass
 from vlmprune.passes.retarget import RetargetTokenCountPass
 from vlmprune.passes.support import SupportCheckPass, TargetPipeline
@@ -74,6 +74,12 @@ class Target(abc.ABC):
     # Whether a selection written with control flow (an ONNX Loop) is chosen here; False takes each method's first
     # formulation without it (Formulation.control_flow; each target says why, by measurement).
     control_flow: ClassVar[bool] = True
+    # Why this target takes no prompt input (text_embeds [B, T, D], T varying per request), or "" where it does:
+    # Target.refusal refuses a prompt-aware method (Needs.text) with it.
+    no_prompt_input: ClassVar[str] = ""
+    # Why this target takes no ROI input (--roi: roi_mask, or roi_boxes + roi_count; static shapes), or "" where it
+    # does: Target.refusal refuses --roi with it.
+    no_roi_input: ClassVar[str] = ""
     options: ClassVar[dict[str, str]] = {}  # target options (--precision, --soc) -> help
     # --with-llm: the LLM exporter ids (compiler.llm.export.EXPORTERS) this target takes, the first its default;
     # named as strings, since targets sit below the LLM side. None taken: why, in the refusal's words.
@@ -96,9 +102,13 @@ class Target(abc.ABC):
         if options.prune:
             from vlmprune.passes.methods import get_method
 
-            refused = self.refusal(get_method(options.method))
+            method = get_method(options.method)
+            refused = self.refusal(method, method.parse(options.keep, options.method_options or {}))
             if refused:
                 raise InputError(f"target {self.name} cannot run method {options.method}: {refused}")
+            if (options.method_options or {}).get("scorer") == "int8" and "ClsAttentionScore" not in self.spellings:
+                raise InputError(f"--scorer int8 runs in the fused ClsAttentionScore op, which target {self.name} "
+                                 "does not carry (it runs on ort, orin and xavier)")
         given = {k: v for k, v in (options.target_options or {}).items() if v is not None}
         foreign = sorted(set(given) - set(self.options))
         if foreign:
@@ -117,8 +127,13 @@ class Target(abc.ABC):
                              "flow (an ONNX Loop)")
         return taken[0]
 
-    def refusal(self, method: Method) -> str | None:
-        """Why this target cannot run method at all, from what the method declares, or None (none refuses one)."""
+    def refusal(self, method: Method, params: dict | None = None) -> str | None:
+        """Why this target cannot run method (with params; None: its defaults), from what the method declares, or
+        None."""
+        if self.no_prompt_input and method.needs(params if params is not None else method.parse(64, {})).text:
+            return f"it reads the prompt (the text_embeds input), and {self.no_prompt_input}"
+        if self.no_roi_input and (params or {}).get("roi"):
+            return f"--roi adds the ROI inputs beside the pixels, and {self.no_roi_input}"
         return None
 
     def legalization(self, config: PruneConfig | None, options) -> list[ir.passes.PassBase]:
@@ -133,6 +148,8 @@ class Target(abc.ABC):
                                             self.formulation(config.method), config.head))
             if config.method.needs(config.params).site == BLOCK:
                 passes.append(RetargetTokenCountPass())
+            if config.method.variable_k:  # padded rows zero on the token output, num_tokens counting its rows
+                passes.append(ZeroPaddingPass())
         passes += [*self.legalization(config, options), RemoveUnusedNodesPass(), TopologicalSortPass(),
                    BatchDimNamePass(), SupportCheckPass(self.name, self.supports, self.check_model)]
         return TargetPipeline(self.name, *passes)

@@ -27,7 +27,7 @@ from vlmprune.passes.methods.base import FusedOp
 from vlmprune.targets.base import StageSpec, Target
 
 LIBRARY = "libvlmprune_ort.so"
-ORT_OPS = {name: FusedOp(name) for name in ("TokenPrune", "DivPruneSelect")}
+ORT_OPS = {name: FusedOp(name) for name in ("TokenPrune", "DivPruneSelect", "ClsAttentionScore")}
 
 
 class OrtTarget(Target):
@@ -65,7 +65,9 @@ class OrtTarget(Target):
         """One stage, `fused`: model.onnx as shipped, whether or not the method fused into a custom op here
         (the manifest's target.fused says which), so that its name never depends on the method."""
         run, runtime = self.runner(bundle_dir, manifest)
-        return [StageSpec("fused", runtime, "fp32", run)]
+        # --scorer int8: the decision is INT8 (ClsAttentionScore), so kept indices are held to the 8-bit agreement.
+        int8 = manifest["method"].get("params", {}).get("scorer") == "int8"
+        return [StageSpec("fused", runtime + (" (INT8 scorer)" if int8 else ""), "int8" if int8 else "fp32", run)]
 
     def runner(self, bundle_dir: Path, manifest: dict):
         from vlmprune.targets.runtime import ort_session, run_session

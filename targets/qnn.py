@@ -62,6 +62,7 @@ class QnnTarget(Target):
     options = {"precision": "qnn: int16 (default) or int8 activations",
                "soc": "qnn: the Snapdragon SoC to compile for (default SM8650; see `vlmprune targets`)"}
     control_flow = False  # HTP compiles no control flow
+    no_prompt_input = "QNN HTP compiles static input shapes only, while the prompt's length varies per request"
 
     def __init__(self, selection: str = "gather"):
         self.selection = selection
@@ -122,7 +123,9 @@ class QnnTarget(Target):
         """model.onnx (the decomposed graph: HTP-legal already), QDQ model.qdq.onnx, model_ctx.onnx + .bin for the SoC."""
         import onnx
 
+        from vlmprune.compiler.frontend import roi_input as roi
         from vlmprune.targets import calibration, qnn_tools
+        from vlmprune.targets.runtime import optional_feed
 
         options, source, chosen = context["options"], context["source"], context["target_options"]
         precision, soc, soc_model = chosen["precision"], chosen["soc"], chosen["soc_model"]
@@ -136,6 +139,8 @@ class QnnTarget(Target):
         input_name = model.graph.inputs[0].name
         samples = [{input_name: calib[[(i * batch + j) % len(calib) for j in range(batch)]]}
                    for i in range(max(1, len(calib) // batch))]
+        with roi.feeding(roi.PARITY):  # --roi: the calibration images' fixed-seed ROI beside them (compiler.roi)
+            samples = [{**x, **optional_feed(model.graph.inputs[1:], x[input_name])} for x in samples]
         try:
             qnn_tools.quantize_qdq(out_dir / MODEL, out_dir / QDQ, samples, act_type=act, weight_type=weight,
                                    float_nodes=float_nodes)

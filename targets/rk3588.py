@@ -86,7 +86,14 @@ def hybrid_loss(options) -> str | None:
         return None
     if reads_projector_output(options):
         return "its selection reads the projector output, so hybrid int8 would keep everything before it in float16"
-    return get_method(options.method).int8_loss or None
+    if (options.method_options or {}).get("merge"):  # --merge local: merged values, as visionzip's
+        from vlmprune.passes.methods.merge import INT8_LOSS
+
+        return INT8_LOSS
+    from vlmprune.passes.methods import budget
+
+    method = get_method(options.method)  # as compiled: --budget adaptive declares its own loss
+    return budget.wrap(method, method.parse(options.keep, options.method_options or {})).int8_loss or None
 
 
 def _sha(data: bytes) -> str:
@@ -102,7 +109,19 @@ class Rk3588Target(Target):
     summary = "Rockchip RK3588 NPU: rknn-toolkit2 2.5.0 .rknn (fp16, hybrid int8), simulator parity"
     no_llm_why = "RKLLM's converter, rkllm-toolkit, is not on the package index"
     options = {"precision": "rk3588: fp16, int8 (hybrid) or fp16,int8 (default)"}
+    no_prompt_input = ("rknn-toolkit2 converts static input shapes only, while the prompt's length varies per "
+                       "request")
+    # Measured: the worker's build and simulator runner (rknn_worker.py) feed the pixel input only.
+    no_roi_input = "its RKNN build and simulator runner (rknn_worker.py) take the pixel input only (no ROI inputs yet)"
     control_flow = False  # each greedy step would be a CPU island anyway (module docstring): straight-line
+
+    def refusal(self, method, params: dict | None = None) -> str | None:
+        # Measured on the tiny LLaVA (random, grid; either site, with or without --merge local): the simulator
+        # returns no kept_indices, the one output that does not depend on the pixels.
+        if method.baseline:
+            return ("its kept_indices output is a graph constant (the baseline's fixed patch set), which "
+                    "rknn-toolkit2 2.5.0 leaves out of the converted model's outputs")
+        return super().refusal(method, params)
 
     def __init__(self, selection: str = "onehot", float_scope: str = "ancestors"):
         self.selection = selection

@@ -27,7 +27,7 @@ from pathlib import Path
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from vlmprune.compiler.contract import DECOMPOSED, MODEL, QDQ_MODEL, QDQ_WEIGHTS
+from vlmprune.compiler.contract import DECOMPOSED, MODEL, QDQ_MODEL, QDQ_WEIGHTS, TEXT
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes import tensorrt as trt_passes
 from vlmprune.passes.methods.base import FusedOp
@@ -49,6 +49,13 @@ PLUGIN_OP = FusedOp(
     domain=trt_passes.PLUGIN_DOMAIN,
     attributes=(("plugin_version", trt_passes.PLUGIN_CONTRACT["version"]),
                 ("plugin_namespace", trt_passes.PLUGIN_CONTRACT["namespace"])),
+)
+# --scorer int8: ClsScoreFusion's ClsAttentionScore spelled as the VlmpClsScore plugin (vlmp_cls_scores_cuda).
+SCORER_OP = FusedOp(
+    op_type=trt_passes.SCORER_CONTRACT["name"],
+    domain=trt_passes.PLUGIN_DOMAIN,
+    attributes=(("plugin_version", trt_passes.SCORER_CONTRACT["version"]),
+                ("plugin_namespace", trt_passes.SCORER_CONTRACT["namespace"])),
 )
 
 
@@ -88,6 +95,14 @@ XAVIER = JetsonPlatform(
 PLATFORMS = {p.name: p for p in (ORIN, XAVIER)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _InputMeta:
+    """An engine input as runtime.optional_feed reads one (name, shape)."""
+
+    name: str
+    shape: tuple
+
+
 class TensorRTTarget(Target):
     """One Jetson target. Formulations: cls fuses select + gather + summary into the VlmpTokenPrune plugin;
     a selection with control flow takes its form without (divprune's greedy loop, unrolled into a chain of
@@ -97,8 +112,10 @@ class TensorRTTarget(Target):
     method's int8_loss does not apply here; what reads the projector output is refused."""
 
     platform: JetsonPlatform
-    spellings = {"TokenPrune": PLUGIN_OP}
+    spellings = {"TokenPrune": PLUGIN_OP, "ClsAttentionScore": SCORER_OP}
     control_flow = False  # the parser's Loop import: see the class docstring
+    # text_embeds (prompt-aware methods): the profile's T range (_profile) and the device runner feed it.
+    no_roi_input = "its engine profile and device runner take the pixel input only (no ROI inputs yet)"
     options = {"precision": "orin/xavier: fp16 (default) or int8 (explicit Q/DQ model)"}
 
     def __init__(self, platform: JetsonPlatform | None = None):
@@ -162,6 +179,10 @@ class TensorRTTarget(Target):
                                                      context["source"], context["images"])
         if not fused:
             return {**fields, "fused": False}
+        if any(n.op_type == SCORER_OP.op_type and trt_passes.is_plugin_node(n) for n in model.graph):
+            fields["scorer_plugin"] = {"name": SCORER_OP.op_type, "version": trt_passes.SCORER_CONTRACT["version"],
+                                       "namespace": trt_passes.SCORER_CONTRACT["namespace"],
+                                       "host_twin_op": f"{SCORER_OP.domain}.{SCORER_OP.op_type}"}
         shutil.copy2(ort_target.library(), out_dir / HOST_TWIN)
         _copy_plugin_sources(p, out_dir / "plugins")
         return {
@@ -187,9 +208,11 @@ class TensorRTTarget(Target):
             return lambda pixel_values: run_session(ort_session(bundle_dir / name, libs), pixel_values)
 
         what = "the plugin's host twin" if fused else "standard ops"
+        # --scorer int8: the VlmpClsScore decision is INT8, so kept indices are held to the 8-bit agreement (as on ort).
+        int8 = manifest["method"].get("params", {}).get("scorer") == "int8"
         stages = [StageSpec("fused",  # model.onnx on the host twin or in standard ops, named as on ort
-                            f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} ({MODEL}, {what})", "fp32",
-                            on_cpu(MODEL))]
+                            f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} ({MODEL}, {what}"
+                            f"{', INT8 scorer' if int8 else ''})", "int8" if int8 else "fp32", on_cpu(MODEL))]
         if target.get("qdq_model"):
             stages.append(StageSpec("qdq", f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} ({QDQ_MODEL}, "
                                     "explicit int8 Q/DQ)", "int8", on_cpu(QDQ_MODEL)))
@@ -201,7 +224,14 @@ class TensorRTTarget(Target):
     def runner(self, bundle_dir: Path, manifest: dict):
         """The engine, on the device; one line where TensorRT or the engine is absent."""
         runner = engine_lib.EngineRunner(bundle_dir)
-        return runner, f"TensorRT {runner.trt.__version__} engine ({engine_lib.ENGINE}, {runner.precision})"
+        described = f"TensorRT {runner.trt.__version__} engine ({engine_lib.ENGINE}, {runner.precision})"
+        if len(runner.inputs) == 1:
+            return runner, described
+        from vlmprune.targets.runtime import optional_feed
+
+        # text_embeds: the rows compiler.prompt's feeding() gives (as run_session feeds ORT), width from the engine
+        metas = [_InputMeta(n, tuple(runner.engine.get_tensor_shape(n))) for n in runner.inputs[1:]]
+        return (lambda pixel: runner(pixel, optional_feed(metas, pixel))), described
 
     def readme(self, manifest: dict) -> str:
         return _readme(self.platform, manifest)
@@ -353,16 +383,32 @@ def _float_inputs_for(model: ir.Model, names: set[str]) -> int:
     return rewired
 
 
+# The prompt's rows (text_embeds [B, T, D]) an engine takes: T in [1, TEXT_MAX], tuned for TEXT_OPT. T >= 1 because
+# TensorRT's empty tensors are avoided: the device runner feeds one zero row for an empty prompt (T = 0), which every
+# prompt-aware graph reads as no prompt (its cosine with any token is 0 by the norm floor, the mean over rows is 0).
+TEXT_OPT, TEXT_MAX = 64, 2048
+
+
 def _profile(model: ir.Model, batch: int | None) -> dict:
-    """The optimization profile of the pixel input: static batch -> min = opt = max."""
+    """The optimization profile of the pixel input (static batch -> min = opt = max), and under "inputs" the other
+    inputs' ranges (text_embeds: the same batch, T in [1, TEXT_MAX])."""
     value = model.graph.inputs[0]
     rest = [d if isinstance(d, int) else None for d in value.shape[1:]]
     if any(d is None for d in rest):
         raise StructureError(f"input {value.name} has dynamic dimensions besides the batch: {value.shape}")
     fixed = value.shape[0] if isinstance(value.shape[0], int) else batch
     lo, opt, hi = (fixed, fixed, fixed) if fixed else (1, 1, DEFAULT_MAX_BATCH)
-    return {"input": value.name, "min": [lo, *rest], "opt": [opt, *rest], "max": [hi, *rest],
-            "batch": "static" if fixed else "dynamic"}
+    out = {"input": value.name, "min": [lo, *rest], "opt": [opt, *rest], "max": [hi, *rest],
+           "batch": "static" if fixed else "dynamic"}
+    for other in model.graph.inputs[1:]:
+        if other.name != TEXT:
+            raise StructureError(f"input {other.name}: the engine profile knows the pixels and {TEXT} only")
+        width = other.shape[-1] if other.shape is not None else None
+        if not isinstance(width, int):
+            raise StructureError(f"input {TEXT} needs a static width for the engine profile, got {other.shape}")
+        out.setdefault("inputs", []).append({"name": TEXT, "min": [lo, 1, width], "opt": [opt, TEXT_OPT, width],
+                                             "max": [hi, TEXT_MAX, width]})
+    return out
 
 
 def _copy_plugin_sources(platform: JetsonPlatform, dest: Path) -> None:
@@ -420,6 +466,17 @@ def _shown(cmd: list) -> str:
     return engine_lib.format_command(shown)
 
 
+def _text_note(profile: dict) -> str:
+    """The README's line on text_embeds, for a prompt-aware bundle ("" otherwise)."""
+    text = next((spec for spec in profile.get("inputs", []) if spec["name"] == TEXT), None)
+    if text is None:
+        return ""
+    return (f"\nInput `{TEXT}`: [batch, T, {text['min'][2]}] float32, the prompt's rows of the LLM's embedding table "
+            f"(vlmprune run --prompt, generate and eval compute them); the engine profile takes T from "
+            f"{text['min'][1]} to {text['max'][1]} (opt {text['opt'][1]}); for no prompt feed one zero row, "
+            "which the graph reads as no prompt (vlmprune's runner does so).")
+
+
 def _readme(p: JetsonPlatform, manifest: dict) -> str:
     target = manifest.target
     inp, outputs = manifest.inputs[0], manifest.outputs
@@ -473,7 +530,7 @@ JetPack (`/usr/local/cuda`); TensorRT is found in `/usr/include/aarch64-linux-gn
 
 Model: {manifest.model.source} — {manifest.method.summary}
 
-Input `{inp.name}`: {inp.shape} {inp.dtype} (normalized pixels); {batch}.
+Input `{inp.name}`: {inp.shape} {inp.dtype} (normalized pixels); {batch}.{_text_note(profile)}
 Outputs: {', '.join(f"`{o.name}` {o.shape} {o.dtype}" for o in outputs)}
 (the engine returns `kept_indices` as {p.kept_dtype}).
 

@@ -42,6 +42,7 @@ MANIFEST = "manifest.json"
 MODEL = "model.onnx"
 DECOMPOSED = "model.decomposed.onnx"
 KEPT = "kept_indices"
+TEXT = "text_embeds"  # the prompt's rows (prompt-aware methods)
 DIGEST_KEY = "manifest_sha256"  # vlmprune.compiler.bundle.manifest.DIGEST_KEY
 TRTEXEC = "/usr/src/tensorrt/bin/trtexec"  # where JetPack installs it (not on PATH)
 TENSORRT_TARGETS = ("orin", "xavier")
@@ -97,6 +98,12 @@ def _shape_arg(name: str, shape) -> str:
     return f"{name}:{'x'.join(str(d) for d in shape)}"
 
 
+def _profile_inputs(profile: dict) -> list:
+    """Every input's range in the manifest's profile: the pixels ("input", "min", ...), then "inputs" (text_embeds)."""
+    first = {"name": profile["input"], "min": profile["min"], "opt": profile["opt"], "max": profile["max"]}
+    return [first] + list(profile.get("inputs", []))
+
+
 def trtexec_command(manifest: dict, precision: str | None = None, decomposed: bool = False, engine: str = ENGINE,
                     calibration_cache: str | None = None) -> list:
     """The trtexec invocation that builds the same engine as build_engine (run from the bundle folder)."""
@@ -111,10 +118,10 @@ def trtexec_command(manifest: dict, precision: str | None = None, decomposed: bo
         cmd.append("--int8")
         if calibration_cache:
             cmd.append(f"--calib={calibration_cache}")
-    name = profile["input"]
-    if profile["min"] != profile["max"]:
-        cmd += [f"--minShapes={_shape_arg(name, profile['min'])}", f"--optShapes={_shape_arg(name, profile['opt'])}",
-                f"--maxShapes={_shape_arg(name, profile['max'])}"]
+    ranges = _profile_inputs(profile)
+    if any(spec["min"] != spec["max"] for spec in ranges):  # trtexec: every input of the profile, comma-separated
+        for flag, key in (("--minShapes", "min"), ("--optShapes", "opt"), ("--maxShapes", "max")):
+            cmd.append(f"{flag}=" + ",".join(_shape_arg(spec["name"], spec[key]) for spec in ranges))
     fp32 = target.get("fp32_layers", [])
     if fp32:
         cmd += ["--precisionConstraints=obey", "--layerPrecisions=" + ",".join(f"{n}:fp32" for n in fp32)]
@@ -217,7 +224,8 @@ def build_engine(bundle_dir, precision: str | None = None, decomposed: bool = Fa
             config.int8_calibrator = _cache_calibrator(trt, Path(calibration_cache))
     profile_spec = manifest["target"]["profile"]
     profile = builder.create_optimization_profile()
-    profile.set_shape(profile_spec["input"], profile_spec["min"], profile_spec["opt"], profile_spec["max"])
+    for spec in _profile_inputs(profile_spec):
+        profile.set_shape(spec["name"], spec["min"], spec["opt"], spec["max"])
     config.add_optimization_profile(profile)
     pinned = _pin_fp32(trt, network, manifest["target"].get("fp32_layers", []))
     if pinned:
@@ -371,7 +379,8 @@ def _cuda():
 
 
 class EngineRunner:
-    """Runs a bundle's engine: pixel_values [B, 3, S, S] fp32 -> {output name: array} (kept indices int64)."""
+    """Runs a bundle's engine: pixel_values [B, 3, S, S] fp32 (and the other inputs by name: text_embeds [B, T, D]
+    fp32) -> {output name: array} (kept indices int64)."""
 
     def __init__(self, bundle_dir, engine: str = ENGINE):
         bundle_dir = Path(bundle_dir)
@@ -410,17 +419,24 @@ class EngineRunner:
     def precision(self) -> str:
         return self.record["precision"]
 
-    def __call__(self, pixel_values: np.ndarray) -> dict:
+    def __call__(self, pixel_values: np.ndarray, extra: dict | None = None) -> dict:
         trt, engine, context, cuda = self.trt, self.engine, self.context, self.cuda
-        name = self.inputs[0]
-        x = np.ascontiguousarray(pixel_values, dtype=trt.nptype(engine.get_tensor_dtype(name)))
-        context.set_input_shape(name, tuple(x.shape))
+        given = dict(extra or {})
+        given[self.inputs[0]] = pixel_values
+        missing = [n for n in self.inputs if n not in given]
+        if missing:
+            raise EngineError(f"the engine takes {', '.join(missing)} beside the pixels, and none was given")
         buffers, results = [], {}
         try:
-            ptr = cuda.alloc(x.nbytes)
-            buffers.append(ptr)
-            cuda.to_device(ptr, x)
-            context.set_tensor_address(name, ptr)
+            for name in self.inputs:
+                x = np.ascontiguousarray(given[name], dtype=trt.nptype(engine.get_tensor_dtype(name)))
+                if name == TEXT and x.ndim == 3 and x.shape[1] == 0:  # no prompt: one zero row (the profile's T >= 1)
+                    x = np.zeros((x.shape[0], 1, x.shape[2]), dtype=x.dtype)
+                context.set_input_shape(name, tuple(x.shape))
+                ptr = cuda.alloc(x.nbytes)
+                buffers.append(ptr)
+                cuda.to_device(ptr, x)
+                context.set_tensor_address(name, ptr)
             for out in self.outputs:
                 shape = tuple(context.get_tensor_shape(out))
                 results[out] = np.empty(shape, dtype=trt.nptype(engine.get_tensor_dtype(out)))
@@ -429,7 +445,7 @@ class EngineRunner:
                 context.set_tensor_address(out, ptr)
             if not context.execute_async_v3(cuda.handle()):
                 raise EngineError("TensorRT failed to run the engine (see its log above)")
-            for out, ptr in zip(self.outputs, buffers[1:]):
+            for out, ptr in zip(self.outputs, buffers[len(self.inputs):]):
                 cuda.to_host(results[out], ptr)
             cuda.sync()
         finally:
@@ -448,10 +464,13 @@ def _smoke_run(bundle_dir, engine: str, npy: str | None, repeat: int) -> None:
     runner = EngineRunner(bundle_dir, engine)
     profile = runner.manifest["target"]["profile"]
     pixel = np.load(npy) if npy else np.zeros(profile["opt"], dtype=np.float32)
-    outputs = runner(pixel)  # warm-up
+    # Other inputs (text_embeds) at their opt shape, seeded rows: a smoke run, not a prompt.
+    extra = {spec["name"]: np.random.default_rng(0).standard_normal([pixel.shape[0], *spec["opt"][1:]]).astype(
+        np.float32) for spec in profile.get("inputs", [])}
+    outputs = runner(pixel, extra)  # warm-up
     start = time.perf_counter()
     for _ in range(repeat):
-        outputs = runner(pixel)
+        outputs = runner(pixel, extra)
     seconds = (time.perf_counter() - start) / max(repeat, 1)
     for name, value in outputs.items():
         print(f"{name}: shape {list(value.shape)} dtype {value.dtype}")

@@ -41,7 +41,7 @@ def test_toolchain_tests_are_marked_and_only_they():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     picked = {line.split("::")[1] for line in done.stdout.splitlines() if "::" in line}
-    assert picked == {f"test_{t}[{m}]" for t in ("qnn", "rk3588") for m in ("visionzip", "dart", "divprune")}
+    assert picked == {f"test_{t}[{m}]" for t in ("qnn", "rk3588") for m in ("visionzip", "dart", "divprune", "holov")}
 
 
 def test_the_readme_test_command_lists_the_slowest_tests():

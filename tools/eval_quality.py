@@ -34,11 +34,16 @@ from train_easyvqa import MARKER, default_output  # noqa: E402
 
 from vlmprune.kernels.build import cache_dir  # noqa: E402
 
-METHODS = ("cls", "visionzip", "divprune", "dart")
+# The methods, then the options issue 20 brought, as rows of their own (`eval --dataset`'s NAME:OPTION=VALUE).
+METHODS = ("cls", "visionzip", "divprune", "dart", "holov", "prumerge+", "cdpruner", "cls:budget=adaptive",
+           "cls:merge=local", "cls:scorer=int8", "holov:prompt-weight=1")
 
 
 def saliency_held(kept: list[int], sal: np.ndarray) -> float:
-    """Saliency above the image's floor held by `kept`, over the most the same number of patches can hold."""
+    """Saliency above the image's floor held by `kept`, over the most the same number of patches can hold.
+
+    A padded slot (-1: a method whose K varies per image, after its num_tokens) is not a patch."""
+    kept = [k for k in kept if k >= 0]
     above = sal.reshape(-1) - sal.min()
     best = np.sort(above)[::-1][:len(kept)].sum()
     return float(above[np.asarray(kept, dtype=np.int64)].sum() / best) if best > 0 else float("nan")
@@ -50,7 +55,7 @@ def tower_bundle(tower: Path, row: dict, folder: Path) -> Path:
     from vlmprune.compiler import api
     from vlmprune.compiler.bundle import load_manifest
 
-    name = "dense" if row["keep"] is None else f"{row['method']}-{row['keep']}-{row['layer']}"
+    name = "dense" if row["keep"] is None else f"{row['method'].replace(' ', '_')}-{row['keep']}-{row['layer']}"
     out = folder / name
     try:
         load_manifest(out, verify=True)
@@ -65,9 +70,9 @@ def tower_bundle(tower: Path, row: dict, folder: Path) -> Path:
     if row["keep"] is None:
         api.compile(str(tower), out, target="ort", prune=False, cls="keep")
         return out
-    options = {"site": "features" if row["layer"] == "end" else "block"} if row["baseline"] else {}
-    api.compile(str(tower), out, target="ort", method=row["method"], keep=row["keep"],
-                layer=row["layer"] if isinstance(row["layer"], int) else None, method_options=options, cls="keep")
+    api.compile(str(tower), out, target="ort", method=row["name"], keep=row["keep"],
+                layer=row["layer"] if isinstance(row["layer"], int) else None, method_options=row["options"],
+                cls="keep")
     return out
 
 
@@ -84,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=None, help="default: tools/train_easyvqa.py's output")
     p.add_argument("--limit", type=int, default=500, help="the first N easy-vqa test questions")
     p.add_argument("--keep", default="16,32,64")
+    p.add_argument("--methods", default=",".join(METHODS), help="a comma list of eval --dataset method specs")
     p.add_argument("--layer", type=int, default=2, help="prune inside the tower after this block (from 1)")
     p.add_argument("--json", type=Path, default=None, help="also write every figure here")
     p.add_argument("--report", type=Path, default=None, help="also write eval's HTML report here")
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if not data.is_file():
         write_jsonl("test", data)
     keeps = [int(k) for k in a.keep.split(",")]
-    report = api.eval(str(model), dataset=data, limit=a.limit, methods=list(METHODS), keeps=keeps,
+    report = api.eval(str(model), dataset=data, limit=a.limit, methods=a.methods.split(","), keeps=keeps,
                       layers=[a.layer, "end"], progress=lambda m: print(m, file=sys.stderr),
                       report=a.report, force=True).data
     images = list(dict.fromkeys(report["images"]))
@@ -118,11 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         for digest, image in zip(report["sample_digests"], report["images"]):
             first.setdefault(image, row["answers"][digest]["extra"].get("kept"))
         held = [saliency_held(first[im], sal[im]) for im in images] if row["keep"] is not None else [1.0]
-        emb = dense_cls if row["keep"] is None else cls_embeddings(tower_bundle(tower, row, folder), images)
-        cos = np.sum(emb * dense_cls, 1) / (np.linalg.norm(emb, axis=1) * np.linalg.norm(dense_cls, axis=1))
+        tokens = [sum(k >= 0 for k in first[im]) for im in images] if row["keep"] is not None else [256]
+        if row["keep"] is not None and row["layer"] == "end":
+            # Pruned after the last block (or on the projector output): [CLS] passes through unchanged, so its
+            # cosine is 1 by construction (the tower bundles of issue 19's table measured exactly 1.0000).
+            cos = np.ones(len(images))
+        else:
+            emb = dense_cls if row["keep"] is None else cls_embeddings(tower_bundle(tower, row, folder), images)
+            cos = np.sum(emb * dense_cls, 1) / (np.linalg.norm(emb, axis=1) * np.linalg.norm(dense_cls, axis=1))
         out_rows.append({**{k: row[k] for k in ("method", "keep", "where", "baseline", "accuracy", "accuracy_ci",
                                                  "retained", "retained_ci", "parity_passed")},
-                         "saliency_held": float(np.nanmean(held)), "cls_cosine": float(np.mean(cos))})
+                         "saliency_held": float(np.nanmean(held)), "cls_cosine": float(np.mean(cos)),
+                         "mean_kept": float(np.mean(tokens))})
     majority = training["majority_answer"]
     truth = [json.loads(line)["answers"][0] for line in data.read_text().splitlines()[:report["samples"]]]
     print(f"easy-vqa test, first {report['samples']} questions ({len(images)} images); dense accuracy "
@@ -130,12 +143,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(t == majority for t in truth) / len(truth):.3f} (training.json: dense "
           f"{training['dense_accuracy']:.3f} by the model's own generate())")
     print()
-    print("| method | K | pruned | accuracy (95% CI) | retained (95% CI) | saliency held | [CLS] cosine |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | K | patches kept (mean) | pruned | accuracy (95% CI) | retained (95% CI) | saliency held | "
+          "[CLS] cosine |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in out_rows:
         keep = "256" if r["keep"] is None else str(r["keep"])
         name = r["method"] + (" (baseline)" if r["baseline"] else "")
-        print(f"| {name} | {keep} | {r['where']} | {r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, "
+        print(f"| {name} | {keep} | {r['mean_kept']:.1f} | {r['where']} | {r['accuracy']:.3f} [{r['accuracy_ci'][0]:.3f}, "
               f"{r['accuracy_ci'][1]:.3f}] | {r['retained']:.3f} [{r['retained_ci'][0]:.3f}, "
               f"{r['retained_ci'][1]:.3f}] | {'—' if r['keep'] is None else format(r['saliency_held'], '.3f')} | "
               f"{r['cls_cosine']:.4f} |")

@@ -53,10 +53,10 @@ APIS = {
 }
 # Loader entry points the v3 library must export, and nothing else.
 V3_EXPORTS = {"getCreators", "setLoggerFinder"}
-# What the wrappers may take from outside besides the C/C++ runtime: the two kernel
+# What the wrappers may take from outside besides the C/C++ runtime: the three kernel
 # entry points (thin wrappers: nothing else of kernels.h), the CUDA runtime and, for
 # v2 only, libnvinfer's registry and logger. v3 needs nothing of libnvinfer.
-KERNEL_ENTRY_POINTS = {"vlmp_select_topk_cuda", "vlmp_gather_summary_cuda"}
+KERNEL_ENTRY_POINTS = {"vlmp_select_topk_cuda", "vlmp_gather_summary_cuda", "vlmp_cls_scores_cuda"}
 NVINFER_SYMBOLS = {"v2": {"getPluginRegistry", "getLogger"}, "v3": set()}
 CUDA_RUNTIME_PREFIXES = ("cuda", "__cuda")
 

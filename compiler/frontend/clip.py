@@ -16,7 +16,7 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, POOLING_HEAD, Family
+from vlmprune.compiler.frontend.family import CLS_TOKEN, FEATURE_LAYER, PATCH_TOKENS, POOLING_HEAD, Family
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, inner_tower, load_state,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import BlockParts, PoolingHead, Projector, TowerParts, VisionPipeline
@@ -130,5 +130,5 @@ def projector_from_file(path: Path, d_in: int) -> Projector:
 class ClipFamily(Family):
     id = "clip"
     adapter = ClipTowerAdapter
-    has = {PATCH_TOKENS: "CLIP, SigLIP", CLS_TOKEN: "CLIP",
+    has = {PATCH_TOKENS: "CLIP, SigLIP", CLS_TOKEN: "CLIP", FEATURE_LAYER: "CLIP, SigLIP",
            POOLING_HEAD: "SigLIP towers with their attention-pooling head"}

@@ -11,7 +11,7 @@ Preprocessing from preprocessor_config.json, else ImageNet's mean and std (DINOv
 from __future__ import annotations
 
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Family
+from vlmprune.compiler.frontend.family import CLS_TOKEN, FEATURE_LAYER, PATCH_TOKENS, Family
 from vlmprune.compiler.frontend.source import Source, feature_blocks, from_pretrained, sha256_files
 from vlmprune.compiler.frontend.tower import BlockParts, TowerParts, VisionPipeline
 
@@ -54,4 +54,4 @@ class Dinov2Adapter(ModelAdapter):
 class Dinov2Family(Family):
     id = "dinov2"
     adapter = Dinov2Adapter
-    has = {PATCH_TOKENS: "DINOv2", CLS_TOKEN: "DINOv2"}
+    has = {PATCH_TOKENS: "DINOv2", CLS_TOKEN: "DINOv2", FEATURE_LAYER: "DINOv2"}

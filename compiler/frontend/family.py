@@ -44,6 +44,10 @@ CLS_TOKEN = Capability("cls", "towers with a [CLS] token ({})")
 POOLING_HEAD = Capability("head", "{}")  # an attention-pooling head (SigLIP's): --score probe
 MERGED_TOKENS = Capability("merged", "{} merged tokens")  # features that merge patches (Qwen2-VL's 2x2)
 CROPS = Capability("crops", "{}'s crops")  # several crops of one image, pruned under one budget
+# One grid of patches whose feature layer's tokens map one to one onto the projector output (no patch merging, no
+# crops): what a method that reads both needs (cdpruner's similarity and relevance).
+FEATURE_LAYER = Capability("feature_layer", "single-grid towers whose feature layer is one to one with the features "
+                                            "({})")
 
 
 def image_positions(offset: int, dense_tokens: int, prefix: int, kept: np.ndarray | None, extra: int,
@@ -173,7 +177,7 @@ class Family:
         prefix = pipe.prefix if site == BLOCK or not pipe.drop_cls else 0
         method.check(params, site_spec(source.num_patches, bool(source.has_cls and prefix), config.layer or blocks,
                                        blocks, prefix=prefix, head=config.head is not None,
-                                       merge=source.spatial_merge))
+                                       merge=source.spatial_merge, tower_cls=bool(source.has_cls)))
 
     def dense_model(self, source: Source, request: DenseRequest):
         """The dense tower as an onnx_ir model: the torch pipeline's export (at the batch the input needs)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import SIGLIP_MEAN, SIGLIP_STD, build_tower, tower_parts
-from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Family
+from vlmprune.compiler.frontend.family import CLS_TOKEN, FEATURE_LAYER, PATCH_TOKENS, Family
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, inner_tower, load_state,
                                                read_safetensors, sha256_files, sha256_state, strip_prefix)
 from vlmprune.compiler.frontend.tower import Projector, VisionPipeline
@@ -112,5 +112,5 @@ class LlavaAdapter(ModelAdapter):
 class LlavaFamily(Family):
     id = "llava"
     adapter = LlavaAdapter
-    has = {PATCH_TOKENS: "LLaVA", CLS_TOKEN: "LLaVA on CLIP"}
+    has = {PATCH_TOKENS: "LLaVA", CLS_TOKEN: "LLaVA on CLIP", FEATURE_LAYER: "LLaVA"}
     language_model = {"llava": "LlavaForConditionalGeneration"}

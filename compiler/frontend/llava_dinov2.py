@@ -13,7 +13,7 @@ from __future__ import annotations
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.dinov2 import IMAGENET_MEAN, IMAGENET_STD, tower_parts
-from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Family
+from vlmprune.compiler.frontend.family import CLS_TOKEN, FEATURE_LAYER, PATCH_TOKENS, Family
 from vlmprune.compiler.frontend.llava import projector_for, tower_state
 from vlmprune.compiler.frontend.source import Source, feature_blocks, load_state, read_safetensors, sha256_files
 from vlmprune.compiler.frontend.tower import VisionPipeline
@@ -72,5 +72,5 @@ class LlavaDinov2Adapter(ModelAdapter):
 class LlavaDinov2Family(Family):
     id = "llava_dinov2"
     adapter = LlavaDinov2Adapter
-    has = {PATCH_TOKENS: "LLaVA on DINOv2", CLS_TOKEN: "LLaVA on DINOv2"}
+    has = {PATCH_TOKENS: "LLaVA on DINOv2", CLS_TOKEN: "LLaVA on DINOv2", FEATURE_LAYER: "LLaVA on DINOv2"}
     language_model = {"llava": "LlavaForConditionalGeneration"}

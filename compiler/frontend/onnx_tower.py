@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, DenseRequest, Family
+from vlmprune.compiler.frontend.family import FEATURE_LAYER, PATCH_TOKENS, DenseRequest, Family
 from vlmprune.compiler.frontend.source import Source, sha256_files
 
 FAMILY = "onnx"
@@ -63,7 +63,7 @@ class OnnxFamily(Family):
     """An .onnx tower: no torch model, so no adapter; the original graph is its own reference."""
 
     id = FAMILY
-    has = {PATCH_TOKENS: ".onnx towers"}
+    has = {PATCH_TOKENS: ".onnx towers", FEATURE_LAYER: ".onnx towers"}
     torch_reference = False
     identifies_model = False
 

@@ -68,6 +68,7 @@ class Pruner(Protocol):
 
     site: str  # BLOCK (after block `layer`) or FEATURES (after the projector)
     layer: int | None
+    # Optional, read with getattr (default False): `attention`, a FEATURES pruner that reads the last block's Q, K.
 
     def __call__(self, tensors: SiteTensors) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(new tokens, kept patch indices [B, K'], trace for parity)."""
@@ -149,10 +150,15 @@ class VisionPipeline(nn.Module):
         h = tower.embed(pixel_values)
         kept = None
         at_block = pruner is not None and pruner.site == BLOCK
+        # A FEATURES-site pruner that reads attention (Pruner.attention) gets the last block's Q and K.
+        wants_qk = pruner is not None and pruner.site == FEATURES and getattr(pruner, "attention", False)
+        qk_last = None
         for i, layer in enumerate(tower.blocks[: self.num_blocks], start=1):
-            capture = at_block and i == pruner.layer
+            capture = at_block and i == pruner.layer or wants_qk and i == self.num_blocks
             h, qk = run_block(tower.parts(layer), h, capture)
-            if capture:
+            if capture and not at_block:
+                qk_last = qk
+            elif capture:
                 h, kept = self._prune(SiteTensors(h, self.has_cls, *qk, pixel_values, self.patch_size, self.prefix,
                                                   tower.head))
         if self.final_norm:
@@ -163,17 +169,19 @@ class VisionPipeline(nn.Module):
         if self.projector is not None:
             h = self.projector(h)
         if pruner is not None and pruner.site == FEATURES:
-            h, kept = self.prune_features(h, pixel_values)
+            h, kept = self.prune_features(h, pixel_values, qk_last)
         return h if pruner is None else (h, kept)
 
-    def prune_features(self, features: torch.Tensor, pixel_values: torch.Tensor):
+    def prune_features(self, features: torch.Tensor, pixel_values: torch.Tensor, qk: tuple | None = None):
         """The pruner at the FEATURES site, on features the dense forward gave: (tokens, kept).
 
         What forward runs there; the parity reference calls it on the dense reference's
         output, so that the tower runs once for both references (compiler.parity.reference).
+        qk: the last block's (Q, K, scale), for a pruner that reads attention (forward passes it).
         """
         prefix = 0 if self.drop_cls else self.prefix
-        return self._prune(SiteTensors(features, self.has_cls and prefix > 0, pixel_values=pixel_values,
+        q, k, scale = qk if qk is not None else (None, None, None)
+        return self._prune(SiteTensors(features, self.has_cls and prefix > 0, q, k, scale, pixel_values=pixel_values,
                                        patch_size=self.patch_size, prefix=prefix))
 
     def _prune(self, tensors: SiteTensors):

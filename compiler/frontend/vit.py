@@ -9,7 +9,7 @@ ViT's mean and std of 0.5.
 from __future__ import annotations
 
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Family
+from vlmprune.compiler.frontend.family import CLS_TOKEN, FEATURE_LAYER, PATCH_TOKENS, Family
 from vlmprune.compiler.frontend.source import Source, feature_blocks, from_pretrained, sha256_files
 from vlmprune.compiler.frontend.tower import BlockParts, TowerParts, VisionPipeline
 
@@ -49,4 +49,4 @@ class VitAdapter(ModelAdapter):
 class VitFamily(Family):
     id = "vit"
     adapter = VitAdapter
-    has = {PATCH_TOKENS: "ViT", CLS_TOKEN: "ViT"}
+    has = {PATCH_TOKENS: "ViT", CLS_TOKEN: "ViT", FEATURE_LAYER: "ViT"}

@@ -8,7 +8,7 @@ pipeline (llm_section), from the bundle's own outputs and what the insertion rec
   symbolic, e.g. `num_tokens` for a variable K), D (the LLM's hidden size) and the dtype;
 - the row layout: `prefix` rows ([CLS] and registers, when the features keep them), then
   `kept` rows, row j being patch kept_indices[:, j], then `extra` rows the method merged
-  (`cls`'s summary token);
+  (`cls`'s summary token, `prumerge+`'s extra token);
 - the positions output(s) and their meaning (`indices`: kept_indices; families with
   mRoPE or crops add `kept_positions` [B, K, 3]).
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from vlmprune.compiler.frontend import family_of
 from vlmprune.compiler.parity.reference import FEATURES, KEPT, KEPT_POSITIONS  # [B, K, 3]: (t, h, w) or (crop, row, col)
+from vlmprune.compiler.parity.reference import NUM_TOKENS  # [B]: valid rows where K varies per image
 
 
 def llm_section(manifest) -> dict:
@@ -49,7 +50,7 @@ def llm_section(manifest) -> dict:
         extra = out - prefix - kept if isinstance(out, int) and isinstance(kept, int) else 0
     rule = family_of(manifest).positions
     dense = rule.dense_image_tokens(model, prefix + patches if patches else None)
-    return {
+    section = {
         "features_output": features.name,
         "image_tokens": tokens,  # an int, or the dimension's name where it is symbolic (a variable K)
         "dense_image_tokens": dense,
@@ -60,6 +61,14 @@ def llm_section(manifest) -> dict:
                       "meaning": rule.meaning, "rule": rule.rule},
         "text_resumes_at": rule.text_resumes_at(model, dense, extra),  # relative to the placeholder's position
     }
+    if NUM_TOKENS in outputs:  # K varies per image (docs/design.md, "Variable K")
+        section["num_tokens"] = {
+            "output": NUM_TOKENS, "max_rows": tokens, "padding": "zero rows after each image's num_tokens rows",
+            "kept_padding": -1,
+            "rule": (f"image b: take rows [0, num_tokens[b]) of image_features, drop the rest: {prefix} prefix "
+                     f"rows, then num_tokens[b] - {prefix + extra} kept rows (kept_indices[b, j] for those j; -1 "
+                     f"after them), then the {extra} extra row(s); positions as below for those rows only")}
+    return section
 
 
 _DTYPES = {"float": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -84,6 +93,15 @@ def readme_section(manifest: dict) -> str:
         layout = "every patch, in raster order (a dense bundle)"
         places = f"- row r: offset + r\n- the text after the image: from offset + {after}"
     pos_note = " (`kept_indices` carries them)" if handoff_kept else ""
+    if "num_tokens" in llm:  # K varies per image: the counts above are each image's most
+        variable = llm["num_tokens"]
+        layout += (f". **K varies per image**: the output `num_tokens` [B] (int64) says how many leading rows of "
+                   f"image b are its tokens ({variable['rule']}); the {t} rows are the most an image can have, "
+                   f"and every row after num_tokens[b] is zero and must not reach the LLM. Splice "
+                   f"`image_features[b, :num_tokens[b]]`, expand the placeholder to num_tokens[b] tokens, and use "
+                   f"num_tokens[b] wherever a runtime below takes {t} (TensorRT-LLM's fake ids and table rows, "
+                   f"Edge-LLM's token range up to {t}, llama.cpp's n_tokens, RKLLM's n_image_tokens). "
+                   f"`vlmprune generate` and `eval` drop the padding so")
     return f"""
 ## Handing the tokens to the language model
 

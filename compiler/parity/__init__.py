@@ -23,7 +23,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from vlmprune.compiler.parity.reference import FEATURES, KEPT, Reference
+from vlmprune.compiler.parity.reference import FEATURES, KEPT, NUM_TOKENS, Reference
+from vlmprune.compiler.frontend import roi_input as roi
+from vlmprune.compiler.frontend.prompt_input import PARITY, feeding
 from vlmprune.passes.methods.base import GREEDY
 from vlmprune.passes.methods.selection import boundary_ties, tie_band
 
@@ -246,11 +248,15 @@ def run_stage(stage: str, runtime: str, precision: str, run: Callable[[np.ndarra
     """
     tol = tolerance_for(precision, overrides)
     try:
-        outputs = run(pixel_values)
+        # a prompt-aware graph's text_embeds, an --roi graph's ROI: the fixed-seed ones (compiler.prompt, .roi)
+        with feeding(PARITY), roi.feeding(roi.PARITY):
+            outputs = run(pixel_values)
     except Exception as exc:  # the candidate runtime failed: a failed stage, with its reason
         return StageResult(stage, runtime, precision, tol, False, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
     result = StageResult(stage, runtime, precision, tol, True)
     expected = reference.outputs
+    if NUM_TOKENS in expected:  # K varies per image: valid rows by value, the count exactly, padding zero
+        expected = padding_checked(result, expected, outputs)
     skip: list[int] = []
     if KEPT in expected:
         if KEPT not in outputs:
@@ -260,6 +266,10 @@ def run_stage(stage: str, runtime: str, precision: str, run: Callable[[np.ndarra
         result.indices["kept"] = outputs[KEPT].astype(np.int64).tolist()  # what the report draws
         skip = result.indices["tie_resolved_images"]
         result.passed &= result.indices["passed"]
+        forced = (reference.trace or {}).get("forced")
+        if forced is not None:  # --roi: every forced patch kept, whatever the scores (compiler.roi.forced_check)
+            result.outputs["roi_forced"] = roi.forced_check(forced, outputs[KEPT])
+            result.passed &= result.outputs["roi_forced"]["passed"]
     for name, ref in expected.items():
         if name == KEPT:
             continue
@@ -278,6 +288,33 @@ def run_stage(stage: str, runtime: str, precision: str, run: Callable[[np.ndarra
                 result.outputs[name]["tolerance"] = dataclasses.asdict(out_tol)
         result.passed &= result.outputs[name]["passed"]
     return result
+
+
+def padding_checked(result: StageResult, expected: dict, outputs: dict) -> dict:
+    """Variable K (docs/design.md, "Variable K"): num_tokens must be exact and the candidate's rows after each image's
+    num_tokens exactly zero (recorded in result); returns the expected outputs with those rows NaN in the reference's
+    image_features, so that the value comparison covers each image's valid rows only."""
+    ref_rows = np.asarray(expected[NUM_TOKENS]).astype(np.int64)
+    if NUM_TOKENS not in outputs:
+        result.outputs[NUM_TOKENS] = {"passed": False, "error": "missing from the candidate"}
+    else:
+        cand_rows = np.asarray(outputs[NUM_TOKENS]).astype(np.int64).reshape(ref_rows.shape)
+        wrong = int((cand_rows != ref_rows).sum())  # "exact" rows: as compiler.report draws integer outputs
+        result.outputs[NUM_TOKENS] = {"passed": wrong == 0, "exact": True, "rows_compared": int(ref_rows.size),
+                                      "rows_wrong": wrong, "reference": ref_rows.tolist(),
+                                      "candidate": cand_rows.tolist()}
+    result.passed &= result.outputs[NUM_TOKENS]["passed"]
+    expected = {k: v for k, v in expected.items() if k != NUM_TOKENS}
+    if FEATURES in expected and FEATURES in outputs and np.shape(outputs[FEATURES]) == np.shape(expected[FEATURES]):
+        feats = np.asarray(expected[FEATURES]).astype(np.float64)
+        padding = np.arange(feats.shape[1])[None, :] >= ref_rows[:, None]
+        nonzero = int((np.asarray(outputs[FEATURES])[padding] != 0).any(axis=-1).sum())
+        result.outputs["padding"] = {"passed": nonzero == 0, "exact": True, "rows_compared": int(padding.sum()),
+                                     "rows_wrong": nonzero}  # padding rows that are not all zero
+        result.passed &= nonzero == 0
+        feats[padding] = np.nan  # not compared by value: checked zero above
+        expected[FEATURES] = feats
+    return expected
 
 
 def compare_exact(ref: np.ndarray, cand: np.ndarray, ref_kept: np.ndarray | None = None,
@@ -304,6 +341,12 @@ def _indices(reference: Reference, cand: np.ndarray, tol: Tolerance) -> dict:
         return {"passed": False, "agreement": 0.0, "per_image": [], "tie_resolved_images": [],
                 "error": f"shape {list(cand.shape)} != reference {list(ref.shape)}"}
     trace = reference.trace or {}
+    if NUM_TOKENS in reference.outputs:  # padded with -1: agreement over each image's valid indices
+        valid = lambda row: np.asarray(row)[np.asarray(row) >= 0]  # noqa: E731
+        per_image = [len(np.intersect1d(valid(r), valid(c))) / max(len(valid(r)), len(valid(c)), 1)
+                     for r, c in zip(ref, cand)]
+        return _verdict({"agreement": float(np.mean(per_image)), "per_image": per_image, "boundary_ties": None,
+                         "tie_resolved_images": []}, tol)
     if reference.method is not None and reference.method.selection == GREEDY:
         return compare_greedy(ref, cand, trace.get("steps"), tol)
     boundary = trace.get("boundary")

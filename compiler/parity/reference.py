@@ -21,13 +21,17 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import FEATURES, KEPT, KEPT_POSITIONS
+from vlmprune.compiler.contract import FEATURES, KEPT, KEPT_POSITIONS, NUM_TOKENS
+from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import Source
+from vlmprune.compiler.frontend.prompt_input import PARITY, feeding, text_feed
+from vlmprune.compiler.frontend.roi_input import parity_roi
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES as FEATURES_SITE, SiteTensors
 from vlmprune.passes.graph.dataflow import consumers_downstream, producers_upstream
-from vlmprune.passes.methods import get_method
-from vlmprune.passes.methods.base import Method
+from vlmprune.passes.methods import budget, get_method, relevance
+from vlmprune.passes.methods.base import Method, PromptSiteTensors
 from vlmprune.passes.methods.crops import CropBudget
+from vlmprune.passes.methods.roi import forced_reference
 from vlmprune.passes.graph.structure import find_tower_structure
 from vlmprune.targets.runtime import ort_session, run_session
 
@@ -39,10 +43,21 @@ class MethodPruner:
     params: dict
     site: str
     layer: int | None
+    forced: torch.Tensor | None = None  # --roi: F [B, N] of parity's ROI (forced_for)
+    text: torch.Tensor | None = None  # text_embeds [B, T, D], for a method that reads the blocks too (--prompt-weight)
 
     def __call__(self, tensors: SiteTensors):
+        tensors = with_forced(tensors, self.forced)
+        if self.text is not None:
+            fields = {f.name: getattr(tensors, f.name) for f in dataclasses.fields(tensors)}
+            tensors = PromptSiteTensors(**{**fields, "text": self.text})
         result = self.method.reference(self.params, tensors)
         return result.tokens, result.kept, result.trace
+
+    @property
+    def attention(self) -> bool:
+        """Whether the method reads attention (at a FEATURES site: the last block's Q and K, Pruner.attention)."""
+        return self.method.needs(self.params).attention
 
 
 @dataclasses.dataclass
@@ -55,8 +70,24 @@ class Reference:
     params: dict | None = None
 
 
+def forced_for(record: dict | None, pixel: np.ndarray) -> torch.Tensor | None:
+    """--roi: F [B, N] bool from parity's fixed-seed ROI (compiler.roi.parity_roi, what the runners feed), or None."""
+    found = (record or {}).get("roi")
+    if found is None:
+        return None
+    return forced_reference(found, parity_roi(pixel, found["kind"], found.get("max_boxes")))
+
+
+def with_forced(tensors: SiteTensors, forced: torch.Tensor | None) -> SiteTensors:
+    """The site's tensors with --roi's forced set (PromptSiteTensors.forced); unchanged without one."""
+    if forced is None:
+        return tensors
+    fields = {f.name: getattr(tensors, f.name) for f in dataclasses.fields(tensors)}
+    return PromptSiteTensors(**{**fields, "forced": forced})
+
+
 def pruner_for(record: dict) -> MethodPruner:
-    method = get_method(record["method"])
+    method = budget.wrap(get_method(record["method"]), record["params"])  # --budget adaptive
     if "crops" in record["params"]:  # an anyres model's crops under one global budget
         method = CropBudget(method)
     return MethodPruner(method, record["params"], record["site"], record["layer"])
@@ -76,19 +107,77 @@ def torch_reference(source: Source, record: dict | None, pixel: np.ndarray,
     """
     x = torch.from_numpy(pixel)
     dense = dense_reference(source, pixel) if dense is None else dense
-    with torch.inference_mode():
+    with torch.inference_mode(), feeding(PARITY):
         if record is None:
             return dense, None
         pruner = pruner_for(record)
+        pruner.forced = forced_for(record, pixel)
         pipeline = source.pipeline.with_pruner(pruner)
-        if pruner.site == FEATURES_SITE and hasattr(pipeline, "prune_features"):  # the tower's end: run it once
+        needs = pruner.method.needs(record["params"])
+        if relevance.weight(record["params"]) > 0:  # --prompt-weight: the method's own path, and the prompt
+            pruner.text = torch.from_numpy(text_feed(pixel, dense.outputs[FEATURES].shape[-1]))
+        if needs.tower_features or needs.text and pruner.text is None:  # the feature layer and text_embeds too
+            feats, kept, pipeline.last_trace = prompt_site(source.pipeline, pruner, record, dense.outputs[FEATURES],
+                                                            pixel)
+        # The tower's end: run it once, unless the method reads the last block's attention, which only forward has.
+        elif pruner.site == FEATURES_SITE and hasattr(pipeline, "prune_features") and not pruner.attention:
             feats, kept = pipeline.prune_features(torch.from_numpy(dense.outputs[FEATURES]), x)
         else:
             feats, kept = pipeline(x)
         outputs = {FEATURES: feats.numpy(), KEPT: kept.numpy()}
+        if "num_tokens" in (pipeline.last_trace or {}):  # K varies per image: the padded rows are zero
+            outputs.update(padded_outputs(outputs[FEATURES], pruner.method.output_tokens(record["params"]),
+                                          pipeline.last_trace["num_tokens"]))
         if source.position_table is not None:  # the LLM positions of the reference's kept tokens
             outputs[KEPT_POSITIONS] = np.asarray(source.position_table)[kept.numpy()]
         return dense, Reference(outputs, _numpy(pipeline.last_trace), pruner.method, record["params"])
+
+
+def padded_outputs(features: np.ndarray, slots: int, count) -> dict[str, np.ndarray]:
+    """A variable-K reference's image_features with the rows after each image's valid ones zeroed (the projector
+    after a BLOCK site makes the method's zero rows non-zero, as passes.outputs.ZeroPaddingPass undoes in the
+    graph), and num_tokens: the valid rows, a prefix the output keeps ([CLS]) included."""
+    lead = features.shape[1] - slots  # slots: the method's output rows, K_max (+ extras), prefix left out
+    rows = np.asarray(count, dtype=np.int64) + lead
+    valid = np.arange(features.shape[1])[None, :] < rows[:, None]
+    return {FEATURES: features * valid[..., None].astype(features.dtype), NUM_TOKENS: rows}
+
+
+@dataclasses.dataclass
+class _Capture:
+    """A pruner that prunes nothing: it keeps the hidden states after block `layer` (the feature layer)."""
+
+    layer: int
+    site: str = BLOCK
+    hidden: torch.Tensor | None = None
+
+    def __call__(self, tensors: SiteTensors):
+        self.hidden = tensors.hidden
+        return tensors.hidden, torch.zeros(tensors.hidden.shape[0], 0, dtype=torch.long), {}
+
+
+def prompt_site(pipeline, pruner: MethodPruner, record: dict, dense: np.ndarray, pixel: np.ndarray):
+    """A FEATURES-site method that also reads the feature layer's hidden states and text_embeds, in fp64.
+
+    fp64 so that parity names the greedy step where the fp32 graph parts from exact arithmetic
+    (its margin), rather than comparing two fp32 roundings. The kept rows are copies: exact in fp32 again.
+    """
+    name, needs = pruner.method.name, pruner.method.needs(record["params"])
+    if pruner.site != FEATURES_SITE or needs.tower_features and not hasattr(pipeline, "num_blocks"):
+        raise InputError(f"method {name} needs the feature layer's hidden states, which this model's pipeline does "
+                         "not give (a ViT tower pipeline does: LLaVA, CLIP, SigLIP, DINOv2)")
+    capture = _Capture(getattr(pipeline, "num_blocks", 0))
+    if needs.tower_features:
+        pipeline.with_pruner(capture)(torch.from_numpy(pixel))
+    prefix = 0 if getattr(pipeline, "drop_cls", True) else pipeline.prefix
+    # text_embeds is as wide as the projector output (the LLM's width): what the graph's input takes
+    needs_text = needs.text
+    text = torch.from_numpy(text_feed(pixel, dense.shape[-1])).double() if needs_text else None
+    tensors = PromptSiteTensors(torch.from_numpy(dense).double(), getattr(pipeline, "has_cls", False) and prefix > 0,
+                                prefix=prefix,
+                                features=None if capture.hidden is None else capture.hidden.double(), text=text)
+    result = pruner.method.reference(record["params"], tensors)
+    return result.tokens.to(torch.from_numpy(dense).dtype), result.kept, result.trace
 
 
 def onnx_reference(dense_path: Path, record: dict | None, pixel: np.ndarray, run_chunked) -> Reference:
@@ -104,6 +193,13 @@ def onnx_reference(dense_path: Path, record: dict | None, pixel: np.ndarray, run
     if record["site"] == BLOCK:
         block = structure.blocks[record["layer"] - 1]
         exposed += [block.output, block.q, block.k]
+    last = structure.blocks[-1].output if pruner.method.needs(record["params"]).tower_features else None
+    if last is not None:
+        exposed.append(last)
+    # A FEATURES method that reads attention (holov): the last block's Q and K, the feature layer's.
+    qk_block = structure.blocks[-1] if block is None and pruner.method.needs(record["params"]).attention else None
+    if qk_block is not None:
+        exposed += [qk_block.q, qk_block.k]
     model.graph.outputs.extend(v for v in exposed if not v.is_graph_output())
     probe = dense_path.with_name(".probe.onnx")  # beside the weights it refers to
     ir.save(model, probe)
@@ -113,19 +209,33 @@ def onnx_reference(dense_path: Path, record: dict | None, pixel: np.ndarray, run
         probe.unlink()
     dense = out[features.name]
     double = lambda name: torch.from_numpy(out[name]).double()  # noqa: E731
-    if block is None:
-        tensors = SiteTensors(double(features.name), record["has_cls"], prefix=record["prefix"])
+    needs_text = pruner.method.needs(record["params"]).text
+    if block is None and (last is not None or needs_text):  # a prompt-aware method (see prompt_site)
+        with feeding(PARITY):
+            text = torch.from_numpy(text_feed(pixel, dense.shape[-1])).double() if needs_text else None
+        tensors = PromptSiteTensors(double(features.name), record["has_cls"], prefix=record["prefix"],
+                                    features=None if last is None else double(last.name), text=text)
+    elif block is None:
+        qk = () if qk_block is None else (double(qk_block.q.name), double(qk_block.k.name), qk_block.scale)
+        if qk and qk_block.k_transposed:
+            qk = (qk[0], qk[1].transpose(-1, -2), qk[2])
+        tensors = SiteTensors(double(features.name), record["has_cls"], *qk, prefix=record["prefix"])
     else:
         k = double(block.k.name)
         tensors = SiteTensors(double(block.output.name), record["has_cls"], double(block.q.name),
                               k.transpose(-1, -2) if block.k_transposed else k, block.scale,
                               torch.from_numpy(pixel).double(), structure.patch_size, record["prefix"])
     with torch.inference_mode():
-        result = pruner.method.reference(record["params"], tensors)
+        result = pruner.method.reference(record["params"], with_forced(tensors, forced_for(record, pixel)))
     outputs = {KEPT: result.kept.numpy()}
+    if "num_tokens" in result.trace:  # the rows of image_features: the prefix the dense output keeps counts in them
+        lead = dense.shape[1] - record["num_patches"] if dense.shape[1] > record["num_patches"] else 0
+        outputs[NUM_TOKENS] = (result.trace["num_tokens"].numpy() + lead).astype(np.int64)
     if block is None:
         outputs[FEATURES] = result.tokens.numpy().astype(dense.dtype)
-    elif record["layer"] == len(structure.blocks):
+    elif record["layer"] == len(structure.blocks) and ("num_tokens" not in result.trace
+                                                       or token_path(block.output, features) == "slice"):
+        # A variable K's rows sit at per-image places: copied rows from the dense output define none of them.
         values = _end_of_tower(model, block, features, dense, result, pruner, record)
         if values is not None:
             outputs[FEATURES] = values

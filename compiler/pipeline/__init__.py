@@ -34,7 +34,7 @@ from vlmprune.compiler.llm import export as llm_export
 from vlmprune.compiler.llm import handoff
 from vlmprune.compiler.bundle.manifest import Manifest
 from vlmprune.passes.methods import DEFAULT as DEFAULT_METHOD
-from vlmprune.passes.methods import get_method
+from vlmprune.passes.methods import budget, get_method
 from vlmprune.passes.methods.base import BLOCK, SiteSpec
 from vlmprune.passes.methods.crops import over_tokens
 from vlmprune.passes.methods.dense import Dense
@@ -237,7 +237,7 @@ def validate_options(options: CompileOptions) -> _Plan:
         if options.layer is not None and method.needs(params).site != BLOCK:
             raise InputError(f"method {method.name} prunes the projector output (the tower's end); "
                              "--layer does not apply to it")
-        config = PruneConfig(method, params, options.layer)
+        config = PruneConfig(budget.wrap(method, params), params, options.layer)  # --budget adaptive: K per image
     elif options.method_options:
         raise InputError("--no-prune takes no method options")
     llm_export.check_llm_options(options)
@@ -312,7 +312,8 @@ def _manifest(source: Source, family: Family, options: CompileOptions, plan: _Pl
                   "formulation": record["formulation"], "tokens_in": record["tokens_in"],
                   "tokens_out": record["tokens_out"], "num_patches": record["num_patches"],
                   "has_cls": record["has_cls"], "prefix": record["prefix"], "kept_count": record["kept_count"],
-                  "summary": f"{record['summary']} ({where}, {record['num_patches']} patch tokens)"}
+                  "summary": f"{record['summary']} ({where}, {record['num_patches']} patch tokens)",
+                  **({"roi": record["roi"]} if "roi" in record else {})}  # --roi: its inputs' layout (compiler.roi)
     return {
         "vlmprune_version": __version__,
         "target": {"name": target.name, "summary": target.summary, "toolchain": target.toolchain(),
@@ -359,7 +360,8 @@ def _record_of(manifest: Manifest) -> dict | None:
     if not method.pruned:
         return None
     return {"method": method.name, "params": method.params, "site": method.site, "layer": method.layer,
-            "has_cls": method.has_cls, "num_patches": method.num_patches, "prefix": method.prefix}
+            "has_cls": method.has_cls, "num_patches": method.num_patches, "prefix": method.prefix,
+            **({"roi": manifest["method"]["roi"]} if "roi" in manifest["method"] else {})}  # --roi's layout
 
 
 def _parity(source: Source, family: Family, dense_path: Path, bundle_dir: Path, manifest: Manifest, target: Target,

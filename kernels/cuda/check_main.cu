@@ -513,6 +513,10 @@ int main(int argc, char** argv) {
     }
     check_scores(rep, {dt, 2, 3, 50, 40, 1, 0, 0}, seed++);
     check_scores(rep, {dt, 2, 3, 4097, 80, 0, 1, 1}, seed++);
+    // int8 rotation blocks other than 64: dh = 72 (blocks of 8), 128 (two of 64), 1 (no rotation)
+    check_scores(rep, {dt, 2, 6, 257, 72, 1, 1, 1}, seed++);
+    check_scores(rep, {dt, 2, 4, 257, 128, 0, 1, 1}, seed++);
+    check_scores(rep, {dt, 1, 2, 33, 1, 1, 1, 1}, seed++);
   }
   // DivPrune: the ONNX graph's shapes (N = 576 patches), every block size path (N below,
   // at and above 1024 threads, up to the 4096 limit), K == 1, K == N, and exact ties.

@@ -248,46 +248,73 @@ __device__ __forceinline__ int quantize(float x, float s) {
   return static_cast<int>(fminf(127.0f, fmaxf(-127.0f, rintf(x / s))));
 }
 
+constexpr int kMaxRotationBlock = 64;  // the int8 scorer's Hadamard block: largest power of two dividing dh, <= 64
+
+// Unnormalised Walsh-Hadamard transform of x[0, n), in the CPU kernel's butterfly order.
+// Adds and subtracts only (nothing for nvcc to contract), so every step rounds alike.
+__device__ __forceinline__ void hadamard(float* x, int n) {
+  for (int len = 1; len < n; len <<= 1) {
+    for (int i = 0; i < n; i += len << 1) {
+      for (int j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = __fadd_rn(a, b);
+        x[j + len] = __fsub_rn(a, b);
+      }
+    }
+  }
+}
+
 // logits[t] = scale * q . k_t for k laid out [dh, T]: one thread per key.
 template <typename E>
-__device__ void logits_transposed(const float* qf, const int* qi, float sq, const float* mu, const E* k, int T, int dh,
-                                  float scale, bool int8, float* logits) {
+__device__ void logits_transposed(const float* qf, const E* k, int T, int dh, float scale, float* logits) {
   for (int t = threadIdx.x; t < T; t += blockDim.x) {
-    if (!int8) {
-      float s = 0.0f;
-      for (int d = 0; d < dh; ++d) s += qf[d] * to_f32(k[static_cast<int64_t>(d) * T + t]);
-      logits[t] = s * scale;
-    } else {
-      float m = 0.0f;
-      for (int d = 0; d < dh; ++d) m = fmaxf(m, fabsf(to_f32(k[static_cast<int64_t>(d) * T + t]) - mu[d]));
-      const float sk = quant_scale(m);
-      int dot = 0;
-      for (int d = 0; d < dh; ++d) dot += qi[d] * quantize(to_f32(k[static_cast<int64_t>(d) * T + t]) - mu[d], sk);
-      logits[t] = scale * ((sq * sk) * static_cast<float>(dot));
-    }
+    float s = 0.0f;
+    for (int d = 0; d < dh; ++d) s += qf[d] * to_f32(k[static_cast<int64_t>(d) * T + t]);
+    logits[t] = s * scale;
   }
 }
 
 // Same for k laid out [T, dh]: one warp per key, lanes across dh.
 template <typename E>
-__device__ void logits_rows(const float* qf, const int* qi, float sq, const float* mu, const E* k, int T, int dh,
-                            float scale, bool int8, float* logits) {
+__device__ void logits_rows(const float* qf, const E* k, int T, int dh, float scale, float* logits) {
   const int lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
   for (int t = threadIdx.x / kWarp; t < T; t += warps) {
     const E* kt = k + static_cast<int64_t>(t) * dh;
-    if (!int8) {
-      float s = 0.0f;
-      for (int d = lane; d < dh; d += kWarp) s += qf[d] * to_f32(kt[d]);
-      s = warp_sum(s);
-      if (lane == 0) logits[t] = scale * s;
-    } else {
-      float m = 0.0f;
-      for (int d = lane; d < dh; d += kWarp) m = fmaxf(m, fabsf(to_f32(kt[d]) - mu[d]));
-      const float sk = quant_scale(warp_max(m));
-      int dot = 0;
-      for (int d = lane; d < dh; d += kWarp) dot += qi[d] * quantize(to_f32(kt[d]) - mu[d], sk);
-      dot = warp_sum(dot);
-      if (lane == 0) logits[t] = scale * ((sq * sk) * static_cast<float>(dot));
+    float s = 0.0f;
+    for (int d = lane; d < dh; d += kWarp) s += qf[d] * to_f32(kt[d]);
+    s = warp_sum(s);
+    if (lane == 0) logits[t] = scale * s;
+  }
+}
+
+// The int8 logits (kernels.h), either layout: one thread per key. Each rotation block of
+// the centred key is transformed in registers twice, once for the key's max |x| (its
+// scale) and once for the int32 dot with the two-limb query qc, so no dh-wide scratch.
+template <typename E>
+__device__ void logits_int8(const int* qc, float step, const float* mu, const E* k, int T, int dh, int blk,
+                            int k_transposed, float scale_blk, float* logits) {
+  float x[kMaxRotationBlock];
+  for (int t = threadIdx.x; t < T; t += blockDim.x) {
+    float m = 0.0f;
+    int dot = 0;
+    for (int pass = 0; pass < 2; ++pass) {
+      const float sk = quant_scale(m);
+      for (int d0 = 0; d0 < dh; d0 += blk) {
+        for (int j = 0; j < blk; ++j) {
+          const int d = d0 + j;
+          const int64_t at = k_transposed ? static_cast<int64_t>(d) * T + t : static_cast<int64_t>(t) * dh + d;
+          x[j] = __fsub_rn(to_f32(k[at]), mu[d]);
+        }
+        hadamard(x, blk);
+        for (int j = 0; j < blk; ++j) {
+          if (pass == 0) {
+            m = fmaxf(m, fabsf(x[j]));
+          } else {
+            dot += qc[d0 + j] * quantize(x[j], sk);
+          }
+        }
+      }
+      if (pass == 1) logits[t] = scale_blk * __fmul_rn(__fmul_rn(step, sk), static_cast<float>(dot));
     }
   }
 }
@@ -301,24 +328,30 @@ __global__ void __launch_bounds__(kScoreThreads)
   __shared__ float logits[kMaxT];
   __shared__ float acc[kMaxT];
   __shared__ float qf[kMaxHeadDim];
-  __shared__ int qi[kMaxHeadDim];
+  __shared__ int qc[kMaxHeadDim];    // int8: the rotated query's two int8 limbs, 127 * hi + lo
   __shared__ float mu[kMaxHeadDim];  // int8: the mean key, subtracted before quantising (exact for softmax)
   __shared__ float red[kWarp];
   const int64_t b = blockIdx.x;
   const int N = T - has_cls;
+  const int blk = (dh & -dh) < kMaxRotationBlock ? (dh & -dh) : kMaxRotationBlock;
+  const float scale_blk = scale / static_cast<float>(blk);
   for (int i = threadIdx.x; i < N; i += blockDim.x) acc[i] = 0.0f;
 
   for (int h = 0; h < H; ++h) {
     const int64_t head = (b * H + h) * static_cast<int64_t>(T) * dh;
-    float q_max = 0.0f;
-    for (int d = threadIdx.x; d < dh; d += blockDim.x) {
-      qf[d] = to_f32(q[head + d]);  // row 0: the [CLS] query
-      q_max = fmaxf(q_max, fabsf(qf[d]));
-    }
-    const float sq = quant_scale(block_reduce<true>(q_max, red));
+    for (int d = threadIdx.x; d < dh; d += blockDim.x) qf[d] = to_f32(q[head + d]);  // row 0: the [CLS] query
+    float step = 0.0f;
     if (int8) {
+      __syncthreads();
+      for (int d0 = threadIdx.x * blk; d0 < dh; d0 += blockDim.x * blk) hadamard(qf + d0, blk);
+      __syncthreads();
+      float q_max = 0.0f;
+      for (int d = threadIdx.x; d < dh; d += blockDim.x) q_max = fmaxf(q_max, fabsf(qf[d]));
+      const float sq = quant_scale(block_reduce<true>(q_max, red));
+      step = sq / 127.0f;
       for (int d = threadIdx.x; d < dh; d += blockDim.x) {
-        qi[d] = quantize(qf[d], sq);
+        const int hi = quantize(qf[d], sq);
+        qc[d] = 127 * hi + quantize(__fmaf_rn(-static_cast<float>(hi), sq, qf[d]), step);  // the CPU's std::fma
         double s = 0.0;  // double, as on the CPU: both round the mean to the same float
         for (int t = 0; t < T; ++t) {
           s += to_f32(k[head + (k_transposed ? static_cast<int64_t>(d) * T + t : static_cast<int64_t>(t) * dh + d)]);
@@ -327,10 +360,12 @@ __global__ void __launch_bounds__(kScoreThreads)
       }
     }
     __syncthreads();
-    if (k_transposed) {
-      logits_transposed(qf, qi, sq, mu, k + head, T, dh, scale, int8 != 0, logits);
+    if (int8) {
+      logits_int8(qc, step, mu, k + head, T, dh, blk, k_transposed, scale_blk, logits);
+    } else if (k_transposed) {
+      logits_transposed(qf, k + head, T, dh, scale, logits);
     } else {
-      logits_rows(qf, qi, sq, mu, k + head, T, dh, scale, int8 != 0, logits);
+      logits_rows(qf, k + head, T, dh, scale, logits);
     }
     __syncthreads();
 
@@ -344,7 +379,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     }
     sum = block_reduce<false>(sum, red);
     for (int i = threadIdx.x; i < N; i += blockDim.x) acc[i] += logits[has_cls + i] / sum;
-    __syncthreads();  // qf, qi and logits are rewritten by the next head
+    __syncthreads();  // qf, qc, mu and logits are rewritten by the next head
   }
   const float heads = static_cast<float>(H);
   for (int i = threadIdx.x; i < N; i += blockDim.x) scores[b * N + i] = acc[i] / heads;

@@ -6,7 +6,8 @@
 //   DivPruneSelect(dist [B,N,N] f32; keep) -> picks [B, keep] int64, in pick order
 // and, domain "trt.plugins", the TensorRT plugin node's host-side twin:
 //   VlmpTokenPrune(hidden, scores; keep, has_cls, plugin_version "1", plugin_namespace "vlmprune")
-//       the same kernel as TokenPrune, so the TensorRT targets' model.onnx runs here for parity
+//   VlmpClsScore(q, k; scale, has_cls, int8, k_transposed, plugin_version "1", plugin_namespace "vlmprune")
+//       the same kernels as TokenPrune and ClsAttentionScore, so the TensorRT targets' model.onnx runs here for parity
 //       (the plugin itself, kernels/trt, runs the CUDA twins of the same kernels).
 // All run the CPU kernels of kernels/cpu over ONNX Runtime's intra-op thread pool.
 // The library also exports the vlmp_* C functions (see the build's version script).
@@ -272,6 +273,9 @@ struct ClsAttentionScoreKernel {
     }
     if (q_rows != T && q_rows != 1) fail(kClsScore, "q must have T=" + std::to_string(T) + " or 1 rows, got " + shape_str(qs));
     if (T - has_cls_ < 1) fail(kClsScore, "k has no patch tokens (T=" + std::to_string(T) + ")");
+    if (int8_ && dh > 1024) {  // kernels.h: the two-limb query's int32 dot is exact up to dh = 1024
+      fail(kClsScore, "int8=1 supports head dims up to 1024, got dh=" + std::to_string(dh));
+    }
     const int64_t N = T - has_cls_;
     Ort::UnownedValue out = ctx.GetOutput(0, {B, N});
     if (B == 0 || H == 0 || dh == 0) return;
@@ -297,6 +301,26 @@ struct ClsAttentionScoreOp : Ort::CustomOpBase<ClsAttentionScoreOp, ClsAttention
     return guarded(kClsScore, [&] { *kernel = new ClsAttentionScoreKernel(api, info); });
   }
   const char* GetName() const { return kClsScore; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+// The TensorRT scorer plugin node (trt.plugins.VlmpClsScore; orin / xavier with --scorer int8)
+// run by the same kernel as ClsAttentionScore, whose attributes it carries; version and namespace
+// are checked as for VlmpTokenPrune.
+constexpr const char* kScorePluginName = vlmprune::trt::kClsScoreName;
+
+struct ClsScorePluginTwinOp : Ort::CustomOpBase<ClsScorePluginTwinOp, ClsAttentionScoreKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return guarded(kScorePluginName, [&] {
+      expect_string(api, info, kScorePluginName, "plugin_version", vlmprune::trt::kClsScoreVersion);
+      expect_string(api, info, kScorePluginName, "plugin_namespace", vlmprune::trt::kClsScoreNamespace);
+      *kernel = new ClsAttentionScoreKernel(api, info);
+    });
+  }
+  const char* GetName() const { return kScorePluginName; }
   size_t GetInputTypeCount() const { return 2; }
   ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
   size_t GetOutputTypeCount() const { return 1; }
@@ -376,6 +400,7 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
   static const ClsAttentionScoreOp cls_score;
   static const DivPruneSelectOp divprune_select;
   static const PluginTwinOp plugin_twin;
+  static const ClsScorePluginTwinOp score_plugin_twin;
   // Domains must outlive every session that uses them. They are kept until exit and
   // deliberately never released: at exit ONNX Runtime may already be unloaded.
   static std::mutex mutex;
@@ -387,6 +412,7 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     domain.Add(&divprune_select);
     Ort::CustomOpDomain plugin_domain{kPluginDomain};
     plugin_domain.Add(&plugin_twin);
+    plugin_domain.Add(&score_plugin_twin);
     Ort::UnownedSessionOptions(options).Add(domain);
     Ort::UnownedSessionOptions(options).Add(plugin_domain);
     std::lock_guard<std::mutex> lock(mutex);

@@ -8,19 +8,35 @@ from __future__ import annotations
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods.base import Method
+from vlmprune.passes.methods.cdpruner import CDPrunerMethod
 from vlmprune.passes.methods.cls import ClsMethod
 from vlmprune.passes.methods.dart import DartMethod
 from vlmprune.passes.methods.divprune import DivPruneMethod
 from vlmprune.passes.methods.grid import GridMethod
+from vlmprune.passes.methods.holov import HolovMethod
+from vlmprune.passes.methods.prumerge import PruMergePlusMethod
 from vlmprune.passes.methods.random_keep import RandomKeepMethod
 from vlmprune.passes.methods.visionzip import VisionZipMethod
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMethod, DivPruneMethod, DartMethod,
-                                                   RandomKeepMethod, GridMethod)}
+                                                   RandomKeepMethod, GridMethod, PruMergePlusMethod,
+                                                   CDPrunerMethod, HolovMethod)}
 DEFAULT = "cls"
+
+# Parts of the seeds that are trained models, not training-free rules: their weights exist nowhere here (no
+# checkpoint was published with the seeds, and vlmprune downloads nothing), so they are named, to be refused
+# in one line saying so, rather than answered as unknown or approximated by an untrained network.
+NEEDS_TRAINED_WEIGHTS: dict[str, str] = {
+    "coarse-heatmap": "seed 001's coarse stage (a MobileNetV3 heat map of where to look) needs the trained "
+                      "heat-map network",
+    "query-compressor": "seed 002's learned query compressor needs its trained query tokens and projection",
+}
 
 
 def get_method(name: str) -> Method:
+    if name in NEEDS_TRAINED_WEIGHTS:
+        raise InputError(f"method {name!r} is not available: {NEEDS_TRAINED_WEIGHTS[name]}, and no such weights "
+                         "exist (vlmprune ships only training-free methods; `vlmprune methods` lists them)")
     if name not in METHODS:
         raise InputError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
     return METHODS[name]()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import onnx_ir as ir
@@ -26,9 +27,10 @@ import torch
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
+from vlmprune.passes.methods import merge, relevance, roi
 
 __all__ = ["BLOCK", "BY_SCORE", "FEATURES", "GREEDY", "Formulation", "FusedOp", "GraphInputs", "Method", "Needs",
-           "SiteSpec", "SiteTensors", "TorchResult", "finite_option", "positive_int"]
+           "PromptSiteTensors", "SiteSpec", "SiteTensors", "TorchResult", "finite_option", "positive_int"]
 
 # Sites: BLOCK, after block L on the residual stream ([CLS] at index 0 when the tower has one);
 # FEATURES, on the tower's output after the projector (the tokens the LLM sees).
@@ -41,20 +43,29 @@ class Needs:
 
     site: str  # BLOCK or FEATURES
     cls: bool = False  # a [CLS] token at index 0 of the site's tokens
-    attention: bool = False  # block L's own Q and K (after its projections)
+    # block L's own Q and K (after its projections); at a FEATURES site, the last block's the graph runs (the
+    # feature layer's), and with cls=True its [CLS] row, whether or not the features keep the [CLS] token
+    attention: bool = False
     pixels: bool = False  # the normalised pixels (a per-patch pixel term)
     head: bool = False  # the tower's attention-pooling head (SigLIP's), for the probe score
+    # The tower features at the feature layer (the last block's output) beside a FEATURES site's projector output.
+    tower_features: bool = False
+    text: bool = False  # the prompt: the bundle input `text_embeds` [B, T, D_llm] (compiler.prompt)
 
     def describe(self) -> str:
         parts = ["block L's hidden states" if self.site == BLOCK else "the projector output (the tower's end)"]
         if self.attention:
-            parts.append("block L's Q and K")
+            parts.append("block L's Q and K" if self.site == BLOCK else "the feature layer's Q and K")
         if self.cls:
             parts.append("a [CLS] token")
         if self.pixels:
             parts.append("the pixels")
         if self.head:
             parts.append("an attention-pooling head (SigLIP's)")
+        if self.tower_features:
+            parts.append("the feature layer's hidden states")
+        if self.text:
+            parts.append("the prompt (text_embeds)")
         return ", ".join(parts)
 
 
@@ -70,6 +81,7 @@ class SiteSpec:
     prefix: int | None = None  # leading non-patch tokens ([CLS], registers); None: 1 with [CLS], else 0
     head: bool = False  # the tower's attention-pooling head is available (SigLIP's; torch sources only)
     merge: int | None = None  # patches merged per side into a site token (Qwen: 2; 1: none; None: unknown, a graph)
+    tower_cls: bool | None = None  # a [CLS] token leads the tower's blocks, kept at the site or not; None: has_cls
 
     def __post_init__(self):
         if self.prefix is None:
@@ -102,10 +114,22 @@ class GraphInputs:
     structure: Any = None  # passes.graph.structure.TowerStructure
     prefix: int | None = None  # leading non-patch tokens ([CLS], registers); None: 1 with [CLS], else 0
     head: Any = None  # compiler.frontend.tower.PoolingHead, where the tower has one (its weights become initializers)
+    features: ir.Value | None = None  # Needs.tower_features: the last block's output [B, prefix' + N, Dv]
+    text: ir.Value | None = None  # Needs.text: the graph input text_embeds [B, T, D]
+    forced: ir.Value | None = None  # --roi: F [B, N] float, 1 where a patch is forced (passes.methods.roi)
 
     def __post_init__(self):
         if self.prefix is None:
             self.prefix = int(self.has_cls)
+
+
+@dataclasses.dataclass
+class PromptSiteTensors(SiteTensors):
+    """SiteTensors with what Needs.tower_features, Needs.text and --roi add (the parity reference builds it)."""
+
+    features: torch.Tensor | None = None  # [B, prefix' + N, Dv], the last block's output
+    text: torch.Tensor | None = None  # [B, T, D], text_embeds
+    forced: torch.Tensor | None = None  # --roi: F [B, N] bool (passes.methods.roi.forced_reference)
 
 
 class Method(abc.ABC):
@@ -127,12 +151,43 @@ class Method(abc.ABC):
     int8_loss: ClassVar[str] = ""
     choices: ClassVar[dict[str, tuple[str, ...]]] = {}  # option -> its named values (--score), listed per value
     official: ClassVar[str] = ""  # where the official algorithm lives
+    # K varies per image (prumerge+, --budget adaptive): emit returns (tokens, kept, num_tokens [B] int64), the
+    # tokens padded to K_max = --keep with zero rows and kept with -1; the reference's trace holds "num_tokens".
+    variable_k: ClassVar[bool] = False
+    # --merge local (passes.methods.merge) after the selection: declare it where the output is [prefix] + the site's
+    # rows at the kept indices (ascending) + at most one summary token; __init_subclass__ applies it.
+    local_merge: ClassVar[bool] = False
+    no_local_merge_why: ClassVar[str] = ""  # why not, for the refusal, where the method says
+    # --prompt-weight W (passes.methods.relevance): the method's reference and emission pass the score they rank
+    # through relevance.weighted / emit_weighted; __init_subclass__ adds the prompt to its needs when W > 0.
+    prompt_weight: ClassVar[bool] = False
+    # --roi (passes.methods.roi): the method adds roi.emit_force_scores / roi.force_scores before its TopK, lifting
+    # forced patches by roi_bound(params) + 1; False (the default): --roi is refused.
+    roi_keep: ClassVar[bool] = False
+
+    def roi_bound(self, params: dict) -> float:
+        """With roi_keep: an upper bound of the scores the TopK ranks with these parameters."""
+        raise NotImplementedError(f"method {self.name} declares no score bound for --roi")
+
+    def __init_subclass__(cls, **kwargs):
+        """Apply --merge local after any declaring method's selection, so that no method has code of its own for it:
+        the reference, emission and description a subclass defines are wrapped (_merging_*), and with --merge local
+        their output becomes passes.methods.merge's over the method's kept indices."""
+        super().__init_subclass__(**kwargs)
+        for name, wrap in (("reference", _merging_reference), ("emit", _merging_emit),
+                           ("describe", _merging_describe)):
+            own = cls.__dict__.get(name)
+            if own is not None and not getattr(own, "__isabstractmethod__", False):
+                setattr(cls, name, wrap(own))
+        own = cls.__dict__.get("needs")
+        if own is not None and not getattr(own, "__isabstractmethod__", False):
+            cls.needs = relevance.with_prompt(own)  # --prompt-weight W > 0: the prompt too (Needs.text)
 
     # ------------------------------------------------------------------ parameters
 
     def parse(self, keep: int, options: dict[str, Any]) -> dict[str, Any]:
         """The method's parameters from --keep and its options; unknown or bad values are one line."""
-        unknown = sorted(set(options) - set(self.options))
+        unknown = sorted(set(options) - set(self.options) - set(GENERIC_OPTIONS))
         if unknown:
             flags = ", ".join(f"--{name}" for name in unknown)
             raise InputError(f"{flags} {'is not an option' if len(unknown) == 1 else 'are not options'} of method "
@@ -140,7 +195,11 @@ class Method(abc.ABC):
                                                if self.options else " (it takes none)"))
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InputError(f"--keep must be an integer >= 1, got {keep!r}")
-        return {"keep": keep, **self.defaults(keep), **{k: v for k, v in options.items() if v is not None}}
+        params = {"keep": keep, **self.defaults(keep), **{k: v for k, v in options.items() if v is not None}}
+        from vlmprune.passes.methods import budget  # it builds on this module
+
+        params = budget.parse(self, parse_scorer(self, roi.parse(self, merge.parse(self, params))))
+        return relevance.parse(self, params)
 
     def defaults(self, keep: int) -> dict[str, Any]:
         """Default values of the method's options for this K."""
@@ -157,7 +216,9 @@ class Method(abc.ABC):
     def check(self, params: dict, spec: SiteSpec) -> None:
         """Refuse, in one line naming what is missing, a site this method cannot serve."""
         needs = self.needs(params)
-        if needs.cls and not spec.has_cls:
+        # A FEATURES site that reads the feature layer's attention needs the [CLS] row there, not in the features.
+        tower_cls = spec.has_cls if spec.tower_cls is None else spec.tower_cls
+        if needs.cls and not (spec.has_cls or needs.site == FEATURES and needs.attention and tower_cls):
             raise InputError(f"method {self.name} needs a [CLS] token, and this tower has none "
                              "(methods for towers without one: `vlmprune methods`)")
         if needs.head and not spec.head:
@@ -167,6 +228,8 @@ class Method(abc.ABC):
         if needs.pixels and not spec.has_pixels:
             raise InputError(f"method {self.name} with these options needs the pixel input and patch grid, "
                              "which this graph does not show (no patch-embedding Conv found)")
+        merge.check(params, spec)
+        roi.check(params, spec)
         n, keep = spec.num_patches, params["keep"]
         if not 1 <= keep < n:
             raise InputError(f"--keep must satisfy 1 <= keep < {n} (the tower has {n} patch tokens), got {keep}")
@@ -183,12 +246,17 @@ class Method(abc.ABC):
         return self.needs(params).site == FEATURES
 
     def output_tokens(self, params: dict) -> int:
-        """Patch-derived tokens in the output (without [CLS]): K, plus a summary token where the method adds one."""
-        return params["keep"]
+        """Patch-derived tokens in the output (without [CLS]): K, plus a summary token where the method adds one
+        (every method under --merge local: the summary of the pruned tokens with no kept neighbour)."""
+        return params["keep"] + (1 if params.get("merge") else 0)
+
+    def min_text_rows(self, params: dict) -> int:
+        """The fewest text_embeds rows (prompt tokens) the method runs on with these parameters (Needs.text)."""
+        return 0
 
     def copied_rows(self, params: dict) -> int:
         """How many leading output patch tokens are copies of input rows (at kept[:, :n]); the rest are merged."""
-        return params["keep"]
+        return 0 if params.get("merge") else params["keep"]
 
     @abc.abstractmethod
     def describe(self, params: dict) -> str:
@@ -202,7 +270,8 @@ class Method(abc.ABC):
 
     @abc.abstractmethod
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
-        """Append the method's nodes through builder b; return (tokens, kept_indices)."""
+        """Append the method's nodes through builder b; return (tokens, kept_indices), or (tokens, kept_indices,
+        num_tokens) for a variable_k method."""
 
     def fusion_rules(self, spellings, record: dict | None = None) -> list:
         """onnxscript rewrite rules that fuse part of the emission into a custom op (none by default).
@@ -218,11 +287,83 @@ class Method(abc.ABC):
         record = {"params": params, "prefix": int(self.needs(params).cls)}
         return [op for op, spelling in spellings.items() if self.fusion_rules({op: spelling}, record)]
 
+    def scores_by_cls_kernel(self, params: dict) -> bool:
+        """Whether the selection ranks by the recomputed [CLS] row (attention.cls_attention): the score that
+        kernels' ClsAttentionScore computes, and so the one --scorer int8 can run in INT8. False by default."""
+        return False
+
     def check_formulation(self, formulation: str) -> str:
         if formulation not in self.formulations:
             raise InputError(f"method {self.name} has no {formulation!r} formulation "
                              f"(it has {', '.join(self.formulations)})")
         return formulation
+
+
+def _merges(method: Method, params: dict, name: str, wrapper) -> bool:
+    """Whether this call applies --merge local: the method declares it, and this is the outermost call (a subclass
+    whose override calls super() runs two wrappers; only the one the class itself holds merges)."""
+    return bool(params.get("merge")) and method.local_merge and getattr(type(method), name, None) is wrapper
+
+
+def _merging_reference(own):
+    @functools.wraps(own)
+    def reference(self, params, inputs):
+        result = own(self, params, inputs)
+        return merge.merged_reference(self, params, inputs, result) if _merges(self, params, "reference",
+                                                                               reference) else result
+    return reference
+
+
+def _merging_emit(own):
+    @functools.wraps(own)
+    def emit(self, b, params, inputs, formulation):
+        emitted = own(self, b, params, inputs, formulation)
+        return merge.merged_emission(b, self, params, inputs, emitted) if _merges(self, params, "emit",
+                                                                                  emit) else emitted
+    return emit
+
+
+def _merging_describe(own):
+    @functools.wraps(own)
+    def describe(self, params):
+        text = own(self, params)
+        return text + merge.describe(params) if _merges(self, params, "describe", describe) else text
+    return describe
+
+
+SCORERS = ("fp32", "int8")
+# Options every method takes, parsed here (the CLI's --merge, --width, --scorer): name -> (type, help).
+GENERIC_OPTIONS: dict[str, tuple[type, str]] = {
+    **merge.GENERIC,
+    **relevance.GENERIC,  # --prompt-weight (passes.methods.relevance)
+    **roi.GENERIC,
+    # --budget adaptive (passes.methods.budget): K per image from the entropy of the method's score
+    "budget": (str, "fixed (default) or adaptive: K per image = clamp(round((α·sigmoid(β·H) + γ)·N), --kmin, "
+                    "--keep), H the entropy of the image's normalised score (score-based methods: cls)"),
+    "alpha": (float, "--budget adaptive: α (default 1.0)"),
+    "beta": (float, "--budget adaptive: β (default 0.5)"),
+    "gamma": (float, "--budget adaptive: γ (default -0.6)"),
+    "kmin": (int, "--budget adaptive: the smallest K of an image (default 1); the largest is --keep"),
+    "scorer": (str, "fp32 (default) or int8: the [CLS]-attention decision in INT8 inside the fused op (the "
+                    "ClsAttentionScore kernel: ort; the VlmpClsScore plugin: orin, xavier), the model itself unchanged"),
+}
+
+
+def parse_scorer(method: Method, params: dict) -> dict:
+    """--scorer: fp32 (the default, left out of params) or int8, for a method that ranks by the [CLS] kernel's
+    score. Which targets carry it is theirs to say (Target.check_options)."""
+    scorer = params.get("scorer")
+    if scorer is None:
+        return params
+    if scorer not in SCORERS:
+        raise InputError(f"--scorer must be one of {', '.join(SCORERS)}, got {scorer!r}")
+    if scorer == "fp32":
+        del params["scorer"]  # the default: a bundle's params (and cache keys) as without the flag
+        return params
+    if not method.scores_by_cls_kernel(params):
+        raise InputError(f"--scorer int8 runs the [CLS]-attention kernel in INT8, and method {method.name} with "
+                         "these options does not rank by that score")
+    return params
 
 
 class Formulation(str):

@@ -20,7 +20,11 @@ by the attention they receive at the last full-attention block (no [CLS], --lamb
 
 Fusion: select + gather + summary become one `TokenPrune` node (kernels/cpu, kernels/cuda)
 that reads each token once; the scorer stays in standard ops, measured faster there on
-CPU (tools/bench_fused_op.py).
+CPU (tools/bench_fused_op.py). `--scorer int8` (base.GENERIC_OPTIONS) is the exception: the
+scorer is emitted in one fixed form (emit_kernel_scores, fp32 in model.decomposed.onnx) that
+ClsScoreFusion turns into `ClsAttentionScore` with int8=1, the decision in INT8 (seed 001).
+`--merge local` (passes.methods.merge, applied by the base class) replaces the kept rows and the
+summary: no TokenPrune then.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CROPS
 from vlmprune.passes.graph.dataflow import const_array
-from vlmprune.passes.methods import attention, probe, received
+from vlmprune.passes.methods import attention, probe, received, relevance, roi
 from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, FEATURES, FusedOp, GraphInputs, Method, Needs, SiteTensors,
                                           TorchResult, finite_option)
 from vlmprune.passes.methods.builder import INT64_MAX, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk
 
 TOKEN_PRUNE = "TokenPrune"
+CLS_SCORE = "ClsAttentionScore"
 
 
 class ClsMethod(Method):
@@ -49,6 +54,9 @@ class ClsMethod(Method):
     options = {"lambda": (float, "cls: weight of the pixel-variance term (default 0: pure [CLS] attention)"),
                "score": (str, f"cls: {received.SCORE_HELP}")}
     choices = {"score": (*probe.SCORES, received.ATTENTION)}
+    local_merge = True  # --merge local: merge's step replaces the kept rows + summary (base.Method)
+    prompt_weight = True  # --prompt-weight at the features site (--score attention; passes.methods.relevance)
+    roi_keep = True  # --roi: forced patches lifted above every score before the TopK (passes.methods.roi)
 
     def defaults(self, keep: int) -> dict:
         return {"lambda": 0.0}
@@ -73,9 +81,13 @@ class ClsMethod(Method):
             raise InputError(f"method {self.name} needs a [CLS] token, and this tower's merged tokens have none: "
                              "use --score attention (the attention each merged token receives), or divprune or dart")
         super().check(params, spec)
+        self.check_prefix_for_scorer(params, spec)
         if params.get("score") == received.ATTENTION and spec.merge is not None and spec.merge < 2:
             raise InputError(f"method {self.name} with --score attention needs a tower whose merged tokens are the "
                              "features (Qwen2-VL / Qwen2.5-VL), and this one has none")
+
+    def check_prefix_for_scorer(self, params: dict, spec) -> None:
+        check_scorer_prefix(params, spec)
 
     def check_onnx_source(self, params: dict) -> None:
         if params.get("score") == received.ATTENTION:
@@ -89,12 +101,20 @@ class ClsMethod(Method):
     def output_tokens(self, params: dict) -> int:
         return params["keep"] + 1
 
+    def roi_bound(self, params: dict) -> float:
+        return 1.0 + params["lambda"] + relevance.weight(params)  # A/max(A) <= 1, λ·V/max(V) <= λ, W·rel < W
+
+    def scores_by_cls_kernel(self, params: dict) -> bool:
+        return params.get("score", "cls") == "cls"  # λ's pixel term is added after the kernel's A
+
     def describe(self, params: dict) -> str:
         lam = params["lambda"]
         score = {"probe": "probe attention (pooling head)",
                  received.ATTENTION: "attention received at the last full-attention block"}.get(
             params.get("score"), "[CLS] attention")
-        return f"{score}{f' + {lam:g} · pixel variance' if lam else ''}: top {params['keep']} + 1 summary"
+        int8 = " (INT8 scorer)" if params.get("scorer") == "int8" else ""
+        pixel = f" + {lam:g} · pixel variance" if lam else ""
+        return f"{score}{int8}{pixel}: top {params['keep']} + 1 summary{roi.describe(params)}"
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         keep, lam = params["keep"], params["lambda"]
@@ -111,8 +131,14 @@ class ClsMethod(Method):
         if lam:
             scores = scores + lam * attention.normalise(attention.patch_variance(inputs.pixel_values,
                                                                                   inputs.patch_size))
+        scores = relevance.weighted(params, inputs, scores)  # --prompt-weight (features site only)
+        forced = getattr(inputs, "forced", None)  # --roi: PromptSiteTensors.forced (plain SiteTensors have none)
+        scores = roi.force_scores(scores, forced, self.roi_bound(params))
         kept = select_topk(scores, keep)
-        return TorchResult(gather_summary(inputs.hidden, kept, inputs.prefix), kept, {"scores": scores, "boundary": keep})
+        trace = {"scores": scores, "boundary": keep}
+        if forced is not None:
+            trace["forced"] = forced
+        return TorchResult(gather_summary(inputs.hidden, kept, inputs.prefix), kept, trace)
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
         keep, lam = params["keep"], params["lambda"]
@@ -120,6 +146,8 @@ class ClsMethod(Method):
             attn = probe.emit_probe_attention(b, inputs.hidden, inputs.head, inputs.prefix)
         elif params.get("score") == received.ATTENTION:
             attn = received.emit_received_attention(b, b.graph, inputs.structure, inputs.hidden)
+        elif params.get("scorer") == "int8":  # the form ClsScoreFusion turns into the INT8 kernel
+            attn = emit_kernel_scores(b, inputs.block, inputs.prefix)
         else:
             attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
         scores = attention.emit_normalise(b, attn, "attn_norm")
@@ -128,13 +156,30 @@ class ClsMethod(Method):
             weighted = b.op("Mul", [attention.emit_normalise(b, variance, "var_norm"), b.scalar("lambda", lam)],
                             "var_weighted")
             scores = b.op("Add", [scores, weighted], "scores")
+        scores = relevance.emit_weighted(b, params, inputs, scores)  # --prompt-weight (features site only)
+        scores = roi.emit_force_scores(b, scores, inputs.forced, self.roi_bound(params))  # --roi: forced first
         return emit_selection(b, inputs.hidden, scores, keep, inputs.num_patches, inputs.prefix)
 
     def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
+        params = (record or {}).get("params", {})
+        if record is not None and record.get("prefix", 1) != 1:
+            return []  # the kernels copy (and skip) one [CLS] token: register tokens stay in standard ops
+        rules = []
+        scorer = spellings.get(CLS_SCORE)
+        if scorer is not None and params.get("scorer") == "int8":
+            rules += [ClsScoreFusion.rule(scorer, transposed, axes_input) for transposed in (True, False)
+                      for axes_input in (True, False)]
         spelling = spellings.get(TOKEN_PRUNE)
-        if spelling is None or (record is not None and record.get("prefix", 1) != 1):
-            return []  # the TokenPrune kernels copy one [CLS] token: register tokens stay in standard ops
-        return [TokenPruneFusion.rule(spelling), TokenPruneFusion.rule(spelling, sort_via_float=True)]
+        if spelling is not None and not params.get("merge"):  # a local merge is no TokenPrune summary
+            rules += [TokenPruneFusion.rule(spelling), TokenPruneFusion.rule(spelling, sort_via_float=True)]
+        return rules
+
+
+def check_scorer_prefix(params: dict, spec) -> None:
+    """The INT8 kernel skips exactly one [CLS] key: register tokens (DINOv2's) would leave the decision fp32."""
+    if params.get("scorer") == "int8" and spec.prefix != 1:
+        raise InputError(f"--scorer int8 runs the ClsAttentionScore kernel, which reads one [CLS] token, and "
+                         f"this tower has {spec.prefix} leading tokens ([CLS] and registers)")
 
 
 def gather_summary(hidden: torch.Tensor, kept: torch.Tensor, prefix: int = 1) -> torch.Tensor:
@@ -270,6 +315,74 @@ class TokenPruneFusion(RewriteRuleClassBase):
         make = getattr(op, self.spelling.op_type)
         return make(hidden, scores, keep=keep, has_cls=1, **dict(self.spelling.attributes),
                     _domain=self.spelling.domain, _outputs=2)
+
+
+def emit_kernel_scores(b, block, prefix: int = 1) -> ir.Value:
+    """A [B, N] as attention.emit_cls_attention, in the one form ClsScoreFusion matches: the block's scaling as
+    one Mul by its scale (the product of its scaling ops, which the kernel takes as an attribute)."""
+    q_cls = b.slice(block.q, 0, 1, 2, "q_cls")  # [B, H, 1, dh]
+    kt = block.k if block.k_transposed else b.op("Transpose", [block.k], "k_t", perm=[0, 1, 3, 2])
+    logits = b.op("MatMul", [q_cls, kt], "cls_logits")  # [B, H, 1, T]
+    dtype = (block.q.dtype or ir.DataType.FLOAT).numpy()
+    logits = b.op("Mul", [logits, b.const("cls_scale", np.array(block.scale, dtype=dtype))], "cls_scaled")
+    probs = b.op("Softmax", [logits], "cls_probs", axis=-1)
+    attn = b.reduce("ReduceMean", probs, [1, 2], 0, "cls_attn")  # [B, T]
+    return b.slice(attn, prefix, INT64_MAX, 1, "patch_attn")  # [B, N]
+
+
+class ClsScoreFusion(RewriteRuleClassBase):
+    """mean_h softmax(scale · q[:, :, :1] · Kᵀ)[:, 1:] -> ClsAttentionScore(q, K; int8=1): --scorer int8.
+
+    Matches emit_kernel_scores' form only (the one the method emits with --scorer int8), K given
+    transposed ([B, H, dh, T], a decomposed attention's MatMul operand) or through the emitted
+    Transpose (the Attention op's [B, H, T, dh]); the kernel reads row 0 of q itself. The fused
+    node carries int8=1: the decision in INT8 (keys centred, q and keys Hadamard-rotated, per-key
+    int8 keys, the query in two int8 limbs, int32 dot products, fp32 softmax;
+    kernels/include/vlmprune/kernels.h) while the tower stays as it is. The target's spelling names the
+    op: ClsAttentionScore on ort, the VlmpClsScore plugin on orin / xavier.
+    """
+
+    def __init__(self, spelling: FusedOp, k_transposed: bool = True, axes_input: bool = True):
+        super().__init__(name="ClsScoreFusion" + ("" if k_transposed else "(k rows)") +
+                         ("" if axes_input else "(axes attribute)"))
+        self.spelling, self.k_transposed, self.axes_input = spelling, k_transposed, axes_input
+
+    def pattern(self, op, q, k, q_start, q_end, q_axis, scale, a_start, a_end, a_axis, axes=None):
+        q_cls = op.Slice(q, q_start, q_end, q_axis)
+        kt = k if self.k_transposed else op.Transpose(k, _outputs=["kt"])
+        probs = op.Softmax(op.Mul(op.MatMul(q_cls, kt), scale), _outputs=["probs"])
+        # ReduceMean's axes: an input from opset 18, an attribute before (Builder.reduce)
+        attn = op.ReduceMean(probs, axes, _outputs=["attn"]) if self.axes_input else \
+            op.ReduceMean(probs, _outputs=["attn"])
+        return op.Slice(attn, a_start, a_end, a_axis)
+
+    def check(self, context, q, k, q_start, q_end, q_axis, scale, a_start, a_end, a_axis, probs, attn,
+              axes=None, kt=None, **_) -> MatchResult:
+        result = MatchResult()
+        if not (_is(q_start, [0]) and _is(q_end, [1]) and _is(q_axis, [2])):
+            return result.fail("the query is not q[:, :, 0:1]")
+        if kt is not None and _attr(kt, "perm") != [0, 1, 3, 2]:
+            return result.fail("the Transpose does not swap K's last two axes")
+        if const_array(scale) is None or const_array(scale).size != 1:
+            return result.fail("the scale is not a constant scalar")
+        if _attr(probs, "axis", -1) not in (-1, 3):
+            return result.fail("the Softmax is not over the keys")
+        mean_axes = (const_array(axes).reshape(-1).tolist() if const_array(axes) is not None else []) \
+            if self.axes_input else list(_attr(attn, "axes", []) or [])
+        if sorted(mean_axes) != [1, 2] or _attr(attn, "keepdims", 1) != 0:
+            return result.fail("the mean is not over the heads (axes 1, 2, keepdims 0)")
+        if not (_is(a_start, [1]) and _is(a_axis, [1]) and const_array(a_end) is not None
+                and int(const_array(a_end).reshape(-1)[0]) >= np.iinfo(np.int32).max):
+            return result.fail("the patch scores are not attn[:, 1:]")
+        for value, rank in ((q, 4), (k, 4)):
+            if value.shape is None or len(value.shape) != rank:
+                return result.fail("q and K are not rank 4")
+        return result
+
+    def rewrite(self, op, q, k, scale, **_):
+        make = getattr(op, self.spelling.op_type)
+        return make(q, k, scale=float(const_array(scale).reshape(-1)[0]), has_cls=1, int8=1,
+                    k_transposed=int(self.k_transposed), **dict(self.spelling.attributes), _domain=self.spelling.domain)
 
 
 def selection_model(batch: int | str, n: int, d: int, keep: int, dtype=np.float32, opset: int = 18) -> ir.Model:

@@ -37,7 +37,7 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.llava_next import BUDGETS, EQUAL, PROPORTIONAL
-from vlmprune.passes.methods import attention
+from vlmprune.passes.methods import attention, merge
 from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, Builder
 from vlmprune.passes.methods.selection import SCORE_EPS, gather_rows
@@ -138,8 +138,13 @@ class CropBudget(Method):
             raise InputError(f"method {name} is a baseline of one fixed patch set per image; anyres crops have no "
                              "defined form of it (use cls, divprune or dart)")
         if name not in SCORED + PER_CROP:
-            raise InputError(f"method {name} is not available for anyres crops: its contextual merge has no "
-                             "global-budget form over crops (use cls, divprune or dart)")
+            raise InputError(f"method {name} is not available for anyres crops: it has no form of one budget "
+                             "split over the crops (use cls, divprune or dart)")
+        if params.get("merge"):
+            merge.refuse_crops()
+        if params.get("scorer") == "int8":  # the global selection over crops is not the fused kernel's form
+            raise InputError("--scorer int8 is not available for anyres crops (their global budget is scored in "
+                             "standard ops)")
         if params.get("score", "cls") != "cls":
             raise InputError(f"--score {params['score']} is not available for anyres crops "
                              "(their towers score by [CLS])")

@@ -7,11 +7,20 @@ On the tokens the LLM sees (the tower's end, after the projector):
 2. For each pivot in turn: remaining = K - |retained|; stop if none is left; move the
    ceil(remaining / pivots left) pool tokens least similar to the pivot (lowest cosine,
    denominator max(||p|| · ||c||, 1e-8)) from the pool to retained.
-3. Output: the K retained tokens, ascending. No summary. Needs no [CLS].
+3. Output: the K retained tokens, ascending. No summary. Needs no [CLS]. `--merge local`
+   (passes.methods.merge, applied by the base class): the K merged with their pruned
+   neighbours, + 1 summary of those with none, the tokens their own keys.
 
 The per-pivot counts depend on K and P only, so every step is a TopK with a constant K
-in the graph: no loop, on any target. Text pivots (DART with a prompt) join with the
-prompt-aware methods.
+in the graph: no loop, on any target.
+
+Text pivots (--text-pivots P_t, default 0; TensorRT Edge-LLM's --dartPivotTextTokens, the
+official code's pivot_text_token): the P_t rows of the prompt's text_embeds (compiler.prompt)
+with the largest L1 norm, in descending L1 order, are pivots after the P image pivots. They
+take their share of the tokens like any pivot (the counts run over P + P_t pivots, retained
+starting at the P image pivots) but are never kept themselves (they are not image tokens).
+The official code measures the L1 norms on the LLM's keys at its layer K; on embeddings, as
+Edge-LLM runs DART, they are the rows' own. A prompt shorter than P_t rows is refused.
 
 Choices where the reference implementations are batch-1 only or silent:
 - ties go to the lower index, in the pivot TopK and in each lowest-cosine TopK;
@@ -29,7 +38,8 @@ import onnx_ir as ir
 import torch
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.passes.methods.base import FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult
+from vlmprune.passes.methods.base import (FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult,
+                                           positive_int)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix, topk_lower_index
 
@@ -39,14 +49,14 @@ COSINE_EPS = 1e-8
 SENTINEL = 1e4
 
 
-def pivot_counts(keep: int, pivots: int) -> list[int]:
-    """Tokens each pivot moves to retained, in pivot order (zeros dropped)."""
-    counts, retained = [], pivots
-    for j in range(pivots):
+def pivot_counts(keep: int, pivots: int, text_pivots: int = 0) -> list[int]:
+    """Tokens each pivot (image pivots, then text pivots) moves to retained, in pivot order (zeros dropped)."""
+    counts, retained, total = [], pivots, pivots + text_pivots
+    for j in range(total):
         remaining = keep - retained
         if remaining <= 0:
             break
-        take = math.ceil(remaining / (pivots - j))
+        take = math.ceil(remaining / (total - j))
         counts.append(take)
         retained += take
     return counts
@@ -56,11 +66,14 @@ class DartMethod(Method):
     name = "dart"
     summary = "DART: P pivots by L1 norm, then per pivot the least similar tokens (TensorRT Edge-LLM's variant)"
     selection = GREEDY
-    options = {"pivots": (int, "dart: pivot tokens P, chosen by the largest L1 norm (default 4)")}
+    options = {"pivots": (int, "dart: pivot tokens P, chosen by the largest L1 norm (default 4)"),
+               "text_pivots": (int, "dart: text pivots P_t, the prompt's text_embeds rows of largest L1 norm "
+                                    "(default 0; Edge-LLM's --dartPivotTextTokens)")}
     official = "https://github.com/ZichenWen1/DART (as TensorRT Edge-LLM runs it on embeddings)"
+    local_merge = True  # --merge local: its output is the kept rows (base.Method.__init_subclass__)
 
     def defaults(self, keep: int) -> dict:
-        return {"pivots": 4}
+        return {"pivots": 4, "text_pivots": 0}
 
     def parse(self, keep, options):
         params = super().parse(keep, options)
@@ -68,27 +81,41 @@ class DartMethod(Method):
         if isinstance(pivots, bool) or not isinstance(pivots, int) or not 1 <= pivots <= keep:
             raise InputError(f"--pivots of method dart must be an integer with 1 <= pivots <= keep ({keep}), "
                              f"got {pivots!r}")
+        positive_int(self.name, "text-pivots", params["text_pivots"], 0)
         return params
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=FEATURES)
+        return Needs(site=FEATURES, text=params.get("text_pivots", 0) > 0)
+
+    def min_text_rows(self, params: dict) -> int:
+        return params.get("text_pivots", 0)
 
     def describe(self, params: dict) -> str:
-        return f"DART: {params['pivots']} pivots by L1 norm, {params['keep']} tokens least similar to them"
+        text = f" + {params['text_pivots']} text pivots" if params.get("text_pivots") else ""
+        return f"DART: {params['pivots']} pivots by L1 norm{text}, {params['keep']} tokens least similar to them"
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
-        keep, p = params["keep"], params["pivots"]
+        keep, p, pt = params["keep"], params["pivots"], params.get("text_pivots", 0)
         cls, x = split_prefix(inputs.hidden, inputs.prefix)
         l1 = x.abs().sum(dim=-1)
         pivots = topk_lower_index(l1, p)
         steps = [(pivots, relative_margin(l1, p))]
         norms = x.norm(dim=-1)
+        vectors, vector_norms = gather_rows(x, pivots), torch.gather(norms, 1, pivots)  # [B, P (+ P_t), D], [B, ..]
+        if pt:
+            text = getattr(inputs, "text", None)
+            if text is None or text.shape[1] < pt:
+                raise InputError(f"dart --text-pivots {pt} needs a prompt of at least {pt} text_embeds rows, got "
+                                 f"{0 if text is None else text.shape[1]}")
+            text = text.to(x.dtype)
+            rows = gather_rows(text, topk_lower_index(text.abs().sum(dim=-1), pt))
+            vectors, vector_norms = torch.cat([vectors, rows], dim=1), torch.cat([vector_norms, rows.norm(dim=-1)], 1)
         excluded = torch.zeros_like(l1).scatter(1, pivots, float("inf"))
         retained = [pivots]
-        for j, take in enumerate(pivot_counts(keep, p)):
-            pivot = pivots[:, j: j + 1]
-            dots = (x @ gather_rows(x, pivot).transpose(1, 2)).squeeze(-1)
-            cosine = dots / (norms * torch.gather(norms, 1, pivot)).clamp_min(COSINE_EPS)
+        for j, take in enumerate(pivot_counts(keep, p, pt)):
+            vector = vectors[:, j: j + 1]  # [B, 1, D]
+            dots = (x @ vector.transpose(1, 2)).squeeze(-1)
+            cosine = dots / (norms * vector_norms[:, j: j + 1]).clamp_min(COSINE_EPS)
             candidates = cosine + excluded
             picks = topk_lower_index(candidates, take, largest=False)
             steps.append((picks, relative_margin(candidates, take, largest=False)))
@@ -98,7 +125,7 @@ class DartMethod(Method):
         return TorchResult(torch.cat([*cls, gather_rows(x, kept)], dim=1), kept, {"steps": steps})
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
-        keep, p = params["keep"], params["pivots"]
+        keep, p, pt = params["keep"], params["pivots"], params.get("text_pivots", 0)
         with b.role(TOKENS):
             cls = [b.slice(inputs.hidden, 0, inputs.prefix, 1, "cls")] if inputs.prefix else []
             x = b.slice(inputs.hidden, inputs.prefix, INT64_MAX, 1, "patches") if inputs.prefix else inputs.hidden
@@ -112,13 +139,25 @@ class DartMethod(Method):
                          value=ir.tensor(np.zeros([1], np.float32)))
             excluded = self._exclude(b, zeros, pivots, "excluded0")
         retained = [pivots]
-        for j, take in enumerate(pivot_counts(keep, p)):
+        if pt:  # the prompt's pivots: its rows of largest L1 norm (module docstring)
+            if inputs.text is None:
+                raise InputError("dart --text-pivots needs the text_embeds input, which this graph was not given")
+            with b.role(SELECT):
+                text_l1 = b.reduce("ReduceSum", b.op("Abs", [inputs.text], "text_abs"), [-1], 0, "text_l1")
+                _, text_pivots = b.op("TopK", [text_l1, b.ints("k_text_pivots", [pt])], "text_pivots", num_outputs=2,
+                                      axis=-1, largest=1, sorted=1)
+        for j, take in enumerate(pivot_counts(keep, p, pt)):
             with b.role(SCORE):
-                pivot = b.slice(pivots, j, j + 1, 1, f"pivot{j}")  # [B, 1]
-                xp = b.gather_rows(x, pivot, f"pivot{j}_token")  # [B, 1, D]
+                if j < p:
+                    pivot = b.slice(pivots, j, j + 1, 1, f"pivot{j}")  # [B, 1]
+                    xp = b.gather_rows(x, pivot, f"pivot{j}_token")  # [B, 1, D]
+                    norm_p = b.op("GatherElements", [norms, pivot], f"pivot{j}_norm", axis=1)
+                else:
+                    pivot = b.slice(text_pivots, j - p, j - p + 1, 1, f"pivot{j}")
+                    xp = b.gather_rows(inputs.text, pivot, f"pivot{j}_token")
+                    norm_p = b.reduce("ReduceL2", xp, [-1], 0, f"pivot{j}_norm")  # [B, 1]
                 dots = b.squeeze(b.op("MatMul", [x, b.op("Transpose", [xp], f"pivot{j}_t", perm=[0, 2, 1])],
                                       f"pivot{j}_dots"), [2], f"pivot{j}_dot")
-                norm_p = b.op("GatherElements", [norms, pivot], f"pivot{j}_norm", axis=1)
                 den = b.op("Max", [b.op("Mul", [norms, norm_p], f"pivot{j}_norms"), b.scalar(f"pivot{j}_eps",
                                                                                            COSINE_EPS)],
                            f"pivot{j}_den")

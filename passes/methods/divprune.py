@@ -8,6 +8,8 @@ D = 1 - cosine between token rows:
    smallest being D[i, i] = 0).
 2. Each next pick: the token maximising its minimum distance to the tokens picked so far.
 3. K picks, then sorted ascending. Output: the K tokens, no summary. Needs no [CLS].
+   `--merge local` (passes.methods.merge, applied by the base class): the K kept tokens merged
+   with their pruned neighbours, + 1 summary of those with none, the tokens their own keys.
 
 Choices where the official code is batch-1 only or silent:
 - ties go to the lower index (argmax's first occurrence, torch and ONNX alike);
@@ -77,6 +79,7 @@ class DivPruneMethod(Method):
     selection = GREEDY
     formulations = (Formulation("loop", control_flow=True), Formulation("unrolled"))
     official = "https://github.com/vbdi/divprune"
+    local_merge = True  # --merge local: its output is the kept rows (base.Method.__init_subclass__)
 
     def needs(self, params: dict) -> Needs:
         return Needs(site=FEATURES)

@@ -8,7 +8,10 @@ divprune and dart pass them. Either site: `--site block` (after block L, --layer
 `--site features` (the projector output, the tower's end).
 
 Every node has the "tokens" role: no node decides which patches are kept, so nothing upstream
-has to stay in floating point (an int8 mode may quantise the whole tower).
+has to stay in floating point (an int8 mode may quantise the whole tower). `--merge local`
+(passes.methods.merge) is the exception: its assignment of each pruned patch to a kept
+neighbour is discrete, so it and the keys it reads (block L's, or the projector output's)
+stay with the selection's precision.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class FixedMethod(Method):
     baseline = True
     selection = BY_SCORE  # a constant selection: parity asks for the same set, with nothing ranked
     choices = {"site": SITES}
+    local_merge = True  # --merge local: its output is the kept rows (base.Method.__init_subclass__)
 
     @abc.abstractmethod
     def indices(self, params: dict, n: int) -> np.ndarray:
@@ -64,7 +68,9 @@ class FixedMethod(Method):
         return Needs(site=params["site"])
 
     def reads_projector_output(self, params: dict) -> bool:
-        return False  # the kept set is a constant: no output of the tower decides it
+        # The kept set is a constant: no output of the tower decides it, unless --merge local's assignment reads the
+        # projector output's tokens as its keys (--site features).
+        return bool(params.get("merge")) and params["site"] == FEATURES
 
     def where(self, params: dict) -> str:
         return "after block L" if params["site"] == BLOCK else "on the projector output"

@@ -24,6 +24,11 @@ Choices where the official code is batch-1 only or silent:
 - key normalisation divides by max(||k||, 1e-12) (the official code divides by ||k||);
 - the dominant scores are the mean over heads (the official sum ranks identically).
 
+`--scorer int8` (base.GENERIC_OPTIONS): the dominant score is cls's [CLS] row, so it is emitted in
+cls's kernel form and fused into `ClsAttentionScore` with int8=1 wherever a target spells it (ort;
+orin and xavier as their VlmpClsScore plugin), with cls's rules: the decision in INT8, the
+contextual merge, its keys and values as they are. Not with --score probe.
+
 Without [CLS] (SigLIP), `--score probe` ranks the dominant tokens by the probe score of the
 tower's attention-pooling head instead (passes.methods.probe); the contextual merge is
 unchanged: it never needed [CLS], only block L's keys of the patch tokens (all tokens there).
@@ -37,7 +42,9 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import attention, probe
-from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteTensors, TorchResult
+from vlmprune.passes.methods.base import BLOCK, BY_SCORE, FusedOp, GraphInputs, Method, Needs, SiteTensors, \
+    TorchResult
+from vlmprune.passes.methods.cls import CLS_SCORE, ClsScoreFusion, check_scorer_prefix, emit_kernel_scores
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk, split_prefix
 
@@ -87,6 +94,8 @@ class VisionZipMethod(Method):
     official = "https://github.com/dvlab-research/VisionZip"
     # Measured under rknn-toolkit2 2.5.0's hybrid int8 (targets.rk3588), which quantises the merge.
     int8_loss = "its contextual merge loses its values in int8 (cosine 0.938 on demo, against 0.99 required)"
+    no_local_merge_why = ("its contextual tokens take every pruned token already, so none is left to merge locally; "
+                          "with --contextual 0 it is cls's selection: use cls --merge local")
 
     def defaults(self, keep: int) -> dict:
         return {"contextual": contextual_default(keep)}
@@ -112,8 +121,16 @@ class VisionZipMethod(Method):
     def copied_rows(self, params: dict) -> int:
         return params["dominant"]
 
+    def scores_by_cls_kernel(self, params: dict) -> bool:
+        return params.get("score", "cls") == "cls"  # the dominant TopK ranks the kernel's A itself
+
+    def check(self, params: dict, spec) -> None:
+        super().check(params, spec)
+        check_scorer_prefix(params, spec)
+
     def describe(self, params: dict) -> str:
-        by = " (by probe attention)" if params.get("score") == "probe" else ""
+        by = " (by probe attention)" if params.get("score") == "probe" else \
+            " (INT8 scorer)" if params.get("scorer") == "int8" else ""
         return f"VisionZip: {params['dominant']} dominant{by} + {params['contextual']} contextual tokens"
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
@@ -152,6 +169,8 @@ class VisionZipMethod(Method):
         k_d, k_c, n = params["dominant"], params["contextual"], inputs.num_patches
         if params.get("score") == "probe":
             attn = probe.emit_probe_attention(b, inputs.hidden, inputs.head, inputs.prefix)
+        elif params.get("scorer") == "int8":  # the form ClsScoreFusion turns into the INT8 kernel (cls.py)
+            attn = emit_kernel_scores(b, inputs.block, inputs.prefix)
         else:
             attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
         with b.role(SELECT):
@@ -188,6 +207,15 @@ class VisionZipMethod(Method):
         with b.role(SELECT):
             kept_all = b.op("Concat", kept, "kept", axis=1) if len(kept) > 1 else dominant
         return tokens, kept_all
+
+    def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
+        """--scorer int8: the dominant score in cls's ClsAttentionScore kernel (its rules; one [CLS], no registers)."""
+        scorer = spellings.get(CLS_SCORE)
+        params = (record or {}).get("params", {})
+        if scorer is None or params.get("scorer") != "int8" or record is not None and record.get("prefix", 1) != 1:
+            return []
+        return [ClsScoreFusion.rule(scorer, transposed, axes_input) for transposed in (True, False)
+                for axes_input in (True, False)]
 
     @staticmethod
     def _remaining(b, attn: ir.Value, dominant: ir.Value, n: int, k_d: int, k_c: int) -> tuple[ir.Value, ir.Value]:

@@ -17,7 +17,7 @@ import pytest
 from cli_helpers import one_line_error, run_cli
 from test_generate import tiny_vlm
 from vlmprune.compiler import api
-from vlmprune.compiler.accuracy import evaluate_dataset, plans_for
+from vlmprune.compiler.accuracy import evaluate_dataset, parse_method_spec, plans_for
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.quality import stats
 
@@ -54,6 +54,21 @@ def test_plans_dense_methods_and_baselines():
     assert plans == [("dense", None, None, {}), ("cls", 8, 2, {}), ("cls", 8, "end", {}), ("divprune", 8, "end", {}),
                      ("random", 8, 2, {"site": "block"}), ("random", 8, "end", {"site": "features"}),
                      ("grid", 8, 2, {"site": "block"}), ("grid", 8, "end", {"site": "features"})]
+
+
+def test_a_method_with_options_is_its_own_row_beside_the_plain_one():
+    """NAME:OPTION=VALUE: the same method with and without an option, two plans with their own labels."""
+    plans = [(p.label, p.method, p.method_options)
+             for p in plans_for(["cls", "cls:budget=adaptive:kmin=4", "random:seed=3"], [8], [2])]
+    assert plans == [("dense", None, {}), ("cls", "cls", {}),
+                     ("cls budget=adaptive kmin=4", "cls", {"budget": "adaptive", "kmin": 4}),
+                     ("random seed=3", "random", {"seed": 3, "site": "block"}), ("random", "random", {"site": "block"}),
+                     ("grid", "grid", {"site": "block"})]
+    assert parse_method_spec("cls:prompt-weight=0.5") == ("cls", {"prompt_weight": 0.5})
+    for bad, needle in [("cls:budget", "options are OPTION=VALUE"), ("cls:=3", "options are OPTION=VALUE"),
+                        ("cls:nope=1", "--nope is not an option of method cls")]:
+        with pytest.raises(InputError, match=needle):
+            plans_for([bad], [8], [2])
 
 
 def test_every_cell_is_the_bundles_generate_answer(setup, tmp_path):
@@ -130,6 +145,37 @@ def test_cli_table_json_and_html_report(setup, tmp_path):
     assert as_json.exit_code == 0, as_json.output
     data_out = json.loads(as_json.stdout)
     assert data_out["samples"] == 2 and [r["method"] for r in data_out["rows"]] == ["dense", "cls", "random", "grid"]
+
+
+def test_a_prompt_aware_bundle_gets_each_question_as_its_prompt(setup):
+    """cdpruner's bundle takes text_embeds: each cell is generate's answer for that question (which feeds the
+    question's rows), the tower runs per question (the kept sets of one image differ between its questions), and
+    the setting's key records how the prompt is fed."""
+    from vlmprune.compiler.prompt import FEED
+    from vlmprune.compiler.quality.store import Store
+
+    model, data, store, first = setup
+    report = evaluate_dataset(str(model), data, ["cdpruner"], [8], ["end"], store=store, max_new_tokens=3)
+    assert [r["method"] for r in report["rows"]] == ["dense", "cdpruner", "random", "grid"]
+    assert report["computed"] == 6 and report["reused"] == 3 * 6  # dense and the baselines: the setup's cells
+    row = report["rows"][1]
+    assert row["parity_passed"]
+    samples = [json.loads(line) for line in data.read_text().splitlines()]
+    kept = []
+    for digest, sample in zip(report["sample_digests"], samples):
+        want = api.generate(row["bundle"], image=data.parent / sample["image"], prompt=sample["question"],
+                            max_new_tokens=3)
+        cell = row["answers"][digest]
+        assert cell["answer"] == want.answer.text and cell["extra"]["kept"] == want.kept
+        kept.append(tuple(cell["extra"]["kept"]))
+    assert any(kept[i] != kept[i + 1] for i in range(0, len(kept), 2))  # two questions of one image
+    described = Store(store)
+    try:
+        row_of = dict(described._db.execute("SELECT key, description FROM settings"))
+    finally:
+        described.close()
+    assert json.loads(row_of[row["key"]])["text_embeds"] == FEED
+    assert "text_embeds" not in json.loads(row_of[first["rows"][1]["key"]])  # cls: not prompt-aware
 
 
 @pytest.mark.parametrize("args,needle", [

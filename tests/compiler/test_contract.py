@@ -49,7 +49,7 @@ def test_no_module_but_the_contract_defines_a_bundle_name(rel):
 
 def test_the_standalone_scripts_spell_the_contract_s_values():
     """trt_engine.py (JetPack's Python) and rknn_worker.py (the rknn venv) cannot import vlmprune."""
-    for name in ("ENGINE", "MANIFEST", "MODEL", "DECOMPOSED", "KEPT"):
+    for name in ("ENGINE", "MANIFEST", "MODEL", "DECOMPOSED", "KEPT", "TEXT"):
         assert getattr(trt_engine, name) == getattr(contract, name), name
     assert trt_engine.DIGEST_KEY == manifest.DIGEST_KEY
     assert rknn_worker.RKNN == contract.RKNN

@@ -18,7 +18,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
 METHODS = {"cls": {"lambda": 0.2}, "visionzip": {"contextual": 4}, "divprune": {}, "dart": {"pivots": 3},
-           "random": {"seed": 3}, "grid": {"site": "features"}}
+           "random": {"seed": 3}, "grid": {"site": "features"}, "prumerge+": {}, "holov": {}, "cdpruner": {}}
 KEEP = 16
 
 
@@ -34,7 +34,8 @@ def _assert_parity(result, batch_images: int):
             assert len(stage.indices["per_image"]) == batch_images
     manifest = result.manifest
     assert manifest["method"]["params"]["keep"] == KEEP
-    assert [o["name"] for o in manifest["outputs"]] == ["image_features", "kept_indices"]
+    variable = ["num_tokens"] if manifest["method"]["name"] == "prumerge+" else []  # K per image
+    assert [o["name"] for o in manifest["outputs"]] == ["image_features", "kept_indices", *variable]
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -49,6 +50,49 @@ def test_every_method_on_ort(tiny_llava_dir, tmp_path, method, batch):
     assert record["inputs"]["chunk"] == batch
 
 
+# --merge local (passes.methods.merge), every method that takes it: its output gains the summary of the orphans.
+MERGING = ["cls", "divprune", "dart", "random", "grid", "holov"]
+LOCAL = {"merge": "local", "width": 3}
+
+
+def _compile_merged(model, out, method, target="ort", **kwargs):
+    return compile_model(str(model), out, CompileOptions(target=target, method=method, keep=KEEP,
+                                                         method_options={**METHODS[method], **LOCAL}, **kwargs))
+
+
+def _assert_merged_manifest(result, method):
+    fields = result.manifest["method"]
+    assert fields["params"]["merge"] == "local" and fields["params"]["width"] == 3
+    assert fields["tokens_out"] == fields["prefix"] + KEEP + 1  # K merged tokens + the summary
+    assert "merged (--merge local, 3x3)" in fields["summary"]
+    features = next(o for o in result.manifest["outputs"] if o["name"] == "image_features")
+    assert features["shape"][1] == KEEP + 1  # the tiny LLaVA drops [CLS] (select strategy default)
+
+
+@pytest.mark.parametrize("method", MERGING)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_method_with_local_merge_on_ort(tiny_llava_dir, tmp_path, method, batch):
+    result = _compile_merged(tiny_llava_dir, tmp_path / "b", method, batch=batch)
+    _assert_parity(result, 2 if batch == 1 else 3)
+    _assert_merged_manifest(result, method)
+    assert result.manifest["target"]["fused"] is (method == "divprune")  # its greedy loop; no TokenPrune summary
+
+
+@pytest.mark.parametrize("method", MERGING)
+def test_every_method_with_local_merge_on_orin(tiny_llava_dir, tmp_path, method):
+    result = _compile_merged(tiny_llava_dir, tmp_path / "b", method, target="orin")
+    _assert_parity(result, 2)
+    _assert_merged_manifest(result, method)
+    assert result.manifest["target"]["fused"] is False and result.manifest["target"]["fp32_layers"]
+
+
+def test_local_merge_refused_for_visionzip(tiny_llava_dir, tmp_path):
+    with pytest.raises(InputError, match="method visionzip does not take --merge local \\(its contextual tokens"):
+        compile_model(str(tiny_llava_dir), tmp_path / "b", CompileOptions(
+            target="ort", method="visionzip", keep=KEEP, method_options={**METHODS["visionzip"], **LOCAL}))
+    assert not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("method", ["divprune", "dart"])
 def test_methods_without_cls_on_a_siglip_tower(tiny_siglip_dir, tmp_path, method):
     result = _compile(tiny_siglip_dir, tmp_path / "b", method)
@@ -56,7 +100,7 @@ def test_methods_without_cls_on_a_siglip_tower(tiny_siglip_dir, tmp_path, method
     assert result.manifest["method"]["has_cls"] is False
 
 
-@pytest.mark.parametrize("method", ["cls", "visionzip"])
+@pytest.mark.parametrize("method", ["cls", "visionzip", "holov"])
 def test_methods_that_need_cls_are_refused_on_siglip(tiny_siglip_dir, tmp_path, method):
     with pytest.raises(InputError, match=f"method {method} needs a \\[CLS\\] token"):
         _compile(tiny_siglip_dir, tmp_path / "b", method)
@@ -64,7 +108,7 @@ def test_methods_that_need_cls_are_refused_on_siglip(tiny_siglip_dir, tmp_path, 
 
 
 @pytest.mark.parametrize("target", ["orin", "xavier"])
-@pytest.mark.parametrize("method", ["visionzip", "divprune", "dart"])
+@pytest.mark.parametrize("method", ["visionzip", "divprune", "dart", "holov"])
 def test_tensorrt_targets(tiny_llava_dir, tmp_path, target, method):
     result = _compile(tiny_llava_dir, tmp_path / "b", method, target=target)
     _assert_parity(result, 2)
@@ -74,18 +118,24 @@ def test_tensorrt_targets(tiny_llava_dir, tmp_path, target, method):
         assert result.manifest["method"]["formulation"] == "unrolled"
 
 
-@pytest.mark.parametrize("method", ["visionzip", "dart", "divprune"])
+@pytest.mark.parametrize("method", ["visionzip", "dart", "divprune", "holov"])
 def test_qnn(qnn_ready, tiny_llava_dir, tmp_path, method):
     result = _compile(tiny_llava_dir, tmp_path / "b", method, target="qnn")
     _assert_parity(result, 2)
     assert result.manifest["target"]["placement_summary"]["qdq"]["cpu_ops"] == {}  # all on HTP
 
 
-@pytest.mark.parametrize("method", ["visionzip", "divprune", "dart"])
+@pytest.mark.parametrize("method", ["visionzip", "divprune", "dart", "holov"])
 def test_rk3588(rknn_ready, tiny_llava_dir, tmp_path, method):
     result = _compile(tiny_llava_dir, tmp_path / "b", method, target="rk3588")
     _assert_parity(result, 2)
     assert set(result.manifest["target"]["artifacts"]) == {"fp16"}  # hybrid int8 does not serve these (measured)
+
+
+@pytest.mark.parametrize("method", ["random", "grid"])
+def test_rk3588_refuses_the_constant_baselines(tiny_llava_dir, tmp_path, method):
+    with pytest.raises(InputError, match="cannot run method .*kept_indices output is a graph constant"):
+        _compile(tiny_llava_dir, tmp_path / "b", method, target="rk3588")
 
 
 @pytest.mark.parametrize("target,method,needle", [("orin", "divprune", "selection reads the projector output"),
@@ -113,6 +163,8 @@ def test_cli_method_options_and_refusals(tiny_llava_dir, tmp_path):
     for args, needle in [(["--method", "divprune", "--lambda", "0.3"], "--lambda is not an option of method divprune"),
                          (["--method", "divprune", "--layer", "1"], "--layer does not apply"),
                          (["--method", "nope"], "unknown method 'nope'"),
+                         (["--method", "coarse-heatmap"], "needs the trained heat-map network, and no such weights"),
+                         (["--method", "query-compressor"], "learned query compressor needs its trained"),
                          (["--method", "cls", "--pivots", "2"], "--pivots is not an option of method cls"),
                          (["--target", "ort", "--soc", "SM8650"], "target ort has no --soc")]:
         result = run("compile", tiny_llava_dir, "-o", tmp_path / "c", *args)
@@ -128,6 +180,7 @@ def test_methods_command_lists_needs_and_targets():
     assert "needs:    block L's hidden states, block L's Q and K, a [CLS] token" in text
     assert "needs:    the projector output (the tower's end)" in text
     assert "--contextual" in text and "--pivots" in text and "--lambda" in text
+    assert "not available (trained weights that do not exist here):\n  coarse-heatmap: seed 001's" in text
     assert "ort (loop, fused into DivPruneSelect)" in text and "orin (unrolled)" in text
     assert "rk3588 (standard ops)" in text
     # TokenPrune copies the one [CLS] token it ranks by: --score probe and attention stay in standard ops.

@@ -112,11 +112,12 @@ def ref_cls_scores(q, k, *, k_transposed: bool, scale: float, has_cls: int, int8
     q_cls = q[:, :, 0, :].astype(np.float32)
     keys = (np.swapaxes(k, 2, 3) if k_transposed else k).astype(np.float32)  # [B, H, T, dh]
     if int8:
-        q_s, q_i = quantize_per_vector(q_cls)
+        blk = rotation_block(q_cls.shape[-1])
+        step, q_c = quantize_query(hadamard_blocks(q_cls, blk))
         mean = keys.astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32)  # centring: exact for softmax
-        k_s, k_i = quantize_per_vector(keys - mean)
-        dot = np.einsum("bhd,bhtd->bht", q_i.astype(np.int64), k_i.astype(np.int64)).astype(np.float32)
-        logits = np.float32(scale) * ((q_s[..., None] * k_s) * dot)
+        k_s, k_i = quantize_per_vector(hadamard_blocks((keys - mean).astype(np.float32), blk))
+        dot = np.einsum("bhd,bhtd->bht", q_c.astype(np.int64), k_i.astype(np.int64)).astype(np.float32)
+        logits = (np.float32(scale) / np.float32(blk)) * ((step[..., None] * k_s) * dot)
     else:
         logits = scale * np.einsum("bhd,bhtd->bht", q_cls.astype(np.float64), keys.astype(np.float64))
     logits = logits.astype(np.float64)
@@ -163,6 +164,38 @@ def quantize_per_vector(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.where(max_abs > 0, max_abs / np.float32(127), np.float32(1)).astype(np.float32)
     q = np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int32)
     return scale, q
+
+
+def rotation_block(dh: int) -> int:
+    """The int8 scorer's Hadamard block: the largest power of two dividing dh, at most 64 (kernels.h)."""
+    return min(dh & -dh, 64)
+
+
+def hadamard_blocks(x: np.ndarray, blk: int) -> np.ndarray:
+    """Unnormalised Walsh-Hadamard transform of every blk-wide block of the last axis, in fp32 with the
+    kernels' butterfly order (adds and subtracts only, so every step rounds as theirs do)."""
+    x = np.array(x, dtype=np.float32, copy=True)
+    shape = x.shape
+    x = x.reshape(*shape[:-1], shape[-1] // blk, blk)
+    length = 1
+    while length < blk:
+        y = x.reshape(*x.shape[:-1], blk // (2 * length), 2, length)
+        a, b = y[..., 0, :].copy(), y[..., 1, :].copy()
+        y[..., 0, :], y[..., 1, :] = a + b, a - b
+        x = y.reshape(*shape[:-1], shape[-1] // blk, blk)
+        length *= 2
+    return x.reshape(shape)
+
+
+def quantize_query(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The query in two int8 limbs, combined: qc = 127 * hi + lo, x ~= (s / 127) * qc (kernels.h). The residual
+    x - s * hi is computed exactly (in fp64) and rounded once to fp32, which is what the kernels' fma does."""
+    x = x.astype(np.float32)
+    s, hi = quantize_per_vector(x)
+    step = (s / np.float32(127)).astype(np.float32)
+    r = (x.astype(np.float64) - s[..., None].astype(np.float64) * hi).astype(np.float32)
+    lo = np.clip(np.rint(r / step[..., None]), -127, 127).astype(np.int32)
+    return step, 127 * hi + lo
 
 
 def tied_scores(rng: np.random.Generator, b: int, n: int, levels: int = 7) -> np.ndarray:

@@ -166,6 +166,21 @@ def test_scores_int8_follow_the_quantiser(cpu, transposed):
     np.testing.assert_allclose(scores, ref_cls_scores(q, _layout(k, transposed), **kw), rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("dh", [1, 24, 72, 128])  # rotation blocks 1, 8, 8 and two of 64 (kernels.h)
+def test_scores_int8_rotation_blocks_follow_the_quantiser(cpu, dh):
+    q, k = attention_like_qk(np.random.default_rng(7), 2, 3, 65, dh)
+    kw = dict(k_transposed=False, scale=dh**-0.5, has_cls=1, int8=True)
+    np.testing.assert_allclose(cpu.cls_scores(q, k, **kw), ref_cls_scores(q, k, **kw), rtol=1e-5, atol=1e-9)
+
+
+def test_scores_int8_refuse_head_dims_past_the_int32_bound(cpu):
+    q = np.zeros((1, 1, 3, 1025), np.float32)
+    status, _ = cpu.cls_scores_status(q, q, k_transposed=False, scale=1.0, has_cls=1, int8=True)
+    assert status == 2  # VLMP_ERR_UNSUPPORTED: 127 * hi + lo times int8 keys over dh > 1024 could overflow int32
+    status, _ = cpu.cls_scores_status(q, q, k_transposed=False, scale=1.0, has_cls=1, int8=False)
+    assert status == 0
+
+
 def test_scores_int8_keep_the_fp32_selection(cpu):
     """INT8 TopK(192) of 576 patches agrees with fp32 on >= 99% of the kept indices,
     and every disagreement is a near-tie at the K-th boundary."""

@@ -168,6 +168,37 @@ def test_cls_attention_score_int8(ort_library):
     np.testing.assert_allclose(scores, ref_cls_scores(q, k, k_transposed=False, int8=True, **kw), rtol=1e-5, atol=1e-9)
 
 
+def _score_plugin_model(**attrs):
+    node = helper.make_node("VlmpClsScore", ["q", "k"], ["scores"], domain="trt.plugins", **attrs)
+    return _model(
+        [node],
+        [helper.make_tensor_value_info("q", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("k", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, None)],
+    )
+
+
+@pytest.mark.parametrize("k_transposed", [0, 1])
+def test_cls_score_plugin_twin_is_the_int8_kernel(ort_library, k_transposed):
+    """trt.plugins.VlmpClsScore (orin / xavier, --scorer int8) runs ClsAttentionScore's kernel: the same scores."""
+    q, k = attention_like_qk(np.random.default_rng(32), 2, 6, 257, 64)
+    k = np.ascontiguousarray(np.swapaxes(k, 2, 3)) if k_transposed else k
+    kw = dict(scale=0.125, has_cls=1, int8=1, k_transposed=k_transposed)
+    (twin,) = _session(_score_plugin_model(plugin_version="1", plugin_namespace="vlmprune", **kw), ort_library).run(
+        None, {"q": q, "k": k})
+    (op,) = _session(cls_score_model(np.float32, **kw), ort_library).run(None, {"q": q, "k": k})
+    np.testing.assert_array_equal(twin, op)
+    np.testing.assert_allclose(twin, ref_cls_scores(q, k, k_transposed=bool(k_transposed), int8=True, scale=0.125,
+                                                    has_cls=1), rtol=1e-5, atol=1e-9)
+
+
+def test_cls_score_plugin_twin_refuses_another_version(ort_library):
+    model = _score_plugin_model(plugin_version="2", plugin_namespace="vlmprune", scale=0.125, has_cls=1, int8=1,
+                                k_transposed=1)
+    with pytest.raises(Exception, match="VlmpClsScore.*plugin_version"):
+        _session(model, ort_library)
+
+
 def test_cls_attention_score_layout_mismatch_fails_clearly(ort_library):
     q = np.zeros((1, 2, 5, 4), np.float32)
     message = _run_error(cls_score_model(np.float32), ort_library, {"q": q, "k": q})  # k_transposed=1 by default

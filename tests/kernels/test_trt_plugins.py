@@ -29,14 +29,21 @@ CHECK_TOOL = REPO / "tools" / "trt_compile_check.py"
 # The contract as the brief of the ONNX side states it (shared/DESIGN.md, Targets).
 CONTRACT = {"name": "VlmpTokenPrune", "version": "1", "namespace": "vlmprune"}
 FIELDS = {"keep": "int32", "has_cls": "int32"}
+# The scorer plugin (--scorer int8 on orin / xavier): vlmp_cls_scores_cuda, the ClsAttentionScore op's attributes.
+SCORER = {"name": "VlmpClsScore", "version": "1", "namespace": "vlmprune"}
+SCORER_FIELDS = {"scale": "float32", "has_cls": "int32", "int8": "int32", "k_transposed": "int32"}
 
 SOURCES = {
-    "common": ["plugin_names.h", "token_prune_checks.h", "plugin_fields.h", "token_prune_enqueue.h", "tensorrt.cmake"],
-    "v3": ["CMakeLists.txt", "token_prune_plugin.h", "token_prune_plugin.cpp", "entry_points.cpp"],
+    "common": ["plugin_names.h", "token_prune_checks.h", "plugin_fields.h", "token_prune_enqueue.h", "cls_score.h",
+               "tensorrt.cmake"],
+    "v3": ["CMakeLists.txt", "token_prune_plugin.h", "token_prune_plugin.cpp", "cls_score_plugin.h",
+           "cls_score_plugin.cpp", "entry_points.cpp"],
     "v2": [
         "CMakeLists.txt",
         "token_prune_plugin.h",
         "token_prune_plugin.cpp",
+        "cls_score_plugin.h",
+        "cls_score_plugin.cpp",
         "register.cpp",
         "index_cast.h",
         "index_cast.cu",
@@ -72,11 +79,18 @@ def test_header_json_and_contract_agree():
     assert header["kTokenPruneNamespace"] == data["namespace"]
     assert [header["kFieldKeep"], header["kFieldHasCls"]] == list(data["fields"])
     assert int(header["kMaxPatches"]) == data["max_patches"] == 4096
+    scorer = data["scorer"]
+    assert {k: scorer[k] for k in SCORER} == SCORER and scorer["fields"] == SCORER_FIELDS
+    assert [header["kClsScoreName"], header["kClsScoreVersion"], header["kClsScoreNamespace"]] == list(SCORER.values())
+    assert [header["kFieldScale"], header["kFieldHasCls"], header["kFieldInt8"], header["kFieldKTransposed"]] == \
+        list(SCORER_FIELDS)
+    assert int(header["kMaxKeys"]) == scorer["max_keys"] == 4097
+    assert int(header["kMaxHeadDim"]) == scorer["max_head_dim"] == 1024
 
 
 def test_wrappers_use_the_header_constants_not_literals():
     """The strings may be spelled out in plugin_names.h only, so nothing can drift."""
-    literals = {f'"{v}"' for v in (*CONTRACT.values(), *FIELDS)}
+    literals = {f'"{v}"' for v in (*CONTRACT.values(), *FIELDS, *SCORER.values(), *SCORER_FIELDS)}
     offenders = [
         f"{path.relative_to(REPO)}: {lit}"
         for path in _wrapper_sources()
@@ -99,6 +113,16 @@ def test_both_wrappers_report_the_header_constants():
         assert text.count("return kTokenPruneName;") >= 2, api  # plugin and creator
         assert text.count("return kTokenPruneVersion;") >= 2, api
         assert "kTokenPruneNamespace" in text, api
+
+
+def test_both_wrappers_register_the_scorer():
+    for api, cls in (("v3", "ClsScorePluginV3"), ("v2", "ClsScorePluginV2")):
+        text = (TRT / api / "cls_score_plugin.cpp").read_text(encoding="utf-8")
+        assert text.count("return kClsScoreName;") >= 2 and text.count("return kClsScoreVersion;") >= 2, api
+        assert "enqueueClsScore(" in text and f"{cls}::" in text, api
+        assert "cls_score_plugin.cpp" in (TRT / api / "CMakeLists.txt").read_text(encoding="utf-8"), api
+    assert "ClsScoreCreatorV3 scoreCreator" in (TRT / "v3" / "entry_points.cpp").read_text(encoding="utf-8")
+    assert "REGISTER_TENSORRT_PLUGIN(ClsScoreCreatorV2);" in (TRT / "v2" / "register.cpp").read_text(encoding="utf-8")
 
 
 def test_cmake_targets_and_defaults():

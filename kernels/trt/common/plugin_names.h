@@ -28,6 +28,20 @@ constexpr char const* kFieldHasCls = "has_cls";
 // plugin refuses larger profiles at build time instead of failing at enqueue.
 constexpr int64_t kMaxPatches = 4096;
 
+// The [CLS]-attention scorer (--scorer int8): vlmp_cls_scores_cuda as a plugin.
+constexpr char const* kClsScoreName = "VlmpClsScore";
+constexpr char const* kClsScoreVersion = "1";
+constexpr char const* kClsScoreNamespace = "vlmprune";
+
+// Its fields: scale float32; has_cls, int8, k_transposed int32 (each 0 or 1).
+constexpr char const* kFieldScale = "scale";
+constexpr char const* kFieldInt8 = "int8";
+constexpr char const* kFieldKTransposed = "k_transposed";
+
+// vlmp_cls_scores_cuda's limits (kernels.h, token_prune.cu): T <= 4097 keys, dh <= 1024.
+constexpr int64_t kMaxKeys = 4097;
+constexpr int64_t kMaxHeadDim = 1024;
+
 } // namespace trt
 } // namespace vlmprune
 

@@ -6,6 +6,7 @@
  * C++14, like the wrapper.
  */
 #include "host_check/host_fakes.h"
+#include "v2/cls_score_plugin.h"
 #include "v2/index_cast.h"
 #include "v2/token_prune_plugin.h"
 
@@ -147,8 +148,8 @@ PluginPtr create(IPluginCreator& creator, int32_t keep, int32_t hasCls)
 void checkRegistration()
 {
     HostRegistry& r = registry();
-    HOST_CHECK(r.creators.size() == 1);
-    if (r.creators.size() != 1)
+    HOST_CHECK(r.creators.size() == 2); // VlmpTokenPrune, then VlmpClsScore (register.cpp)
+    if (r.creators.size() != 2)
     {
         return;
     }
@@ -319,13 +320,102 @@ void checkEnqueue(IPluginV2DynamicExt& plugin)
     calls = host_check::KernelCalls();
 }
 
+// VlmpClsScore through TensorRT 8.5's interfaces: creator, shapes, formats, profile refusal
+// (recorded, then enqueue refuses), enqueue wiring, serialisation round trip.
+void checkScorer(IPluginCreator& creator)
+{
+    HOST_CHECK(std::strcmp(creator.getPluginName(), "VlmpClsScore") == 0);
+    HOST_CHECK(std::strcmp(creator.getPluginVersion(), "1") == 0);
+    HOST_CHECK(std::strcmp(creator.getPluginNamespace(), "vlmprune") == 0);
+    HOST_CHECK(creator.getFieldNames() != nullptr && creator.getFieldNames()->nbFields == 4);
+    float scale = 0.125F;
+    int32_t hasCls = 1, int8 = 1, kTransposed = 0;
+    std::vector<PluginField> f{PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1),
+        PluginField("has_cls", &hasCls, PluginFieldType::kINT32, 1),
+        PluginField("int8", &int8, PluginFieldType::kINT32, 1),
+        PluginField("k_transposed", &kTransposed, PluginFieldType::kINT32, 1)};
+    PluginFieldCollection fc{static_cast<int32_t>(f.size()), f.data()};
+    std::vector<PluginField> intScale{PluginField("scale", &hasCls, PluginFieldType::kINT32, 1), f[1], f[2], f[3]};
+    PluginFieldCollection badFc{static_cast<int32_t>(intScale.size()), intScale.data()};
+    HOST_CHECK(creator.createPlugin("score", &badFc) == nullptr);
+    HOST_CHECK(loggedContaining("VlmpClsScore::createPlugin: field 'scale' must be one float32"));
+
+    PluginPtr plugin(static_cast<IPluginV2DynamicExt*>(creator.createPlugin("score", &fc)));
+    HOST_CHECK(plugin != nullptr);
+    if (!plugin)
+    {
+        return;
+    }
+    HOST_CHECK(std::strcmp(plugin->getPluginType(), "VlmpClsScore") == 0);
+    HOST_CHECK(std::strcmp(plugin->getPluginNamespace(), "vlmprune") == 0);
+    HOST_CHECK(plugin->getNbOutputs() == 1);
+    DataType in[2] = {DataType::kHALF, DataType::kHALF};
+    HOST_CHECK(plugin->getOutputDataType(0, in, 2) == DataType::kFLOAT);
+    host_check::HostExprBuilder builder;
+    DimsExprs inputs[2] = {builder.dims({-1, 6, 257, 64}), builder.dims({-1, 6, 257, 64})};
+    DimsExprs out = plugin->getOutputDimensions(0, inputs, 2, builder);
+    HOST_CHECK(out.nbDims == 2 && out.d[0] == inputs[0].d[0]);
+
+    std::vector<DynamicPluginTensorDesc> d{dynamicDesc({1, 6, 257, 64}, {4, 6, 257, 64}, DataType::kFLOAT),
+        dynamicDesc({1, 6, 257, 64}, {4, 6, 257, 64}, DataType::kFLOAT),
+        dynamicDesc({1, 256}, {4, 256}, DataType::kFLOAT)};
+    PluginTensorDesc formats[3] = {d[0].desc, d[1].desc, d[2].desc};
+    HOST_CHECK(plugin->supportsFormatCombination(0, formats, 2, 1));
+    HOST_CHECK(plugin->supportsFormatCombination(1, formats, 2, 1));
+    HOST_CHECK(plugin->supportsFormatCombination(2, formats, 2, 1));
+    formats[2].type = DataType::kHALF;
+    HOST_CHECK(!plugin->supportsFormatCombination(2, formats, 2, 1));
+
+    int64_t const B = 2;
+    PluginTensorDesc rin[2] = {tensorDesc({B, 6, 257, 64}, DataType::kFLOAT), tensorDesc({B, 6, 257, 64}, DataType::kFLOAT)};
+    PluginTensorDesc rout[1] = {tensorDesc({B, 256}, DataType::kFLOAT)};
+    std::vector<float> q(B * 6 * 257 * 64), k(B * 6 * 257 * 64), scores(B * 256);
+    void const* ins[2] = {q.data(), k.data()};
+    void* outs[1] = {scores.data()};
+    auto* stream = reinterpret_cast<cudaStream_t>(0x5c0e);
+    host_check::KernelCalls& calls = host_check::kernelCalls();
+
+    std::vector<DynamicPluginTensorDesc> big{dynamicDesc({1, 6, 5000, 64}, {1, 6, 5000, 64}, DataType::kFLOAT),
+        dynamicDesc({1, 6, 5000, 64}, {1, 6, 5000, 64}, DataType::kFLOAT), d[2]};
+    plugin->configurePlugin(big.data(), 2, &big[2], 1);
+    HOST_CHECK(loggedContaining("T <= 4097"));
+    calls = host_check::KernelCalls();
+    HOST_CHECK(plugin->enqueue(rin, rout, ins, outs, nullptr, stream) != 0);
+    HOST_CHECK(calls.scoreCalls == 0);
+
+    plugin->configurePlugin(d.data(), 2, &d[2], 1);
+    HOST_CHECK(plugin->getWorkspaceSize(rin, 2, rout, 1) == 0);
+    HOST_CHECK(plugin->enqueue(rin, rout, ins, outs, nullptr, stream) == 0);
+    HOST_CHECK(calls.scoreCalls == 1 && calls.selectCalls == 0 && calls.gatherCalls == 0);
+    HOST_CHECK(calls.scoreDtype == VLMP_FLOAT32 && calls.scoreQ == q.data() && calls.scoreK == k.data());
+    HOST_CHECK(calls.scoreB == B && calls.scoreH == 6 && calls.scoreT == 257 && calls.scoreDh == 64);
+    HOST_CHECK(calls.scoreKTransposed == 0 && calls.scoreHasCls == 1 && calls.scoreInt8 == 1);
+    HOST_CHECK(calls.scoreScale == 0.125F && calls.scoreOut == scores.data() && calls.scoreStream == stream);
+
+    std::vector<char> blob(plugin->getSerializationSize());
+    HOST_CHECK(blob.size() == vlmprune::trt::ClsScorePluginV2::kSerializedSize);
+    plugin->serialize(blob.data());
+    PluginPtr restored(static_cast<IPluginV2DynamicExt*>(creator.deserializePlugin("score", blob.data(), blob.size())));
+    HOST_CHECK(restored != nullptr);
+    HOST_CHECK(creator.deserializePlugin("score", blob.data(), blob.size() - 1) == nullptr);
+    if (restored)
+    {
+        restored->configurePlugin(d.data(), 2, &d[2], 1);
+        calls = host_check::KernelCalls();
+        HOST_CHECK(restored->enqueue(rin, rout, ins, outs, nullptr, stream) == 0);
+        HOST_CHECK(calls.scoreInt8 == 1 && calls.scoreScale == 0.125F && calls.scoreKTransposed == 0);
+    }
+    calls = host_check::KernelCalls();
+}
+
 } // namespace
 
 int main()
 {
     checkRegistration();
-    if (registry().creators.size() == 1)
+    if (registry().creators.size() == 2)
     {
+        checkScorer(*registry().creators[1]);
         IPluginCreator& creator = *registry().creators[0];
         PluginPtr plugin = create(creator, 8, 1);
         HOST_CHECK(plugin != nullptr);

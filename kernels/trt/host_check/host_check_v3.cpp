@@ -4,6 +4,7 @@
  * wiring to the kernels (host stubs). Linked with the v3 sources and host_kernel_stubs.cpp.
  */
 #include "host_check/host_fakes.h"
+#include "v3/cls_score_plugin.h"
 #include "v3/token_prune_plugin.h"
 
 #include <cstring>
@@ -287,6 +288,107 @@ void checkSerialisation(IPluginCreatorV3One& creator, IPluginV3& plugin)
     HOST_CHECK(attached != nullptr && attached.get() != &plugin);
 }
 
+// VlmpClsScore: the creator's contract, shapes, formats, profile checks, enqueue wiring and
+// serialisation, through the same interfaces TensorRT 10 uses.
+void checkScorer(IPluginCreatorV3One& creator)
+{
+    HOST_CHECK(std::strcmp(creator.getPluginName(), "VlmpClsScore") == 0);
+    HOST_CHECK(std::strcmp(creator.getPluginVersion(), "1") == 0);
+    HOST_CHECK(std::strcmp(creator.getPluginNamespace(), "vlmprune") == 0);
+    PluginFieldCollection const* names = creator.getFieldNames();
+    HOST_CHECK(names != nullptr && names->nbFields == 4);
+    HOST_CHECK(std::strcmp(names->fields[0].name, "scale") == 0 && names->fields[0].type == PluginFieldType::kFLOAT32);
+    float scale = 0.125F;
+    int32_t hasCls = 1, int8 = 1, kTransposed = 1;
+    std::vector<PluginField> f{PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1),
+        PluginField("has_cls", &hasCls, PluginFieldType::kINT32, 1),
+        PluginField("int8", &int8, PluginFieldType::kINT32, 1),
+        PluginField("k_transposed", &kTransposed, PluginFieldType::kINT32, 1)};
+    PluginFieldCollection fc = fieldsOf(f);
+    int32_t bad = 2;
+    std::vector<PluginField> badInt8{f[0], f[1], PluginField("int8", &bad, PluginFieldType::kINT32, 1), f[3]};
+    PluginFieldCollection badFc = fieldsOf(badInt8);
+    HOST_CHECK(creator.createPlugin("score", &badFc, TensorRTPhase::kBUILD) == nullptr);
+    HOST_CHECK(loggedContaining("VlmpClsScore::createPlugin: has_cls, int8 and k_transposed must each be 0 or 1"));
+    std::vector<PluginField> noScale{f[1], f[2], f[3]};
+    PluginFieldCollection noScaleFc = fieldsOf(noScale);
+    HOST_CHECK(creator.createPlugin("score", &noScaleFc, TensorRTPhase::kBUILD) == nullptr);
+    HOST_CHECK(loggedContaining("are required"));
+
+    PluginPtr plugin(creator.createPlugin("score", &fc, TensorRTPhase::kBUILD));
+    HOST_CHECK(plugin != nullptr);
+    if (!plugin)
+    {
+        return;
+    }
+    auto* core = capability<IPluginV3OneCore>(*plugin, PluginCapabilityType::kCORE);
+    auto* build = capability<IPluginV3OneBuild>(*plugin, PluginCapabilityType::kBUILD);
+    auto* runtime = capability<IPluginV3OneRuntime>(*plugin, PluginCapabilityType::kRUNTIME);
+    HOST_CHECK(std::strcmp(core->getPluginName(), "VlmpClsScore") == 0);
+    HOST_CHECK(build->getNbOutputs() == 1);
+    DataType in[2] = {DataType::kHALF, DataType::kHALF};
+    DataType out[1] = {DataType::kHALF};
+    HOST_CHECK(build->getOutputDataTypes(out, 1, in, 2) == 0 && out[0] == DataType::kFLOAT);
+
+    host_check::HostExprBuilder builder;
+    DimsExprs inputs[2] = {builder.dims({-1, 6, 257, 64}), builder.dims({-1, 6, 64, 257})};
+    DimsExprs outputs[1];
+    HOST_CHECK(build->getOutputShapes(inputs, 2, nullptr, 0, outputs, 1, builder) == 0);
+    HOST_CHECK(outputs[0].nbDims == 2 && outputs[0].d[0] == inputs[0].d[0]);
+    DimsExprs wrongDh[2] = {builder.dims({2, 6, 257, 64}), builder.dims({2, 6, 32, 257})};
+    HOST_CHECK(build->getOutputShapes(wrongDh, 2, nullptr, 0, outputs, 1, builder) != 0);
+    HOST_CHECK(loggedContaining("k must be [B, H, dh, T]"));
+    DimsExprs tooMany[2] = {builder.dims({1, 6, 5000, 64}), builder.dims({1, 6, 64, 5000})};
+    HOST_CHECK(build->getOutputShapes(tooMany, 2, nullptr, 0, outputs, 1, builder) != 0);
+    HOST_CHECK(loggedContaining("T <= 4097"));
+
+    std::vector<DynamicPluginTensorDesc> d{dynamicDesc({1, 6, 257, 64}, {4, 6, 257, 64}, DataType::kHALF),
+        dynamicDesc({1, 6, 64, 257}, {4, 6, 64, 257}, DataType::kHALF),
+        dynamicDesc({1, 256}, {4, 256}, DataType::kFLOAT)};
+    HOST_CHECK(build->supportsFormatCombination(0, d.data(), 2, 1));
+    HOST_CHECK(build->supportsFormatCombination(1, d.data(), 2, 1));
+    HOST_CHECK(build->supportsFormatCombination(2, d.data(), 2, 1));
+    std::vector<DynamicPluginTensorDesc> mixed{d[0], dynamicDesc({1, 6, 64, 257}, {4, 6, 64, 257}, DataType::kFLOAT),
+        d[2]};
+    HOST_CHECK(!build->supportsFormatCombination(1, mixed.data(), 2, 1));
+    HOST_CHECK(build->configurePlugin(d.data(), 2, &d[2], 1) == 0);
+    std::vector<DynamicPluginTensorDesc> big{dynamicDesc({1, 6, 257, 2048}, {1, 6, 257, 2048}, DataType::kHALF),
+        dynamicDesc({1, 6, 2048, 257}, {1, 6, 2048, 257}, DataType::kHALF), d[2]};
+    HOST_CHECK(build->configurePlugin(big.data(), 2, &big[2], 1) != 0);
+    HOST_CHECK(loggedContaining("dh <= 1024"));
+
+    int64_t const B = 2;
+    PluginTensorDesc rin[2] = {tensorDesc({B, 6, 257, 64}, DataType::kHALF), tensorDesc({B, 6, 64, 257}, DataType::kHALF)};
+    PluginTensorDesc rout[1] = {tensorDesc({B, 256}, DataType::kFLOAT)};
+    HOST_CHECK(runtime->onShapeChange(rin, 2, rout, 1) == 0);
+    std::vector<uint16_t> q(B * 6 * 257 * 64), k(B * 6 * 64 * 257);
+    std::vector<float> scores(B * 256);
+    void const* ins[2] = {q.data(), k.data()};
+    void* outs[1] = {scores.data()};
+    auto* stream = reinterpret_cast<cudaStream_t>(0x5c0e);
+    host_check::KernelCalls& calls = host_check::kernelCalls();
+    calls = host_check::KernelCalls();
+    HOST_CHECK(runtime->enqueue(rin, rout, ins, outs, nullptr, stream) == 0);
+    HOST_CHECK(calls.scoreCalls == 1 && calls.selectCalls == 0 && calls.gatherCalls == 0);
+    HOST_CHECK(calls.scoreDtype == VLMP_FLOAT16 && calls.scoreQ == q.data() && calls.scoreK == k.data());
+    HOST_CHECK(calls.scoreB == B && calls.scoreH == 6 && calls.scoreT == 257 && calls.scoreDh == 64);
+    HOST_CHECK(calls.scoreKTransposed == 1 && calls.scoreHasCls == 1 && calls.scoreInt8 == 1);
+    HOST_CHECK(calls.scoreScale == 0.125F && calls.scoreOut == scores.data() && calls.scoreStream == stream);
+
+    PluginFieldCollection const* serial = runtime->getFieldsToSerialize();
+    HOST_CHECK(serial != nullptr && serial->nbFields == 4);
+    PluginPtr restored(creator.createPlugin("score", serial, TensorRTPhase::kRUNTIME));
+    HOST_CHECK(restored != nullptr);
+    calls = host_check::KernelCalls();
+    if (restored)
+    {
+        auto* rt = capability<IPluginV3OneRuntime>(*restored, PluginCapabilityType::kRUNTIME);
+        HOST_CHECK(rt->enqueue(rin, rout, ins, outs, nullptr, stream) == 0);
+        HOST_CHECK(calls.scoreInt8 == 1 && calls.scoreScale == 0.125F && calls.scoreKTransposed == 1);
+    }
+    calls = host_check::KernelCalls();
+}
+
 } // namespace
 
 int main()
@@ -296,11 +398,12 @@ int main()
 
     int32_t nbCreators = 0;
     IPluginCreatorInterface* const* creators = getCreators(nbCreators);
-    HOST_CHECK(nbCreators == 1 && creators != nullptr && creators[0] != nullptr);
-    if (nbCreators != 1 || creators == nullptr || creators[0] == nullptr)
+    HOST_CHECK(nbCreators == 2 && creators != nullptr && creators[0] != nullptr && creators[1] != nullptr);
+    if (nbCreators != 2 || creators == nullptr || creators[0] == nullptr || creators[1] == nullptr)
     {
         return host_check::finish("host_check_v3");
     }
+    checkScorer(*static_cast<IPluginCreatorV3One*>(creators[1]));
     auto& creator = *static_cast<IPluginCreatorV3One*>(creators[0]);
     checkCreator(creator);
 

@@ -247,6 +247,16 @@ struct KernelCalls
     int64_t const* gatKept = nullptr;
     void* out = nullptr;
     void* gatStream = nullptr;
+    // Last vlmp_cls_scores_cuda call (VlmpClsScore).
+    int scoreCalls = 0;
+    vlmp_dtype scoreDtype = VLMP_FLOAT32;
+    void const* scoreQ = nullptr;
+    void const* scoreK = nullptr;
+    int64_t scoreB = 0, scoreH = 0, scoreT = 0, scoreDh = 0;
+    int scoreKTransposed = -1, scoreHasCls = -1, scoreInt8 = -1;
+    float scoreScale = 0.0f;
+    float* scoreOut = nullptr;
+    void* scoreStream = nullptr;
     // Status the next calls return, and what cudaGetLastError() then reports.
     vlmp_status selectResult = VLMP_OK;
     cudaError_t lastCudaError = cudaSuccess;

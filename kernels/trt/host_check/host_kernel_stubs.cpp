@@ -1,4 +1,4 @@
-/* Host stand-ins for the two CUDA entry points the plugins call: they record their
+/* Host stand-ins for the CUDA entry points the plugins call: they record their
  * arguments and write recognisable indices, so the checks can follow the wiring
  * (which buffer, which sizes, which stream) without a GPU. Numerics are the
  * kernels' own tests' business. Also the two CUDA runtime calls of the error path.
@@ -56,6 +56,27 @@ extern "C" vlmp_status vlmp_gather_summary_cuda(vlmp_dtype dt, void const* hidde
     c.gatK = K;
     c.out = out;
     c.gatStream = stream;
+    return VLMP_OK;
+}
+
+extern "C" vlmp_status vlmp_cls_scores_cuda(vlmp_dtype dt, void const* q, void const* k, int64_t B, int64_t H,
+    int64_t T, int64_t dh, int k_transposed, float scale, int has_cls, int int8, float* scores, void* stream)
+{
+    host_check::KernelCalls& c = host_check::kernelCalls();
+    ++c.scoreCalls;
+    c.scoreDtype = dt;
+    c.scoreQ = q;
+    c.scoreK = k;
+    c.scoreB = B;
+    c.scoreH = H;
+    c.scoreT = T;
+    c.scoreDh = dh;
+    c.scoreKTransposed = k_transposed;
+    c.scoreScale = scale;
+    c.scoreHasCls = has_cls;
+    c.scoreInt8 = int8;
+    c.scoreOut = scores;
+    c.scoreStream = stream;
     return VLMP_OK;
 }
 

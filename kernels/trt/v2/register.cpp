@@ -5,6 +5,7 @@
  * itself from a static initialiser (REGISTER_TENSORRT_PLUGIN). Kept apart from the
  * plugin so tools/trt_compile_check.py can link the plugin without libnvinfer.
  */
+#include "v2/cls_score_plugin.h"
 #include "v2/token_prune_plugin.h"
 
 #include <cstdio>
@@ -32,5 +33,8 @@ void logError(char const* message) noexcept
 } // namespace vlmprune
 
 // The macro pastes its argument into a variable name, so it takes an unqualified name.
+// Registered in this order (one translation unit): VlmpTokenPrune, then VlmpClsScore.
+using vlmprune::trt::ClsScoreCreatorV2;
 using vlmprune::trt::TokenPruneCreatorV2;
 REGISTER_TENSORRT_PLUGIN(TokenPruneCreatorV2);
+REGISTER_TENSORRT_PLUGIN(ClsScoreCreatorV2);

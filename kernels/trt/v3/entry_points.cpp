@@ -11,6 +11,7 @@
  * build with -DVLMP_TRT_STATIC_REGISTRATION=ON. It is off by default because
  * loadLibrary() fails when a creator it is handed is already registered.
  */
+#include "v3/cls_score_plugin.h"
 #include "v3/token_prune_plugin.h"
 
 #include <atomic>
@@ -62,13 +63,16 @@ VLMP_TRT_EXPORT void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
 VLMP_TRT_EXPORT nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
 {
     static vlmprune::trt::TokenPruneCreatorV3 creator;
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&creator};
-    nbCreators = 1;
+    static vlmprune::trt::ClsScoreCreatorV3 scoreCreator;
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&creator, &scoreCreator};
+    nbCreators = 2;
     return creators;
 }
 
 #if VLMP_TRT_STATIC_REGISTRATION
 // The macro pastes its argument into a variable name, so it takes an unqualified name.
 using vlmprune::trt::TokenPruneCreatorV3;
+using vlmprune::trt::ClsScoreCreatorV3;
 REGISTER_TENSORRT_PLUGIN(TokenPruneCreatorV3);
+REGISTER_TENSORRT_PLUGIN(ClsScoreCreatorV3);
 #endif

@@ -1,0 +1,148 @@
+"""The ROI inputs' feed for the runners: what a graph's `roi_mask`, or `roi_boxes` + `roi_count`, get.
+
+vlmprune.compiler.roi's seam (its docstring has the whole story): targets.runtime.run_session asks roi_feed()
+for an --roi graph's inputs, and a `feeding(...)` block says what they are (PARITY: the fixed-seed ROI of
+parity_roi; a region `run --roi-box/--roi-mask` gave; NONE). forced_numpy() and forced_check() are the forced
+set in numpy and parity's verdict on it. It lives in the frontend, beside parity's images (frontend.images),
+not with the run-time code that uses it, because parity and the targets' runners read it and imports run down
+the data flow; compiler.roi re-exports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import zlib
+
+import numpy as np
+
+from vlmprune.compiler.contract import ROI_BOXES, ROI_COUNT, ROI_MASK
+from vlmprune.compiler.errors import InputError
+
+ROI_INPUTS = (ROI_MASK, ROI_BOXES, ROI_COUNT)
+PARITY = "parity"
+NONE = "none"  # feeding(NONE): no region
+_SALT = 0x524F4921  # "ROI!": the parity ROI's seeds apart from compiler.prompt's text rows
+_given: contextvars.ContextVar[dict | str] = contextvars.ContextVar("vlmprune_roi", default=NONE)
+
+
+def layout_of(manifest) -> dict | None:
+    """The bundle's ROI layout (passes.methods.roi.layout: kind, height, width, patch, grid, inputs, max_boxes), or
+    None for a bundle without ROI inputs."""
+    return (manifest.get("method") or {}).get("roi")
+
+
+def kind_of(names) -> str | None:
+    """Which ROI inputs a graph's input names hold: "mask", "boxes" or None."""
+    names = set(names)
+    return "mask" if ROI_MASK in names else "boxes" if ROI_BOXES in names else None
+
+
+# ---------------------------------------------------------------------------- parity's ROI
+
+
+def _rectangle(rng, height: int, width: int) -> tuple[float, float, float, float]:
+    """A random (x0, y0, x1, y1), each side 15 % to 35 % of the image's: a few patches, well inside K."""
+    w, h = rng.uniform(0.15, 0.35) * width, rng.uniform(0.15, 0.35) * height
+    x0, y0 = rng.uniform(0, width - w), rng.uniform(0, height - h)
+    return x0, y0, x0 + w, y0 + h
+
+
+def parity_roi(pixel_values: np.ndarray, kind: str, max_boxes: int | None = None) -> dict[str, np.ndarray]:
+    """The fixed-seed ROI for this batch (module docstring): {input name: array}, from the pixels' own shape.
+
+    Needs nothing but the pixels and the ROI inputs' shapes, so that the runners (which see a session's inputs
+    only) and the reference (which sees the record) derive the same arrays."""
+    pixel = np.ascontiguousarray(pixel_values)
+    batch, height, width = len(pixel), pixel.shape[-2], pixel.shape[-1]
+    # host-side input generation (one generator per image, by its bytes), not the method: a loop is fine here
+    rects = [_rectangle(np.random.default_rng([_SALT, zlib.crc32(image.tobytes())]), height, width)
+             for image in pixel]
+    if kind == "mask":
+        mask = np.zeros((batch, height, width), np.float32)
+        for i, (x0, y0, x1, y1) in enumerate(rects):
+            mask[i, int(y0):int(np.ceil(y1)), int(x0):int(np.ceil(x1))] = 1.0
+            mask[i, (int(y0) * 7 + 3) % height, (int(x1) * 5 + 1) % width] = 1.0  # one stray pixel: its patch too
+        return {ROI_MASK: mask}
+    boxes = np.zeros((batch, max_boxes, 4), np.float32)
+    boxes[:, 1:] = [0.0, 0.0, width, height]  # padding slots: the whole image, which roi_count must make ignored
+    boxes[:, 0] = np.asarray(rects, np.float32).reshape(batch, 4)
+    return {ROI_BOXES: boxes, ROI_COUNT: np.ones(batch, np.int64)}
+
+
+def no_roi(batch: int, shapes: dict[str, list]) -> dict[str, np.ndarray]:
+    """No region: an empty mask, or no valid box."""
+    if ROI_MASK in shapes:
+        return {ROI_MASK: np.zeros((batch, *shapes[ROI_MASK][1:]), np.float32)}
+    return {ROI_BOXES: np.zeros((batch, *shapes[ROI_BOXES][1:]), np.float32), ROI_COUNT: np.zeros(batch, np.int64)}
+
+
+# ---------------------------------------------------------------------------- feeding
+
+
+@contextlib.contextmanager
+def feeding(roi: dict | str | None):
+    """Feed this ROI in the block: {name: array} (leading axis 1 broadcasts over the batch), PARITY, or NONE (also
+    None: a bundle without ROI inputs, or no region)."""
+    token = _given.set(NONE if roi is None else roi)
+    try:
+        yield
+    finally:
+        _given.reset(token)
+
+
+def roi_feed(pixel_values: np.ndarray, shapes: dict[str, list]) -> dict[str, np.ndarray]:
+    """What a graph's ROI inputs (name -> shape, as its session lists them) get for this batch: the block's
+    feeding()."""
+    given = _given.get()
+    batch = len(pixel_values)
+    if isinstance(given, str):
+        if given == NONE:
+            return no_roi(batch, shapes)
+        slots = shapes[ROI_BOXES][1] if ROI_BOXES in shapes else None
+        return parity_roi(pixel_values, kind_of(shapes), slots)
+    if set(given) != set(shapes):
+        raise InputError(f"this bundle's ROI inputs are {', '.join(sorted(shapes))}; given {', '.join(sorted(given))}")
+    out = {}
+    for name, value in given.items():
+        value = np.asarray(value)
+        if value.shape[:1] == (1,) and batch != 1:
+            value = np.repeat(value, batch, axis=0)
+        out[name] = np.array(value, dtype=np.int64 if name == ROI_COUNT else np.float32)
+        want = [batch, *shapes[name][1:]]
+        if list(out[name].shape) != want:  # the dimensions after the batch are static (M, H, W)
+            raise InputError(f"{name} must be {want} for this batch, got {list(out[name].shape)}")
+    return out
+
+
+# ---------------------------------------------------------------------------- the forced set, checked
+
+
+def forced_numpy(layout: dict, feed: dict[str, np.ndarray]) -> np.ndarray:
+    """F [B, N] bool in numpy, from the definition (passes.methods.roi's docstring)."""
+    p, (gh, gw) = layout["patch"], layout["grid"]
+    if layout["kind"] == "mask":
+        mask = np.asarray(feed[ROI_MASK])
+        tiles = mask[:, :gh * p, :gw * p].reshape(len(mask), gh, p, gw, p)
+        return (tiles > 0).any(axis=(2, 4)).reshape(len(mask), gh * gw)
+    boxes, count = np.asarray(feed[ROI_BOXES], np.float64), np.asarray(feed[ROI_COUNT])
+    rows, cols = np.divmod(np.arange(gh * gw), gw)
+    cx, cy = (cols + 0.5) * p, (rows + 0.5) * p
+    b = boxes[:, :, :, None]
+    inside = (cx >= b[:, :, 0]) & (cx <= b[:, :, 2]) & (cy >= b[:, :, 1]) & (cy <= b[:, :, 3])  # [B, M, N]
+    valid = np.arange(boxes.shape[1])[None, :] < count[:, None]
+    return (inside & valid[:, :, None]).any(axis=1)
+
+
+def forced_check(forced: np.ndarray, kept: np.ndarray) -> dict:
+    """Parity's verdict: per image, every forced patch kept (with more forced than K: every kept patch forced)."""
+    forced, kept = np.asarray(forced, bool), np.asarray(kept, np.int64)
+    k = kept.shape[1]
+    kept_mask = np.zeros_like(forced)
+    np.put_along_axis(kept_mask, np.clip(kept, 0, forced.shape[1] - 1), kept >= 0, axis=1)
+    counts = forced.sum(axis=1)
+    missing = np.where(counts <= k, (forced & ~kept_mask).sum(axis=1), (kept_mask & ~forced).sum(axis=1))
+    # "exact" rows, as compiler.report draws integer outputs: one row per image
+    return {"passed": bool((missing == 0).all()), "exact": True, "rows_compared": int(len(forced)),
+            "rows_wrong": int((missing > 0).sum()), "forced": counts.astype(int).tolist(), "keep": int(k),
+            "missing": missing.astype(int).tolist()}

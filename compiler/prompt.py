@@ -1,0 +1,88 @@
+"""The prompt input of prompt-aware methods: the bundle input `text_embeds` [B, T, D_llm].
+
+A prompt-aware method (cdpruner, dart --text-pivots, a score-based method with --prompt-weight
+W > 0: passes.methods.relevance) reads the prompt as the prompt's rows of the LLM's
+embedding table, as OpenVINO GenAI's CDPruner stage does: no text tower, nothing
+model-specific. The graph takes them as a second input beside the pixels
+(passes.prune adds it; the manifest lists it). Who feeds it:
+
+- parity (compile, `vlmprune check`): a fixed-seed text_embeds, PARITY_TOKENS rows per
+  image, seeded by the image's own bytes (CRC-32), so that the rows an image gets do not
+  depend on how the batch is chunked, and every image of a batch gets its own;
+- `vlmprune run --prompt`, `generate` and `eval`: the prompt's token ids looked up in the
+  checkpoint's embedding table (prompt_embeds); `eval --dataset` each sample's question, as
+  `generate` feeds it (bundle_feed), and keys the stored answers of such a bundle by FEED;
+- `vlmprune run` without --prompt: no rows (T = 0), which a prompt-aware method treats as
+  "no condition" (cdpruner: relevance 1, the plain DPP over the features' similarity); a
+  method that needs rows (dart --text-pivots: Method.min_text_rows) is refused in one line.
+
+The runners of every target feed the graph through targets.runtime.run_session, which asks
+text_feed() for the rows: a `feeding(...)` block sets what `run`/`generate`/`eval` computed,
+or PARITY (parity's stages and references); outside one a graph with the input refuses to
+run in one line rather than guess a prompt. A context variable rather than one more argument
+on every target's runner: the runners stay callables of the pixels, as parity and the
+benchmark call them.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+
+from vlmprune.compiler.contract import TEXT
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.prompt_input import (PARITY, PARITY_TOKENS, empty_prompt, feeding, parity_text,  # noqa: F401
+                                             text_feed)  # re-exported: the feed lives with the runners
+
+# How `generate` and `eval --dataset` feed a question (bundle_feed): `eval --dataset` keys a prompt-aware bundle's
+# stored answers by it, so change the text when the convention changes.
+FEED = "v1: the non-image token ids of generate's built prompt (template + question), rows of the LLM's embedding table"
+
+
+def prompt_ids(vlm, prompt: str) -> tuple[list[int], str]:
+    """The token ids whose embedding rows are the prompt, and how they were made.
+
+    As OpenVINO GenAI's CDPruner takes them: every non-image token of the LLM's input (the
+    chat template's and the question's), i.e. generate's Prompt before + after the image.
+    A checkpoint without a tokenizer and with a vocabulary under 256 (tiny test models)
+    cannot take generate's UTF-8 convention: there the question's UTF-8 bytes modulo the
+    vocabulary are the ids (said so in the run's output).
+    """
+    from vlmprune.compiler.generate import build_prompt
+
+    if not prompt.strip():
+        raise InputError("--prompt is empty")
+    vocab = vlm.model.config.text_config.vocab_size
+    if vlm.tokenizer is None and vocab < 256:
+        return [b % vocab for b in prompt.encode("utf-8")], f"no tokenizer, vocabulary {vocab}: UTF-8 bytes mod {vocab}"
+    built = build_prompt(vlm, prompt)
+    return built.before + built.after, built.how
+
+
+def prompt_embeds(vlm, prompt: str | None, dim: int) -> tuple[np.ndarray, str]:
+    """[T, D] float32: the prompt's rows of the LLM's embedding table (empty_prompt() without a prompt)."""
+    if prompt is None:
+        return empty_prompt(dim), "no prompt: text_embeds has no rows"
+    ids, how = prompt_ids(vlm, prompt)
+    return rows_for_ids(vlm, ids, dim), f"{len(ids)} prompt tokens ({how})"
+
+
+def text_input_dim(manifest) -> int | None:
+    """The width of the bundle's text_embeds input, or None for a bundle without one."""
+    found = next((i for i in manifest.inputs if i.name == TEXT), None)
+    return None if found is None else found.shape[-1]
+
+
+def rows_for_ids(vlm, ids: list[int], dim: int) -> np.ndarray:
+    """[T, D] float32: rows `ids` of vlm's LLM embedding table (generate and eval: the ids of their built Prompt)."""
+    table = vlm.model.get_input_embeddings().weight.detach().float()
+    if table.shape[1] != dim:
+        raise InputError(f"the bundle's {TEXT} are {dim} wide, but the embedding table of {vlm.spec} is "
+                         f"{table.shape[1]} wide")
+    return table[list(ids)].numpy()
+
+
+def bundle_feed(manifest, vlm, prompt) -> np.ndarray | None:
+    """What a bundle's text_embeds gets for a built generate.Prompt: its non-image ids' rows; None without the input."""
+    dim = text_input_dim(manifest)
+    return None if dim is None else rows_for_ids(vlm, prompt.before + prompt.after, dim)
