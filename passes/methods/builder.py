@@ -130,3 +130,50 @@ def feeding_selection(graph: ir.Graph) -> list[ir.Node]:
     upstream = producers_upstream(*[v for n in chosen for v in n.inputs])
     wanted = set(chosen) | set(upstream)
     return [n for n in graph if n in wanted]
+
+
+# ---------------------------------------------------------------------------- Loop bodies
+
+
+class LoopBody:
+    """A second builder writing into a Loop body graph (the outer builder's naming, under `loop/`; the Loop node
+    carries the role, so body nodes get none). Its `op` has Builder.op's signature, so a step function written
+    against a builder `w` emits the same nodes unrolled (w = the outer builder) or inside a Loop (w = a LoopBody)."""
+
+    def __init__(self, outer: Builder, graph: ir.Graph):
+        self.outer, self.graph, self.nodes = outer, graph, []
+
+    def op(self, op_type, inputs, name, num_outputs=1, **attrs):
+        node = ir.node(op_type, inputs, attributes=attrs or None, num_outputs=num_outputs,
+                       name=f"{self.outer.prefix}/loop/{name}")
+        for i, out in enumerate(node.outputs):
+            out.name = node.name + (f":{i}" if num_outputs > 1 else "")
+        self.nodes.append(node)
+        return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
+
+
+def loop_body(b: Builder, name: str, carried: dict[str, list]) -> tuple[LoopBody, ir.Value, ir.Value, list[ir.Value]]:
+    """An empty Loop body graph `name` with its inputs: (writer, iteration i, cond_in, the carried float inputs).
+
+    carried: body input name (under `loop/`) -> its shape (dims or symbolic names), in Loop input order."""
+    iteration = ir.Value(name=f"{b.prefix}/loop/i", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    cond_in = ir.Value(name=f"{b.prefix}/loop/cond_in", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    state = [ir.Value(name=f"{b.prefix}/loop/{key}", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(shape))
+             for key, shape in carried.items()]
+    body = ir.Graph([iteration, cond_in, *state], [], nodes=[], name=name)
+    return LoopBody(b, body), iteration, cond_in, state
+
+
+def add_loop(b: Builder, w: LoopBody, outputs: list[ir.Value], trips: int, initial: list[ir.Value],
+             name: str) -> ir.Node:
+    """Close the body `w` with `outputs` (cond, carried..., scanned...) and add Loop(trips, true, *initial) `name`."""
+    w.graph.extend(w.nodes)
+    w.graph.outputs.extend(outputs)
+    trip_count = b.const("trips", np.array(trips, dtype=np.int64))
+    keep_going = b.const("cond", np.array(True))
+    loop = ir.node("Loop", [trip_count, keep_going, *initial], attributes={"body": w.graph},
+                   num_outputs=len(outputs) - 1, name=f"{b.prefix}/{name}")
+    for i, out in enumerate(loop.outputs):
+        out.name = f"{b.prefix}/{name}:{i}"
+    b.add_node(loop)
+    return loop

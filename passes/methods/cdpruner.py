@@ -56,11 +56,12 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import FEATURE_LAYER
 from vlmprune.passes.methods.base import (FEATURES, GREEDY, Formulation, GraphInputs, Method, Needs, SiteTensors,
                                            TorchResult, finite_option)
-from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
+from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, add_loop, loop_body
+from vlmprune.passes.methods.relevance import NORM_EPS
+from vlmprune.passes.methods.relevance import emit_relevance as emit_prompt_relevance
+from vlmprune.passes.methods.relevance import relevance as prompt_relevance
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix
 
-NORM_EPS = 1e-12
-RANGE_EPS = 1e-6  # min-max normalisation's floor (OpenVINO GenAI's)
 DPP_EPS = 1e-5  # under the greedy step's square root (OpenVINO GenAI's)
 THETA = 0.5
 # d2 of a live candidate lies in [-eps, max r²] (r <= e^(alpha)); a picked one gets -SENTINEL added:
@@ -79,15 +80,13 @@ def similarity(features: torch.Tensor) -> torch.Tensor:
 
 
 def relevance(tokens: torch.Tensor, text: torch.Tensor | None, theta: float) -> torch.Tensor:
-    """exp(alpha · minmax(-mean_t cos(x_i, text_t))): [B, N]; all ones without text rows."""
+    """exp(alpha · minmax(-mean_t cos(x_i, text_t))): [B, N]; all ones without text rows.
+
+    The min-max relevance is passes.methods.relevance's (--prompt-weight's, CDPruner's definition): one copy."""
     b, n, _ = tokens.shape
     if text is None or text.shape[1] == 0:
         return torch.ones(b, n, dtype=tokens.dtype, device=tokens.device)
-    unit = tokens / tokens.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
-    unit_t = text / text.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
-    r = -(unit @ unit_t.transpose(1, 2)).mean(dim=-1)
-    low, high = r.amin(dim=-1, keepdim=True), r.amax(dim=-1, keepdim=True)
-    return torch.exp(alpha_of(theta) * (r - low) / (high - low + RANGE_EPS))
+    return torch.exp(alpha_of(theta) * prompt_relevance(tokens, text))
 
 
 def dpp_greedy(kernel: torch.Tensor, diagonal: torch.Tensor,
@@ -199,36 +198,9 @@ class CDPrunerMethod(Method):
 
 
 def emit_relevance(b, x: ir.Value, text: ir.Value, theta: float) -> ir.Value:
-    """exp(alpha · minmax(-mean_t cos)) [B, N]. The mean is a sum over max(T, 1): T = 0 gives relevance 1."""
-    unit = b.l2_normalize(x, "unit_tokens", NORM_EPS)
-    unit_t = b.l2_normalize(text, "unit_text", NORM_EPS)
-    cosine = b.op("MatMul", [unit, b.op("Transpose", [unit_t], "unit_text_t", perm=[0, 2, 1])], "text_cosine")
-    total = b.reduce("ReduceSum", cosine, [-1], 0, "text_cosine_sum")  # [B, N]
-    rows = b.op("Cast", [b.op("Gather", [b.op("Shape", [text], "text_shape"), b.ints("text_rows_at", 1)],
-                              "text_rows")], "text_rows_f", to=ir.DataType.FLOAT)
-    count = b.op("Max", [rows, b.scalar("one_row", 1.0)], "text_count")
-    r = b.op("Neg", [b.op("Div", [total, count], "text_cosine_mean")], "relevance_raw")
-    low = b.reduce("ReduceMin", r, [-1], 1, "relevance_min")
-    high = b.reduce("ReduceMax", r, [-1], 1, "relevance_max")
-    span = b.op("Add", [b.op("Sub", [high, low], "relevance_span"), b.scalar("range_eps", RANGE_EPS)],
-                "relevance_den")
-    normed = b.op("Div", [b.op("Sub", [r, low], "relevance_shift"), span], "relevance_norm")
+    """exp(alpha · minmax(-mean_t cos)) [B, N], the min-max from passes.methods.relevance; T = 0 gives relevance 1."""
+    normed = emit_prompt_relevance(b, x, text)
     return b.op("Exp", [b.op("Mul", [normed, b.scalar("alpha", alpha_of(theta))], "relevance_scaled")], "relevance")
-
-
-class _Body:
-    """A second builder writing into the Loop body graph (same naming as the outer one)."""
-
-    def __init__(self, outer, graph: ir.Graph):
-        self.outer, self.graph, self.nodes = outer, graph, []
-
-    def op(self, op_type, inputs, name, num_outputs=1, **attrs):
-        node = ir.node(op_type, inputs, attributes=attrs or None, num_outputs=num_outputs,
-                       name=f"{self.outer.prefix}/loop/{name}")
-        for i, out in enumerate(node.outputs):
-            out.name = node.name + (f":{i}" if num_outputs > 1 else "")
-        self.nodes.append(node)
-        return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
 
 
 def _step(b, w, kernel, d2, mask, rows, row_index, keep: int, n: int, name: str):
@@ -274,25 +246,12 @@ def emit_dpp(b, kernel: ir.Value, d2: ir.Value, keep: int, n: int, formulation: 
                                          f"step{i}")
             picks.append(pick)
         return b.op("Concat", picks, "picks", axis=1) if keep > 1 else picks[0]
-    iteration = ir.Value(name=f"{b.prefix}/loop/i", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
-    cond_in = ir.Value(name=f"{b.prefix}/loop/cond_in", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
-    d2_in = ir.Value(name=f"{b.prefix}/loop/d2_in", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch", n]))
-    mask_in = ir.Value(name=f"{b.prefix}/loop/mask_in", type=ir.TensorType(ir.DataType.FLOAT),
-                       shape=ir.Shape(["batch", n]))
-    rows_in = ir.Value(name=f"{b.prefix}/loop/rows_in", type=ir.TensorType(ir.DataType.FLOAT),
-                       shape=ir.Shape(["batch", keep, n]))
-    body = ir.Graph([iteration, cond_in, d2_in, mask_in, rows_in], [], nodes=[], name="cdpruner_step")
-    w = _Body(b, body)
+    w, iteration, cond_in, (d2_in, mask_in, rows_in) = loop_body(
+        b, "cdpruner_step", {"d2_in": ["batch", n], "mask_in": ["batch", n], "rows_in": ["batch", keep, n]})
     index = w.op("Reshape", [iteration, b.ints("step_index_shape", [1, 1, 1])], "step_index")
     pick, d2_out, mask_out, rows_out = _step(b, w, kernel, d2_in, mask_in, rows_in, index, keep, n, "step")
     cond_out, pick_out = w.op("Identity", [cond_in], "cond_out"), w.op("Identity", [pick], "pick_out")
-    body.extend(w.nodes)
-    body.outputs.extend([cond_out, d2_out, mask_out, rows_out, pick_out])
-    loop = ir.node("Loop", [b.const("trips", np.array(keep, dtype=np.int64)), b.const("cond", np.array(True)), d2,
-                            mask, rows], attributes={"body": body}, num_outputs=4, name=f"{b.prefix}/dpp_loop")
-    for i, out in enumerate(loop.outputs):
-        out.name = f"{b.prefix}/dpp_loop:{i}"
-    b.add_node(loop)
+    loop = add_loop(b, w, [cond_out, d2_out, mask_out, rows_out, pick_out], keep, [d2, mask, rows], "dpp_loop")
     scanned = loop.outputs[3]  # [K, B, 1]
     return b.op("Squeeze", [b.op("Transpose", [scanned], "picks_t", perm=[1, 0, 2]), b.ints("picks_axes", [2])],
                 "picks")

@@ -37,7 +37,7 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 from vlmprune.passes.graph.dataflow import const_array, const_ints
 from vlmprune.passes.methods.base import (FEATURES, GREEDY, Formulation, FusedOp, GraphInputs, Method, Needs,
                                            SiteTensors, TorchResult)
-from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
+from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, add_loop, loop_body
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix
 
 DIVPRUNE_SELECT = "DivPruneSelect"
@@ -143,21 +143,6 @@ def emit_greedy(b, dist: ir.Value, keep: int, n: int, formulation: str) -> ir.Va
     return b.op("Concat", [pick, rest], "picks", axis=1)
 
 
-class _Body:
-    """A second builder writing into the Loop body graph (same naming and roles)."""
-
-    def __init__(self, outer, graph: ir.Graph):
-        self.outer, self.graph, self.nodes = outer, graph, []
-
-    def op(self, op_type, inputs, name, num_outputs=1, **attrs):
-        node = ir.node(op_type, inputs, attributes=attrs or None, num_outputs=num_outputs,
-                       name=f"{self.outer.prefix}/loop/{name}")
-        for i, out in enumerate(node.outputs):
-            out.name = node.name + (f":{i}" if num_outputs > 1 else "")
-        self.nodes.append(node)
-        return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
-
-
 def _row(b, w, dist: ir.Value, pick: ir.Value, n: int, name: str) -> ir.Value:
     """dist[b, pick[b], :] -> [B, N]."""
     index = w.op("Expand", [w.op("Unsqueeze", [pick, b.ints(f"{name}_axes", [-1])], f"{name}_col"),
@@ -183,27 +168,12 @@ def _step(b, w, dist, running, masked, n: int, name: str):
 
 def _loop(b, dist: ir.Value, running: ir.Value, masked: ir.Value, trips: int, n: int) -> ir.Node:
     """Loop(trips): carried (running, mask), scan output the pick of each iteration."""
-    iteration = ir.Value(name=f"{b.prefix}/loop/i", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
-    cond_in = ir.Value(name=f"{b.prefix}/loop/cond_in", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
-    run_in = ir.Value(name=f"{b.prefix}/loop/running_in", type=ir.TensorType(ir.DataType.FLOAT),
-                      shape=ir.Shape(["batch", n]))
-    mask_in = ir.Value(name=f"{b.prefix}/loop/mask_in", type=ir.TensorType(ir.DataType.FLOAT),
-                       shape=ir.Shape(["batch", n]))
-    body = ir.Graph([iteration, cond_in, run_in, mask_in], [], nodes=[], name="divprune_step")
-    w = _Body(b, body)
+    w, _, cond_in, (run_in, mask_in) = loop_body(b, "divprune_step", {"running_in": ["batch", n],
+                                                                      "mask_in": ["batch", n]})
     pick, run_out, mask_out = _step(b, w, dist, run_in, mask_in, n, "step")
     cond_out = w.op("Identity", [cond_in], "cond_out")
     pick_out = w.op("Identity", [pick], "pick_out")
-    body.extend(w.nodes)
-    body.outputs.extend([cond_out, run_out, mask_out, pick_out])
-    trip_count = b.const("trips", np.array(trips, dtype=np.int64))
-    keep_going = b.const("cond", np.array(True))
-    loop = ir.node("Loop", [trip_count, keep_going, running, masked], attributes={"body": body}, num_outputs=3,
-                   name=f"{b.prefix}/greedy_loop")
-    for i, out in enumerate(loop.outputs):
-        out.name = f"{b.prefix}/greedy_loop:{i}"
-    b.add_node(loop)
-    return loop
+    return add_loop(b, w, [cond_out, run_out, mask_out, pick_out], trips, [running, masked], "greedy_loop")
 
 
 # ---------------------------------------------------------------------------- fusion

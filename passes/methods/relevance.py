@@ -45,8 +45,8 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import BLOCK
 
 NAME = "prompt_weight"
-NORM_EPS = 1e-12  # row norms' floor (cdpruner's)
-RANGE_EPS = 1e-6  # min-max normalisation's floor (cdpruner's, OpenVINO GenAI's)
+NORM_EPS = 1e-12  # row norms' floor (cdpruner's too: it computes its relevance here)
+RANGE_EPS = 1e-6  # min-max normalisation's floor (OpenVINO GenAI's cdpruner)
 SCORE_EPS = 1e-6  # the score maximum's floor (attention.normalise's)
 
 GENERIC = {

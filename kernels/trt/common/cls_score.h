@@ -25,6 +25,15 @@ namespace vlmprune
 namespace trt
 {
 
+constexpr int32_t kClsScoreInputs = 2;  // q, k
+constexpr int32_t kClsScoreOutputs = 1; // scores
+
+// q and k are both rank 4 ([B, H, T, dh]; k [B, H, dh, T] when k_transposed).
+inline bool clsScoreRanksOk(nvinfer1::Dims const& q, nvinfer1::Dims const& k) noexcept
+{
+    return q.nbDims == 4 && k.nbDims == 4;
+}
+
 struct ClsScoreAttributes
 {
     float scale;
@@ -33,32 +42,16 @@ struct ClsScoreAttributes
     int32_t kTransposed;
 };
 
-// Same as logPluginError, under the scorer's name.
+// logPluginError / rejected() of token_prune_checks.h, under the scorer's name.
 inline void logScoreError(char const* where, char const* why) noexcept
 {
-    char message[512];
-    std::snprintf(message, sizeof(message), "%s::%s: %s", kClsScoreName, where, why);
-    logError(message);
+    logErrorAs(kClsScoreName, where, why);
 }
 
-// rejected() of token_prune_checks.h, logging under the scorer's name.
 template <typename Check>
 bool scoreRejected(char const* where, Check&& check) noexcept
 {
-    try
-    {
-        std::string const why = check();
-        if (why.empty())
-        {
-            return false;
-        }
-        logScoreError(where, why.c_str());
-    }
-    catch (...)
-    {
-        logScoreError(where, "out of host memory");
-    }
-    return true;
+    return rejectedAs(kClsScoreName, where, check);
 }
 
 inline std::string checkScoreAttributes(ClsScoreAttributes const& a)
@@ -197,12 +190,9 @@ inline int32_t enqueueClsScore(nvinfer1::PluginTensorDesc const* inputDesc, void
         a.kTransposed, a.scale, a.hasCls, a.int8, static_cast<float*>(scores), stream);
     if (status != VLMP_OK)
     {
-        char const* cudaReason = status == VLMP_ERR_CUDA ? cudaGetErrorString(cudaGetLastError()) : "";
-        char why[256];
-        std::snprintf(why, sizeof(why), "vlmp_cls_scores_cuda returned %s%s%s", kernelStatusName(status),
-            cudaReason[0] != '\0' ? ": " : "", cudaReason);
-        logScoreError("enqueue", why);
-        return static_cast<int32_t>(status);
+        // kernels.h: after VLMP_ERR_CUDA, cudaGetLastError() holds the reason.
+        return kernelFailed(kClsScoreName, "vlmp_cls_scores_cuda", status,
+            status == VLMP_ERR_CUDA ? cudaGetErrorString(cudaGetLastError()) : "");
     }
     return 0;
 }

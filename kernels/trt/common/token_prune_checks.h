@@ -21,19 +21,25 @@ namespace trt
 // hands a logger over through setLoggerFinder(), TensorRT 8.5 through getLogger().
 void logError(char const* message) noexcept;
 
+// "plugin::where: why", for either plugin of this library (kTokenPruneName, kClsScoreName).
 // Formats into a fixed buffer: reporting must still work when the heap does not.
-inline void logPluginError(char const* where, char const* why) noexcept
+inline void logErrorAs(char const* plugin, char const* where, char const* why) noexcept
 {
     char message[512];
-    std::snprintf(message, sizeof(message), "%s::%s: %s", kTokenPruneName, where, why);
+    std::snprintf(message, sizeof(message), "%s::%s: %s", plugin, where, why);
     logError(message);
 }
 
+inline void logPluginError(char const* where, char const* why) noexcept
+{
+    logErrorAs(kTokenPruneName, where, why);
+}
+
 // Runs `check` (returns an empty string when all is well, else why not) and logs its
-// verdict; true means rejected. An allocation failure while building the message
-// counts as a rejection, so the TensorRT methods can stay noexcept.
+// verdict under `plugin`'s name; true means rejected. An allocation failure while
+// building the message counts as a rejection, so the TensorRT methods can stay noexcept.
 template <typename Check>
-bool rejected(char const* where, Check&& check) noexcept
+bool rejectedAs(char const* plugin, char const* where, Check&& check) noexcept
 {
     try
     {
@@ -42,13 +48,38 @@ bool rejected(char const* where, Check&& check) noexcept
         {
             return false;
         }
-        logPluginError(where, why.c_str());
+        logErrorAs(plugin, where, why.c_str());
     }
     catch (...)
     {
-        logPluginError(where, "out of host memory");
+        logErrorAs(plugin, where, "out of host memory");
     }
     return true;
+}
+
+template <typename Check>
+bool rejected(char const* where, Check&& check) noexcept
+{
+    return rejectedAs(kTokenPruneName, where, check);
+}
+
+// setPluginNamespace() of the TensorRT 8.5 wrappers: REGISTER_TENSORRT_PLUGIN registers
+// with the namespace "", and the ONNX node asks for the contract's namespace, so an
+// empty namespace never replaces it.
+inline void assignNamespace(char const* plugin, std::string& target, char const* pluginNamespace) noexcept
+{
+    if (pluginNamespace == nullptr || pluginNamespace[0] == '\0')
+    {
+        return;
+    }
+    try
+    {
+        target = pluginNamespace;
+    }
+    catch (...)
+    {
+        logErrorAs(plugin, "setPluginNamespace", "out of host memory");
+    }
 }
 
 // vlmp_status (kernels/include/vlmprune/kernels.h) in words, for log messages.
@@ -62,6 +93,17 @@ inline char const* kernelStatusName(vlmp_status status) noexcept
     case VLMP_ERR_CUDA: return "VLMP_ERR_CUDA";
     }
     return "unknown vlmp_status";
+}
+
+// Logs "step returned STATUS[: cudaReason]" under `plugin`'s name (cudaReason: CUDA's
+// cudaGetErrorString after VLMP_ERR_CUDA, else ""); returns the status as enqueue()'s result.
+inline int32_t kernelFailed(char const* plugin, char const* step, vlmp_status status, char const* cudaReason) noexcept
+{
+    char why[256];
+    std::snprintf(why, sizeof(why), "%s returned %s%s%s", step, kernelStatusName(status),
+        cudaReason[0] != '\0' ? ": " : "", cudaReason);
+    logErrorAs(plugin, "enqueue", why);
+    return static_cast<int32_t>(status);
 }
 
 inline std::string checkAttributes(int64_t keep, int64_t hasCls)

@@ -44,12 +44,8 @@ inline int32_t enqueueTokenPrune(nvinfer1::PluginTensorDesc const* inputDesc, vo
     if (status != VLMP_OK)
     {
         // kernels.h: after VLMP_ERR_CUDA, cudaGetLastError() holds the reason.
-        char const* cudaReason = status == VLMP_ERR_CUDA ? cudaGetErrorString(cudaGetLastError()) : "";
-        char why[256];
-        std::snprintf(why, sizeof(why), "%s returned %s%s%s", step, kernelStatusName(status),
-            cudaReason[0] != '\0' ? ": " : "", cudaReason);
-        logPluginError("enqueue", why);
-        return static_cast<int32_t>(status);
+        return kernelFailed(kTokenPruneName, step, status,
+            status == VLMP_ERR_CUDA ? cudaGetErrorString(cudaGetLastError()) : "");
     }
     return 0;
 }

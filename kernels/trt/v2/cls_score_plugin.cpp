@@ -9,36 +9,6 @@ namespace vlmprune
 {
 namespace trt
 {
-namespace
-{
-
-constexpr int32_t kNbInputs = 2;  // q, k
-constexpr int32_t kNbOutputs = 1; // scores
-
-bool ranksAre(Dims const& q, Dims const& k)
-{
-    return q.nbDims == 4 && k.nbDims == 4;
-}
-
-// See token_prune_plugin.cpp: REGISTER_TENSORRT_PLUGIN's "" never replaces the contract's namespace.
-void assignNamespace(std::string& target, char const* pluginNamespace) noexcept
-{
-    if (pluginNamespace == nullptr || pluginNamespace[0] == '\0')
-    {
-        return;
-    }
-    try
-    {
-        target = pluginNamespace;
-    }
-    catch (...)
-    {
-        logScoreError("setPluginNamespace", "out of host memory");
-    }
-}
-
-} // namespace
-
 constexpr size_t ClsScorePluginV2::kSerializedSize;
 
 ClsScorePluginV2::ClsScorePluginV2(ClsScoreAttributes const& attrs)
@@ -60,7 +30,7 @@ char const* ClsScorePluginV2::getPluginVersion() const noexcept
 
 int32_t ClsScorePluginV2::getNbOutputs() const noexcept
 {
-    return kNbOutputs;
+    return kClsScoreOutputs;
 }
 
 int32_t ClsScorePluginV2::initialize() noexcept
@@ -91,7 +61,7 @@ void ClsScorePluginV2::destroy() noexcept
 
 void ClsScorePluginV2::setPluginNamespace(char const* pluginNamespace) noexcept
 {
-    assignNamespace(mNamespace, pluginNamespace);
+    assignNamespace(kClsScoreName, mNamespace, pluginNamespace);
 }
 
 char const* ClsScorePluginV2::getPluginNamespace() const noexcept
@@ -122,7 +92,7 @@ DimsExprs ClsScorePluginV2::getOutputDimensions(
     int32_t outputIndex, DimsExprs const* inputs, int32_t nbInputs, IExprBuilder& exprBuilder) noexcept
 {
     DimsExprs out{};
-    if (nbInputs != kNbInputs || inputs[0].nbDims != 4 || inputs[1].nbDims != 4 || outputIndex != 0)
+    if (nbInputs != kClsScoreInputs || inputs[0].nbDims != 4 || inputs[1].nbDims != 4 || outputIndex != 0)
     {
         logScoreError("getOutputDimensions", "expects inputs q and k of rank 4, one output");
         return out;
@@ -147,7 +117,7 @@ DimsExprs ClsScorePluginV2::getOutputDimensions(
 bool ClsScorePluginV2::supportsFormatCombination(
     int32_t pos, PluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= kNbInputs + kNbOutputs)
+    if (nbInputs != kClsScoreInputs || nbOutputs != kClsScoreOutputs || pos < 0 || pos >= kClsScoreInputs + kClsScoreOutputs)
     {
         return false;
     }
@@ -157,7 +127,7 @@ bool ClsScorePluginV2::supportsFormatCombination(
 void ClsScorePluginV2::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
     DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || !ranksAre(in[0].desc.dims, in[1].desc.dims))
+    if (nbInputs != kClsScoreInputs || nbOutputs != kClsScoreOutputs || !clsScoreRanksOk(in[0].desc.dims, in[1].desc.dims))
     {
         logScoreError("configurePlugin", "expects inputs q and k of rank 4, one output");
         mProfileRejected = true;
@@ -260,7 +230,7 @@ IPluginV2* ClsScoreCreatorV2::deserializePlugin(
 
 void ClsScoreCreatorV2::setPluginNamespace(char const* pluginNamespace) noexcept
 {
-    assignNamespace(mNamespace, pluginNamespace);
+    assignNamespace(kClsScoreName, mNamespace, pluginNamespace);
 }
 
 char const* ClsScoreCreatorV2::getPluginNamespace() const noexcept

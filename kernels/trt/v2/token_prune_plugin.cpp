@@ -29,24 +29,6 @@ bool ranksAre(Dims const& hidden, Dims const& scores)
     return hidden.nbDims == 3 && scores.nbDims == 2;
 }
 
-// REGISTER_TENSORRT_PLUGIN registers with the namespace "", and the ONNX node asks
-// for kTokenPruneNamespace, so an empty namespace never replaces the contract's.
-void assignNamespace(std::string& target, char const* pluginNamespace) noexcept
-{
-    if (pluginNamespace == nullptr || pluginNamespace[0] == '\0')
-    {
-        return;
-    }
-    try
-    {
-        target = pluginNamespace;
-    }
-    catch (...)
-    {
-        logPluginError("setPluginNamespace", "out of host memory");
-    }
-}
-
 } // namespace
 
 constexpr size_t TokenPrunePluginV2::kSerializedSize;
@@ -100,7 +82,7 @@ void TokenPrunePluginV2::destroy() noexcept
 
 void TokenPrunePluginV2::setPluginNamespace(char const* pluginNamespace) noexcept
 {
-    assignNamespace(mNamespace, pluginNamespace);
+    assignNamespace(kTokenPruneName, mNamespace, pluginNamespace);
 }
 
 char const* TokenPrunePluginV2::getPluginNamespace() const noexcept
@@ -301,7 +283,7 @@ IPluginV2* TokenPruneCreatorV2::deserializePlugin(
 
 void TokenPruneCreatorV2::setPluginNamespace(char const* pluginNamespace) noexcept
 {
-    assignNamespace(mNamespace, pluginNamespace);
+    assignNamespace(kTokenPruneName, mNamespace, pluginNamespace);
 }
 
 char const* TokenPruneCreatorV2::getPluginNamespace() const noexcept

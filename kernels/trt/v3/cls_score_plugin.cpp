@@ -8,19 +8,6 @@ namespace vlmprune
 {
 namespace trt
 {
-namespace
-{
-
-constexpr int32_t kNbInputs = 2;  // q, k
-constexpr int32_t kNbOutputs = 1; // scores
-
-bool ranksAre(Dims const& q, Dims const& k)
-{
-    return q.nbDims == 4 && k.nbDims == 4;
-}
-
-} // namespace
-
 ClsScorePluginV3::ClsScorePluginV3(ClsScoreAttributes const& attrs)
     : mAttrs(attrs)
     , mSerialCollection{0, nullptr}
@@ -69,7 +56,7 @@ char const* ClsScorePluginV3::getPluginNamespace() const noexcept
 int32_t ClsScorePluginV3::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
     DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || !ranksAre(in[0].desc.dims, in[1].desc.dims))
+    if (nbInputs != kClsScoreInputs || nbOutputs != kClsScoreOutputs || !clsScoreRanksOk(in[0].desc.dims, in[1].desc.dims))
     {
         logScoreError("configurePlugin", "expects inputs q and k of rank 4, one output");
         return 1;
@@ -85,7 +72,7 @@ int32_t ClsScorePluginV3::configurePlugin(DynamicPluginTensorDesc const* in, int
 int32_t ClsScorePluginV3::getOutputDataTypes(
     DataType* outputTypes, int32_t nbOutputs, DataType const* /*inputTypes*/, int32_t nbInputs) const noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs)
+    if (nbInputs != kClsScoreInputs || nbOutputs != kClsScoreOutputs)
     {
         return 1;
     }
@@ -96,7 +83,7 @@ int32_t ClsScorePluginV3::getOutputDataTypes(
 int32_t ClsScorePluginV3::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const* /*shapeInputs*/,
     int32_t /*nbShapeInputs*/, DimsExprs* outputs, int32_t nbOutputs, IExprBuilder& exprBuilder) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || inputs[0].nbDims != 4 || inputs[1].nbDims != 4)
+    if (nbInputs != kClsScoreInputs || nbOutputs != kClsScoreOutputs || inputs[0].nbDims != 4 || inputs[1].nbDims != 4)
     {
         logScoreError("getOutputShapes", "expects inputs q and k of rank 4, one output");
         return 1;
@@ -124,7 +111,7 @@ int32_t ClsScorePluginV3::getOutputShapes(DimsExprs const* inputs, int32_t nbInp
 bool ClsScorePluginV3::supportsFormatCombination(
     int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= kNbInputs + kNbOutputs)
+    if (nbInputs != kClsScoreInputs || nbOutputs != kClsScoreOutputs || pos < 0 || pos >= kClsScoreInputs + kClsScoreOutputs)
     {
         return false;
     }
@@ -133,7 +120,7 @@ bool ClsScorePluginV3::supportsFormatCombination(
 
 int32_t ClsScorePluginV3::getNbOutputs() const noexcept
 {
-    return kNbOutputs;
+    return kClsScoreOutputs;
 }
 
 // vlmp_cls_scores_cuda keeps its scratch in shared memory.
@@ -146,7 +133,7 @@ size_t ClsScorePluginV3::getWorkspaceSize(DynamicPluginTensorDesc const* /*input
 int32_t ClsScorePluginV3::onShapeChange(
     PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* /*out*/, int32_t /*nbOutputs*/) noexcept
 {
-    if (nbInputs != kNbInputs || !ranksAre(in[0].dims, in[1].dims))
+    if (nbInputs != kClsScoreInputs || !clsScoreRanksOk(in[0].dims, in[1].dims))
     {
         logScoreError("onShapeChange", "expects inputs q and k of rank 4");
         return 1;

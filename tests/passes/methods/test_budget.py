@@ -9,16 +9,15 @@ import pytest
 import torch
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from method_helpers import assert_matches_pipeline
 from vlmprune.compiler.contract import NUM_TOKENS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import SiteTensors
-from vlmprune.compiler.parity.reference import MethodPruner, padded_outputs
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.budget import AdaptiveBudget, adaptive_keep, wrap
 from vlmprune.passes.outputs import ZeroPaddingPass
-from vlmprune.passes.prune import KEPT_INDICES, InsertPruningPass, prune_record
+from vlmprune.passes.prune import InsertPruningPass
 from vlmprune.passes.retarget import RetargetTokenCountPass
-from vlmprune.targets.runtime import ort_session, run_session
 
 CLS = get_method("cls")
 # Steep constants: the tiny towers' [CLS] attention is nearly flat (H close to ln 64), so the default ones give every
@@ -77,14 +76,7 @@ def test_inserted_graph_matches_reference(tiny_dense_path, tiny_source, batch):
     ops = [n.op_type for n in model.graph]
     assert not {"Loop", "NonZero", "If", "Scan"} & set(ops) and ops.count("TopK") == 2  # the method's own is gone
     x = np.random.default_rng(batch + 4).standard_normal((batch, 3, 112, 112)).astype(np.float32)
-    out = run_session(ort_session(ir.to_proto(model).SerializeToString()), x)
-    with torch.inference_mode():
-        pipeline = tiny_source.pipeline.with_pruner(MethodPruner(method, params, "block", prune_record(model)["layer"]))
-        feats, kept = pipeline(torch.from_numpy(x))
-    expected = padded_outputs(feats.numpy(), 17, pipeline.last_trace["num_tokens"])
-    np.testing.assert_array_equal(out[KEPT_INDICES], kept.numpy())
-    np.testing.assert_array_equal(out[NUM_TOKENS], expected[NUM_TOKENS])
-    np.testing.assert_allclose(out["image_features"], expected["image_features"], rtol=1e-4, atol=1e-5)
+    out = assert_matches_pipeline(model, method, params, tiny_source, x, 17)
     for b, rows in enumerate(out[NUM_TOKENS]):
         assert np.all(out["image_features"][b, rows:] == 0) and np.abs(out["image_features"][b, :rows]).min() >= 0
 

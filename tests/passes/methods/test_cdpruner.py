@@ -4,18 +4,15 @@ the empty prompt, precision, and the refusals."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from onnx_ir.passes.common import ShapeInferencePass
 
-from method_helpers import tokens
+from method_helpers import finish, session, tokens
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import GraphInputs, PromptSiteTensors
 from vlmprune.passes.methods.builder import Builder
-from vlmprune.targets.runtime import ort_session
 
 N, DV, D, T, KEEP = 48, 24, 16, 5, 12
 
@@ -74,20 +71,13 @@ def model(keep: int, has_cls: bool = False, formulation: str = "loop", **options
     graph = ir.Graph([hidden, feats, text], [], nodes=[], name="cdpruner", opset_imports={"": 18})
     b = Builder(graph, 18, "vlmprune/cdpruner")
     out, kept = method.emit(b, params, GraphInputs(hidden, has_cls, N, features=feats, text=text), formulation)
-    graph.extend(b.nodes)
-    out.name, kept.name = "tokens", "kept_indices"
-    graph.outputs.extend([out, kept])
-    m = ir.Model(graph, ir_version=10)
-    ShapeInferencePass()(m)
-    return method, params, m
+    return method, params, finish(graph, b, out, kept)
 
 
 def run(m, x, feats, text):
-    proto = ir.to_proto(m)
-    onnx.checker.check_model(proto, full_check=True)
-    session = ort_session(proto.SerializeToString())
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(None, {"hidden": x, "features": feats, "text_embeds": text})))
+    ort = session(m)
+    names = [o.name for o in ort.get_outputs()]
+    return dict(zip(names, ort.run(None, {"hidden": x, "features": feats, "text_embeds": text})))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from onnx_ir.passes.common import ShapeInferencePass
 
+from method_helpers import finish, session
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import SiteTensors
 from vlmprune.passes.graph.structure import AttentionBlock, TowerStructure
@@ -25,7 +24,6 @@ from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.base import GraphInputs, SiteSpec
 from vlmprune.passes.methods.builder import Builder
 from vlmprune.passes.methods.holov import crop_groups, default_partitions
-from vlmprune.targets.runtime import ort_session
 
 HEADS, DH = 2, 4
 
@@ -92,32 +90,29 @@ def inputs(seed: int, b: int, n: int, d: int, focus: tuple[int, int] | None = No
     return x, q, k
 
 
-def holov_graph(n: int, d: int, keep: int, **options):
-    """(method, params, model): (hidden [b, N, D], q, k [b, H, 1+N, dh]) -> (tokens, kept), holov's nodes only."""
+def holov_graph(n: int, d: int, keep: int, text: bool = False, **options):
+    """(method, params, model): (hidden [b, N, D], q, k [b, H, 1+N, dh], with text the prompt's text_embeds
+    [b, T, D]) -> (tokens, kept, token scores), holov's nodes only."""
     method = get_method("holov")
     params = method.parse(keep, options)
-    hidden = ir.Value(name="hidden", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch", n, d]))
-    q = ir.Value(name="q", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch", HEADS, n + 1, DH]))
-    k = ir.Value(name="k", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch", HEADS, n + 1, DH]))
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    hidden = ir.Value(name="hidden", type=f32, shape=ir.Shape(["batch", n, d]))
+    q = ir.Value(name="q", type=f32, shape=ir.Shape(["batch", HEADS, n + 1, DH]))
+    k = ir.Value(name="k", type=f32, shape=ir.Shape(["batch", HEADS, n + 1, DH]))
+    prompt = [ir.Value(name="text_embeds", type=f32, shape=ir.Shape(["batch", "text_tokens", d]))] if text else []
     out = ir.Value(name="block_out", shape=ir.Shape(["batch", n + 1, 8]))  # what the block's output shows: 1+N
     block = AttentionBlock(1, ir.node("Attention", [q, k]), q, k, False, [], DH ** -0.5, out)
-    graph = ir.Graph([hidden, q, k], [], nodes=[], name="holov", opset_imports={"": 18})
+    graph = ir.Graph([hidden, q, k, *prompt], [], nodes=[], name="holov", opset_imports={"": 18})
     b = Builder(graph, 18, "vlmprune/holov")
-    tokens, kept = method.emit(b, params, GraphInputs(hidden, False, n, None, TowerStructure([block], None, None, None),
-                                                      0), "standard")
-    graph.extend(b.nodes)
-    tokens.name, kept.name = "tokens", "kept_indices"
+    site = GraphInputs(hidden, False, n, None, TowerStructure([block], None, None, None), 0,
+                       text=prompt[0] if prompt else None)
+    tokens, kept = method.emit(b, params, site, "standard")
     scores = next(out for node in b.nodes for out in node.outputs if out.name == "vlmprune/holov/token_score")
-    graph.outputs.extend([tokens, kept, scores])  # the token scores too, to check the variance term
-    model = ir.Model(graph, ir_version=10)
-    ShapeInferencePass()(model)
-    return method, params, model
+    return method, params, finish(graph, b, tokens, kept, scores)  # the token scores too, to check the variance term
 
 
-def run(model, x, q, k):
-    proto = ir.to_proto(model)
-    onnx.checker.check_model(proto, full_check=True)
-    tokens, kept, scores = ort_session(proto.SerializeToString()).run(None, {"hidden": x, "q": q, "k": k})
+def run(model, x, q, k, **feeds):
+    tokens, kept, scores = session(model).run(None, {"hidden": x, "q": q, "k": k, **feeds})
     return tokens, kept, scores
 
 

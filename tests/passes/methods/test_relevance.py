@@ -8,20 +8,14 @@ to test_holov's official HoloV arithmetic (which takes the attention as an input
 from __future__ import annotations
 
 import numpy as np
-import onnx
-import onnx_ir as ir
 import pytest
 import torch
-from onnx_ir.passes.common import ShapeInferencePass
 
-from test_holov import DH, HEADS, cls_row, inputs, official
+from test_holov import DH, cls_row, holov_graph, inputs, official, run
 from vlmprune.compiler.errors import InputError
-from vlmprune.passes.graph.structure import AttentionBlock, TowerStructure
 from vlmprune.passes.methods import get_method, relevance
-from vlmprune.passes.methods.base import GraphInputs, PromptSiteTensors
-from vlmprune.passes.methods.builder import Builder
+from vlmprune.passes.methods.base import PromptSiteTensors
 from vlmprune.passes.methods.holov import default_partitions
-from vlmprune.targets.runtime import ort_session
 
 
 def plain(score: np.ndarray, x: np.ndarray, text: np.ndarray, w: float) -> np.ndarray:
@@ -50,40 +44,15 @@ def test_weighted_equals_the_plain_formula(tokens):
     np.testing.assert_array_equal(relevance.weighted({}, site, torch.from_numpy(score)).numpy(), score)
 
 
-def holov_graph(n: int, d: int, keep: int, **options):
-    """(method, params, model): (hidden, q, k, text_embeds) -> (tokens, kept), holov's nodes only."""
-    method = get_method("holov")
-    params = method.parse(keep, options)
-    f32 = ir.TensorType(ir.DataType.FLOAT)
-    hidden = ir.Value(name="hidden", type=f32, shape=ir.Shape(["batch", n, d]))
-    q = ir.Value(name="q", type=f32, shape=ir.Shape(["batch", HEADS, n + 1, DH]))
-    k = ir.Value(name="k", type=f32, shape=ir.Shape(["batch", HEADS, n + 1, DH]))
-    text = ir.Value(name="text_embeds", type=f32, shape=ir.Shape(["batch", "text_tokens", d]))
-    out = ir.Value(name="block_out", shape=ir.Shape(["batch", n + 1, 8]))
-    block = AttentionBlock(1, ir.node("Attention", [q, k]), q, k, False, [], DH ** -0.5, out)
-    graph = ir.Graph([hidden, q, k, text], [], nodes=[], name="holov", opset_imports={"": 18})
-    b = Builder(graph, 18, "vlmprune/holov")
-    site = GraphInputs(hidden, False, n, None, TowerStructure([block], None, None, None), 0, text=text)
-    tokens, kept = method.emit(b, params, site, "standard")
-    graph.extend(b.nodes)
-    tokens.name, kept.name = "tokens", "kept_indices"
-    graph.outputs.extend([tokens, kept])
-    model = ir.Model(graph, ir_version=10)
-    ShapeInferencePass()(model)
-    return method, params, model
-
-
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("weight", [0.5, 4.0])
 def test_holov_graph_and_reference_equal_the_plain_formula(batch, weight):
     n, d, keep = 40, 16, 10
     x, q, k = inputs(batch + 11, batch, n, d)
     text = np.random.default_rng(batch).standard_normal((batch, 6, d)).astype(np.float32)
-    method, params, model = holov_graph(n, d, keep, prompt_weight=weight)
+    method, params, model = holov_graph(n, d, keep, text=True, prompt_weight=weight)
     assert method.needs(params).text and not method.needs(method.parse(keep, {})).text
-    proto = ir.to_proto(model)
-    onnx.checker.check_model(proto, full_check=True)
-    tokens, kept = ort_session(proto.SerializeToString()).run(None, {"hidden": x, "q": q, "k": k, "text_embeds": text})
+    tokens, kept, _ = run(model, x, q, k, text_embeds=text)
     with torch.inference_mode():
         ref = method.reference(params, PromptSiteTensors(torch.from_numpy(x), False, torch.from_numpy(q),
                                                          torch.from_numpy(k), DH ** -0.5, text=torch.from_numpy(text)))
@@ -100,7 +69,7 @@ def test_holov_graph_and_reference_equal_the_plain_formula(batch, weight):
         assert ref.kept.tolist() != plain_ref.kept.tolist()
     # No prompt rows: the ranking of a / max(a), HoloV's own (its crop weights are scale-free).
     empty = np.zeros((batch, 0, d), np.float32)
-    _, kept0 = ort_session(proto.SerializeToString()).run(None, {"hidden": x, "q": q, "k": k, "text_embeds": empty})
+    _, kept0, _ = run(model, x, q, k, text_embeds=empty)
     np.testing.assert_array_equal(kept0, plain_ref.kept.numpy())
 
 
