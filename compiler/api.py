@@ -724,7 +724,7 @@ class MethodInfo:
 
     def lines(self) -> list[str]:
         out = [f"{self.name}: {self.summary}", f"  needs:    {self.needs}", f"  serves:   {self.serves}"]
-        out += [f"  --{option}: {text}" for option, text in self.options.items()]
+        out += [f"  --{option.replace('_', '-')}: {text}" for option, text in self.options.items()]
         out.append("  targets:  " + ", ".join(self.targets))
         if self.official:
             out.append(f"  official: {self.official}")

@@ -180,6 +180,7 @@ def test_methods_command_lists_needs_and_targets():
     assert "needs:    block L's hidden states, block L's Q and K, a [CLS] token" in text
     assert "needs:    the projector output (the tower's end)" in text
     assert "--contextual" in text and "--pivots" in text and "--lambda" in text
+    assert "--text-pivots: " in text and "--roi-max: " in text and "_pivots" not in text  # the flags as typed
     assert "not available (trained weights that do not exist here):\n  coarse-heatmap: seed 001's" in text
     assert "ort (loop, fused into DivPruneSelect)" in text and "orin (unrolled)" in text
     assert "rk3588 (standard ops)" in text
