@@ -131,7 +131,8 @@ class CompileResult(pipeline.CompileResult):
         """`vlmprune compile --json`'s summary."""
         m = self.manifest
         return {"bundle": str(self.bundle), "target": m.target.name, "method": dict(m.method),
-                "outputs": [dict(o) for o in m.outputs], "parity": dict(m.parity), "seconds": round(self.seconds, 2)}
+                "outputs": [dict(o) for o in m.outputs], "parity": dict(m.parity), "seconds": round(self.seconds, 2),
+                "timings": [s.to_json() for s in self.timings]}
 
     def lines(self) -> list[str]:
         """The summary `vlmprune compile` prints: tokens in and out, each parity stage's figures, placement."""
@@ -160,19 +161,26 @@ class CompileResult(pipeline.CompileResult):
         out.append(f"bundle: {self.bundle} ({self.seconds:.1f}s)")
         return out
 
+    def timing_lines(self) -> list[str]:
+        """`compile --timings`: seconds, share and peak RSS per stage of this compile (compiler.pipeline.timings)."""
+        from vlmprune.compiler.pipeline.timings import table
+
+        return table(self.timings)
+
 
 def compile(model: str, output: str | Path = "build", *, target: str = DEFAULT_TARGET, method: str = "cls",
-            keep: int = 192, layer: int | None = None, prune: bool = True, batch: int | None = None, opset: int = 18,
+            keep: int | str = 192, layer: int | None = None, prune: bool = True, batch: int | None = None, opset: int = 18,
             feature_layer: int | None = None, cls: str | None = None, with_llm: bool = False,
             llm_exporter: str | None = None, fastv_layer: int | None = None, fastv_keep: float | None = None,
             image_start: int | None = None, method_options: dict | None = None, target_options: dict | None = None,
             family_options: dict | None = None, cache: bool = True, force: bool = False, debug: bool = False,
-            progress: Progress = None) -> CompileResult:
+            progress: Progress = None, latency_ms: float | None = None) -> CompileResult:
     """Compile MODEL (a preset such as `demo`, a Hugging Face directory, or an .onnx tower) into a bundle at output.
 
     The keywords are `vlmprune compile`'s options (prune=False is --no-prune; method_options,
     target_options and family_options hold the options the tables declare, e.g. {"lambda": 0.3},
-    {"precision": "int8"}, {"grid": "2x2"}). Returns the CompileResult even when a parity stage
+    {"precision": "int8"}, {"grid": "2x2"}); keep="auto" with latency_ms picks the largest K whose latency on
+    the target fits that budget (compiler.pipeline.auto_keep). Returns the CompileResult even when a parity stage
     fails (result.passed is False; the CLI exits 1). Raises InputError for bad options or a model
     it cannot compile, ToolchainError where a target's toolchain is missing.
     """
@@ -181,7 +189,7 @@ def compile(model: str, output: str | Path = "build", *, target: str = DEFAULT_T
                              method_options=dict(method_options or {}), target_options=dict(target_options or {}),
                              family_options={k: v for k, v in (family_options or {}).items() if v is not None},
                              cache=cache, with_llm=with_llm, llm_exporter=llm_exporter, fastv_layer=fastv_layer,
-                             fastv_keep=fastv_keep, image_start=image_start)
+                             fastv_keep=fastv_keep, image_start=image_start, latency_ms=latency_ms)
     result = compile_model(model, Path(output), options, _say(progress))
     return CompileResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
 

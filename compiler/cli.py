@@ -113,6 +113,21 @@ def _progress(quiet: bool):
     return (lambda _m: None) if quiet else (lambda m: click.echo(m, err=True))
 
 
+class _KeepType(click.ParamType):
+    """--keep: an integer K, or `auto` (with --latency-ms; compiler.pipeline.auto_keep)."""
+
+    name = "integer|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return value if isinstance(value, int) else "auto"
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not an integer or auto", param, ctx)
+
+
+_KEEP = _KeepType()
 _LLM = api.llm_option_texts()  # --with-llm / --llm-exporter, from the declarations
 
 
@@ -178,7 +193,10 @@ def _family_options(fn):
 @click.option("--target", "-t", default=api.DEFAULT_TARGET, show_default=True,
               help="Deployment target (see `vlmprune targets`).")
 @click.option("--method", "-m", default="cls", show_default=True, help="Pruning method (see `vlmprune methods`).")
-@click.option("--keep", "-k", type=int, default=192, show_default=True, help="Tokens to keep (K).")
+@click.option("--keep", "-k", type=_KEEP, default=192, show_default=True,
+              help="Tokens to keep (K), or auto: the largest K whose latency on the target fits --latency-ms.")
+@click.option("--latency-ms", type=float, default=None,
+              help="--keep auto: the latency budget, ms per call of the tower on the target's runtime (timed here).")
 @click.option("--layer", "-l", type=int, default=None,
               help="Prune after this block (from 1), for methods that prune inside the tower. Default: the feature layer.")
 @click.option("--no-prune", is_flag=True, help="Dense baseline in the same bundle format.")
@@ -191,6 +209,8 @@ def _family_options(fn):
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@click.option("--timings", is_flag=True,
+              help="After the summary, a table of each stage's seconds and the peak memory (RSS) at its end.")
 @click.option("--debug", is_flag=True, help="If a fusion does not fire, print why each near-match failed.")
 @click.option("--cls", "cls_token", type=click.Choice(["drop", "keep"]), default=None,
               help="Drop or keep the [CLS] token in image_features. Default: the model's select strategy "
@@ -205,8 +225,8 @@ def _family_options(fn):
               help="Neither reuse nor keep the dense export and its parity products ($VLMPRUNE_CACHE/products).")
 @_extra_options
 @_one_line_errors
-def compile(model, target, method, keep, layer, no_prune, batch, opset, feature_layer, output, force,
-            as_json, quiet, debug, cls_token, **extra):
+def compile(model, target, method, keep, latency_ms, layer, no_prune, batch, opset, feature_layer, output, force,
+            as_json, quiet, timings, debug, cls_token, **extra):
     """Compile MODEL (a preset such as `demo`, a Hugging Face directory, or an .onnx tower) into a bundle."""
     family_options = {k.removeprefix("family_"): extra.pop(k) for k in list(extra) if k.startswith("family_")}
     llm = {name: extra.pop(name) for name in ("with_llm", "llm_exporter", "fastv_layer", "fastv_keep", "image_start")}
@@ -219,11 +239,13 @@ def compile(model, target, method, keep, layer, no_prune, batch, opset, feature_
                              batch=batch, opset=opset, feature_layer=feature_layer, cls=cls_token,
                              method_options=method_options, target_options=target_options,
                              family_options=family_options, cache=cache, force=force, debug=debug,
-                             progress=_progress(quiet or as_json), **llm)
+                             progress=_progress(quiet or as_json), latency_ms=latency_ms, **llm)
         if as_json:
             emit(json.dumps(result.to_json(), indent=2))
     if not as_json:
         _echo(result.lines())
+        if timings:
+            _echo(result.timing_lines())
     if not result.passed:
         click.echo(f"error: parity failed (see {result.bundle / 'parity.json'})", err=True)
         sys.exit(1)
@@ -239,7 +261,7 @@ def _refuse_pruning_options(method_options: dict) -> None:
     from click.core import ParameterSource
 
     ctx = click.get_current_context()
-    given = [f"--{name}" for name in ("method", "keep", "layer")
+    given = [f"--{name.replace('_', '-')}" for name in ("method", "keep", "latency_ms", "layer")
              if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
     given += [f"--{name}" for name in method_options]
     if given:

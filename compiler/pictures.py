@@ -364,3 +364,49 @@ def selections_for_run(manifest: dict, pixel: np.ndarray, kept: np.ndarray, name
         sel.legend = legend_for(manifest, sel, image_note)
         sels.append(sel)
     return sels, note
+
+
+BUDGET_RGB = (207, 34, 46)  # --keep auto: the latency budget line
+CURVE_RGB = (31, 119, 180)  # --keep auto: the measured K -> latency points
+CHOSEN_RGB = (26, 127, 55)  # --keep auto: the K chosen
+
+
+def latency_curve(section: dict, size: tuple[int, int] = (600, 360)):
+    """The K -> latency curve `--keep auto` measured (manifest["keep_auto"]), as a PIL image: every timed K as a
+    point (K on a log2 axis, as the ladder spaces them), the budget as a dashed line, the chosen K ringed."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    w, h = size
+    left, right, top, bottom = 64, 24, 30, 46
+    curve = sorted((int(k), float(ms)) for k, ms in section["curve"])
+    budget, chosen = float(section["budget_ms"]), int(section["chosen"])
+    ks = [k for k, _ in curve]
+    lo_k, hi_k = np.log2(ks[0]), np.log2(ks[-1])
+    top_ms = max(budget, *(ms for _, ms in curve)) * 1.1
+    x = lambda k: left + (0.5 if hi_k == lo_k else (np.log2(k) - lo_k) / (hi_k - lo_k)) * (w - left - right)  # noqa
+    y = lambda ms: top + (1 - ms / top_ms) * (h - top - bottom)  # noqa: E731
+    image = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(image)
+    d.rectangle([left, top, w - right, h - bottom], outline=(0, 0, 0))
+    for i in range(5):
+        ms = top_ms * i / 4
+        d.line([left - 4, y(ms), left, y(ms)], fill=(0, 0, 0))
+        d.text((4, y(ms) - 6), f"{ms:.3g}", fill=(0, 0, 0), font=font)
+    for k in ks:
+        d.line([x(k), h - bottom, x(k), h - bottom + 4], fill=(0, 0, 0))
+    for k in dict.fromkeys([ks[0], *[k for k in ks if k & (k - 1) == 0], chosen, ks[-1]]):  # powers of 2, ends
+        d.text((x(k) - 8, h - bottom + 8), str(k), fill=(0, 0, 0), font=font)
+    for start in range(left, w - right, 12):
+        d.line([start, y(budget), min(start + 6, w - right), y(budget)], fill=BUDGET_RGB, width=2)
+    d.text((w - right - 110, y(budget) - 14), f"budget {budget:g} ms", fill=BUDGET_RGB, font=font)
+    points = [(x(k), y(ms)) for k, ms in curve]
+    if len(points) > 1:
+        d.line(points, fill=CURVE_RGB, width=2)
+    for px, py in points:
+        d.rectangle([px - 3, py - 3, px + 3, py + 3], fill=CURVE_RGB)
+    cx, cy = x(chosen), y(dict(curve)[chosen])
+    d.ellipse([cx - 7, cy - 7, cx + 7, cy + 7], outline=CHOSEN_RGB, width=2)
+    d.text((left, 8), f"latency vs K (--keep auto): K={chosen} chosen", fill=(0, 0, 0), font=font)
+    d.text(((w - right + left) / 2 - 50, h - 16), "K (kept tokens)", fill=(0, 0, 0), font=font)
+    return image

@@ -267,9 +267,26 @@ def html_report(report: dict, manifest: dict, bundle_name: str, images: np.ndarr
         out.append("<ul>" + "".join(f"<li>{e(line)}</li>" for line in explained) + "</ul>")
     else:
         out.append('<p class="info">Every stage kept exactly the reference\'s patches on every parity image.</p>')
+    out += _keep_auto_section(manifest)
     out += _pictures_section(report, manifest, images)
     out.append("</body></html>")
     return "\n".join(out) + "\n"
+
+
+def _keep_auto_section(manifest: dict) -> list[str]:
+    """--keep auto: the K -> latency curve K was chosen on (manifest["keep_auto"]), as a picture and its figures."""
+    section = manifest.get("keep_auto")
+    if not section:
+        return []
+    e = html.escape
+    load = section.get("load")
+    loaded = "" if load is None else f"; other processes used {load:.0%} of the CPUs meanwhile"
+    rows = "".join(f"<tr><td>{k}</td><td>{ms:.3f}</td></tr>" for k, ms in section["curve"])
+    return ["<h2>K chosen by latency (--keep auto)</h2>",
+            f'<p>K = {section["chosen"]}: the largest timed K within {section["budget_ms"]:g} ms, timed on '
+            f'{e(section["timed_on"])}{e(loaded)}.</p>',
+            f'<figure><img alt="latency vs K" src="{_data_uri(pictures.latency_curve(section))}"></figure>',
+            f'<table class="figures"><thead><tr><th>K</th><th>ms</th></tr></thead><tbody>{rows}</tbody></table>']
 
 
 def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -> list[str]:

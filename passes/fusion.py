@@ -8,7 +8,9 @@ that fixes the semantics, and the rewriter refuses a match whose intermediates h
 consumers outside it.
 
 A target adds FusionPass only for a method whose rules it spells, so the fusion must
-fire: a rule that does not is a failure, reported with the rewriter's nearest misses.
+fire: a rule that does not is a failure, reported with the rewriter's nearest misses. A
+target's own rules (Target.own_fusion_rules: ort's fused attention) come as `optional` and
+need not fire.
 The ops fused are recorded in the model's metadata_props (`vlmprune.fused`).
 """
 
@@ -26,21 +28,30 @@ from vlmprune.compiler.errors import StructureError
 
 
 class FusionPass(ir.passes.InPlacePass):
-    """Apply `rules`; at least one must fire. debug: the failure carries the tracer's whole report."""
+    """Apply `rules`; at least one must fire. debug: the failure carries the tracer's whole report.
 
-    def __init__(self, rules: list, domains: dict[str, int], debug: bool = False):
+    optional: rules applied after them that need not fire (a target's own, e.g. passes.attention_fusion:
+    a tower whose attention has another form stays as it is); with no `rules`, nothing must fire.
+    """
+
+    def __init__(self, rules: list, domains: dict[str, int], debug: bool = False, optional: list = ()):
         super().__init__()
-        if not rules:
+        if not rules and not optional:
             raise ValueError("FusionPass needs at least one rule (a target adds it only where a rule applies)")
-        self.rules, self.domains, self.debug = list(rules), dict(domains), debug
+        self.rules, self.domains, self.debug, self.optional = list(rules), dict(domains), debug, list(optional)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if FUSED_META in model.metadata_props:  # fused already: nothing left to match
             return ir.passes.PassResult(model, modified=False)
-        fired = RewriteRuleSet(self.rules).apply_to_model(model)
-        if not fired:
+        fired = RewriteRuleSet(self.rules).apply_to_model(model) if self.rules else 0
+        if self.rules and not fired:
             raise StructureError(fusion_failure(self._near_misses(model), self.debug))
-        model.opset_imports.update(self.domains)
+        fired += RewriteRuleSet(self.optional).apply_to_model(model) if self.optional else 0
+        if not fired:
+            return ir.passes.PassResult(model, modified=False)
+        _stable_names(model.graph, self.domains)
+        used = {n.domain for n in model.graph.all_nodes()}
+        model.opset_imports.update({d: v for d, v in self.domains.items() if d in used})
         fused = sorted({f"{n.domain}.{n.op_type}" for n in model.graph if n.domain in self.domains})
         model.metadata_props[FUSED_META] = json.dumps({"count": fired, "ops": fused})
         return ir.passes.PassResult(model, modified=True)
@@ -53,6 +64,17 @@ class FusionPass(ir.passes.InPlacePass):
         with contextlib.redirect_stdout(sink):
             tracer.report()
         return sink.getvalue()
+
+
+def _stable_names(graph: ir.Graph, domains: dict[str, int]) -> None:
+    """Name the fused nodes by their place in the graph: the rewriter names a new node from the graph's running
+    counter, which depends on how the graph was made (exported here, or loaded from the product cache), and a
+    bundle must be the same bytes either way."""
+    counts: dict[str, int] = {}
+    for node in graph:
+        if node.domain in domains and (node.name or "").startswith("node_"):
+            i = counts[node.op_type] = counts.get(node.op_type, -1) + 1
+            node.name = f"fused/{node.op_type}_{i}"
 
 
 def fusion_failure(report: str, debug: bool) -> str:

@@ -161,12 +161,20 @@ class Target(abc.ABC):
         whose custom op covers some sites only.
         """
         rules = config.method.fusion_rules(self.spellings, record) if config is not None else []
-        if not rules:
+        own, own_domains = self.own_fusion_rules(config, options)
+        if not rules and not own:
             return None
-        domains = {s.domain: s.version for s in self.spellings.values()}
-        return TargetPipeline(self.name, FusionPass(rules, domains, debug=getattr(options, "debug", False)),
+        domains = {**{s.domain: s.version for s in self.spellings.values()}, **own_domains}
+        return TargetPipeline(self.name, FusionPass(rules, domains, debug=getattr(options, "debug", False),
+                                                    optional=own),
                               RemoveUnusedNodesPass(), TopologicalSortPass(),
                               SupportCheckPass(self.name, self.supports, self.check_model))
+
+    def own_fusion_rules(self, config: PruneConfig | None, options) -> tuple[list, dict[str, int]]:
+        """Rules this target adds to every fusion, dense bundles and methods without fused ops included, with
+        the op domains they write: (rules, {domain: version}). They need not fire (the method's must). None
+        by default."""
+        return [], {}
 
     def supports(self, node: ir.Node) -> tuple[bool, str]:
         """Whether this target's runtime runs node: standard ONNX, and the custom ops it spells."""

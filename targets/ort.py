@@ -12,6 +12,15 @@ node the fusion rule can match, the unrolled chain ~1900. dart's per-pivot steps
 chain of TopKs with constant K, and visionzip's merge a few MatMuls: fast in standard ops
 (tools/bench_methods.py, clip-l-336: every method's selection is under 2% of the dense
 tower), so they have no custom op.
+
+Every block's attention is fused into com.microsoft.MultiHeadAttention in model.onnx, whatever
+the method (dense bundles too): passes/attention_fusion.py says what it matches and why that op.
+
+--precision int8 adds model.int8.onnx beside model.onnx (which stays fp32: the graph every other
+stage and tool reads, and the reference the int8 stage is held to): static QDQ, calibrated on
+--calibration DIR or the built-in photographs, with everything the kept indices depend on kept
+fp32 (targets.ort_quant says what is quantized, why, and the measurement). `vlmprune run`, eval
+and generate run model.int8.onnx in such a bundle (runner); parity adds the stage `int8`.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ from pathlib import Path
 import onnx_ir as ir
 
 from vlmprune.compiler.contract import MODEL
-from vlmprune.compiler.errors import ToolchainError
+from vlmprune.compiler.errors import InputError, ToolchainError
+from vlmprune.passes.attention_fusion import FUSED_ATTENTION, MS_DOMAIN, attention_rules
 from vlmprune.passes.methods.base import FusedOp
 from vlmprune.targets.base import StageSpec, Target
 
@@ -35,6 +45,38 @@ class OrtTarget(Target):
     summary = "ONNX Runtime (CPU; CUDA EP where present) + vlmprune custom-op library"
     llm_exporters = ("torch", "genai")  # torch.onnx prefill + decode (FastV), or onnxruntime-genai's builder
     spellings = ORT_OPS  # control flow taken: a Loop is the one node DivPruneSelect's rule matches (above)
+    options = {"precision": "ort: fp32 (default) or int8 (adds model.int8.onnx: static QDQ, the score path fp32)",
+               "calibration": "ort --precision int8: a folder of PNG/JPEG images to calibrate on (default: built-in "
+                              "photographs, disjoint from the parity images)"}
+
+    def check_options(self, options) -> dict:
+        """--precision fp32 | int8, and --calibration DIR (int8 only; a folder of PNG/JPEG files)."""
+        from vlmprune.targets import ort_quant
+        from vlmprune.targets.base import reads_projector_output
+
+        given = super().check_options(options)
+        precision = (given.get("precision") or "fp32").strip().lower()
+        if precision not in ("fp32", "int8"):
+            raise InputError(f"ort --precision takes fp32 or int8, got {given['precision']!r}")
+        if given.get("calibration") is not None and precision != "int8":
+            raise InputError("--calibration calibrates --precision int8: add --precision int8 or drop --calibration")
+        if precision == "int8" and reads_projector_output(options):
+            raise InputError(f"ort --precision int8 with {options.method}: its selection reads the projector output, "
+                             "so the fp32 score path would be the whole tower and nothing would be quantized")
+        chosen = {"precision": precision}
+        if given.get("calibration") is not None:
+            ort_quant.check_calibration_dir(given["calibration"])
+            chosen["calibration"] = str(Path(given["calibration"]).expanduser().resolve())
+        return chosen
+
+    def own_fusion_rules(self, config, options) -> tuple[list, dict[str, int]]:
+        """Each block's attention -> com.microsoft.MultiHeadAttention (ONNX Runtime's contrib op, no library)."""
+        return attention_rules(), {MS_DOMAIN: 1}
+
+    def supports(self, node: ir.Node) -> tuple[bool, str]:
+        if f"{node.domain}.{node.op_type}" == FUSED_ATTENTION:
+            return True, ""
+        return super().supports(node)
 
     def available(self) -> tuple[bool, str]:
         import importlib.util
@@ -53,25 +95,44 @@ class OrtTarget(Target):
         return {"onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__}
 
     def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
-        """model.onnx, and the op library when the graph holds fused ops."""
+        """model.onnx, and the op library when the graph holds fused ops; --precision int8: model.int8.onnx too."""
         ir.save(model, out_dir / MODEL)
-        if not fused_ops(model):
-            return {"runtime": "onnxruntime", "fused": False}
+        int8 = {}
+        if (context.get("target_options") or {}).get("precision") == "int8":
+            from vlmprune.passes.prune import prune_record
+            from vlmprune.targets import ort_quant
+
+            fusion = self.fusion(context["config"], context["options"], prune_record(model))
+            int8 = {"int8": ort_quant.emit_int8(out_dir, context, fusion)}
+        if not fused_ops(model):  # fused: the vlmprune op library is needed; fused_ops: every non-standard op
+            return {"runtime": "onnxruntime", "fused": False, "fused_ops": contrib_ops(model), **int8}
         shutil.copy2(library(), out_dir / LIBRARY)
         return {"runtime": "onnxruntime", "fused": True, "custom_op_library": LIBRARY, "custom_domain": "vlmprune",
-                "fused_ops": fused_ops(model)}
+                "fused_ops": fused_ops(model) + contrib_ops(model), **int8}
 
     def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
         """One stage, `fused`: model.onnx as shipped, whether or not the method fused into a custom op here
-        (the manifest's target.fused says which), so that its name never depends on the method."""
-        run, runtime = self.runner(bundle_dir, manifest)
+        (the manifest's target.fused says which), so that its name never depends on the method.
+        --precision int8 adds `int8`: model.int8.onnx, its features held to int8's cosine and its kept indices to
+        fp32's agreement (parity's "int8-fp32-score": the score path is fp32 there)."""
+        run, runtime = self.runner(bundle_dir, manifest, MODEL)
         # --scorer int8: the decision is INT8 (ClsAttentionScore), so kept indices are held to the 8-bit agreement.
         int8 = manifest["method"].get("params", {}).get("scorer") == "int8"
-        return [StageSpec("fused", runtime + (" (INT8 scorer)" if int8 else ""), "int8" if int8 else "fp32", run)]
+        stages = [StageSpec("fused", runtime + (" (INT8 scorer)" if int8 else ""), "int8" if int8 else "fp32", run)]
+        if manifest.target.get("int8"):
+            from vlmprune.targets.ort_quant import INT8_MODEL
 
-    def runner(self, bundle_dir: Path, manifest: dict):
+            run8, runtime8 = self.runner(bundle_dir, manifest, INT8_MODEL)
+            stages.append(StageSpec("int8", runtime8 + " (QDQ int8, score path fp32)",
+                                    "int8" if int8 else "int8-fp32-score", run8))
+        return stages
+
+    def runner(self, bundle_dir: Path, manifest: dict, graph: str | None = None):
+        """graph: the file to run (default: model.int8.onnx in a --precision int8 bundle, else model.onnx)."""
+        from vlmprune.targets.ort_quant import INT8_MODEL
         from vlmprune.targets.runtime import ort_session, run_session
 
+        graph = graph or (INT8_MODEL if manifest.target.get("int8") else MODEL)
         bundle_dir = Path(bundle_dir)
         library_name = manifest.target.get("custom_op_library")
         libs = (bundle_dir / library_name,) if library_name else ()
@@ -79,10 +140,10 @@ class OrtTarget(Target):
 
         def run(pixel_values):
             nonlocal session
-            session = session or ort_session(bundle_dir / MODEL, libs)
+            session = session or ort_session(bundle_dir / graph, libs)
             return run_session(session, pixel_values)
 
-        runtime = "onnxruntime CPU" + (f" + {LIBRARY}" if libs else "") + f" ({MODEL})"
+        runtime = "onnxruntime CPU" + (f" + {LIBRARY}" if libs else "") + f" ({graph})"
         return run, runtime
 
     def readme(self, manifest: dict) -> str:
@@ -90,7 +151,7 @@ class OrtTarget(Target):
         fused = manifest.target.fused
         register = f'\n    so.register_custom_ops_library("{LIBRARY}")' if fused else ""
         shape = [1 if isinstance(d, str) else d for d in inp.shape]
-        ops = ", ".join(f"`{op}`" for op in manifest.target.fused_ops)
+        ops = ", ".join(f"`{op}`" for op in manifest.target.fused_ops if op.startswith("vlmprune."))
         return f"""# vlmprune bundle: target `ort` (ONNX Runtime)
 
 Model: {manifest.model.source} — {manifest.method.summary}
@@ -118,6 +179,11 @@ With vlmprune installed: `vlmprune run . --image photo.jpg`; `vlmprune check .` 
 
 def fused_ops(model: ir.Model) -> list[str]:
     return sorted({f"{n.domain}.{n.op_type}" for n in model.graph.all_nodes() if n.domain == "vlmprune"})
+
+
+def contrib_ops(model: ir.Model) -> list[str]:
+    """ONNX Runtime's own contrib ops in the graph (the fused attention), which need no library."""
+    return sorted({f"{n.domain}.{n.op_type}" for n in model.graph.all_nodes() if n.domain == MS_DOMAIN})
 
 
 def library() -> Path:

@@ -22,7 +22,11 @@ Batch 1 on this machine's CPU, one process. Each peer runs as its users would ru
 fastest: PyTorch with SDPA attention, torch.inference_mode, contiguous fp32 weights and one
 intra-op thread per physical core; torch.compile (inductor, CPU, weights frozen) as rows of
 its own; ONNX Runtime through the product's session (targets.runtime.ort_session) with as
-many intra-op threads, on the graphs `vlmprune compile` emits before fusion.
+many intra-op threads, on the graph a user deploys on ort: model.onnx, the ort target's fusion
+applied (each block's attention as com.microsoft.MultiHeadAttention, the method's fused ops,
+run with the vlmprune op library); the "onnxruntime unfused" rows time model.decomposed.onnx
+(standard ops) beside it. FLOPs are counted on the decomposed graphs (a fused op's are not
+visible to shape inference) and hold for both.
 
 The pruned torch rows compute the product's reference pruner (the method's reference, e.g.
 cls after block L from that block's own Q and K): eager runs VisionPipeline.with_pruner itself,
@@ -98,11 +102,15 @@ def _torch_attention(fn, blocks: int) -> str:
     return f"eager (matmul + softmax x{softmax})" if softmax >= blocks else "unknown"
 
 
-def _ort_attention(session, path: Path, x: np.ndarray, folder: Path) -> str:
+def _ort_attention(session, path: Path, x: np.ndarray, folder: Path, libs: tuple = ()) -> str:
     """The ops ONNX Runtime executed for attention in one profiled run of the same graph with the same options."""
     import onnxruntime as ort
 
-    options = session.get_session_options()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = session.get_session_options().intra_op_num_threads
+    options.log_severity_level = 3
+    for lib in libs:
+        options.register_custom_ops_library(str(lib))
     options.enable_profiling = True
     options.profile_file_prefix = str(folder / "ort_profile")
     probe = ort.InferenceSession(str(path), options, providers=session.get_providers())
@@ -137,13 +145,28 @@ def _pruner(method: Method, params: dict, layer: int | None) -> MethodPruner:
 
 def _pruned_onnx(dense_path: Path, folder: Path, method: Method, params: dict, options: dict, layer: int | None,
                  head, name: str) -> Path:
-    """The graph `vlmprune compile` emits for ort, before fusion (the fused op is timed by bench_fused_op.py)."""
+    """model.decomposed.onnx as `vlmprune compile` emits it for ort (before fusion: _fused_onnx makes model.onnx)."""
     config = PruneConfig(method, params, layer, head=head)
     compile_options = CompileOptions(method=method.name, keep=params["keep"], layer=layer, method_options=options)
     model = OrtTarget().pipeline(config, compile_options)(ir.load(dense_path)).model
     path = folder / name
     ir.save(model, path)
     return path
+
+
+def _fused_onnx(decomposed: Path, folder: Path, config: PruneConfig | None, options: CompileOptions,
+                name: str) -> tuple[Path, tuple]:
+    """model.onnx as `vlmprune compile --target ort` writes it from `decomposed`, and the op libraries it needs."""
+    from vlmprune.passes.prune import prune_record
+    from vlmprune.targets.ort import fused_ops, library
+
+    model = ir.load(decomposed)
+    fusion = OrtTarget().fusion(config, options, prune_record(model))
+    if fusion is not None:
+        fusion(model)
+    path = folder / name
+    ir.save(model, path)
+    return path, ((library(),) if fused_ops(model) else ())
 
 
 def graph_flops(path: Path) -> float | None:
@@ -262,6 +285,15 @@ def main() -> int:
             paths[f"pruned L{end} (end)"] = _pruned_onnx(folder / "dense.onnx", folder, method, params, options, None,
                                                          head, "e.onnx")
         flops = {name: graph_flops(path) for name, path in paths.items()}
+        fused = {}  # name -> (model.onnx path, op libraries)
+        for name, path in paths.items():
+            config, compile_options = None, CompileOptions()
+            if name != "dense":
+                layer = (args.layer if name == main_row else None) if at_block else None
+                config = PruneConfig(method, params, layer, head=head)
+                compile_options = CompileOptions(method=method.name, keep=params["keep"], layer=layer,
+                                                 method_options=options)
+            fused[name] = _fused_onnx(path, folder, config, compile_options, f"fused_{path.name}")
 
         torch._inductor.config.freezing = True  # the documented CPU inference setting: weights folded, prepacked
         with torch.inference_mode():
@@ -281,13 +313,15 @@ def main() -> int:
                     labels[row] = "inductor, freezing: " + _torch_attention(lambda m=compiled: m(x), end)
                     labels[row] += f" (compiled in {time.perf_counter() - start:.0f} s)"
                     fns[row] = lambda m=compiled: m(x)
-        for name, path in paths.items():
-            row = f"onnxruntime, {name}"
-            session = ort_session(path)
+        graphs = [(f"onnxruntime, {name}", name, *fused[name]) for name in paths]
+        graphs += [(f"onnxruntime unfused, {name}", name, path, ()) for name, path in paths.items()]
+        for row, name, path, libs in graphs:
+            session = ort_session(path, libs)
             result = run_session(session, x_np)  # warm-up
             out = result[FEATURES] if name == "dense" else (result[FEATURES], result[KEPT])
             checks[row] = _agreement(outputs[name], out)
-            labels[row] = "not profiled (--no-profile)" if args.no_profile else _ort_attention(session, path, x_np, folder)
+            labels[row] = "not profiled (--no-profile)" if args.no_profile else _ort_attention(session, path, x_np,
+                                                                                              folder, libs)
             ort_threads = session.get_session_options().intra_op_num_threads
             fns[row] = lambda s=session: run_session(s, x_np)
 
@@ -304,10 +338,10 @@ def main() -> int:
     what = "" if method.name == "cls" and not options else f", {method.describe(params)}"
     print(f"{args.model}, batch 1, keep {args.keep} of {n_patches}{what}, {torch.get_num_threads()} torch threads, "
           f"{ort_threads} ORT intra-op threads ({cores} physical cores), median of {args.repeats}, rows interleaved")
-    print(f"{'configuration':<34} {'ms':>9} {'min-max ms':>15} {'vs ' + base_name:>15}  attention")
+    print(f"{'configuration':<42} {'ms':>9} {'min-max ms':>15} {'vs ' + base_name:>15}  attention")
     for row, ms in rows.items():
         spread = f"{min(times[row]):.0f}-{max(times[row]):.0f}"
-        print(f"{row:<34} {ms:>9.1f} {spread:>15} {base / ms:>14.2f}x  {labels[row]}")
+        print(f"{row:<42} {ms:>9.1f} {spread:>15} {base / ms:>14.2f}x  {labels[row]}")
     print("agreement with torch eager: " + "; ".join(f"{row}: {c}" for row, c in checks.items()))
     if busy_line(load):
         print(busy_line(load))
@@ -329,6 +363,7 @@ def main() -> int:
     key = f"pruned_L{args.layer}" if at_block else "pruned_features"
     ort_l = rows[f"onnxruntime, {main_row}"]
     print(f"ort_{key}_vs_ort_dense: {ort_dense / ort_l:.2f}")
+    print(f"ort_fused_{key}_vs_ort_unfused_{key}: {rows[f'onnxruntime unfused, {main_row}'] / ort_l:.2f}")
     if torch_rows:
         eager_l = rows[f"torch eager, {main_row}"]
         print(f"torch_eager_{key}_vs_torch_eager_dense: {base / eager_l:.2f}")

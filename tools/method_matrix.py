@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Compile one model with every method for every target and print the parity of each stage, as a table.
 
-    python tools/method_matrix.py [--model demo] [--keep 192] [--methods cls,dart] [--targets ort,qnn] [--batch 3]
+    python tools/method_matrix.py [--model demo] [--keep 192] [--methods cls,dart,cls:budget=adaptive]
+                                  [--targets ort,qnn] [--batch 3]
 
 The check behind "every method compiles for every target or is refused in one line": each
 cell is a real `vlmprune compile` (into a temporary folder), reported as its stages'
 verdicts with the kept-index agreement and the minimum cosine, or as the one-line refusal.
 The suite runs the same matrix on tiny models; this is for the real shapes (demo,
-clip-l-336), which take minutes per cell on 2 cores.
+clip-l-336), which take minutes per cell on 2 cores. A method is a name or a NAME:OPTION=VALUE spec
+(`cls:merge=local:width=3`, `cls:roi=boxes`), as eval --dataset takes it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from vlmprune.compiler.accuracy import parse_method_spec
 from vlmprune.compiler.contract import FEATURES
 from vlmprune.compiler.errors import VlmpruneError
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -54,7 +57,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
             for target in args.targets.split(","):
-                options = CompileOptions(target=target, method=method, keep=args.keep, batch=args.batch)
+                name, method_options = parse_method_spec(method)
+                options = CompileOptions(target=target, method=name, keep=args.keep, batch=args.batch,
+                                         method_options=method_options)
                 start = time.perf_counter()
                 try:
                     result = compile_model(args.model, Path(tmp) / f"{method}-{target}", options)
@@ -62,7 +67,7 @@ def main() -> int:
                     failures += not result.report.passed
                 except VlmpruneError as exc:
                     line = f"refused: {exc}"
-                print(f"{method:<10} {target:<7} {time.perf_counter() - start:6.0f} s  {line}", flush=True)
+                print(f"{method:<18} {target:<7} {time.perf_counter() - start:6.0f} s  {line}", flush=True)
     return 1 if failures else 0
 
 

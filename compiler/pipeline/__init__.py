@@ -24,7 +24,8 @@ import torch
 
 from vlmprune.compiler import __version__, bundle, parity
 
-from vlmprune.compiler.pipeline import cache
+from vlmprune.compiler.pipeline import auto_keep, cache
+from vlmprune.compiler.pipeline.timings import Span, StageTimer
 
 from vlmprune.compiler.parity import reference
 from vlmprune.compiler.contract import DECOMPOSED, DENSE, FEATURES, PARITY, README
@@ -52,7 +53,8 @@ Progress = Callable[[str], None]
 class CompileOptions:
     target: str = "ort"
     method: str = DEFAULT_METHOD
-    keep: int = 192
+    keep: int | str = 192  # "auto" (with latency_ms): the largest K whose latency fits (pipeline.auto_keep)
+    latency_ms: float | None = None  # --keep auto's budget, ms per call on the target's runtime
     layer: int | None = None  # BLOCK methods: prune after this block; None: the feature layer (tower's end)
     prune: bool = True
     batch: int | None = None  # None: dynamic batch
@@ -82,14 +84,7 @@ class CompileResult:
     manifest: Manifest
     report: parity.ParityReport
     seconds: float
-
-
-class _Timer:
-    def __init__(self, progress: Progress):
-        self.progress, self.start = progress, time.perf_counter()
-
-    def step(self, message: str):
-        self.progress(f"[{time.perf_counter() - self.start:6.1f}s] {message}")
+    timings: list[Span] = dataclasses.field(default_factory=list)  # one per progress step (compile --timings)
 
 
 @dataclasses.dataclass
@@ -107,15 +102,20 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
     Every option is validated before any work; the output is claimed before the model
     is loaded, so a second compile into the same directory fails at once.
     """
-    timer = _Timer(progress)
+    timer = StageTimer(progress)
     output = Path(output)
-    plan = validate_options(options)
+    auto = auto_keep.requested(options)  # --keep auto --latency-ms X: K is timed first, inside the claimed output
+    plan = validate_options(options if not auto else auto_keep.probe(options))  # every option, before any work
     llm_export.check_llm_model(model, options)  # --with-llm against the model's config, before any work
     target = plan.target
     ok, why = target.available()
     if not ok:
         raise InputError(f"target {target.name} is not available here: {why}")
     with bundle.staging(output, options.force) as tmp:
+        keep_auto = None
+        if auto:
+            options, keep_auto = auto_keep.resolve(model, options, timer.step)
+            plan = validate_options(options)
         timer.step(f"load {model}")
         source, family = _load(model, options)
         family.check_target(source, target.name,
@@ -145,6 +145,8 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
             "images": images,  # the frontend's preprocessing, for the targets' calibration images
             "parity_inputs": pixel, "debug": options.debug})
         manifest = Manifest(_manifest(source, family, options, plan, record, decomposed, target_fields))
+        if keep_auto is not None:  # the K -> latency curve --keep auto chose K on
+            manifest["keep_auto"] = keep_auto
         manifest["llm"] = handoff.llm_section(manifest)  # what an LLM runtime needs to splice the tokens
         if options.with_llm:  # the language model's graphs beside the tower's (hashed like every file)
             manifest["llm_graphs"] = llm_export.emit_llm(model, manifest, options, tmp, timer.step)
@@ -157,7 +159,7 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
                                           + family.readme_section(manifest) + llm_export.readme_section(manifest))
         manifest = bundle.write_manifest(tmp, manifest)
     timer.step(f"bundle written to {output}")
-    return CompileResult(output, manifest, report, time.perf_counter() - timer.start)
+    return CompileResult(output, manifest, report, time.perf_counter() - timer.start, timer.finish())
 
 
 def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress = lambda _m: None,
@@ -168,7 +170,7 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
     tolerances: per-output Tolerance overrides (parity.parse_overrides: check's --atol/--rtol/--cosine).
     model: where the bundle's source is now (check's --model), if it moved; its content hash must match.
     """
-    timer = _Timer(progress)
+    timer = StageTimer(progress)
     bundle_dir = Path(bundle_dir)
     manifest = bundle.load_manifest(bundle_dir, verify=True)
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
@@ -274,7 +276,7 @@ def _load(spec: str, options: CompileOptions) -> tuple[Source, Family]:
                       cls=options.cls)
 
 
-def _dense_model(source: Source, family: Family, options: CompileOptions, folder: Path, timer: _Timer) -> ir.Model:
+def _dense_model(source: Source, family: Family, options: CompileOptions, folder: Path, timer: StageTimer) -> ir.Model:
     """Export (or load) the dense tower, as its family does; its weights go to folder/WEIGHTS once, the graph to
     folder/DENSE.
 
@@ -385,11 +387,13 @@ def _parity(source: Source, family: Family, dense_path: Path, bundle_dir: Path, 
         expected = dense_ref if pruned_ref is None else pruned_ref
     else:  # an .onnx source: the original graph is the reference
         expected = reference.onnx_reference(dense_path, record, pixel, lambda run: in_chunks(run, batch.chunk))
+    progress("stage rewritten")
     stages.append(parity.run_stage("rewritten", "onnxruntime CPU (model.decomposed.onnx)", "fp32",
                                    ort_file(bundle_dir / DECOMPOSED), pixel, expected,
                                    output_overrides=tolerances))
     progress(_line(stages[-1]))
     for spec in target.stages(bundle_dir, manifest):
+        progress(f"stage {spec.stage}")
         stages.append(parity.run_stage(spec.stage, spec.runtime, spec.precision, in_chunks(spec.run, batch.chunk),
                                        pixel, expected, output_overrides=tolerances))
         progress(_line(stages[-1]))

@@ -100,12 +100,18 @@ def wrap(method: Method, params: dict) -> Method:
 
 def adaptive_keep(scores: torch.Tensor, params: dict) -> torch.Tensor:
     """K_b [B] int64 from the scores [B, N] (module docstring)."""
+    return torch.round(budget_rows(scores, params)).clamp(params["kmin"], params["keep"]).to(torch.int64)
+
+
+def budget_rows(scores: torch.Tensor, params: dict) -> torch.Tensor:
+    """ρ·N [B] before rounding and clamping: parity's trace holds it, since a lower precision may round a ρ·N
+    within its own error of a half-integer to the other side (a K decision tie, compiler.parity)."""
     n = scores.shape[-1]
     positive = scores.clamp_min(0)
     p = positive / positive.sum(dim=-1, keepdim=True).clamp_min(P_FLOOR)
     entropy = -(p * p.clamp_min(P_FLOOR).log()).sum(dim=-1)
     rho = params["alpha"] * torch.sigmoid(params["beta"] * entropy) + params["gamma"]
-    return torch.round(rho * n).clamp(params["kmin"], params["keep"]).to(torch.int64)
+    return rho * n
 
 
 class AdaptiveBudget(Method):
@@ -167,7 +173,8 @@ class AdaptiveBudget(Method):
             at = (torch.arange(k_max + 1) == count.unsqueeze(-1)).to(patches.dtype).unsqueeze(-1)
             parts[-1] = torch.cat([rows, torch.zeros_like(rows[:, :1])], dim=1) + at * summary
             rows_valid = count + 1
-        trace = {"scores": scores, "boundary": k_max, "num_tokens": rows_valid, "keep": count}
+        trace = {"scores": scores, "boundary": k_max, "num_tokens": rows_valid, "keep": count,
+                 "budget_rows": budget_rows(scores, params), "budget_range": (params["kmin"], k_max)}
         return TorchResult(torch.cat(parts, dim=1), kept, trace)
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str):

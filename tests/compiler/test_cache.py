@@ -25,7 +25,8 @@ def products(tmp_path, monkeypatch):
 def _compile(model, out, **options):
     lines = []
     result = compile_model(str(model), out, CompileOptions(**{"keep": 16, **options}), lines.append)
-    return result, [line.split("] ", 1)[1] for line in lines]
+    # a step's line is "[   t s] step"; a stage's result line (indented) comes as it is
+    return result, [line.split("] ", 1)[1] if line.startswith("[") else line for line in lines]
 
 
 def _entries(products):

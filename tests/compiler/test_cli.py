@@ -186,7 +186,7 @@ def test_no_prune_refuses_pruning_options_given_with_it(tiny_llava_dir, tmp_path
 
 @pytest.mark.parametrize("args,line", [
     (["compile", "demo", "--keep", "1e3"],
-     "error: Invalid value for '--keep' / '-k': '1e3' is not a valid integer. (see vlmprune compile --help)"),
+     "error: Invalid value for '--keep' / '-k': '1e3' is not an integer or auto (see vlmprune compile --help)"),
     (["compile"], "error: Missing argument 'MODEL'. (see vlmprune compile --help)"),
     (["run", "b", "--no-such-option"], "error: No such option '--no-such-option'. (see vlmprune run --help)"),
     (["check"], "error: Missing argument 'BUNDLE_DIR'. (see vlmprune check --help)"),

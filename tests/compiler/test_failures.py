@@ -152,7 +152,8 @@ def test_lambda_is_validated_before_anything(tmp_path, value):
 @pytest.mark.parametrize("args,needle", [
     (["--batch", "0"], "--batch must be >= 1"),
     (["--opset", "9"], "--opset must be between 17 and 23"),
-    (["--target", "ort", "--precision", "int8"], "target ort has no --precision"),
+    (["--target", "ort", "--precision", "int4"], "ort --precision takes fp32 or int8"),
+    (["--target", "ort", "--precision", "int8", "--calibration", "/no/such/dir"], "--calibration /no/such/dir: not a"),
     (["--target", "orin", "--precision", "fp8"], "--precision for orin is one of"),
     (["--target", "qnn", "--soc", "SM0000"], "unknown --soc"),
     (["--target", "rk3588", "--batch", "2"], "rk3588 runs batch 1"),

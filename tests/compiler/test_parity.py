@@ -64,3 +64,34 @@ def test_tokens_leave_out_undefined_and_tied_rows_and_count_them():
 
 def test_a_report_without_stages_does_not_pass():
     assert not parity.ParityReport({}, []).passed
+
+
+def _variable_k_stage(cand_kept, cand_rows, rho_n, scores):
+    """One fp16 stage over a hand-made two-image variable-K reference (K_max 2, D 2, no summary row)."""
+    from vlmprune.compiler.parity.reference import FEATURES, KEPT, NUM_TOKENS, Reference
+
+    feats = np.array([[[1.0, 0.0], [0.0, 1.0]], [[1.0, 1.0], [0.0, 0.0]]])  # image 1 keeps one row
+    ref = Reference({FEATURES: feats, KEPT: np.array([[0, 1], [2, -1]]), NUM_TOKENS: np.array([2, 1])},
+                    trace={"scores": scores, "keep": np.array([2, 1]), "budget_rows": np.array(rho_n),
+                           "budget_range": (1, 2)})
+    cand = {FEATURES: np.array([[[1.0, 0.0], [0.0, 1.0]], cand_rows]), KEPT: np.array(cand_kept),
+            NUM_TOKENS: np.array([2, int((np.abs(cand_rows).sum(-1) > 0).sum())])}
+    return parity.run_stage("s", "test", "fp16", lambda _pixels: cand, np.zeros((2, 3, 4, 4)), ref)
+
+
+def test_variable_k_swap_in_the_tie_band_at_the_images_own_k_passes():
+    scores = np.array([[0.9, 0.5, 0.1, 0.1], [0.1, 0.3, 0.8, 0.8 - 1e-6]])  # image 1: K_b = 1, ranks 1 and 2 tie
+    stage = _variable_k_stage([[0, 1], [3, -1]], [[1.0, 1.0], [0.0, 0.0]], [2.0, 1.0], scores)
+    assert stage.passed and stage.indices["tie_resolved_images"] == [1], stage.indices
+    clear = np.array([[0.9, 0.5, 0.1, 0.1], [0.1, 0.3, 0.8, 0.2]])  # the same swap with a clear margin
+    assert not _variable_k_stage([[0, 1], [3, -1]], [[1.0, 1.0], [0.0, 0.0]], [2.0, 1.0], clear).passed
+
+
+def test_a_k_decision_tie_passes_only_where_rho_n_sits_on_the_rounding_cut():
+    scores = np.array([[0.9, 0.5, 0.1, 0.1], [0.1, 0.5, 0.8, 0.2]])
+    two_rows = [[1.0, 1.0], [0.0, 1.0]]  # the candidate rounded image 1's ρ·N up: K 2, not 1
+    tie = _variable_k_stage([[0, 1], [1, 2]], two_rows, [2.0, 1.5 - 1e-4], scores)
+    assert tie.passed and tie.outputs["num_tokens"]["k_decision_ties"] == [1], tie.outputs["num_tokens"]
+    assert tie.indices["tie_resolved_images"] == [1]
+    far = _variable_k_stage([[0, 1], [1, 2]], two_rows, [2.0, 1.2], scores)  # ρ·N = 1.2 rounds to 1 at any precision
+    assert not far.passed and far.outputs["num_tokens"]["rows_wrong"] == 1

@@ -186,7 +186,8 @@ def test_generate_drops_the_padding_rows(tmp_path, method, options):
                 + [offset + 64 + extra + i for i in range(len(result.prompt.after))])
     assert result.answer.position_ids == expected
     tokens = gen.bundle_tokens(bundle, manifest, pixel)
-    np.testing.assert_array_equal(tokens.features.numpy(), raw[FEATURES][0, :rows])
+    # the runner's model.onnx runs the fused MultiHeadAttention: the decomposed graph's values up to rounding
+    np.testing.assert_allclose(tokens.features.numpy(), raw[FEATURES][0, :rows], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method,options", VARIABLE)

@@ -101,7 +101,12 @@ def test_numbers_match_reference_pruner(tiny_dense_path, tiny_source, layer, lam
 
 
 def test_tie_rule_on_identical_tokens(tiny_source, tmp_path):
-    """Constant image and no position embedding: every patch token is equal, so scores tie exactly."""
+    """Constant image and no position embedding: every patch token is equal, so the graph's scores tie exactly
+    (ONNX Runtime computes every patch's row alike) and its TopK keeps the lowest indices. PyTorch's CPU kernels
+    need not: on some CPUs the last patch's score comes out an ulp higher (its GEMM tail), so the reference is held
+    to the same rule where its own scores tie, and its selection to the rule on exactly tied scores."""
+    from vlmprune.passes.methods.selection import select_topk
+
     from vlmprune.compiler.frontend import export_onnx
 
     pipe = tiny_source.pipeline.with_pruner(None)
@@ -120,8 +125,10 @@ def test_tie_rule_on_identical_tokens(tiny_source, tmp_path):
         with torch.no_grad():
             pipe.vision_model.embeddings.position_embedding.weight.copy_(saved)
     expected = np.tile(np.arange(10), (2, 1))
-    np.testing.assert_array_equal(kept_ref.numpy(), expected)
     np.testing.assert_array_equal(out[KEPT_INDICES], expected)
+    np.testing.assert_array_equal(select_topk(torch.ones(2, 64), 10).numpy(), expected)
+    ref = kept_ref.numpy()  # the lowest indices but for those patches whose score came out above the tie
+    assert all(set(range(10 - len(set(r) - set(range(10))))) <= set(r) for r in ref), ref
 
 
 def test_negative_no_attention_graph():

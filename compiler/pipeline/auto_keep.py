@@ -1,0 +1,361 @@
+"""`--keep auto --latency-ms X`: the largest K whose latency on the target fits a budget.
+
+K is chosen by measurement on the target's own runtime, never guessed from a formula: the
+candidates are the graphs the compile would emit for each K (the dense export made once, the
+product cache's as every compile's; the target's pipeline, fusion and emit per K), run by the
+target's runner (Target.runner, what `vlmprune run` uses) on the bundle's own batch (1 for a
+dynamic-batch bundle), without parity: parity runs once, on the bundle finally compiled.
+
+Search. A geometric ladder K = k0, 2·k0, 4·k0, ... up to N - 1 (N the tokens the method
+ranks; k0 the smallest K the method takes, 1 for most), stopped at the first rung over the
+budget (latency does not fall as K grows, so no larger rung can fit), then bisection between
+the largest rung that fits and the first that does not, until the two are adjacent or their
+medians differ by less than their own spread (a finer step cannot be told from noise). That
+is log2(N) + log2(N/2) candidates at most (19 for N = 576), usually fewer.
+
+Timing. WARMUP = 2 untimed calls (the first creates the session and its arenas, the second
+still pays the first touch of their pages), then REPEATS = 5 timed calls, their median: the
+median of 5 is unmoved by two outliers (the first candidate is also run once untimed before
+the search: a process's first session sets up ONNX Runtime itself), the spikes another process's burst puts into a
+shared machine's timings, at 7 calls a candidate (ViT-L at 336 px: ~1 s a call on 2 cores,
+~20 candidates, a few minutes in all; a tiny tower: milliseconds). What other processes took
+of the CPUs meanwhile is recorded with the curve (manifest["keep_auto"]["load"]).
+
+Selection (select): on the curve's running maximum over K (its monotone envelope), the
+largest measured K whose envelope fits. A dip of a larger K below a smaller one is noise,
+not a faster graph, so a K is taken only when every smaller measured K fits too; this makes
+the chosen K monotone in the budget, and a budget between two measured points picks the
+lower one.
+
+Rounding to a tile size. Whether K + 1 rows rounded up to a multiple of 8/16/32/64 pays on
+ONNX Runtime's CPU kernels was measured with tools/bench_keep_curve.py (demo tower, pruning
+after block 2, K around 64, 128, 192 and 256, interleaved, median of 15). ROUND_TO holds the
+result: no tile size made a rounded K faster than the K below it beyond the timings' spread, so
+K is not rounded (the figures are beside ROUND_MEASUREMENT; taken on a busy shared machine).
+
+Other targets. TensorRT (orin, xavier) builds its engine on the device (`build-engine`), so
+its candidates can only be timed there: refused here in one line. rk3588 and qnn: neither
+emulator gives a latency. rknn-toolkit2's simulator refuses eval_perf ("Not support in
+simulator environment, please set target in init_runtime!"); its build prints an estimate
+of cycles per layer (the "Cycles(DDR/NPU/Total)" column of its layer table), and
+onnxruntime-qnn's HTP emulator reports emulated cycles per op (QNN profiling "detailed",
+targets.qnn_tools.op_trace). Both are cycles, with no clock or memory model to turn them
+into milliseconds, and the budget is in milliseconds: a cost model fitted to them would
+answer in a unit the budget is not, so both are refused in one line saying so (NO_TIMING).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from vlmprune.compiler.errors import InputError
+
+AUTO = "auto"
+WARMUP = 2
+REPEATS = 5
+# Tile size K + 1 rows are rounded up to: none, by measurement (ROUND_MEASUREMENT).
+ROUND_TO = 1
+# tools/bench_keep_curve.py --repeats 15 (demo, cls after block 2, ORT CPU, batch 1, interleaved; other processes
+# took 75% of the 2 CPUs, so provisional): median ms of K = R-2 / R-1 (K + 1 = R rows) / R for R = 64: 78.5 / 82.1 /
+# 85.5; 128: 94.9 / 86.3 / 89.5; 192: 93.5 / 102.1 / 96.8; 256: 108.7 / 105.8 / 106.9, every interquartile range
+# 15-45 ms: the rounded K is +4.6 %, -9.1 %, +9.1 %, -2.7 % against the K below it, no sign and within the spread.
+ROUND_MEASUREMENT = "no tile size made the rounded K faster beyond the timings' spread (ORT CPU, demo tower)"
+
+# Why a target's candidates cannot be timed here, by target name (targets without a line are timed by their
+# runner on this machine).
+_TRT = ("its candidates are timed by building each K's engine on the device (`vlmprune build-engine`), and "
+        "there is no device here: compile with --keep K and time the bundles on the Jetson")
+NO_TIMING = {
+    "orin": _TRT,
+    "xavier": _TRT,
+    "rk3588": ("rknn-toolkit2's simulator gives no latency without a board (eval_perf: \"Not support in simulator "
+               "environment\"), only the build's per-layer cycle estimates, which no clock here turns into ms: "
+               "compile with --keep K and time the bundles on the board"),
+    "qnn": ("onnxruntime-qnn's HTP emulator reports emulated cycles per op, not time, and no clock here turns them "
+            "into ms: compile with --keep K and time the bundles on the phone"),
+}
+
+Curve = list[tuple[int, float]]
+
+
+def requested(options) -> bool:
+    """Whether options ask for --keep auto; one line for a bad combination or value, before any work."""
+    keep, budget = options.keep, options.latency_ms
+    if isinstance(keep, str):
+        if keep.strip().lower() != AUTO:
+            raise InputError(f"--keep must be an integer >= 1 or auto, got {keep!r}")
+        if budget is None:
+            raise InputError("--keep auto needs --latency-ms (the latency budget, ms per call on the target)")
+    elif budget is not None:
+        raise InputError(f"--latency-ms is the budget of --keep auto; with --keep {keep} it would do nothing "
+                         "(use --keep auto, or drop --latency-ms)")
+    else:
+        return False
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        raise InputError(f"--latency-ms must be a positive number of milliseconds, got {budget!r}")
+    if not options.prune:
+        raise InputError("--no-prune compiles the dense tower: --keep auto does not apply to it")
+    why = NO_TIMING.get(options.target)
+    if why:
+        raise InputError(f"--keep auto cannot time candidates for target {options.target} here: {why}")
+    return True
+
+
+def envelope(curve: Curve) -> Curve:
+    """The curve sorted by K, each latency raised to the largest at any smaller K (its running maximum)."""
+    out, top = [], -math.inf
+    for k, ms in sorted(curve):
+        top = max(top, ms)
+        out.append((k, top))
+    return out
+
+
+def select(curve: Curve, budget_ms: float) -> int | None:
+    """The largest measured K whose envelope latency fits budget_ms, or None where even the smallest does not."""
+    fits = [k for k, ms in envelope(curve) if ms <= budget_ms]
+    return max(fits) if fits else None
+
+
+def round_keep(keep: int, limit: int) -> int:
+    """K with K + 1 rows rounded up to ROUND_TO (at most limit); ROUND_TO = 1 leaves it as it is."""
+    rounded = -(-(keep + 1) // ROUND_TO) * ROUND_TO - 1
+    return min(rounded, limit)
+
+
+@dataclasses.dataclass
+class Timing:
+    keep: int
+    runs_ms: list[float]
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.runs_ms)
+
+    @property
+    def spread(self) -> float:
+        """The interquartile range of the runs: how far apart two candidates must be to be told apart."""
+        q = statistics.quantiles(self.runs_ms, n=4) if len(self.runs_ms) > 1 else [self.ms] * 3
+        return q[2] - q[0]
+
+
+class _OthersMeter:
+    """CPU time the rest of the machine used while candidates were timed (tools/machine_load.py's CpuMeter, which
+    the library cannot import); None where /proc/stat is not readable."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        own = os.times()
+        busy = (sum(fields[:3]) + sum(fields[5:7])) / os.sysconf("SC_CLK_TCK")
+        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
+
+    def others(self) -> float | None:
+        end = self._sample()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        wall = end[0] - self.start[0]
+        return round(max(0.0, (end[1] - self.start[1]) - (end[2] - self.start[2])) / (wall * (os.cpu_count() or 1)), 3)
+
+
+def search(time_k: Callable[[int], Timing | None], first: int, last: int, budget_ms: float,
+           progress: Callable[[str], None] = lambda _m: None) -> tuple[int | None, dict[int, Timing]]:
+    """The ladder, then bisection (the module's docstring): time_k(K) times one candidate (None: the method refuses
+    that K). Returns (the chosen K or None, every timing)."""
+    timed: dict[int, Timing] = {}
+
+    def measure(k: int) -> Timing | None:
+        if k not in timed:
+            t = time_k(k)
+            if t is None:
+                return None
+            timed[k] = t
+            progress(f"  K={k}: {t.ms:.3f} ms (median of {len(t.runs_ms)})")
+        return timed[k]
+
+    def curve() -> Curve:
+        return [(k, t.ms) for k, t in timed.items()]
+
+    k = first
+    while True:  # the ladder, up to the first rung over the budget
+        t = measure(k)
+        if t is not None and select(curve(), budget_ms) != k:
+            break
+        if k >= last:
+            return select(curve(), budget_ms), timed
+        k = min(2 * k, last)
+    while True:  # bisection between the largest K that fits and the next measured one, which does not
+        lo = select(curve(), budget_ms)
+        if lo is None:
+            return None, timed
+        hi = min(k for k in timed if k > lo)
+        if hi - lo <= 1 or timed[hi].ms - timed[lo].ms <= max(timed[hi].spread, timed[lo].spread):
+            return lo, timed
+        mid = (lo + hi) // 2
+        if measure(mid) is None:  # a K the method refuses inside the bracket: keep what fits
+            return lo, timed
+
+
+def resolve(model: str, options, progress: Callable[[str], None]):
+    """(options with the chosen K, the manifest's keep_auto section): the candidates timed on the target's runner."""
+    from vlmprune.compiler.pipeline import validate_options
+
+    budget = float(options.latency_ms)
+    base = dataclasses.replace(options, latency_ms=None)
+    first, plan = _smallest_keep(base, validate_options)
+    target = plan.target
+    ok, why = target.available()
+    if not ok:
+        raise InputError(f"target {target.name} is not available here: {why}")
+    with tempfile.TemporaryDirectory(prefix="vlmprune-keep-auto-") as scratch:
+        bench = _Candidates(model, base, target, Path(scratch), progress)
+        last = bench.limit(first) - 1
+        progress(f"keep auto: timing K from {first} to {last} on {target.name} against {budget:g} ms")
+        bench.time(first)  # untimed: a process's first session also sets up the runtime itself (thread pool, op library)
+        meter = _OthersMeter()
+        chosen, timed = search(bench.time, first, last, budget, progress)
+        load = meter.others()
+        runtime = bench.runtime
+    if not timed:
+        raise InputError(f"method {options.method} took no K from {first} to {last} with these options")
+    curve = sorted((k, round(t.ms, 4)) for k, t in timed.items())
+    if chosen is None:
+        k0, ms0 = curve[0]
+        raise InputError(f"--latency-ms {budget:g}: even K={k0} takes {ms0:.3f} ms on {target.name} here "
+                         f"(median of {REPEATS}, batch {bench.batch}); no K fits the budget")
+    chosen = round_keep(chosen, last)
+    section = {"budget_ms": budget, "chosen": chosen, "curve": [[k, ms] for k, ms in curve],
+               "timed_on": f"{runtime}, batch {bench.batch}, median of {REPEATS} after {WARMUP} warm-up calls",
+               "load": load, "source": "measured"}
+    progress(f"keep auto: K={chosen} ({dict(curve)[chosen]:.3f} ms <= {budget:g} ms)")
+    return dataclasses.replace(base, keep=chosen), section
+
+
+def probe(options):
+    """options at the smallest K the method takes (with latency_ms cleared), for validating every other option before
+    any work."""
+    from vlmprune.compiler.pipeline import validate_options
+
+    base = dataclasses.replace(options, latency_ms=None)
+    return dataclasses.replace(base, keep=_smallest_keep(base, validate_options)[0])
+
+
+def _smallest_keep(options, validate) -> tuple[int, object]:
+    """The smallest K of the ladder (1, 2, 4, ...) the method's options take, and its validated plan; an option
+    that is bad at every K is refused as a compile with that K would refuse it."""
+    error = None
+    for k in (2 ** i for i in range(13)):
+        try:
+            return k, validate(dataclasses.replace(options, keep=k))
+        except InputError as exc:
+            error = error or exc
+    raise error
+
+
+class _Candidates:
+    """Each K's graph as the compile would emit it, from one dense export, timed by the target's runner."""
+
+    def __init__(self, model: str, options, target, folder: Path, progress):
+        from vlmprune.compiler import pipeline
+        from vlmprune.compiler.contract import DENSE
+
+        self.options, self.target, self.folder = options, target, folder
+        import types
+
+        timer = types.SimpleNamespace(step=progress)  # the compile's own timer's step (the dense export's lines)
+        self.source, self.family = pipeline._load(model, options)
+        self.family.check_target(self.source, target.name,
+                                 lambda count: target.check_options(dataclasses.replace(options, batch=count)))
+        dense = pipeline._dense_model(self.source, self.family, options, folder, timer)
+        self.dense_path = folder / DENSE
+        static = dense.graph.inputs[0].shape[0]
+        self.batch = static if isinstance(static, int) else 1
+        self.pixel, _ = self.family.parity_pixels(self.source, self.batch)
+        self.runtime = target.name
+
+    def _graph(self, keep: int, folder: Path):
+        import onnx_ir as ir
+
+        from vlmprune.compiler import pipeline
+        from vlmprune.passes.methods.base import SiteSpec
+        from vlmprune.passes.methods.crops import over_tokens
+        from vlmprune.passes.positions import with_positions
+        from vlmprune.passes.prune import prune_record
+
+        options = dataclasses.replace(self.options, keep=keep)
+        plan = pipeline.validate_options(options)
+        config = dataclasses.replace(plan.config, head=self.source.head)
+        config = over_tokens(config, self.family.token_layout(self.source, options.family_options))
+        self.family.check_method(self.source, config, SiteSpec)
+        passes = self.target.pipeline(config, options)
+        if self.source.position_table is not None:
+            passes = with_positions(passes, self.source.position_table, self.source.positions)
+        model = passes(ir.load(_linked(self.dense_path, folder))).model
+        record = prune_record(model)
+        fusion = self.target.fusion(config, options, record)
+        if fusion is not None:
+            fusion(model)
+        return model, plan, config, record
+
+    def limit(self, keep: int) -> int:
+        """N: the tokens the method ranks (K < N), read off the graph inserted at keep."""
+        with tempfile.TemporaryDirectory(dir=self.folder) as folder:
+            _, _, _, record = self._graph(keep, Path(folder))
+        crops = (record["params"].get("crops") or {}).get("count", 1)
+        return record["num_patches"] * crops
+
+    def time(self, keep: int) -> Timing | None:
+        # Each candidate in a folder of its own: a runtime may hold the previous one's files (ONNX Runtime maps the
+        # op library, which a copy over it would corrupt under the loaded session).
+        with tempfile.TemporaryDirectory(dir=self.folder) as folder:
+            return self._time(keep, Path(folder))
+
+    def _time(self, keep: int, folder: Path) -> Timing | None:
+        from vlmprune.compiler.bundle.manifest import Manifest
+        from vlmprune.compiler.frontend import images
+
+        try:
+            model, plan, config, _ = self._graph(keep, folder)
+        except InputError:
+            return None
+        fields = self.target.emit(model, folder, {
+            "config": config, "options": dataclasses.replace(self.options, keep=keep),
+            "target_options": plan.target_options, "source": self.source, "images": images,
+            "parity_inputs": self.pixel, "debug": False})
+        run, self.runtime = self.target.runner(folder, Manifest({"target": {"name": self.target.name, **fields}}))
+        for _ in range(WARMUP):
+            run(self.pixel)
+        runs = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            run(self.pixel)
+            runs.append((time.perf_counter() - start) * 1e3)
+        del run
+        return Timing(keep, runs)
+
+
+def _linked(dense_path: Path, folder: Path) -> Path:
+    """The dense graph and its weights in folder, as hard links where the file system has them (no copy of the
+    weights per candidate), else as copies."""
+    import shutil
+
+    from vlmprune.compiler.contract import WEIGHTS
+
+    for name in (dense_path.name, WEIGHTS):
+        try:
+            os.link(dense_path.parent / name, folder / name)
+        except OSError:
+            shutil.copyfile(dense_path.parent / name, folder / name)
+    return folder / dense_path.name
