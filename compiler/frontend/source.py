@@ -7,6 +7,8 @@ or a missing weight is one line naming it.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import hashlib
 import logging
@@ -54,6 +56,20 @@ class Source:
     # (t, h, w) of each output token in the LLM's grid ([T, 3] int64) for the `kept_positions` output.
     spatial_merge: int = 1
     position_table: object | None = dataclasses.field(default=None, repr=False)
+
+    def release_weights(self) -> None:
+        """Free the torch weights once the reference has run. The parity stages after it run the bundle's graphs
+        in ONNX Runtime sessions, which hold their own copy; the two together were a big tower's peak (6.4 GB of
+        qwen2.5-vl-3b-448's compile). The module stays, on the meta device, so what it says of its shape still
+        answers, and a forward after this fails loudly instead of computing."""
+        if self.pipeline is not None:
+            import ctypes
+            import gc
+
+            self.pipeline.to("meta")
+            gc.collect()
+            with contextlib.suppress(OSError, AttributeError):  # glibc: hand the freed heap back to the system
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
 
     @property
     def num_blocks(self) -> int | None:

@@ -380,6 +380,7 @@ def _parity(source: Source, family: Family, dense_path: Path, bundle_dir: Path, 
     if family.torch_reference:
         dense_ref = cache.dense_reference(dense_path, pixel, lambda: reference.dense_reference(source, pixel), progress)
         dense_ref, pruned_ref = reference.torch_reference(source, record, pixel, dense_ref)
+        source.release_weights()  # the stages below run the graphs only: one copy of the weights at a time
         stages.append(cache.export_stage(dense_path, pixel, tolerances, lambda: parity.run_stage(
             "export", "onnxruntime CPU (dense export)", "fp32", ort_file(dense_path), pixel, dense_ref,
             output_overrides=tolerances), progress))

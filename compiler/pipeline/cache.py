@@ -79,8 +79,9 @@ def dense_export(source: Source, family: str, request: DenseRequest, export: Cal
     """
     dense_path = Path(folder) / name
     _made.pop(dense_path.resolve(), None)
-    if not enabled:
-        return save_dense(export(), folder, name)
+    if not enabled:  # read back like a hit: the exported model in memory still holds the torch weights' storage
+        save_dense(export(), folder, name)
+        return ir.load(dense_path)
     limit_bytes()  # a bad $VLMPRUNE_PRODUCTS_MAX_GB is refused before the export, not after it
     parts = export_parts(source, family, request.batch, request.opset, request.cls)
     key = _key(parts)
