@@ -34,6 +34,7 @@ from vlmprune.passes.methods.base import FusedOp
 from vlmprune.passes.methods.builder import feeding_selection, role_of, selection_nodes
 from vlmprune.targets import ort as ort_target
 from vlmprune.targets import trt_engine as engine_lib
+from vlmprune.targets.ort_quant import float_inputs_for  # the same quantizer's Q/DQ, the same rewiring
 from vlmprune.targets.base import StageSpec, Target, reads_projector_output
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
@@ -353,7 +354,7 @@ def write_qdq_model(out_dir: Path, fusion, ops, source, images) -> dict:
             logging.disable(previous)
         model = ir.load(raw)
         model.metadata_props.clear()  # the quantizer's copy: fused afresh below
-        rewired = _float_inputs_for(model, set(exclude))
+        rewired = float_inputs_for(model, set(exclude))
         ShapeInferencePass()(model)  # types of the quantizer's new tensors, for the support check
         if fusion is not None:
             fusion(model)
@@ -366,21 +367,6 @@ def write_qdq_model(out_dir: Path, fusion, ops, source, images) -> dict:
             "weights": "int8 symmetric, per output channel", "calibration_images": names,
             "quantized_nodes": len(quantized), "kept_float_nodes": len(exclude), "rewired_to_float": rewired,
             "kept_float": "everything feeding the selection, the selection, and the method's gathers"}
-
-
-def _float_inputs_for(model: ir.Model, names: set[str]) -> int:
-    """Give the named nodes back the float tensor where the quantizer fed them Q -> DQ of it."""
-    rewired = 0
-    for node in model.graph:
-        if node.name not in names:
-            continue
-        for i, value in enumerate(node.inputs):
-            dq = value.producer() if value is not None else None
-            q = dq.inputs[0].producer() if dq is not None and dq.op_type == "DequantizeLinear" else None
-            if q is not None and q.op_type == "QuantizeLinear":
-                node.replace_input_with(i, q.inputs[0])
-                rewired += 1
-    return rewired
 
 
 # The prompt's rows (text_embeds [B, T, D]) an engine takes: T in [1, TEXT_MAX], tuned for TEXT_OPT. T >= 1 because

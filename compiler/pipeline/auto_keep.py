@@ -55,6 +55,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from vlmprune.compiler.benchmark import CpuMeter
 from vlmprune.compiler.errors import InputError
 
 AUTO = "auto"
@@ -145,31 +146,6 @@ class Timing:
         return q[2] - q[0]
 
 
-class _OthersMeter:
-    """CPU time the rest of the machine used while candidates were timed (tools/machine_load.py's CpuMeter, which
-    the library cannot import); None where /proc/stat is not readable."""
-
-    def __init__(self):
-        self.start = self._sample()
-
-    @staticmethod
-    def _sample():
-        try:
-            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except (OSError, ValueError):
-            return None
-        own = os.times()
-        busy = (sum(fields[:3]) + sum(fields[5:7])) / os.sysconf("SC_CLK_TCK")
-        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
-
-    def others(self) -> float | None:
-        end = self._sample()
-        if self.start is None or end is None or end[0] <= self.start[0]:
-            return None
-        wall = end[0] - self.start[0]
-        return round(max(0.0, (end[1] - self.start[1]) - (end[2] - self.start[2])) / (wall * (os.cpu_count() or 1)), 3)
-
-
 def search(time_k: Callable[[int], Timing | None], first: int, last: int, budget_ms: float,
            progress: Callable[[str], None] = lambda _m: None) -> tuple[int | None, dict[int, Timing]]:
     """The ladder, then bisection (the module's docstring): time_k(K) times one candidate (None: the method refuses
@@ -224,9 +200,10 @@ def resolve(model: str, options, progress: Callable[[str], None]):
         last = bench.limit(first) - 1
         progress(f"keep auto: timing K from {first} to {last} on {target.name} against {budget:g} ms")
         bench.time(first)  # untimed: a process's first session also sets up the runtime itself (thread pool, op library)
-        meter = _OthersMeter()
+        meter = CpuMeter()
         chosen, timed = search(bench.time, first, last, budget, progress)
         load = meter.others()
+        load = None if load is None else round(load, 3)
         runtime = bench.runtime
     if not timed:
         raise InputError(f"method {options.method} took no K from {first} to {last} with these options")
