@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from vlmprune.compiler.benchmark import CpuMeter  # noqa: F401  (in the library: --keep auto meters its timings too)
+from vlmprune.compiler.pipeline.cpu_meter import CpuMeter  # noqa: F401  (in the library: --keep auto meters its timings too)
 
 BUSY_WARNING = 0.05  # other processes' share of the CPUs above which the figures are flagged
 

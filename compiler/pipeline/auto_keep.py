@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vlmprune.compiler.benchmark import CpuMeter
+from vlmprune.compiler.pipeline.cpu_meter import CpuMeter
 from vlmprune.compiler.errors import InputError
 
 AUTO = "auto"
