@@ -201,8 +201,7 @@ def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray, config: Quant
              weights: str = INT8_WEIGHTS) -> dict:
     """Quantize the decomposed graph at `decomposed` (QDQ), give the fp32 nodes their float inputs back, fuse
     with `fusion` (the target's fusion pipeline, or None) and save at out_path; return the manifest fields."""
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_static)
+    from onnxruntime.quantization import CalibrationMethod, QuantType
 
     model = ir.load(decomposed)
     value = model.graph.inputs[0]
@@ -212,33 +211,15 @@ def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray, config: Quant
     fp32 = excluded_nodes(model.graph, config)
     exclude = sorted({n.name for n in fp32})
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter(pixels[i: i + batch] for i in range(0, count, batch))
-
-        def get_next(self):
-            chunk = next(self.batches, None)
-            return None if chunk is None else {value.name: chunk}
-
     with tempfile.TemporaryDirectory(prefix=".int8-", dir=Path(out_path).parent) as tmp:
-        raw = Path(tmp) / "q.onnx"
-        previous = logging.root.manager.disable
-        logging.disable(logging.WARNING)  # its "consider pre-processing" advice, printed on every call
-        try:
-            quantize_static(
-                str(decomposed), str(raw), Reader(), quant_format=QuantFormat.QDQ,
-                activation_type=getattr(QuantType, config.activation), weight_type=QuantType.QInt8,
-                per_channel=True, op_types_to_quantize=list(config.op_types), nodes_to_exclude=exclude,
-                calibrate_method=getattr(CalibrationMethod, config.method), use_external_data_format=True,
-                extra_options={"ActivationSymmetric": config.symmetric, "WeightSymmetric": True,
-                               "OpTypesToExcludeOutputQuantization": [] if config.output_quant else list(config.op_types),
-                               "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
-        finally:
-            logging.disable(previous)
-        quantized = ir.load(raw)
-        quantized.metadata_props.clear()
+        quantized, rewired = static_qdq(
+            decomposed, Path(tmp), value.name, pixels, batch, exclude,
+            activation_type=getattr(QuantType, config.activation), op_types_to_quantize=list(config.op_types),
+            calibrate_method=getattr(CalibrationMethod, config.method),
+            extra_options={"ActivationSymmetric": config.symmetric, "WeightSymmetric": True,
+                           "OpTypesToExcludeOutputQuantization": [] if config.output_quant else list(config.op_types),
+                           "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
         quantized.metadata_props.update(model.metadata_props)  # the insertion's record, for the fusion rules
-        rewired = float_inputs_for(quantized, set(exclude))
         RemoveUnusedNodesPass()(quantized)
         ShapeInferencePass()(quantized)  # types of the quantizer's new tensors, for the support check
         if fusion is not None:
@@ -246,13 +227,51 @@ def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray, config: Quant
         else:
             TopologicalSortPass()(quantized)
         ir.save(quantized, out_path, external_data=weights)
-    nodes = [n for n in quantized.graph if n.op_type in config.op_types and any(
-        i is not None and i.producer() is not None and i.producer().op_type == "DequantizeLinear" for i in n.inputs)]
+    nodes = dequantized_nodes(quantized.graph, config.op_types)
     return {"model": Path(out_path).name, "weights_file": weights, "format": "QDQ (static, onnxruntime.quantization)",
             **config.describe(), "quantized_nodes": len(nodes), "fp32_nodes": len(exclude),
             "rewired_to_float": rewired,
             "fp32": "everything the kept indices depend on, the selection and its gathers/merge"
                     + (f", and the groups {', '.join(config.exclude)}" if config.exclude else "")}
+
+
+def static_qdq(source: Path, tmp: Path, input_name: str, pixels: np.ndarray, batch: int, exclude: list[str],
+               **options) -> tuple[ir.Model, int]:
+    """Run onnxruntime.quantization's static QDQ on the model at `source`, calibrated on `pixels` in
+    batches of `batch` fed to `input_name`, with per-channel int8 weights and `exclude` left unquantized;
+    return the quantized model (its metadata cleared: the quantizer's copy is stale) and how many
+    inputs of the excluded nodes were given their float tensor back.
+
+    One place for what the ort int8 path and TensorRT's explicit QDQ share: the calibration reader,
+    the quantizer's advice silenced, and the rewiring that keeps the excluded nodes in float.
+    """
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter(pixels[i: i + batch] for i in range(0, len(pixels), batch))
+
+        def get_next(self):
+            chunk = next(self.batches, None)
+            return None if chunk is None else {input_name: chunk}
+
+    raw = tmp / "q.onnx"
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # its "consider pre-processing" advice, printed on every call
+    try:
+        quantize_static(str(source), str(raw), Reader(), quant_format=QuantFormat.QDQ, weight_type=QuantType.QInt8,
+                        per_channel=True, nodes_to_exclude=exclude, use_external_data_format=True, **options)
+    finally:
+        logging.disable(previous)
+    model = ir.load(raw)
+    model.metadata_props.clear()
+    return model, float_inputs_for(model, set(exclude))
+
+
+def dequantized_nodes(graph: ir.Graph, op_types) -> list[ir.Node]:
+    """The nodes of `op_types` that read at least one DequantizeLinear output: the ones that run in int8."""
+    return [n for n in graph if n.op_type in op_types and any(
+        i is not None and i.producer() is not None and i.producer().op_type == "DequantizeLinear" for i in n.inputs)]
 
 
 def float_inputs_for(model: ir.Model, names: set[str]) -> int:

@@ -34,7 +34,7 @@ from vlmprune.passes.methods.base import FusedOp
 from vlmprune.passes.methods.builder import feeding_selection, role_of, selection_nodes
 from vlmprune.targets import ort as ort_target
 from vlmprune.targets import trt_engine as engine_lib
-from vlmprune.targets.ort_quant import float_inputs_for  # the same quantizer's Q/DQ, the same rewiring
+from vlmprune.targets.ort_quant import dequantized_nodes, static_qdq  # the same quantizer, the same rewiring
 from vlmprune.targets.base import StageSpec, Target, reads_projector_output
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
@@ -314,11 +314,9 @@ def write_qdq_model(out_dir: Path, fusion, ops, source, images) -> dict:
     consumers, so the excluded nodes are rewired to the float tensor afterwards, and the
     kept indices do not depend on int8 rounding.
     """
-    import logging
     import tempfile
 
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_static)
+    from onnxruntime.quantization import CalibrationMethod, QuantType
 
     from vlmprune.targets.calibration import calibration_inputs
 
@@ -330,38 +328,18 @@ def write_qdq_model(out_dir: Path, fusion, ops, source, images) -> dict:
     count = max(batch, CALIBRATION_IMAGES // batch * batch)
     pixel, names = calibration_inputs(count, value.shape[-1], source.mean, source.std, images)
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter(pixel[i: i + batch] for i in range(0, count, batch))
-
-        def get_next(self):
-            chunk = next(self.batches, None)
-            return None if chunk is None else {value.name: chunk}
-
     with tempfile.TemporaryDirectory(prefix=".qdq-", dir=out_dir) as tmp:
-        raw = Path(tmp) / "q.onnx"
-        previous = logging.root.manager.disable
-        logging.disable(logging.WARNING)  # its "consider pre-processing" advice, printed on every call
-        try:
-            quantize_static(
-                str(out_dir / DECOMPOSED), str(raw), Reader(), quant_format=QuantFormat.QDQ,
-                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-                op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=exclude,
-                calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,
-                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False,
-                               "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
-        finally:
-            logging.disable(previous)
-        model = ir.load(raw)
-        model.metadata_props.clear()  # the quantizer's copy: fused afresh below
-        rewired = float_inputs_for(model, set(exclude))
+        model, rewired = static_qdq(
+            out_dir / DECOMPOSED, Path(tmp), value.name, pixel, batch, exclude,
+            activation_type=QuantType.QInt8, op_types_to_quantize=list(QUANTIZED_OPS),
+            calibrate_method=CalibrationMethod.MinMax,
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False,
+                           "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
         ShapeInferencePass()(model)  # types of the quantizer's new tensors, for the support check
         if fusion is not None:
             fusion(model)
         ir.save(model, out_dir / QDQ_MODEL, external_data=QDQ_WEIGHTS)
-    quantized = sorted({n.name for n in model.graph if n.op_type in QUANTIZED_OPS
-                        and any(i is not None and i.producer() is not None
-                                and i.producer().op_type == "DequantizeLinear" for i in n.inputs)})
+    quantized = dequantized_nodes(model.graph, QUANTIZED_OPS)
     return {"model": QDQ_MODEL, "weights_file": QDQ_WEIGHTS, "format": "QDQ (explicit quantization)",
             "activations": "int8 symmetric, per tensor, MinMax calibration",
             "weights": "int8 symmetric, per output channel", "calibration_images": names,
