@@ -10,10 +10,11 @@ import numpy as np
 from vlmprune.compiler.contract import ROI_BOXES, ROI_COUNT, ROI_MASK, TEXT
 
 
-def ort_session(model: str | Path | bytes, custom_op_libraries: tuple[Path, ...] = (), providers=None):
+def ort_session(model: str | Path | bytes, custom_op_libraries: tuple[Path, ...] = (), providers=None, options=None):
+    """The product's ONNX Runtime session; `options` (a SessionOptions, e.g. with profiling on) gets its settings."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
+    options = options or ort.SessionOptions()
     options.log_severity_level = 3
     # Two cores here and in CI: leave one to the rest of the process.
     options.intra_op_num_threads = int(os.environ.get("VLMPRUNE_ORT_THREADS", "0"))

@@ -2,6 +2,7 @@
 """Time to first token and KV-cache bytes per image, dense vs tower pruning vs FastV vs both, side by side in one run.
 
     python tools/bench_e2e.py [--repeats 3] [--layer 2] [--fastv-layer 2] [--fastv-keep 0.5] [--text 64]
+        [--warmup 3] [--profile] [--workdir DIR]
 
 ONNX Runtime CPU, batch 1, one process, seeded weights of realistic shape: the clip-l-336
 tower (LLaVA-1.5's CLIP ViT-L/14-336, 24 blocks, features from block 23) with a projector to
@@ -27,6 +28,22 @@ the head on the last token only, 2·D·V. Elementwise ops, norms and softmax are
 few % of the total). speedup limit = FLOPs(dense) / FLOPs(row); share = measured speedup /
 speedup limit (goal: >= 95% for every pruned row).
 
+The head is the one part of every row that FLOPs misprice. It runs on one token, so it is a
+matrix-vector product that streams the whole V x D fp32 matrix (519 MiB for Qwen2-0.5B) at the
+memory's speed: --profile measured it at ~20 ms and 14 GFLOP/s, where every other MatMul ran at
+230-300 GFLOP/s. It is the same in every row, so it is the fixed cost that weighs most where the
+image tokens are fewest. The run therefore also times the head alone (a graph of that one
+MatMul over the same weights, its own block) and prints a second limit that counts the head at
+its measured time, converted to the FLOPs the dense row does in that time at its own rate.
+
+Warm-up: each block runs WARMUP (3) untimed calls after building its sessions. With one, the
+first timed call of every block was 100-300 ms slower than the next (arena and page state after
+the previous row's sessions were freed), a fixed cost that weighed most on the smallest rows:
+tower K=64 measured 89 % of its limit that way, against 99 % for the same row's profiled runs.
+
+--profile adds ONNX Runtime's per-op breakdown of every row (tools/ort_profile.py), from
+separate untimed runs.
+
 Why rows run in blocks, forwards then backwards (A B C D E, then E D C B A), instead of
 interleaved run by run as tools/bench_tower.py does: one row's sessions hold ~2x its weights
 (ONNX Runtime prepacks constant matrices per session), so the five rows' sessions together
@@ -49,6 +66,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+import ort_profile
 from machine_load import CpuMeter, busy_line, physical_cores
 from vlmprune.compiler.contract import FEATURES, PIXELS
 from vlmprune.compiler.frontend import export_onnx, load_source
@@ -65,8 +83,11 @@ from vlmprune.targets.runtime import ort_session
 
 CLS = get_method("cls")
 SETTLE_S = 0.2
+HEAD_ROW = "LM head alone"
+WARMUP = 3  # untimed runs per block: see "Warm-up" in the docstring
+HEAD_VOCAB = 151936
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                 num_key_value_heads=2, vocab_size=HEAD_VOCAB, tie_word_embeddings=True, max_position_embeddings=32768,
                  rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
@@ -134,6 +155,19 @@ def _save(model: ir.Model, folder: Path, name: str) -> Path:
     return folder / f"{name}.onnx"
 
 
+def _head_graph(embed: np.ndarray) -> ir.Model:
+    """The LM head alone as the prefill graph runs it: [1, 1, D] @ the tied embedding's [D, V]."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    vocab, width = embed.shape
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["logits"])], "head",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, width])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, vocab])],
+                              [onnx.numpy_helper.from_array(np.ascontiguousarray(embed.T), "w")])
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+
 def _pruned_tower(dense: Path, folder: Path, keep: int, layer: int, name: str) -> Path:
     config = PruneConfig(CLS, CLS.parse(keep, {}), layer)
     model = OrtTarget().pipeline(config, CompileOptions(keep=keep, layer=layer))(ir.load(dense)).model
@@ -141,14 +175,16 @@ def _pruned_tower(dense: Path, folder: Path, keep: int, layer: int, name: str) -
     return folder / f"{name}.onnx"
 
 
-def _blocks(rows: dict, repeats: int, log) -> dict[str, list[float]]:
+def _blocks(rows: dict, repeats: int, warmup: int, log) -> dict[str, list[float]]:
     """ms per run of every row: forwards then backwards, each block with the row's own sessions, warmed up."""
     names = list(rows)
     times: dict[str, list[float]] = {name: [] for name in names}
     half = max(1, repeats // 2)
     for order, count in ((names, repeats - half), (names[::-1], half)):
         for name in order:
-            run = rows[name]()  # sessions built; the first run is the warm-up
+            run = rows[name]()  # sessions built; the first run is the first warm-up
+            for _ in range(warmup - 1):
+                run()
             for _ in range(count):
                 time.sleep(SETTLE_S)
                 start = time.perf_counter()
@@ -167,6 +203,9 @@ def main() -> int:
     parser.add_argument("--fastv-layer", type=int, default=2)
     parser.add_argument("--fastv-keep", type=float, default=0.5)
     parser.add_argument("--text", type=int, default=64, help="text tokens in the prompt (half before the image)")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed runs per block before its timed ones")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed runs, profile every row with ONNX Runtime's profiler (where the time goes)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the graphs here and reuse those already there (default: a temp dir)")
     args = parser.parse_args()
@@ -212,6 +251,7 @@ def main() -> int:
             name = f"llm_fastv_{spec.image_len}"
             llms[f"fastv {tower_name}"] = reuse(name, lambda: _save(export_prefill(lm, spec), folder, name))
             fastv_specs[tower_name] = spec
+        head_path = reuse("head", lambda: _save(_head_graph(embed), folder, "head"))
         lm = embed = None  # the torch weights (2 GB) are not needed for timing
 
         rows = {"dense": ("dense", "dense", None),
@@ -253,31 +293,74 @@ def main() -> int:
             return build
 
         builders = {row: make(row, *how) for row, how in rows.items()}
+        x_head = np.random.default_rng(1).standard_normal((1, 1, width)).astype(np.float32)
+
+        def head_block():
+            session = ort_session(head_path)
+            run = lambda: session.run(None, {"x": x_head})  # noqa: E731
+            run()
+            return run
+
+        builders[HEAD_ROW] = head_block
         log(f"timing: rows in blocks, forwards then backwards, {args.repeats} runs each")
         meter = CpuMeter()
-        times = _blocks(builders, args.repeats, log)
+        times = _blocks(builders, args.repeats, args.warmup, log)
         load = meter.report()
+        profiles = {}
+        if args.profile:
+            log("profiling every row (not timed)")
+            for row, (tower_name, llm_name, _spec) in rows.items():
+                tower = ort_profile.profile(lambda o: ort_session(towers[tower_name], options=o), {PIXELS: pixel})
+                features = tower["outputs"][FEATURES]
+                embeds = np.concatenate([text_before, features, text_after], axis=1).astype(np.float32)
+                positions = np.arange(embeds.shape[1], dtype=np.int64)[None]
+                llm = ort_profile.profile(lambda o: ort_session(llms[llm_name], options=o),
+                                          {"inputs_embeds": embeds, "position_ids": positions})
+                profiles[f"{row}: tower"], profiles[f"{row}: LLM"] = tower, llm
+                profiles[row] = ort_profile.merge(tower, llm)
+                profiles[row]["host_ms"] = statistics.median(times[row]) - profiles[row]["run_ms"]
 
     med = {row: statistics.median(t) for row, t in times.items()}
+    head_ms = med.pop(HEAD_ROW)
+    times.pop(HEAD_ROW)
     base_ms, base_flops, base_kv = med["dense"], flops["dense"], kv["dense"]
+    # The head streams V x D fp32 weights for one token: its time is the memory's, not its 2·D·V FLOPs'.
+    # Counted as the FLOPs the dense row would do in that time (its own rate), for every row alike.
+    head_flops = 2.0 * width * HEAD_VOCAB
+    head_equiv = head_ms / 1e3 * (base_flops - head_flops) / ((base_ms - head_ms) / 1e3) - head_flops
     print(f"clip-l-336 tower (projector to {width}) + Qwen2-0.5B-shaped decoder, seeded; batch 1, {args.text} text "
           f"tokens; tower pruning: cls after block {args.layer}; FastV after LLM layer {args.fastv_layer}, "
           f"R = {args.fastv_keep:g}; ONNX Runtime CPU, {os.environ['VLMPRUNE_ORT_THREADS']} intra-op threads; "
           f"median of {args.repeats}, rows in blocks forwards then backwards")
     print("| configuration | image tokens (LLM in / after FastV) | TTFT ms (min-max) | speedup | GFLOP | FLOP "
-          "speedup limit | share of limit | KV bytes per image | KV vs dense |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "speedup limit | share of limit | limit, head at its memory time | share of that limit | KV bytes per image "
+          "| KV vs dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row, (tower_name, _llm, spec) in rows.items():
         tokens = f"{image_tokens[tower_name]}" + (f" / {spec.kept}" if spec is not None else "")
         speed, limit = base_ms / med[row], base_flops / flops[row]
+        work = (base_flops + head_equiv) / (flops[row] + head_equiv)
         spread = f"{min(times[row]):.0f}-{max(times[row]):.0f}"
         print(f"| {row} | {tokens} | {med[row]:.0f} ({spread}) | {speed:.2f}x | {flops[row] / 1e9:.0f} | "
-              f"{limit:.2f}x | {speed / limit:.0%} | {kv[row] / 2**20:.2f} MiB | {kv[row] / base_kv:.2f} |")
+              f"{limit:.2f}x | {speed / limit:.0%} | {work:.2f}x | {speed / work:.0%} | {kv[row] / 2**20:.2f} MiB | "
+              f"{kv[row] / base_kv:.2f} |")
+    print(f"LM head alone (one token, {HEAD_VOCAB} x {width} fp32 weights, {4 * HEAD_VOCAB * width / 2**20:.0f} MiB "
+          f"streamed): {head_ms:.1f} ms = {4 * HEAD_VOCAB * width / head_ms / 1e6:.1f} GB/s; at the dense row's FLOP "
+          f"rate that time is {(head_equiv + head_flops) / 1e9:.1f} GFLOP, not its {head_flops / 1e9:.2f}")
     if busy_line(load):
         print(busy_line(load))
     shares = {row: (base_ms / med[row]) / (base_flops / flops[row]) for row in rows if row != "dense"}
+    work_shares = {row: (base_ms / med[row]) / ((base_flops + head_equiv) / (flops[row] + head_equiv))
+                   for row in rows if row != "dense"}
+    if profiles:
+        print("\nONNX Runtime profile (separate, untimed runs; counted ops are those the FLOP model counts):")
+        print("\n".join(ort_profile.table(profiles)))
+        print("host ms (TTFT median minus both graphs' profiled run time: embeddings, argmax, Python): " + ", ".join(
+            f"{row}: {p['host_ms']:.0f}" for row, p in profiles.items() if "host_ms" in p))
     print("first tokens: " + ", ".join(f"{row}: {t}" for row, t in first.items()))
     print("min_share_of_flop_limit: " + f"{min(shares.values()):.2f}" + f" ({min(shares, key=shares.get)})")
+    print("min_share_of_limit_head_at_memory_time: " + f"{min(work_shares.values()):.2f}"
+          + f" ({min(work_shares, key=work_shares.get)})")
     return 0
 
 

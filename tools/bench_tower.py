@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Latency of the vision tower, dense vs pruned, PyTorch (eager, torch.compile) vs ONNX Runtime, side by side in one run.
 
-    python tools/bench_tower.py [--model clip-l-336] [--keep 192] [--layer 2] [--repeats 5] [--no-compile]
+    python tools/bench_tower.py [--model clip-l-336] [--keep 192] [--layer 2] [--repeats 5] [--no-compile] [--op-profile]
         [--method cls|visionzip|divprune|dart] [--score cls|probe] [--ort-only]
 
 --model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448` where present, `demo`)
@@ -58,8 +58,9 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+import ort_profile
 from machine_load import CpuMeter, busy_line, physical_cores
-from vlmprune.compiler.contract import FEATURES, KEPT, WEIGHTS
+from vlmprune.compiler.contract import FEATURES, KEPT, PIXELS, WEIGHTS
 from vlmprune.compiler.frontend import export_onnx, load_source
 from vlmprune.compiler.frontend.images import parity_inputs
 from vlmprune.compiler.frontend.tower import BLOCK
@@ -239,6 +240,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (minutes to compile)")
     parser.add_argument("--ort-only", action="store_true", help="time the ONNX Runtime rows only (implies --no-compile)")
+    parser.add_argument("--op-profile", action="store_true",
+                        help="after the timed runs, profile the ONNX Runtime rows per op (tools/ort_profile.py, untimed)")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the profiled run that names each row's attention ops (one run per row saved)")
     args = parser.parse_args()
@@ -329,6 +332,11 @@ def main() -> int:
         with torch.inference_mode():
             times = _round_robin(fns, args.repeats)
         load = meter.report()
+        op_profiles = {}
+        if args.op_profile:
+            for row, name, path, libs in graphs:
+                op_profiles[row] = ort_profile.profile(lambda o, p=path, ls=libs: ort_session(p, ls, options=o),
+                                                       {PIXELS: x_np}, runs=max(3, args.repeats // 2))
 
     rows = {row: statistics.median(t) for row, t in times.items()}
     ort_dense = rows["onnxruntime, dense"]
@@ -360,6 +368,9 @@ def main() -> int:
                   f"FLOP-limit ratio {speedup / allowed:.2f}")
         else:
             print(f"  {name}: measured {speedup:.2f}x, FLOPs unknown (a dynamic shape)")
+    if op_profiles:
+        print("ONNX Runtime profile (separate, untimed runs; counted ops are those the FLOP count counts):")
+        print("\n".join(ort_profile.table(op_profiles)))
     key = f"pruned_L{args.layer}" if at_block else "pruned_features"
     ort_l = rows[f"onnxruntime, {main_row}"]
     print(f"ort_{key}_vs_ort_dense: {ort_dense / ort_l:.2f}")

@@ -1,0 +1,68 @@
+"""tools/ort_profile.py: ONNX Runtime's profiler read back per op, MatMul FLOPs from the recorded shapes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, checker, helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import ort_profile
+from vlmprune.targets.runtime import ort_session
+
+M, K, N = 96, 64, 48
+
+
+def _weights() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((K, N)).astype(np.float32)
+
+
+def _graph() -> bytes:
+    """x [M, K] @ w [K, N] -> Relu -> Softmax: one counted op and two uncounted ones."""
+    w = _weights()
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["r"]),
+         helper.make_node("Softmax", ["r"], ["out"], axis=-1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [M, N])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [K, N], w.ravel())])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    checker.check_model(model)
+    return model.SerializeToString()
+
+
+def test_profile_reads_ops_flops_and_outputs():
+    x = np.random.default_rng(1).standard_normal((M, K)).astype(np.float32)
+    graph = _graph()
+    got = ort_profile.profile(lambda options: ort_session(graph, options=options), {"x": x}, runs=3)
+    assert {"MatMul", "Softmax"} <= set(got["ops"])  # Relu may be fused into the MatMul by ORT; Softmax is not
+    assert got["counted_ms"] == got["ops"]["MatMul"]
+    assert got["uncounted_ms"] == sum(ms for op, ms in got["ops"].items() if op != "MatMul")
+    (bucket, cell), = got["matmul"].items()
+    assert bucket == "M 17-128"
+    assert cell["gflop"] == 2 * M * K * N / 1e9
+    assert got["run_ms"] >= got["kernel_ms"] > 0
+    assert 2 <= got["nodes"] <= 3
+    ref = np.maximum(x @ _weights(), 0)
+    ref = np.exp(ref - ref.max(-1, keepdims=True))
+    np.testing.assert_allclose(got["outputs"]["out"], ref / ref.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+
+
+def test_merge_sums_and_table_names_rows():
+    a = {"run_ms": 10.0, "kernel_ms": 8.0, "counted_ms": 6.0, "uncounted_ms": 2.0, "outside_kernels_ms": 2.0, "nodes": 3,
+         "ops": {"MatMul": 6.0, "Softmax": 2.0}, "matmul": {"M=1": {"ms": 6.0, "gflop": 0.6}}}
+    b = {"run_ms": 5.0, "kernel_ms": 4.0, "counted_ms": 3.0, "uncounted_ms": 1.0, "outside_kernels_ms": 1.0, "nodes": 2,
+         "ops": {"MatMul": 3.0, "Where": 1.0}, "matmul": {"M=1": {"ms": 3.0, "gflop": 0.3}}}
+    merged = ort_profile.merge(a, b)
+    assert merged["run_ms"] == 15.0 and merged["ops"] == {"MatMul": 9.0, "Softmax": 2.0, "Where": 1.0}
+    assert merged["matmul"]["M=1"]["gflops_per_s"] == pytest.approx(100.0)
+    lines = ort_profile.table({"row a": merged})
+    assert any(line.startswith("| row a | 5 | 15.0 | 9.0 | 3.0 (20%) | 3.0 | Softmax 2.0, Where 1.0") for line in lines)
+
+
+def test_bucket_edges():
+    assert [ort_profile._bucket(m) for m in (1, 2, 16, 17, 577, 5000)] == [
+        "M=1", "M 2-16", "M 2-16", "M 17-128", "M 513-2048", "M>2048"]
