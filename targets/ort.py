@@ -33,6 +33,7 @@ import onnx_ir as ir
 from vlmprune.compiler.contract import MODEL
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.attention_fusion import FUSED_ATTENTION, MS_DOMAIN, attention_rules
+from vlmprune.passes.gelu_fusion import FUSED_GELU, gelu_rules
 from vlmprune.passes.methods.base import FusedOp
 from vlmprune.targets.base import StageSpec, Target
 
@@ -70,11 +71,12 @@ class OrtTarget(Target):
         return chosen
 
     def own_fusion_rules(self, config, options) -> tuple[list, dict[str, int]]:
-        """Each block's attention -> com.microsoft.MultiHeadAttention (ONNX Runtime's contrib op, no library)."""
-        return attention_rules(), {MS_DOMAIN: 1}
+        """Each block's attention -> com.microsoft.MultiHeadAttention, the tanh GELU -> com.microsoft.FastGelu
+        (ONNX Runtime's contrib ops, no library)."""
+        return [*attention_rules(), *gelu_rules()], {MS_DOMAIN: 1}
 
     def supports(self, node: ir.Node) -> tuple[bool, str]:
-        if f"{node.domain}.{node.op_type}" == FUSED_ATTENTION:
+        if f"{node.domain}.{node.op_type}" in (FUSED_ATTENTION, FUSED_GELU):
             return True, ""
         return super().supports(node)
 
