@@ -6,7 +6,6 @@ import collections
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -14,23 +13,9 @@ from vlmprune.compiler.contract import FUSED_META
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.attention_fusion import MS_DOMAIN, attention_rules, count_fused
 from vlmprune.passes.fusion import FusionPass
+from tower_graphs import export, run
 
 BLOCKS = 3  # the tiny towers' depth (tests/conftest.py)
-
-
-def _export(model_dir) -> ir.Model:
-    from vlmprune.compiler.frontend import export_onnx, load_source
-
-    source = load_source(str(model_dir))
-    return export_onnx(source.pipeline, source.image_size, None, 18)  # a dynamic batch, as compile exports
-
-
-def _run(model: ir.Model, x: np.ndarray) -> list[np.ndarray]:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.log_severity_level = 1, 3
-    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    return session.run(None, {session.get_inputs()[0].name: x})
 
 
 def _fuse(model: ir.Model, required: bool = False, debug: bool = False) -> ir.Model:
@@ -42,14 +27,14 @@ def _fuse(model: ir.Model, required: bool = False, debug: bool = False) -> ir.Mo
 
 @pytest.mark.parametrize("family", ["clip", "siglip", "vit", "dinov2"])
 def test_every_block_fused_same_numbers(request, family):
-    dense = _export(request.getfixturevalue(f"tiny_{family}_dir"))
+    dense = export(request.getfixturevalue(f"tiny_{family}_dir"))
     x = np.random.default_rng(0).standard_normal((2, 3, 112, 112)).astype(np.float32)
-    reference = _run(dense, x)
+    reference = run(dense, x)
     fused = _fuse(ir.from_proto(ir.serde.serialize_model(dense)))
     ops = collections.Counter(n.op_type for n in fused.graph)
     assert count_fused(fused) == BLOCKS and ops["Softmax"] == 0
     onnx.checker.check_model(ir.serde.serialize_model(fused))
-    for got, want in zip(_run(fused, x), reference):
+    for got, want in zip(run(fused, x), reference):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
 
 
@@ -64,14 +49,14 @@ def test_block_the_score_reads_stays_unfused(tiny_clip_dir):
     method = get_method("cls")
     params = method.parse(16, {})
     options = CompileOptions(method="cls", keep=16, layer=1)
-    decomposed = OrtTarget().pipeline(PruneConfig(method, params, 1), options)(_export(tiny_clip_dir)).model
+    decomposed = OrtTarget().pipeline(PruneConfig(method, params, 1), options)(export(tiny_clip_dir)).model
     x = np.random.default_rng(1).standard_normal((1, 3, 112, 112)).astype(np.float32)
-    reference = dict(zip([v.name for v in decomposed.graph.outputs], _run(decomposed, x)))
+    reference = dict(zip([v.name for v in decomposed.graph.outputs], run(decomposed, x)))
     fused = _fuse(ir.from_proto(ir.serde.serialize_model(decomposed)))
     assert count_fused(fused) == BLOCKS - 1
     score_softmax = [n for n in fused.graph if n.op_type == "Softmax"]
     assert len(score_softmax) == 2  # block 1's own and the [CLS] score's, which read the same q and Kᵀ
-    got = dict(zip([v.name for v in fused.graph.outputs], _run(fused, x)))
+    got = dict(zip([v.name for v in fused.graph.outputs], run(fused, x)))
     np.testing.assert_array_equal(got[KEPT], reference[KEPT])
     for name, want in reference.items():
         np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=2e-5)
@@ -91,7 +76,7 @@ def _change(model: ir.Model, change: str) -> None:
 @pytest.mark.parametrize("change, reason", [("axis", "the Softmax is not over the keys"),
                                             ("scale", "a scale is not a constant scalar")])
 def test_other_axis_or_scale_not_matched(tiny_clip_dir, change, reason):
-    model = _export(tiny_clip_dir)
+    model = export(tiny_clip_dir)
     _change(model, change)
     _fuse(model)
     assert count_fused(model) == BLOCKS - 1  # the changed block stays, the others fuse

@@ -6,31 +6,16 @@ import collections
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from vlmprune.compiler.contract import FUSED_META
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.fusion import FusionPass
+from tower_graphs import export, run
 from vlmprune.passes.gelu_fusion import MS_DOMAIN, count_fused, gelu_rules
 
 BLOCKS = 3  # the tiny towers' depth (tests/conftest.py)
-
-
-def _export(model_dir) -> ir.Model:
-    from vlmprune.compiler.frontend import export_onnx, load_source
-
-    source = load_source(str(model_dir))
-    return export_onnx(source.pipeline, source.image_size, None, 18)
-
-
-def _run(model: ir.Model, x: np.ndarray) -> list[np.ndarray]:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.log_severity_level = 1, 3
-    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    return session.run(None, {session.get_inputs()[0].name: x})
 
 
 def _fuse(model: ir.Model, required: bool = False, debug: bool = False) -> ir.Model:
@@ -41,26 +26,26 @@ def _fuse(model: ir.Model, required: bool = False, debug: bool = False) -> ir.Mo
 
 
 def test_siglip_gelu_fused_same_numbers(tiny_siglip_dir):
-    dense = _export(tiny_siglip_dir)
+    dense = export(tiny_siglip_dir)
     x = np.random.default_rng(0).standard_normal((2, 3, 112, 112)).astype(np.float32)
-    reference = _run(dense, x)
+    reference = run(dense, x)
     fused = _fuse(ir.from_proto(ir.serde.serialize_model(dense)))
     ops = collections.Counter(n.op_type for n in fused.graph)
     assert count_fused(fused) == BLOCKS and ops["Tanh"] == 0 and ops["Pow"] == 0
     onnx.checker.check_model(ir.serde.serialize_model(fused))
-    for got, want in zip(_run(fused, x), reference):
+    for got, want in zip(run(fused, x), reference):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
 
 
 def test_erf_gelu_not_matched(tiny_clip_dir, tiny_vit_dir):
     """CLIP (quick_gelu) and ViT (exact erf GELU) have no tanh GELU: nothing fuses."""
     for folder in (tiny_clip_dir, tiny_vit_dir):
-        model = _fuse(_export(folder))
+        model = _fuse(export(folder))
         assert count_fused(model) == 0
 
 
 def test_other_coefficient_not_matched(tiny_siglip_dir):
-    model = _export(tiny_siglip_dir)
+    model = export(tiny_siglip_dir)
     pow_node = next(n for n in model.graph if n.op_type == "Pow")
     scale = next(u for u, _ in pow_node.outputs[0].uses())  # Mul(x³, 0.044715)
     index = next(i for i, v in enumerate(scale.inputs) if v is not pow_node.outputs[0])
@@ -81,7 +66,7 @@ def test_ort_target_fuses_siglip_gelu(tiny_siglip_dir):
     from vlmprune.targets.ort import OrtTarget
 
     fusion = OrtTarget().fusion(None, CompileOptions())
-    model = _export(tiny_siglip_dir)
+    model = export(tiny_siglip_dir)
     fusion(model)
     assert count_fused(model) == BLOCKS
     assert all(OrtTarget().supports(n)[0] for n in model.graph)
