@@ -7,22 +7,17 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from vlmprune.compiler.contract import FUSED_META
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.attention_fusion import MS_DOMAIN, attention_rules, count_fused
-from vlmprune.passes.fusion import FusionPass
-from tower_graphs import export, run
+from vlmprune.passes.attention_fusion import attention_rules, count_fused
+from tower_graphs import export, fuse, run
 
 BLOCKS = 3  # the tiny towers' depth (tests/conftest.py)
 
 
 def _fuse(model: ir.Model, required: bool = False, debug: bool = False) -> ir.Model:
-    rules = attention_rules()
-    FusionPass(rules if required else [], {MS_DOMAIN: 1}, debug=debug, optional=[] if required else rules)(model)
-    RemoveUnusedNodesPass()(model)
-    return model
+    return fuse(model, attention_rules(), required, debug)
 
 
 @pytest.mark.parametrize("family", ["clip", "siglip", "vit", "dinov2"])

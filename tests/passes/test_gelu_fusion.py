@@ -7,22 +7,17 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from vlmprune.compiler.contract import FUSED_META
 from vlmprune.compiler.errors import StructureError
-from vlmprune.passes.fusion import FusionPass
-from tower_graphs import export, run
-from vlmprune.passes.gelu_fusion import MS_DOMAIN, count_fused, gelu_rules
+from tower_graphs import export, fuse, run
+from vlmprune.passes.gelu_fusion import count_fused, gelu_rules
 
 BLOCKS = 3  # the tiny towers' depth (tests/conftest.py)
 
 
 def _fuse(model: ir.Model, required: bool = False, debug: bool = False) -> ir.Model:
-    rules = gelu_rules()
-    FusionPass(rules if required else [], {MS_DOMAIN: 1}, debug=debug, optional=[] if required else rules)(model)
-    RemoveUnusedNodesPass()(model)
-    return model
+    return fuse(model, gelu_rules(), required, debug)
 
 
 def test_siglip_gelu_fused_same_numbers(tiny_siglip_dir):

@@ -18,3 +18,15 @@ def run(model: ir.Model, x: np.ndarray) -> list[np.ndarray]:
     session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     return session.run(None, {session.get_inputs()[0].name: x})
+
+
+def fuse(model: ir.Model, rules: list, required: bool = False, debug: bool = False) -> ir.Model:
+    """Apply a target's own com.microsoft rules as the ort target does (optional), or as rules that must fire."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    from vlmprune.passes.fusion import FusionPass
+
+    FusionPass(rules if required else [], {"com.microsoft": 1}, debug=debug,
+               optional=[] if required else rules)(model)
+    RemoveUnusedNodesPass()(model)
+    return model
