@@ -355,7 +355,8 @@ def main() -> int:
     if profiles:
         print("\nONNX Runtime profile (separate, untimed runs; counted ops are those the FLOP model counts):")
         print("\n".join(ort_profile.table(profiles)))
-        print("outside the graphs, ms (TTFT median minus both graphs' profiled run time: the host's embeddings and argmax, and the timed runs' spread against the profiled ones): " + ", ".join(
+        print("outside the graphs, ms (TTFT median minus both graphs' profiled run time: the host's embeddings "
+              "and argmax, and the timed runs' spread against the profiled ones): " + ", ".join(
             f"{row}: {p['host_ms']:.0f}" for row, p in profiles.items() if "host_ms" in p))
     print("first tokens: " + ", ".join(f"{row}: {t}" for row, t in first.items()))
     print("min_share_of_flop_limit: " + f"{min(shares.values()):.2f}" + f" ({min(shares, key=shares.get)})")
