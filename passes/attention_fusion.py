@@ -40,7 +40,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from vlmprune.passes.graph.dataflow import const_array
+from vlmprune.passes.graph.dataflow import const_array, const_scalar
 
 MS_DOMAIN = "com.microsoft"
 FUSED_ATTENTION = f"{MS_DOMAIN}.MultiHeadAttention"
@@ -49,11 +49,6 @@ FUSED_ATTENTION = f"{MS_DOMAIN}.MultiHeadAttention"
 def _perm(value: ir.Value) -> list[int] | None:
     attr = value.producer().attributes.get("perm")
     return None if attr is None else list(attr.value)
-
-
-def _scalar(value: ir.Value) -> float | None:
-    array = const_array(value)
-    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
 
 
 def _heads(split: ir.Value, q: ir.Value) -> int | None:
@@ -123,7 +118,7 @@ class MultiHeadAttentionFusion(RewriteRuleClassBase):
         axis = probs.producer().attributes.get("axis")
         if (axis.value if axis is not None else -1) not in (-1, 3):
             return result.fail("the Softmax is not over the keys (axis -1)")
-        if _scalar(sq) is None or _scalar(sk) is None:
+        if const_scalar(sq) is None or const_scalar(sk) is None:
             return result.fail("a scale is not a constant scalar")
         heads = _heads(q_split, q)
         if heads is None:
@@ -142,7 +137,7 @@ class MultiHeadAttentionFusion(RewriteRuleClassBase):
 
     def rewrite(self, op, q_lin, k_lin, v_lin, q_split, sq, sk, q, **_):
         return op.MultiHeadAttention(q_lin, k_lin, v_lin, num_heads=_heads(q_split, q),
-                                     scale=_scalar(sq) * _scalar(sk), _domain=MS_DOMAIN)
+                                     scale=const_scalar(sq) * const_scalar(sk), _domain=MS_DOMAIN)
 
 
 def attention_rules() -> list:

@@ -19,16 +19,11 @@ import math
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from vlmprune.passes.graph.dataflow import const_array
+from vlmprune.passes.attention_fusion import MS_DOMAIN
+from vlmprune.passes.graph.dataflow import const_scalar
 
-MS_DOMAIN = "com.microsoft"
 FUSED_GELU = f"{MS_DOMAIN}.FastGelu"
 CONSTANTS = {"cube": 3.0, "coefficient": 0.044715, "sqrt(2/pi)": math.sqrt(2.0 / math.pi), "one": 1.0, "half": 0.5}
-
-
-def _scalar(value: ir.Value) -> float | None:
-    array = const_array(value)
-    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
 
 
 class FastGeluFusion(RewriteRuleClassBase):
@@ -42,7 +37,7 @@ class FastGeluFusion(RewriteRuleClassBase):
         result = MatchResult()
         for value, name in ((cube, "cube"), (coefficient, "coefficient"), (root, "sqrt(2/pi)"), (one, "one"),
                             (half, "half")):
-            got = _scalar(value)
+            got = const_scalar(value)
             if got is None:
                 return result.fail(f"the {name} is not a constant scalar")
             if not math.isclose(got, CONSTANTS[name], rel_tol=1e-6):

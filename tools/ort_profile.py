@@ -14,7 +14,7 @@ session options as the timed rows:
   output allocation), beside the number of nodes run: a cost that scales with the node count and
   not with the tokens is a fixed cost of the graph's structure.
 
-Used by tools/bench_e2e.py and tools/bench_tower.py behind --profile; a profiled run is never a
+Used by tools/bench_e2e.py (--profile) and tools/bench_tower.py (--op-profile); a profiled run is never a
 timed one (the profiler itself costs time).
 """
 
@@ -52,7 +52,7 @@ def _matmul_flops(args: dict) -> tuple[int, float] | None:
         return None
     if not a or not out:
         return None
-    k = a[-1] if args.get("op_name") != "Gemm" or len(a) != 2 else a[1]
+    k = a[-1]  # MatMul and FusedMatMul; Gemm as the exporters write it (no transA)
     rows = int(np.prod(out[:-1])) if len(out) > 1 else 1
     m = out[-2] if len(out) > 1 else 1
     return int(m), 2.0 * rows * out[-1] * k

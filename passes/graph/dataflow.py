@@ -59,6 +59,12 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
+def const_scalar(value: ir.Value | None) -> float | None:
+    """A constant holding exactly one element, as a float, else None."""
+    array = const_array(value)
+    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
+
+
 def const_ints(value: ir.Value | None) -> list[int] | None:
     """A constant integer tensor as a flat list, else None."""
     tensor = ir.convenience.get_const_tensor(value) if value is not None else None
