@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -103,23 +102,9 @@ def _torch_attention(fn, blocks: int) -> str:
     return f"eager (matmul + softmax x{softmax})" if softmax >= blocks else "unknown"
 
 
-def _ort_attention(session, path: Path, x: np.ndarray, folder: Path, libs: tuple = ()) -> str:
+def _ort_attention(path: Path, x: np.ndarray, libs: tuple = ()) -> str:
     """The ops ONNX Runtime executed for attention in one profiled run of the same graph with the same options."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = session.get_session_options().intra_op_num_threads
-    options.log_severity_level = 3
-    for lib in libs:
-        options.register_custom_ops_library(str(lib))
-    options.enable_profiling = True
-    options.profile_file_prefix = str(folder / "ort_profile")
-    probe = ort.InferenceSession(str(path), options, providers=session.get_providers())
-    probe.run(None, {probe.get_inputs()[0].name: x})
-    events = json.loads(Path(probe.end_profiling()).read_text())
-    del probe
-    ops = Counter(e["args"]["op_name"] for e in events
-                  if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and "op_name" in e.get("args", {}))
+    ops = ort_profile.profile(lambda o: ort_session(path, libs, options=o), {PIXELS: x}, runs=1)["counts"]
     fused = {op: n for op, n in ops.items() if "Attention" in op}
     if fused:
         return ", ".join(f"ORT {op} x{n}" for op, n in sorted(fused.items()))
@@ -323,8 +308,7 @@ def main() -> int:
             result = run_session(session, x_np)  # warm-up
             out = result[FEATURES] if name == "dense" else (result[FEATURES], result[KEPT])
             checks[row] = _agreement(outputs[name], out)
-            labels[row] = "not profiled (--no-profile)" if args.no_profile else _ort_attention(session, path, x_np,
-                                                                                              folder, libs)
+            labels[row] = "not profiled (--no-profile)" if args.no_profile else _ort_attention(path, x_np, libs)
             ort_threads = session.get_session_options().intra_op_num_threads
             fns[row] = lambda s=session: run_session(s, x_np)
 

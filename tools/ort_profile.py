@@ -4,7 +4,8 @@ A FLOP-limit ratio below 1 says a pruned graph is slower than its arithmetic all
 These aids answer the why from ONNX Runtime's own profiler, on the same graph, with the same
 session options as the timed rows:
 
-- kernel milliseconds per op type, per run (median over the profiled runs);
+- kernel milliseconds per op type, per run (median over the profiled runs), and how many nodes of
+  each type ran;
 - the FLOP-counted ops (MatMul, Gemm, Conv, FusedMatMul, MatMulNBits, the attention ops) apart
   from the uncounted ones (normalisations, activations, softmax, reshapes, gathers), whose time
   does not shrink with the FLOP count in the same way;
@@ -52,9 +53,11 @@ def _matmul_flops(args: dict) -> tuple[int, float] | None:
         return None
     if not a or not out:
         return None
-    k = a[-1]  # MatMul and FusedMatMul; Gemm as the exporters write it (no transA)
     rows = int(np.prod(out[:-1])) if len(out) > 1 else 1
     m = out[-2] if len(out) > 1 else 1
+    k = a[-1]  # MatMul and FusedMatMul
+    if args.get("op_name") == "Gemm" and len(a) == 2 and a[0] != m:
+        k = a[0]  # transA=1: A is [K, M] (when K == M, either axis is K)
     return int(m), 2.0 * rows * out[-1] * k
 
 
@@ -82,6 +85,7 @@ def profile(session_factory, feeds: dict, runs: int = 3) -> dict:
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in run_events][1:]
     per_run_ops: list[dict[str, float]] = [defaultdict(float) for _ in spans]
     per_run_nodes = [0 for _ in spans]
+    per_run_counts: list[dict[str, int]] = [defaultdict(int) for _ in spans]
     per_run_mm: list[dict[str, list[float]]] = [defaultdict(lambda: [0.0, 0.0]) for _ in spans]
     for e in events:
         if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
@@ -93,6 +97,7 @@ def profile(session_factory, feeds: dict, runs: int = 3) -> dict:
             if start <= e["ts"] <= end:
                 per_run_ops[i][op] += e["dur"] / 1e3
                 per_run_nodes[i] += 1
+                per_run_counts[i][op] += 1
                 if op in ("MatMul", "FusedMatMul", "Gemm"):
                     mf = _matmul_flops(e["args"])
                     if mf is not None:
@@ -110,6 +115,7 @@ def profile(session_factory, feeds: dict, runs: int = 3) -> dict:
     kernels = sum(ops.values())
     return {"run_ms": run_ms, "kernel_ms": kernels, "ops": ops, "matmul": matmul,
             "outputs": dict(zip(names, outputs)), "nodes": int(statistics.median(per_run_nodes)),
+            "counts": dict(per_run_counts[0]) if per_run_counts else {},
             "counted_ms": sum(ms for op, ms in ops.items() if op in COUNTED),
             "uncounted_ms": sum(ms for op, ms in ops.items() if op not in COUNTED),
             "outside_kernels_ms": run_ms - kernels}
@@ -118,10 +124,13 @@ def profile(session_factory, feeds: dict, runs: int = 3) -> dict:
 def merge(*profiles: dict) -> dict:
     """The sum of several graphs' profiles (a row that runs a tower and then an LLM)."""
     ops: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     matmul: dict[str, dict] = {}
     for p in profiles:
         for op, ms in p["ops"].items():
             ops[op] += ms
+        for op, n in p.get("counts", {}).items():
+            counts[op] += n
         for bucket, cell in p["matmul"].items():
             acc = matmul.setdefault(bucket, {"ms": 0.0, "gflop": 0.0})
             acc["ms"] += cell["ms"]
@@ -129,7 +138,8 @@ def merge(*profiles: dict) -> dict:
     for cell in matmul.values():
         cell["gflops_per_s"] = cell["gflop"] / (cell["ms"] / 1e3) if cell["ms"] else 0.0
     keys = ("run_ms", "kernel_ms", "counted_ms", "uncounted_ms", "outside_kernels_ms", "nodes")
-    return {"ops": dict(ops), "matmul": matmul, **{k: sum(p[k] for p in profiles) for k in keys}}
+    return {"ops": dict(ops), "counts": dict(counts), "matmul": matmul,
+            **{k: sum(p[k] for p in profiles) for k in keys}}
 
 
 def table(rows: dict[str, dict], top: int = 8) -> list[str]:
