@@ -74,6 +74,15 @@ def declared_options() -> dict[str, tuple[type, list[str]]]:
     return declared
 
 
+def declared_target_options() -> dict[str, tuple[type, list[str]]]:
+    """Every option a target declares -> (type, its help texts): eval --dataset's --precision, --calibration, ..."""
+    declared: dict[str, tuple[type, list[str]]] = {}
+    for cls in TARGETS.values():
+        for name, text in cls.options.items():
+            declared.setdefault(name, (str, []))[1].append(text)
+    return declared
+
+
 def declared_family_options() -> dict[str, tuple[type, list[str]]]:
     """Every option a model family declares -> (type, its help texts): the CLI's --grid, --image-size, ..."""
     return family_option_names()
@@ -651,6 +660,8 @@ def eval(model: str, *, images: str | Path | None = None, prompts: str | Path | 
     method x K x layer (ints, or "end") beside dense, random keep and a uniform grid, each compiled once
     for target and run as a bundle; cells kept in store (default under $VLMPRUNE_CACHE/quality/), run
     here or on the Ray cluster at `ray` ("auto" or an address) with at most ray_workers actors.
+    target_options (dataset only): the target's own options, as `compile` takes them (ort: precision,
+    calibration), so that e.g. an int8 sweep's bundles are the int8 ones a user deploys.
     report: also write the report as .json or .html. Returns an EvalResult. Raises InputError for bad input.
     """
     if report:
@@ -663,6 +674,7 @@ def eval(model: str, *, images: str | Path | None = None, prompts: str | Path | 
 
         given = [name for name, value in (("--limit", limit), ("--layer", layers or None), ("--ray", ray),
                                           ("--ray-workers", ray_workers), ("--store", store)) if value]
+        given += [f"--{name.replace('_', '-')}" for name in target_options or {}]
         if given or target is not None:
             raise InputError(f"{', '.join(given) or '--target'} applies to eval --dataset only")
         if images is None or prompts is None:

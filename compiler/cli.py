@@ -179,6 +179,14 @@ def _extra_options(fn):
     return fn
 
 
+def _target_options(fn):
+    """--OPTION flags for every option the targets declare (eval --dataset: its bundles compiled with them)."""
+    for name, (kind, texts) in sorted(api.declared_target_options().items(), reverse=True):
+        fn = click.option(f"--{name.replace('_', '-')}", f"topt_{name}", type=kind, default=None,
+                          help="--dataset: " + "; ".join(dict.fromkeys(texts)))(fn)
+    return fn
+
+
 def _family_options(fn):
     """--OPTION flags for every option the model families declare (Family.options: --grid, --crop-budget,
     --image-size), so a new family needs no CLI edit. Their values reach the library as family_options."""
@@ -466,9 +474,10 @@ def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
               help="Also write the report here: .json (as --json prints it) or .html (one self-contained page).")
 @click.option("--force", is_flag=True, help="Replace an existing --report file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@_target_options
 @_one_line_errors
 def eval_command(model, images_dir, prompts_file, dataset, limit, layers, target, ray, ray_workers, store, methods,
-                 keeps, bundles, max_new_tokens, image_size, grid, as_json, report, force, quiet):
+                 keeps, bundles, max_new_tokens, image_size, grid, as_json, report, force, quiet, **extra):
     """Pruned against dense on MODEL's own LLM (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL): per method and K,
     first-token KL and greedy agreement (--images, --prompts), or exact-match accuracy on bundles (--dataset)."""
     with _stdout_for_data() as emit:
@@ -476,6 +485,7 @@ def eval_command(model, images_dir, prompts_file, dataset, limit, layers, target
                           bundles=bundles, max_new_tokens=max_new_tokens, image_size=image_size, grid=grid,
                           report=report, force=force, progress=_progress(quiet or as_json), dataset=dataset,
                           limit=limit, layers=layers, target=target, ray=ray, ray_workers=ray_workers, store=store,
+                          target_options={k.removeprefix("topt_"): v for k, v in extra.items() if v is not None},
                           bar=False if (quiet or as_json) else None)
         if report:
             click.echo(f"report written to {report}", err=True)

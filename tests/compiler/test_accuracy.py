@@ -202,3 +202,35 @@ def test_without_a_dataset_the_dataset_options_are_refused(setup):
     model, *_ = setup
     with pytest.raises(InputError, match=r"^--limit, --ray applies to eval --dataset only$"):
         api.eval(str(model), images="x", prompts="y", limit=3, ray="auto")
+
+
+def test_precision_int8_compiles_and_runs_the_int8_bundles(setup, tmp_path):
+    # The target's own options reach the sweep's bundles: each one carries model.int8.onnx, the ort runner
+    # answers with it, its cells are keyed apart from the fp32 ones, and the kept sets equal fp32's
+    # (the score path stays fp32: the kept set is the contract).
+    model, data, store, report = setup
+    result = run_cli("eval", model, "--dataset", data, "--keep", "8", "--layer", "1", "--method", "cls",
+                     "--store", store, "--max-new-tokens", "3", "--precision", "int8", "--json")
+    assert result.exit_code == 0, result.output
+    int8 = json.loads(result.stdout)
+    assert int8["computed"] == 4 * 6 and int8["reused"] == 0
+    fp32 = {(r["method"], r["keep"], r["where"]): r for r in report["rows"]}
+    for row in int8["rows"]:
+        assert (Path(row["bundle"]) / "model.int8.onnx").is_file()
+        assert not (Path(fp32[(row["method"], row["keep"], row["where"])]["bundle"]) / "model.int8.onnx").exists()
+        if row["method"] == "cls":
+            for digest, cell in row["answers"].items():
+                assert cell["extra"]["kept"] == fp32[("cls", 8, "after block 1")]["answers"][digest]["extra"]["kept"]
+
+
+def test_a_bad_target_option_is_one_line(setup, tmp_path):
+    model, data, _, _ = setup
+    result = run_cli("eval", model, "--dataset", data, "--keep", "8", "--precision", "fp64", "--store",
+                     tmp_path / "s.sqlite")
+    one_line_error(result, "ort --precision takes fp32 or int8, got 'fp64'")
+
+
+def test_without_a_dataset_a_target_option_is_refused(setup):
+    model, *_ = setup
+    with pytest.raises(InputError, match=r"^--precision applies to eval --dataset only$"):
+        api.eval(str(model), images="x", prompts="y", target_options={"precision": "int8"})
