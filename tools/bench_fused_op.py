@@ -28,13 +28,16 @@ over all blocks are reported, with the share of the CPUs other processes took.
 Hot and cold caches. The first table calls each function again and again on the same
 buffers, so at B=1 (2.4-4.2 MB) the inputs stay in the two cores' L2 (2 MiB each) between
 calls: the torch floor, which splits the buffer in two fixed halves, re-reads each half from
-the same core's L2 every call and ran at up to 83 GB/s, more than the DRAM gives. The op's
-work is split by ONNX Runtime's intra-op pool, which gives a custom op no fixed mapping of
-tasks to threads, so it reads from L3 instead. Single-threaded the op equals the single-thread
-floor (a ctypes run of the C ABI at B=1, N=576: gather 141 us, numpy floor 140 us, this
-session). The second table ("cold caches") times every call alone after a read of a buffer
-twice the last-level cache, so no input or output is cached: the state a deployed tower
-leaves the op in. At B=8 the inputs exceed the caches and both tables agree.
+the same core's L2 every call and ran at up to 83 GB/s, more than the DRAM gives. The op splits
+each image into chunks of 32 whole rows (kernels/cpu: each task streams one stretch of the input,
+front to back); ONNX Runtime's intra-op pool gives a custom op's tasks no fixed thread, so part
+of what a thread reads was last in the other core's L2. (The op used to split an image into
+column strips of 256 values per row: a 1 KiB run per 4 KiB row, which the prefetcher follows
+badly. Rows measured 0.152 vs 0.193 ms hot and 0.445 vs 0.525 ms cold at B=1, N=576, and equal
+at B=8, in one side-by-side run of both libraries.) The second table ("cold caches") times every
+call alone after a read of a buffer twice the last-level cache, so no input or output is cached:
+the state a deployed tower leaves the op in. At B=8 the inputs exceed the caches and both tables
+agree.
 
 A third table times the [CLS]-row scorer (the op boundary question): the
 standard-op scorer the pass emits vs the ClsAttentionScore op, fp32 and INT8.

@@ -137,23 +137,28 @@ void write_mean(const float* acc, int64_t n, float count, uint16_t* out) {
   for (int64_t c = 0; c < n; ++c) out[c] = float_to_half(acc[c] / count);
 }
 
+// Chunk c of one image: the patch rows [c * kGatherChunkRows, ...). Kept rows go to their
+// output slots (and chunk 0 copies [CLS]); the pruned ones are summed into partial[D].
+// Whole rows per task, read front to back: a task streams one contiguous stretch of the
+// input, which the hardware prefetcher follows, and the sum's order is fixed by the chunk
+// size alone, so the result does not depend on the thread count or the batch.
 template <typename E>
-void gather_summary_typed(const E* hidden, int64_t T, int64_t D, int has_cls, const int64_t* kept, int64_t K, E* out,
-                          int64_t c0, int64_t c1) {
+void gather_chunk_typed(const E* hidden, int64_t T, int64_t D, int has_cls, const int64_t* kept, int64_t K, E* out,
+                        int64_t chunk, float* partial) {
   const int64_t N = T - has_cls;
-  const int64_t width = c1 - c0;
-  const size_t row_bytes = static_cast<size_t>(width) * sizeof(E);
+  const int64_t r0 = chunk * kGatherChunkRows, r1 = std::min(N, r0 + kGatherChunkRows);
+  const size_t row_bytes = static_cast<size_t>(D) * sizeof(E);
   Scratch& sc = scratch();
-  float* acc = zeros(sc.f0, static_cast<size_t>(width));
+  std::fill(partial, partial + D, 0.0f);
   const E* pending[kRowBatch];
   int n_pending = 0;
 
-  if (has_cls) std::memcpy(out + c0, hidden + c0, row_bytes);
-  const E* patches = hidden + has_cls * D + c0;
-  E* kept_out = out + has_cls * D + c0;
-  // kept is ascending, so one forward walk pairs every token with its slot.
-  int64_t j = 0;
-  for (int64_t i = 0; i < N; ++i) {
+  if (has_cls && chunk == 0) std::memcpy(out, hidden, row_bytes);
+  const E* patches = hidden + has_cls * D;
+  E* kept_out = out + has_cls * D;
+  // kept is ascending, so one forward walk from the first kept index >= r0 pairs every row with its slot.
+  int64_t j = std::lower_bound(kept, kept + K, r0) - kept;
+  for (int64_t i = r0; i < r1; ++i) {
     const E* row = patches + i * D;
     if (j < K && kept[j] == i) {
       std::memcpy(kept_out + j * D, row, row_bytes);
@@ -161,17 +166,28 @@ void gather_summary_typed(const E* hidden, int64_t T, int64_t D, int has_cls, co
     } else {
       pending[n_pending++] = row;
       if (n_pending == kRowBatch) {
-        accumulate(acc, pending, width);
+        accumulate(partial, pending, D);
         n_pending = 0;
       }
     }
   }
   if (n_pending > 0) {  // zero rows pad the last, partial batch
-    const E* zero = zero_row<E>(sc, static_cast<size_t>(width));
+    const E* zero = zero_row<E>(sc, static_cast<size_t>(D));
     for (int r = n_pending; r < kRowBatch; ++r) pending[r] = zero;
-    accumulate(acc, pending, width);
+    accumulate(partial, pending, D);
   }
-  write_mean(acc, width, static_cast<float>(N - K), out + (has_cls + K) * D + c0);
+}
+
+// The summary row's columns [c0, c1): the chunks' partial sums added in chunk order, over N - K.
+template <typename E>
+void write_summary_typed(const float* partials, int64_t chunks, int64_t D, int64_t pruned, E* row, int64_t c0,
+                         int64_t c1) {
+  float* acc = zeros(scratch().f0, static_cast<size_t>(c1 - c0));
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = partials + c * D + c0;
+    for (int64_t i = 0; i < c1 - c0; ++i) acc[i] += p[i];
+  }
+  write_mean(acc, c1 - c0, static_cast<float>(pruned), row + c0);
 }
 
 // ------------------------------------------------------------------ scorer
@@ -380,13 +396,27 @@ void select_topk_row(const float* scores, int64_t N, int64_t K, int64_t* kept) {
   }
 }
 
-void gather_summary_image(vlmp_dtype dt, const void* hidden, int64_t T, int64_t D, int has_cls, const int64_t* kept,
-                          int64_t K, void* out, int64_t c0, int64_t c1) {
+int64_t gather_chunks(int64_t N) { return (N + kGatherChunkRows - 1) / kGatherChunkRows; }
+
+void gather_chunk(vlmp_dtype dt, const void* hidden, int64_t T, int64_t D, int has_cls, const int64_t* kept, int64_t K,
+                  void* out, int64_t chunk, float* partial) {
   if (dt == VLMP_FLOAT16) {
-    gather_summary_typed(static_cast<const uint16_t*>(hidden), T, D, has_cls, kept, K, static_cast<uint16_t*>(out), c0,
-                         c1);
+    gather_chunk_typed(static_cast<const uint16_t*>(hidden), T, D, has_cls, kept, K, static_cast<uint16_t*>(out), chunk,
+                       partial);
   } else {
-    gather_summary_typed(static_cast<const float*>(hidden), T, D, has_cls, kept, K, static_cast<float*>(out), c0, c1);
+    gather_chunk_typed(static_cast<const float*>(hidden), T, D, has_cls, kept, K, static_cast<float*>(out), chunk,
+                       partial);
+  }
+}
+
+void write_summary(vlmp_dtype dt, const float* partials, int64_t T, int64_t D, int has_cls, int64_t K, void* out,
+                   int64_t c0, int64_t c1) {
+  const int64_t N = T - has_cls, chunks = gather_chunks(N);
+  const size_t row = static_cast<size_t>((has_cls + K) * D);
+  if (dt == VLMP_FLOAT16) {
+    write_summary_typed(partials, chunks, D, N - K, static_cast<uint16_t*>(out) + row, c0, c1);
+  } else {
+    write_summary_typed(partials, chunks, D, N - K, static_cast<float*>(out) + row, c0, c1);
   }
 }
 
@@ -421,10 +451,15 @@ vlmp_status vlmp_gather_summary_cpu(vlmp_dtype dt, const void* hidden, int64_t B
   if (st != VLMP_OK) return st;
   const size_t es = vlmp::cpu::dtype_size(dt);
   const int64_t out_rows = has_cls + K + 1;
+  const int64_t chunks = vlmp::cpu::gather_chunks(T - has_cls);
+  std::vector<float> partials(static_cast<size_t>(chunks * D));
   for (int64_t b = 0; b < B; ++b) {
     const char* src = static_cast<const char*>(hidden) + static_cast<size_t>(b * T * D) * es;
     char* dst = static_cast<char*>(out) + static_cast<size_t>(b * out_rows * D) * es;
-    vlmp::cpu::gather_summary_image(dt, src, T, D, has_cls, kept + b * K, K, dst, 0, D);
+    for (int64_t c = 0; c < chunks; ++c) {
+      vlmp::cpu::gather_chunk(dt, src, T, D, has_cls, kept + b * K, K, dst, c, partials.data() + c * D);
+    }
+    vlmp::cpu::write_summary(dt, partials.data(), T, D, has_cls, K, dst, 0, D);
   }
   return VLMP_OK;
 }

@@ -129,10 +129,8 @@ void parallel_for(const Ort::KernelContext& ctx, size_t n, F& f) {
   ctx.ParallelFor([](void* user, size_t i) { (*static_cast<F*>(user))(i); }, n, 0, &f);
 }
 
-// Column blocks per image for the gather: about two tasks per hardware thread, but
-// whole rows as soon as the batch alone feeds the pool, and blocks of >= 256 columns
-// otherwise, so each token row is read in long contiguous runs. (Measured on 2 cores,
-// B=8, N=576, D=1024: whole rows 1.6 ms, 256-column strips 2.3 ms.)
+// Column blocks per image for the summary row: about two tasks per hardware thread, but
+// whole rows as soon as the batch alone feeds the pool, and blocks of >= 256 columns otherwise.
 int64_t column_blocks(int64_t B, int64_t D) {
   static const int64_t target_tasks = 2 * std::max<int64_t>(1, std::thread::hardware_concurrency());
   constexpr int64_t kMinColumns = 256;
@@ -182,21 +180,35 @@ struct TokenPruneKernel {
     auto select = [&](size_t b) { vlmp::cpu::select_topk_row(s + b * N, N, K, kept + b * K); };
     parallel_for(ctx, static_cast<size_t>(B), select);
 
+    // The gather in chunks of whole rows (each task streams one stretch of the input), then
+    // the summary row from the chunks' partial sums. The partials live in a buffer of the
+    // calling thread, grown once: concurrent runs call from different threads.
     const size_t es = vlmp::cpu::dtype_size(dt);
     const char* src = static_cast<const char*>(hidden.GetTensorRawData());
     char* dst = static_cast<char*>(tokens.GetTensorMutableRawData());
-    const int64_t blocks = column_blocks(B, D);
-    const int64_t width = (D + blocks - 1) / blocks;
+    const int64_t chunks = vlmp::cpu::gather_chunks(N);
     const int64_t out_rows = has_cls_ + K + 1;
     const int has_cls = has_cls_;
+    thread_local std::vector<float> partial_buffer;
+    if (partial_buffer.size() < static_cast<size_t>(B * chunks * D)) partial_buffer.resize(B * chunks * D);
+    float* partials = partial_buffer.data();
+    auto image_src = [&](int64_t b) { return src + static_cast<size_t>(b * T * D) * es; };
+    auto image_dst = [&](int64_t b) { return dst + static_cast<size_t>(b * out_rows * D) * es; };
     auto gather = [&](size_t task) {
+      const int64_t b = static_cast<int64_t>(task) / chunks, c = static_cast<int64_t>(task) % chunks;
+      vlmp::cpu::gather_chunk(dt, image_src(b), T, D, has_cls, kept + b * K, K, image_dst(b), c,
+                              partials + (b * chunks + c) * D);
+    };
+    parallel_for(ctx, static_cast<size_t>(B * chunks), gather);
+
+    const int64_t blocks = column_blocks(B, D);
+    const int64_t width = (D + blocks - 1) / blocks;
+    auto summary = [&](size_t task) {
       const int64_t b = static_cast<int64_t>(task) / blocks, c0 = (static_cast<int64_t>(task) % blocks) * width;
       const int64_t c1 = std::min(D, c0 + width);
-      if (c0 >= c1) return;
-      vlmp::cpu::gather_summary_image(dt, src + static_cast<size_t>(b * T * D) * es, T, D, has_cls, kept + b * K, K,
-                                      dst + static_cast<size_t>(b * out_rows * D) * es, c0, c1);
+      if (c0 < c1) vlmp::cpu::write_summary(dt, partials + b * chunks * D, T, D, has_cls, K, image_dst(b), c0, c1);
     };
-    parallel_for(ctx, static_cast<size_t>(B * blocks), gather);
+    parallel_for(ctx, static_cast<size_t>(B * blocks), summary);
   }
 
   const char* op_;

@@ -76,14 +76,29 @@ def test_token_prune_matches_reference(ort_library, b, n, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_token_prune_wide_rows_split_over_threads(ort_library, dtype):
-    # D = 1024 with B = 3 takes the column-split path of the op (several tasks per image).
+def test_token_prune_same_bits_for_any_thread_count_and_batch(ort_library, cpu, dtype):
+    # The op splits each image into chunks of rows run on the pool in any order; the order of the
+    # summary's sum is fixed by the chunk size alone, so 1 or 2 threads, an image alone or inside a
+    # batch, and the single-threaded C ABI all give the same bits. N = 577 leaves a short last chunk.
     rng = np.random.default_rng(11)
-    hidden = rng.standard_normal((3, 577, 1024)).astype(dtype)
-    scores = rng.random((3, 576)).astype(np.float32)
-    tokens, kept = _session(token_prune_model(dtype, keep=192), ort_library).run(
-        None, {"hidden": hidden, "scores": scores})
-    ref = ref_gather_summary(hidden, ref_topk(scores, 192), has_cls=1)
+    hidden = rng.standard_normal((3, 578, 1024)).astype(dtype)
+    scores = rng.random((3, 577)).astype(np.float32)
+    model = token_prune_model(dtype, keep=192)
+    runs = {}
+    for threads in (1, 2):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.register_custom_ops_library(str(ort_library))
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        for _ in range(2):  # repeated runs reuse the calling thread's buffer of partial sums
+            runs[threads] = session.run(None, {"hidden": hidden, "scores": scores})
+    tokens, kept = runs[2]
+    np.testing.assert_array_equal(tokens, runs[1][0])
+    np.testing.assert_array_equal(kept, ref_topk(scores, 192))
+    alone, _ = _session(model, ort_library).run(None, {"hidden": hidden[1:2], "scores": scores[1:2]})
+    np.testing.assert_array_equal(alone[0], tokens[1])
+    np.testing.assert_array_equal(tokens, cpu.gather_summary(hidden, kept, has_cls=1))
+    ref = ref_gather_summary(hidden, kept, has_cls=1)
     np.testing.assert_array_equal(tokens[:, :-1], ref[:, :-1])
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(tokens[:, -1].astype(np.float64), ref[:, -1].astype(np.float64), **tol)
