@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.compiler.cli_helpers import one_line_error, run_cli
-from tests.compiler.tiny_models import edited_copy, tiny_llava_dinov2
+from cli_helpers import one_line_error, run_cli
+from tiny_models import edited_copy, tiny_llava_dinov2
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.dinov2 import IMAGENET_MEAN, IMAGENET_STD
 from vlmprune.compiler.pipeline import CompileOptions, compile_model

@@ -159,7 +159,7 @@ def test_emission_at_a_features_site_matches_reference(dtype, cosine):
     """The tokens as their own keys (no block there); in fp16 the merged values hold fp16's tolerance."""
     from onnx_ir.passes.common import ShapeInferencePass
 
-    from tests.passes.methods.method_helpers import run, tokens
+    from method_helpers import run, tokens
     from vlmprune.compiler.parity import DEFAULT_TOLERANCES, compare_tokens
     from vlmprune.passes.methods.base import GraphInputs
     from vlmprune.passes.methods.builder import Builder
@@ -265,7 +265,7 @@ def test_every_declaring_method_merges_as_its_reference(tiny_dense_path, tiny_so
 def test_features_site_keys_are_the_tokens():
     """At the projector output the merge's keys are the tokens themselves: divprune's merged output is the
     definition (loop_merge) over divprune's own kept set with keys = the tokens, batched."""
-    from tests.passes.methods.method_helpers import tokens as seeded_tokens
+    from method_helpers import tokens as seeded_tokens
 
     method = get_method("divprune")
     params = method.parse(5, {"merge": "local"})
