@@ -68,9 +68,8 @@ def declared_options() -> dict[str, tuple[type, list[str]]]:
     for cls in METHODS.values():
         for name, (kind, text) in cls.options.items():
             declared.setdefault(name, (kind, []))[1].append(text)
-    for cls in TARGETS.values():
-        for name, text in cls.options.items():
-            declared.setdefault(name, (str, []))[1].append(text)
+    for name, (kind, texts) in declared_target_options().items():
+        declared.setdefault(name, (kind, []))[1].extend(texts)
     return declared
 
 
