@@ -192,6 +192,13 @@ def _fused_scorer_model(b: int, h: int, t: int, dh: int, int8: int) -> onnx.Mode
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("vlmprune", 1)])
 
 
+def _row(b, n, k, read, written, dec, fused, floor, by, copy) -> str:
+    """One line of a TokenPrune table (hot or cold): times in ms, bytes read and written, the ratios."""
+    return (f"{b:>3} {n:>5} {k:>4} {read / 1e6:>6.2f} {written / 1e6:>6.2f} {dec:>14.3f} {fused:>9.3f} "
+            f"{floor:>9.3f} {by:>6} {copy:>12.3f} {dec / fused:>7.2f}x {fused / floor:>11.2f}x "
+            f"{(read + written) / fused / 1e6:>11.1f}")
+
+
 def _geo(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -212,12 +219,11 @@ def main() -> int:
     print("R / W: bytes the op must read (hidden, scores) / write (tokens, kept int64). floor: read an R-byte buffer "
           "once and write a W-byte one (copy W bytes, max-reduce the rest), the faster of numpy (1 thread) and "
           f"torch ({threads} threads). ort copy: one session.run that only slices out outputs of the same shapes.")
-    print(f"{'B':>3} {'N':>5} {'K':>4} {'R MB':>6} {'W MB':>6} {'decomposed ms':>14} {'fused ms':>9} {'floor ms':>9} "
-          f"{'by':>6} {'ort copy ms':>12} {'speedup':>8} {'fused/floor':>12} {'fused GB/s':>11}")
-    speedups, vs_floor, cold_vs_floor, cold = [], [], [], []
-    evict = Evictor()
     header = (f"{'B':>3} {'N':>5} {'K':>4} {'R MB':>6} {'W MB':>6} {'decomposed ms':>14} {'fused ms':>9} "
               f"{'floor ms':>9} {'by':>6} {'ort copy ms':>12} {'speedup':>8} {'fused/floor':>12} {'fused GB/s':>11}")
+    print(header)
+    speedups, vs_floor, cold_vs_floor, cold = [], [], [], []
+    evict = Evictor()
     meter = CpuMeter()
     for b in (1, 8):
         for n in (576, 1024):
@@ -250,17 +256,13 @@ def main() -> int:
             floor, by = (t_np, "numpy") if t_np <= t_torch else (t_torch, "torch")
             speedups.append(t_dec / t_fused)
             vs_floor.append(t_fused / floor)
-            print(f"{b:>3} {n:>5} {k:>4} {read / 1e6:>6.2f} {written / 1e6:>6.2f} {t_dec:>14.3f} {t_fused:>9.3f} "
-                  f"{floor:>9.3f} {by:>6} {t_copy:>12.3f} {t_dec / t_fused:>7.2f}x {t_fused / floor:>11.2f}x "
-                  f"{(read + written) / t_fused / 1e6:>11.1f}")
+            print(_row(b, n, k, read, written, t_dec, t_fused, floor, by, t_copy))
             c_dec, c_fused, c_np, c_torch, c_copy = _cold_medians([
                 lambda: s_dec.run(None, feeds), lambda: s_fused.run(None, feeds), floor_numpy, floor_torch,
                 lambda: s_copy.run(None, feeds)], args.repeats, evict)
             c_floor, c_by = (c_np, "numpy") if c_np <= c_torch else (c_torch, "torch")
             cold_vs_floor.append(c_fused / c_floor)
-            cold.append(f"{b:>3} {n:>5} {k:>4} {read / 1e6:>6.2f} {written / 1e6:>6.2f} {c_dec:>14.3f} {c_fused:>9.3f} "
-                        f"{c_floor:>9.3f} {c_by:>6} {c_copy:>12.3f} {c_dec / c_fused:>7.2f}x "
-                        f"{c_fused / c_floor:>11.2f}x {(read + written) / c_fused / 1e6:>11.1f}")
+            cold.append(_row(b, n, k, read, written, c_dec, c_fused, c_floor, c_by, c_copy))
 
     print(f"\nCold caches: the same, every call timed alone after a {evict.buffer.nbytes >> 20} MiB buffer was "
           "read (no input or output left in any cache), as in a tower where the op's inputs were written "
