@@ -222,7 +222,10 @@ def _stage_line(name: str, stage: dict) -> str:
     if "cosine_min" in stage:
         figures.append(f"cosine {figure_text(stage['cosine_min'], 7, **bounds.get('cosine_min', {}))}")
     if "max_abs" in stage:
-        figures.append(f"max-abs {figure_text(stage['max_abs'], 3, **bounds.get('max_abs', {}))}")
+        bound = stage.get("max_abs_bound")  # the stage's own (scale-relative) bound; absent in older manifests
+        held = {"at_most": bound} if bound is not None else bounds.get("max_abs", {})
+        figures.append(f"max-abs {figure_text(stage['max_abs'], 3, **held)}"
+                       + (f" (≤ {bound:.3g})" if bound is not None else ""))
     if "index_agreement" in stage:
         figures.append(f"kept-index agreement "
                        f"{figure_text(stage['index_agreement'], 4, **bounds.get('index_agreement', {}))}")

@@ -285,7 +285,9 @@ def _refuse_pruning_options(method_options: dict) -> None:
                    "sets, heat map) or .json (the report's data, as --json prints it).")
 @click.option("--junit", type=click.Path(path_type=Path), default=None,
               help="Also write a JUnit XML file here (one test case per stage and output) for CI test reporters.")
-@click.option("--atol", multiple=True, help="Max-abs tolerance: VALUE for every value output, or OUTPUT:VALUE.")
+@click.option("--atol", multiple=True,
+              help="Max-abs tolerance: VALUE for every value output, or OUTPUT:VALUE (replaces the whole default bound, "
+                   "1e-4 + 1e-5 × the output's largest magnitude in fp32).")
 @click.option("--rtol", multiple=True,
               help="Relative tolerance (every element within atol + rtol·|ref|): VALUE or OUTPUT:VALUE.")
 @click.option("--cosine", multiple=True, help="Minimum per-token cosine: VALUE or OUTPUT:VALUE.")
@@ -313,8 +315,7 @@ def check(bundle_dir, batch, report, junit, atol, rtol, cosine, force, as_json, 
         if as_json:
             emit(json.dumps(result.to_json(), indent=2))
     if not as_json:
-        for stage in result.stages:
-            click.echo(f"{stage.stage:<10} {'PASS' if stage.passed else 'FAIL'}")
+        _echo(result.lines())  # each stage with its figures and bounds: -q leaves only these lines
     if not result.passed:
         failed = [s.stage for s in result.stages if not s.passed]
         click.echo(f"error: parity failed at {', '.join(failed)}", err=True)

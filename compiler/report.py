@@ -90,10 +90,11 @@ def figure_rows(stage: dict) -> list[dict]:
                      "tolerance": f"≥ {_limit(t['cosine_min'])}", "passed": out["cosine_min"] >= t["cosine_min"],
                      "bound": {"at_least": t["cosine_min"]}})
         if t.get("rtol") is None:
+            bound = out.get("max_abs_bound", t.get("max_abs"))  # a parity.json of before the scale term: max_abs
             rows.append({"output": name, "figure": "max-abs", "value": out["max_abs"],
-                         "tolerance": f"≤ {_limit(t['max_abs'])}" if t.get("max_abs") is not None else "not checked",
-                         "passed": None if t.get("max_abs") is None else out["max_abs"] <= t["max_abs"],
-                         "bound": {"at_most": t.get("max_abs")}})
+                         "tolerance": _max_abs_tolerance(t, out) if bound is not None else "not checked",
+                         "passed": None if bound is None else out["max_abs"] <= bound,
+                         "bound": {"at_most": bound}})
         else:
             rows.append({"output": name, "figure": "elements outside atol + rtol·|ref|",
                          "value": out.get("allclose_violations"),
@@ -107,6 +108,14 @@ def figure_rows(stage: dict) -> list[dict]:
                 rows.append({"output": name, "figure": text, "value": out[key], "tolerance": "left out, counted",
                              "passed": None})
     return rows
+
+
+def _max_abs_tolerance(tol: dict, out: dict) -> str:
+    """"≤ 0.0001 + 1e-05 × 108.2 (max|ref|) = 0.001182": the bound as computed for this output."""
+    if "max_abs_bound" not in out or not tol.get("scale_rel"):
+        return f"≤ {_limit(out.get('max_abs_bound', tol['max_abs']))}"
+    return (f"≤ {_limit(tol['max_abs'])} + {_limit(tol['scale_rel'])} × {out['reference_max_abs']:.4g} (max|ref|) "
+            f"= {out['max_abs_bound']:.4g}")
 
 
 def mismatch_explanations(report: dict) -> list[str]:

@@ -71,7 +71,7 @@ class LlmExporter(abc.ABC):
         """
         from vlmprune.compiler.parity import DEFAULT_TOLERANCES, StageResult
 
-        tolerance = dataclasses.replace(DEFAULT_TOLERANCES[self.precision], max_abs=self.atol)
+        tolerance = dataclasses.replace(DEFAULT_TOLERANCES[self.precision], max_abs=self.atol, scale_rel=None)
         try:
             passed, outputs = self.parity(model_spec, Path(bundle_dir), manifest)
         except InputError:

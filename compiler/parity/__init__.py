@@ -37,10 +37,19 @@ class Tolerance:
     index_agreement_min: float = 1.0
     tie_rel_tol: float = 1e-5  # scores (or greedy margins) this close count as tied
     rtol: float | None = None  # when set: every element within max_abs (or 0) + rtol·|reference| (numpy's allclose)
+    # max_abs grows by scale_rel · max|reference| over the output (docs/design.md, "Parity"): an absolute floor plus a
+    # term relative to the output's scale, since fp32 rounding of features in the hundreds alone exceeds a fixed 1e-4.
+    scale_rel: float | None = None
+
+    def max_abs_bound(self, scale: float) -> float | None:
+        """The max-abs bound of an output whose largest reference magnitude is `scale` (None: not checked)."""
+        if self.max_abs is None:
+            return None
+        return self.max_abs + (self.scale_rel or 0.0) * scale
 
 
 DEFAULT_TOLERANCES = {
-    "fp32": Tolerance(0.99999, 1e-4, 1.0, 1e-5),
+    "fp32": Tolerance(0.99999, 1e-4, 1.0, 1e-5, scale_rel=1e-5),
     "fp16": Tolerance(0.999, None, 1.0, 1e-3),
     "int16": Tolerance(0.99, None, 0.99, 1e-2),
     "int8": Tolerance(0.99, None, 0.99, 1e-2),
@@ -74,10 +83,12 @@ def summary_bounds(tol: Tolerance, features: dict | None = None) -> dict[str, di
     """figure_text's bound for each figure of stage_summary() (none where a figure is reported, not checked).
 
     features: the stage's image_features comparison, which holds its own tolerance where check overrode it."""
-    if (features or {}).get("tolerance"):
+    features = features or {}
+    if features.get("tolerance"):
         tol = Tolerance(**features["tolerance"])
+    bound = features.get("max_abs_bound", tol.max_abs)
     return {"cosine_min": {"at_least": tol.cosine_min}, "index_agreement": {"at_least": tol.index_agreement_min},
-            "max_abs": {"at_most": tol.max_abs} if tol.rtol is None else {}}
+            "max_abs": {"at_most": bound} if tol.rtol is None else {}}
 
 
 def _agreement(ref: np.ndarray, cand: np.ndarray) -> list[float]:
@@ -166,6 +177,7 @@ def compare_tokens(ref: np.ndarray, cand: np.ndarray, tol: Tolerance, skip_image
         row_margins = row_margins[:, 1:]
     if row_margins is not None and row_margins.shape == ref.shape[:2]:
         tied = (np.asarray(row_margins)[keep].reshape(-1) <= tol.tie_rel_tol) & defined
+    scale = float(np.abs(r[defined]).max()) if defined.any() else 0.0  # the output's largest magnitude
     r, c = r[defined & ~tied], c[defined & ~tied]
     if not len(r):
         return {"passed": False, "error": "the reference defines no row to compare"}
@@ -179,7 +191,10 @@ def compare_tokens(ref: np.ndarray, cand: np.ndarray, tol: Tolerance, skip_image
     if tied.any():
         result["rows_in_tie_band"] = int(tied.sum())
     if tol.rtol is None:
-        ok = result["cosine_min"] >= tol.cosine_min and (tol.max_abs is None or result["max_abs"] <= tol.max_abs)
+        bound = tol.max_abs_bound(scale)
+        if bound is not None:
+            result["max_abs_bound"], result["reference_max_abs"] = bound, scale
+        ok = result["cosine_min"] >= tol.cosine_min and (bound is None or result["max_abs"] <= bound)
     else:  # --rtol given: the elementwise allclose test replaces the max-abs one
         bound = (tol.max_abs or 0.0) + tol.rtol * np.abs(r)
         result["max_rel"] = float((diff / np.maximum(np.abs(r), 1e-30)).max())
@@ -216,6 +231,8 @@ def parse_overrides(given: dict[str, tuple[str, ...]], value_outputs: list[str],
                                  f"(its value outputs: {', '.join(value_outputs)})")
             for target in ([name] if name else value_outputs):
                 out.setdefault(target, {})[field] = value
+                if flag == "atol":  # the bound given is the whole bound: no term relative to the output's scale
+                    out[target]["scale_rel"] = None
     return out
 
 
@@ -427,6 +444,10 @@ class ParityReport:
     def summary(self) -> dict:
         return {s.stage: stage_summary(s) for s in self.stages}
 
+    def lines(self) -> list[str]:
+        """One line per stage, as `vlmprune check` prints them."""
+        return [stage_line(s) for s in self.stages]
+
 
 def reference_summary(reference: Reference) -> dict | None:
     """The reference's kept indices and, for score-based selections, the scores it ranked (for the report)."""
@@ -446,6 +467,8 @@ def stage_summary(s: StageResult) -> dict:
     for key in ("cosine_min", "max_abs"):
         if key in feats:
             out[key] = feats[key]
+    if "max_abs_bound" in feats:
+        out["max_abs_bound"] = feats["max_abs_bound"]
     if s.indices:
         out["index_agreement"] = s.indices["agreement"]
         for key in ("boundary_ties", "first_divergent_step"):
@@ -455,3 +478,32 @@ def stage_summary(s: StageResult) -> dict:
     if s.error:
         out["error"] = s.error
     return out
+
+
+def summary_figures(summary: dict, bounds: dict, digits: int = 6, names: dict | None = None) -> list[str]:
+    """stage_summary()'s figures as text, each failing one reading as failing, max-abs with the bound it was held
+    to (an absolute floor plus a term of the output's scale, so the bound differs per output and stage)."""
+    figures = []
+    for key, value in summary.items():
+        if not isinstance(value, float) or key == "max_abs_bound":
+            continue
+        text = f"{(names or {}).get(key, key)} {figure_text(value, digits, **bounds.get(key, {}))}"
+        if key == "max_abs" and summary.get("max_abs_bound") is not None:
+            text += f" (≤ {summary['max_abs_bound']:.4g})"
+        figures.append(text)
+    return figures
+
+
+def stage_line(stage: StageResult, width: int = 10) -> str:
+    """One stage in a line: its verdict, its figures against their bounds, and what failed (`check`, `compile`)."""
+    s = stage_summary(stage)
+    bounds = summary_bounds(stage.tolerance, stage.outputs.get(FEATURES))
+    line = f"{stage.stage:<{width}} {'PASS' if stage.passed else 'FAIL'}  {', '.join(summary_figures(s, bounds))}"
+    if stage.error:
+        return line.rstrip() + f"  ({stage.error})"
+    failing = [name for name, out in stage.outputs.items() if not out.get("passed", True)]
+    if stage.indices and not stage.indices.get("passed", True):
+        failing.insert(0, KEPT)
+    if not stage.passed and failing:
+        line = line.rstrip() + f"  (failing: {', '.join(failing)})"
+    return line.rstrip()

@@ -402,8 +402,4 @@ def _parity(source: Source, family: Family, dense_path: Path, bundle_dir: Path, 
 
 
 def _line(stage: parity.StageResult) -> str:
-    s = parity.stage_summary(stage)
-    bounds = parity.summary_bounds(stage.tolerance, stage.outputs.get(parity.FEATURES))
-    figures = ", ".join(f"{k} {parity.figure_text(v, 6, **bounds.get(k, {}))}" for k, v in s.items()
-                        if isinstance(v, float))
-    return f"  {stage.stage:<10} {'PASS' if stage.passed else 'FAIL'}  {figures}" + (f"  ({stage.error})" if stage.error else "")
+    return "  " + parity.stage_line(stage)

@@ -95,3 +95,28 @@ def test_a_k_decision_tie_passes_only_where_rho_n_sits_on_the_rounding_cut():
     assert tie.indices["tie_resolved_images"] == [1]
     far = _variable_k_stage([[0, 1], [1, 2]], two_rows, [2.0, 1.2], scores)  # ρ·N = 1.2 rounds to 1 at any precision
     assert not far.passed and far.outputs["num_tokens"]["rows_wrong"] == 1
+
+
+def test_fp32_max_abs_bound_grows_with_the_outputs_scale_and_is_reported():
+    """The easy-vqa case: a 1.08e-4 gap on features that reach 100 passes (bound 1e-4 + 1e-5 x 100 = 1.1e-3);
+    the same gap on features of scale 1 fails (bound 1.1e-4 is met, 1.2e-4 is not)."""
+    rng = np.random.default_rng(0)
+    big = rng.normal(size=(1, 4, 8)) * 30
+    big[0, 0, 0] = 100.0
+    cand = big.copy()
+    cand[0, 1, 2] += 1.08e-4
+    got = parity.compare_tokens(big, cand, FP32)
+    assert got["passed"] and got["reference_max_abs"] == 100.0
+    assert got["max_abs_bound"] == pytest.approx(1e-4 + 1e-5 * 100)
+    small = big / 100
+    off = small.copy()
+    off[0, 1, 2] += 1.2e-4  # bound 1e-4 + 1e-5 x 1 = 1.1e-4
+    failed = parity.compare_tokens(small, off, FP32)
+    assert not failed["passed"] and failed["max_abs_bound"] == pytest.approx(1.1e-4)
+    stage = parity.StageResult("rewritten", "ort", "fp32", FP32, False, outputs={"image_features": failed})
+    assert parity.stage_line(stage) == (
+        "rewritten  FAIL  cosine_min 1, max_abs 0.00012 (≤ 0.00011)  (failing: image_features)")
+    # --atol gives the whole bound: no scale term
+    exact = parity.compare_tokens(big, cand, parity.tolerance_for("fp32", parity.parse_overrides(
+        {"atol": ("1e-4",)}, ["image_features"])["image_features"]))
+    assert not exact["passed"] and exact["max_abs_bound"] == 1e-4

@@ -159,7 +159,8 @@ def test_tolerance_overrides_per_output_and_rtol():
 
     got = parity.parse_overrides({"atol": ("1e-3", "image_features:0"), "rtol": (), "cosine": ("b:0.5",)},
                                  ["image_features", "b"], ["kept_indices"])
-    assert got == {"image_features": {"max_abs": 0.0}, "b": {"max_abs": 1e-3, "cosine_min": 0.5}}
+    assert got == {"image_features": {"max_abs": 0.0, "scale_rel": None},  # --atol is the whole bound
+                   "b": {"max_abs": 1e-3, "scale_rel": None, "cosine_min": 0.5}}
     ref = np.ones((1, 2, 4))
     cand = ref * 1.001  # max-abs 1e-3, relative 1e-3, cosine 1
     fp32 = parity.tolerance_for("fp32")
@@ -187,7 +188,8 @@ def test_a_failing_figure_never_reads_as_passing():
     tol = parity.tolerance_for("fp32", {"cosine_min": 1.0})
     stage = parity.StageResult("rewritten", "ort", "fp32", tol, False, outputs={
         "image_features": {"cosine_min": 0.99999997, "max_abs": 2e-7, "mean_abs": 1e-8, "passed": False}})
-    assert _line(stage) == "  rewritten  FAIL  cosine_min 0.99999997, max_abs 2e-07"  # the progress line
+    assert _line(stage) == ("  rewritten  FAIL  cosine_min 0.99999997, max_abs 2e-07  "
+                            "(failing: image_features)")  # the progress line
     rows = report.figure_rows(stage.to_json())
     page = report.html_report({"passed": False, "inputs": {}, "stages": [stage.to_json()]},
                               Manifest({"method": {"summary": "cls", "name": "cls"},
@@ -232,3 +234,39 @@ def test_an_internal_error_exits_3_not_parity_failed_1(capsys):
         _one_line_errors(broken)()
     assert exited.value.code == 3
     assert capsys.readouterr().err.startswith("error: internal error (TypeError: unsupported operand type(s) for //")
+
+
+def test_reports_print_the_scale_relative_max_abs_bound():
+    """A trained model's features (largest magnitude 108): 1.08e-4 passes 1e-4 + 1e-5 x 108, and every report says
+    what bound it was held to."""
+    from vlmprune.compiler import parity
+    from vlmprune.compiler.api import CompileResult
+
+    ref = np.zeros((1, 2, 4))
+    ref[0, 0, 0] = 108.0
+    cand = ref.copy()
+    cand[0, 1, 1] = 1.08e-4
+    stage = parity.run_stage("export", "ort", "fp32", lambda x: {"image_features": cand}, np.zeros(1),
+                             parity.reference.Reference({"image_features": ref}))
+    assert stage.passed
+    data = stage.to_json()
+    assert data["outputs"]["image_features"]["max_abs_bound"] == pytest.approx(1.18e-3)
+    assert data["tolerance"]["scale_rel"] == 1e-5
+    row = [r for r in report.figure_rows(data) if r["figure"] == "max-abs"][0]
+    assert row["tolerance"] == "≤ 0.0001 + 1e-05 × 108 (max|ref|) = 0.00118" and row["passed"]
+    xml = report.junit_xml({"stages": [data]}, Manifest({"target": {"name": "ort"}, "method": {"summary": "cls"},
+                                                         "model": {"source": "m"}, "vlmprune_version": "0"}), "b", 1.0)
+    assert "1e-05 × 108 (max|ref|)".encode() in xml
+    assert parity.stage_line(stage) == "export     PASS  cosine_min 1, max_abs 0.000108 (≤ 0.00118)"
+    manifest = Manifest({"model": {}, "method": {"name": "none"}, "target": {},
+                         "parity": {"stages": {"export": parity.stage_summary(stage)}}})
+    assert "parity export     PASS  cosine 1, max-abs 0.000108 (≤ 0.00118)" in CompileResult("b", manifest, None, 1).lines()
+
+
+def test_check_quiet_failure_names_its_figure_and_bound(checked):
+    bundle, _, _ = checked
+    bad = _run("check", bundle, "-q", "--atol", "image_features:0")
+    assert bad.exit_code == 1
+    line = next(s for s in bad.stdout.splitlines() if s.startswith("rewritten"))
+    assert re.fullmatch(r"rewritten  FAIL  cosine_min \S+, max_abs \S+ \(≤ 0\), index_agreement 1"
+                        r"  \(failing: image_features\)", line), bad.stdout
