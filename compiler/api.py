@@ -36,7 +36,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import FAMILIES, family_of, family_option_names
 from vlmprune.compiler.bundle.manifest import Manifest, MethodSection
 from vlmprune.compiler.bundle.output_files import check_output_file, write_file
-from vlmprune.compiler.parity import DEFAULT_TOLERANCES, ParityReport, figure_text, parse_overrides, summary_bounds
+from vlmprune.compiler.parity import DEFAULT_TOLERANCES, ParityReport, compared_text, figure_text, parse_overrides, summary_bounds
 from vlmprune.compiler import pipeline
 from vlmprune.compiler.contract import TEXT
 from vlmprune.compiler.prompt import empty_prompt, feeding, prompt_embeds
@@ -234,6 +234,8 @@ def _stage_line(name: str, stage: dict) -> str:
             why = ("it diverges at a greedy step whose two best candidates tie" if "first_divergent_step" in stage
                    else "every differing index lies in the K-th boundary tie band")
             figures.append(f"image {images}: {why}")
+    if compared_text(stage):
+        figures.append(compared_text(stage))
     status = "PASS" if stage["passed"] else "FAIL"
     return f"parity {name:<10} {status}  {', '.join(figures)}" + (f"  {stage['error']}" if "error" in stage else "")
 

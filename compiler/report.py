@@ -102,6 +102,14 @@ def figure_rows(stage: dict) -> list[dict]:
                          "passed": out.get("allclose_violations") == 0})
             rows.append({"output": name, "figure": "max-abs", "value": out["max_abs"], "tolerance": "", "passed": None})
         rows.append({"output": name, "figure": "mean-abs", "value": out["mean_abs"], "tolerance": "", "passed": None})
+        if out.get("images_compared_on_common_tokens"):
+            rows.append({"output": name, "figure": "images whose kept set differs, compared on the tokens both kept",
+                         "value": ", ".join(f"image {i}: {n} rows" for i, n in
+                                            out["images_compared_on_common_tokens"].items()),
+                         "tolerance": "as every row", "passed": None})
+        if out.get("images_not_compared"):
+            rows.append({"output": name, "figure": "images not compared by value", "value": out["images_not_compared"],
+                         "tolerance": "reported", "passed": None})
         for key, text in (("rows_not_compared", "rows the reference does not define"),
                           ("rows_in_tie_band", "merged rows whose merge sat in the tie band")):
             if key in out:
@@ -151,7 +159,7 @@ def mismatch_explanations(report: dict) -> list[str]:
             cut = 0.5 * (ordered[boundary - 1] + ordered[boundary])
             from vlmprune.passes.methods.selection import tie_band
 
-            band = float(tie_band(s, tol["tie_rel_tol"]))
+            band = float(tie_band(s, tol["tie_rel_tol"], boundary, tol.get("tie_share_max", 1.0)))
             parts = []
             for label, idxs in (("kept only by the reference", np.setdiff1d(r, c)),
                                 ("kept only by this stage", np.setdiff1d(c, r))):

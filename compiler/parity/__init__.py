@@ -27,7 +27,7 @@ from vlmprune.compiler.parity.reference import FEATURES, KEPT, NUM_TOKENS, Refer
 from vlmprune.compiler.frontend import roi_input as roi
 from vlmprune.compiler.frontend.prompt_input import PARITY, feeding
 from vlmprune.passes.methods.base import GREEDY
-from vlmprune.passes.methods.selection import boundary_ties, tie_band
+from vlmprune.passes.methods.selection import TIE_SHARE_MAX, boundary_ties, tie_band
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,7 @@ class Tolerance:
     # max_abs grows by scale_rel · max|reference| over the output (docs/design.md, "Parity"): an absolute floor plus a
     # term relative to the output's scale, since fp32 rounding of features in the hundreds alone exceeds a fixed 1e-4.
     scale_rel: float | None = None
+    tie_share_max: float = TIE_SHARE_MAX  # a tie band holds at most this share of K (selection.tie_band)
 
     def max_abs_bound(self, scale: float) -> float | None:
         """The max-abs bound of an output whose largest reference magnitude is `scale` (None: not checked)."""
@@ -107,19 +108,20 @@ def compare_indices(ref: np.ndarray, cand: np.ndarray, ref_scores: np.ndarray | 
     ties, tie_resolved = None, []
     if ref_scores is not None:
         scores = np.asarray(ref_scores, dtype=np.float64)
-        ties = boundary_ties(torch.from_numpy(scores), keep, tol.tie_rel_tol).tolist()
-        tie_resolved = [i for i, (r, c) in enumerate(zip(ref, cand))
-                        if per_image[i] < 1.0 and mismatch_in_band(r, c, scores[i], keep, tol.tie_rel_tol)]
+        ties = boundary_ties(torch.from_numpy(scores), keep, tol.tie_rel_tol, tol.tie_share_max).tolist()
+        tie_resolved = [i for i, (r, c) in enumerate(zip(ref, cand)) if per_image[i] < 1.0
+                        and mismatch_in_band(r, c, scores[i], keep, tol.tie_rel_tol, tol.tie_share_max)]
     return _verdict({"agreement": float(np.mean(per_image)), "per_image": per_image, "boundary_ties": ties,
                      "tie_resolved_images": tie_resolved}, tol)
 
 
-def mismatch_in_band(ref: np.ndarray, cand: np.ndarray, scores: np.ndarray, keep: int, rel: float) -> bool:
-    """True when every index kept by only one side scores within the tie band of the K-th boundary."""
+def mismatch_in_band(ref: np.ndarray, cand: np.ndarray, scores: np.ndarray, keep: int, rel: float,
+                     max_share: float = TIE_SHARE_MAX) -> bool:
+    """True when every index kept by only one side scores within the (narrowed) tie band of the K-th boundary."""
     ordered = np.sort(scores)[::-1]
     cut = 0.5 * (ordered[keep - 1] + ordered[keep])
     differing = np.setxor1d(ref, cand)
-    return bool(np.all(np.abs(scores[differing] - cut) <= tie_band(scores, rel)))
+    return bool(np.all(np.abs(scores[differing] - cut) <= tie_band(scores, rel, keep, max_share)))
 
 
 def compare_greedy(ref: np.ndarray, cand: np.ndarray, steps: list | None, tol: Tolerance) -> dict:
@@ -156,28 +158,36 @@ def _verdict(result: dict, tol: Tolerance) -> dict:
 
 
 def compare_tokens(ref: np.ndarray, cand: np.ndarray, tol: Tolerance, skip_images: list[int] = (),
-                   row_margins: np.ndarray | None = None) -> dict:
+                   row_margins: np.ndarray | None = None, common_rows: dict | None = None) -> dict:
     """max-abs, mean-abs and the minimum cosine over tokens.
 
-    Images resolved differently by a tie are left out, and so are reference rows that
-    are NaN (rows the reference cannot define, see compiler.parity.reference) and merged rows
-    whose merge decision lies in the tie band (row_margins, e.g. visionzip's contextual
-    tokens): counted in the result, not hidden.
+    Images resolved differently by a tie are compared on the rows of the tokens both sides kept
+    (common_rows: {image: (reference rows, candidate rows)}, see token_rows), or left out where
+    that is not known; reference rows that are NaN (rows the reference cannot define, see
+    compiler.parity.reference) and merged rows whose merge decision lies in the tie band
+    (row_margins, e.g. visionzip's contextual tokens) are left out too: all counted in the
+    result, not hidden. A comparison of no row at all fails: it showed nothing.
     """
     if ref.shape != cand.shape:
         return {"passed": False, "error": f"shape {list(cand.shape)} != reference {list(ref.shape)}"}
+    common_rows = {i: rows for i, rows in (common_rows or {}).items() if i in set(skip_images) and len(rows[0])}
     keep = [i for i in range(ref.shape[0]) if i not in set(skip_images)]
-    if not keep:
-        return {"passed": True, "note": "every image was resolved differently by a boundary tie"}
-    r = ref[keep].astype(np.float64).reshape(-1, ref.shape[-1])
-    c = cand[keep].astype(np.float64).reshape(-1, ref.shape[-1])
-    defined = ~np.isnan(r).any(axis=1)
-    tied = np.zeros_like(defined)
     if row_margins is not None and row_margins.shape[1] == ref.shape[1] + 1:  # [CLS] dropped after the site
         row_margins = row_margins[:, 1:]
-    if row_margins is not None and row_margins.shape == ref.shape[:2]:
-        tied = (np.asarray(row_margins)[keep].reshape(-1) <= tol.tie_rel_tol) & defined
-    scale = float(np.abs(r[defined]).max()) if defined.any() else 0.0  # the output's largest magnitude
+    if row_margins is None or row_margins.shape != ref.shape[:2]:
+        row_margins = np.full(ref.shape[:2], np.inf)
+    picks = [(i, np.arange(ref.shape[1]), np.arange(ref.shape[1])) for i in keep]
+    picks += [(i, np.asarray(rr), np.asarray(cr)) for i, (rr, cr) in sorted(common_rows.items())]
+    if not picks:
+        return {"passed": False, "error": "no image compared: every image's kept set differs from the reference's "
+                                          "(by a boundary tie), and which rows both kept is not known"}
+    r = np.concatenate([ref[i, rr] for i, rr, _ in picks]).astype(np.float64).reshape(-1, ref.shape[-1])
+    c = np.concatenate([cand[i, cr] for i, _, cr in picks]).astype(np.float64).reshape(-1, ref.shape[-1])
+    margins = np.concatenate([np.asarray(row_margins)[i, rr] for i, rr, _ in picks]).reshape(-1)
+    defined = ~np.isnan(r).any(axis=1)
+    tied = (margins <= tol.tie_rel_tol) & defined
+    finite = ref[np.isfinite(ref)]
+    scale = float(np.abs(finite).max()) if finite.size else 0.0  # the output's largest magnitude
     r, c = r[defined & ~tied], c[defined & ~tied]
     if not len(r):
         return {"passed": False, "error": "the reference defines no row to compare"}
@@ -185,7 +195,13 @@ def compare_tokens(ref: np.ndarray, cand: np.ndarray, tol: Tolerance, skip_image
     norms = np.linalg.norm(r, axis=1) * np.linalg.norm(c, axis=1)
     cosine = np.where(norms > 0, (r * c).sum(axis=1) / np.maximum(norms, 1e-30), 1.0)
     result = {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "cosine_min": float(cosine.min()),
-              "images_compared": keep}
+              "images_compared": keep, "rows_compared": int(len(r))}
+    if common_rows:  # what was compared of the images a tie resolved differently
+        result["images_compared_on_common_tokens"] = {str(i): int(len(rr)) for i, (rr, _) in
+                                                      sorted(common_rows.items())}
+    left_out = sorted(set(skip_images) - set(common_rows))
+    if left_out:
+        result["images_not_compared"] = left_out
     if not defined.all():
         result["rows_not_compared"] = int((~defined).sum())
     if tied.any():
@@ -304,11 +320,43 @@ def run_stage(stage: str, runtime: str, precision: str, run: Callable[[np.ndarra
             margins = (reference.trace or {}).get("row_margins") if name == FEATURES else None
             own = (output_overrides or {}).get(name)
             out_tol = dataclasses.replace(tol, **own) if own else tol
-            result.outputs[name] = compare_tokens(ref, outputs[name], out_tol, skip, margins)
+            if name == FEATURES and result.indices and "per_image" in result.indices and NUM_TOKENS not in expected:
+                # every image whose kept set differs (a tie or not): its rows by position are other tokens' rows,
+                # so it is compared on the tokens both sides kept
+                differ = sorted(set(skip) | {i for i, a in enumerate(result.indices["per_image"]) if a < 1.0})
+                common = token_rows(reference, outputs[KEPT], np.shape(ref)[1], differ)
+                result.outputs[name] = compare_tokens(ref, outputs[name], out_tol, differ, margins, common)
+            else:
+                result.outputs[name] = compare_tokens(ref, outputs[name], out_tol, skip, margins)
             if own:
                 result.outputs[name]["tolerance"] = dataclasses.asdict(out_tol)
         result.passed &= result.outputs[name]["passed"]
     return result
+
+
+def token_rows(reference: Reference, cand_kept: np.ndarray, rows: int, images: list[int]) -> dict:
+    """{image: (reference rows, candidate rows)} of image_features for the patches both sides kept, and the
+    prefix rows ([CLS]) both have, for images whose kept sets differ: the output is [prefix] + the method's
+    copied rows in kept order + its other rows (Method.output_tokens, copied_rows); merged and summary rows
+    depend on the whole set and are not among them. Empty where the method is not known (an .onnx source's
+    graph reference without one) or the layout does not fit (anyres crops)."""
+    method, params, ref_kept = reference.method, reference.params, reference.outputs.get(KEPT)
+    if method is None or params is None or ref_kept is None or np.shape(cand_kept) != np.shape(ref_kept):
+        return {}
+    try:
+        lead, copied = rows - method.output_tokens(params), method.copied_rows(params)
+    except (KeyError, TypeError):
+        return {}
+    if lead < 0 or lead + copied > rows or copied > np.shape(ref_kept)[1]:
+        return {}
+    out = {}
+    for i in images:
+        r, c = np.asarray(ref_kept[i][:copied]), np.asarray(cand_kept[i][:copied])
+        both = np.intersect1d(r[r >= 0], c[c >= 0])
+        ref_rows = list(range(lead)) + [lead + int(np.flatnonzero(r == p)[0]) for p in both]
+        cand_rows = list(range(lead)) + [lead + int(np.flatnonzero(c == p)[0]) for p in both]
+        out[i] = (ref_rows, cand_rows)
+    return out
 
 
 def padding_checked(result: StageResult, expected: dict, outputs: dict, trace: dict | None = None,
@@ -407,7 +455,8 @@ def _indices(reference: Reference, cand: np.ndarray, tol: Tolerance, k_ties: lis
             scores, counts = np.asarray(scores, dtype=np.float64), np.asarray(counts).reshape(-1)
             tied += [i for i, (r, c) in enumerate(zip(ref, cand)) if i not in tied and per_image[i] < 1.0
                      and len(valid(r)) == len(valid(c)) == counts[i] < scores.shape[1]
-                     and mismatch_in_band(valid(r), valid(c), scores[i], int(counts[i]), tol.tie_rel_tol)]
+                     and mismatch_in_band(valid(r), valid(c), scores[i], int(counts[i]), tol.tie_rel_tol,
+                                          tol.tie_share_max)]
         return _verdict({"agreement": float(np.mean(per_image)), "per_image": per_image, "boundary_ties": None,
                          "tie_resolved_images": sorted(tied)}, tol)
     if reference.method is not None and reference.method.selection == GREEDY:
@@ -469,6 +518,10 @@ def stage_summary(s: StageResult) -> dict:
             out[key] = feats[key]
     if "max_abs_bound" in feats:
         out["max_abs_bound"] = feats["max_abs_bound"]
+    if "rows_compared" in feats:
+        out["rows_compared"] = feats["rows_compared"]
+    if feats.get("images_compared_on_common_tokens"):
+        out["images_on_common_tokens"] = sorted(int(i) for i in feats["images_compared_on_common_tokens"])
     if s.indices:
         out["index_agreement"] = s.indices["agreement"]
         for key in ("boundary_ties", "first_divergent_step"):
@@ -494,11 +547,23 @@ def summary_figures(summary: dict, bounds: dict, digits: int = 6, names: dict | 
     return figures
 
 
+def compared_text(summary: dict) -> str:
+    """What image_features' figures were taken over, where the kept sets differ: the tokens both sides kept."""
+    images = summary.get("images_on_common_tokens")
+    if not images:
+        return ""
+    return (f"features over {summary.get('rows_compared', '?')} rows; image{'s' if len(images) > 1 else ''} "
+            f"{', '.join(map(str, images))} on the tokens both sides kept")
+
+
 def stage_line(stage: StageResult, width: int = 10) -> str:
     """One stage in a line: its verdict, its figures against their bounds, and what failed (`check`, `compile`)."""
     s = stage_summary(stage)
     bounds = summary_bounds(stage.tolerance, stage.outputs.get(FEATURES))
     line = f"{stage.stage:<{width}} {'PASS' if stage.passed else 'FAIL'}  {', '.join(summary_figures(s, bounds))}"
+    compared = compared_text(s)
+    if compared:
+        line += f" ({compared})"
     if stage.error:
         return line.rstrip() + f"  ({stage.error})"
     failing = [name for name, out in stage.outputs.items() if not out.get("passed", True)]

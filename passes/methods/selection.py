@@ -45,26 +45,52 @@ def split_prefix(hidden: torch.Tensor, prefix: int) -> tuple[list[torch.Tensor],
     return ([hidden[:, :prefix]], hidden[:, prefix:]) if prefix else ([], hidden)
 
 
-def tie_band(scores: np.ndarray | torch.Tensor, rel_tol: float):
+# The most scores a tie band may hold, as a share of K (and at least the boundary pair): a band as wide as a
+# lower precision's noise can hold a third of K where scores are flat, and a "tie" that wide explains any
+# selection; the band is narrowed to the scores nearest the cut instead.
+TIE_SHARE_MAX = 0.25
+
+
+def tie_band(scores: np.ndarray | torch.Tensor, rel_tol: float, keep: int | None = None,
+             max_share: float = TIE_SHARE_MAX):
     """Half-width of the band around the K-th boundary in which two scores count as tied.
 
     rel_tol times the largest |score| of the image (floored at SCORE_EPS): scores that
-    close may be ordered either way by a lower-precision runtime.
+    close may be ordered either way by a lower-precision runtime. With keep: narrowed so that
+    it holds at most max(2, max_share·K) scores, the ones nearest the cut between the K-th and
+    (K+1)-th best (TIE_SHARE_MAX).
     """
     if isinstance(scores, torch.Tensor):
-        return rel_tol * scores.abs().amax(dim=-1).clamp_min(SCORE_EPS)
-    return rel_tol * np.maximum(np.abs(scores).max(axis=-1), SCORE_EPS)
+        band = rel_tol * scores.abs().amax(dim=-1).clamp_min(SCORE_EPS)
+        if keep is None:
+            return band
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).values
+        cut = 0.5 * (top[..., keep - 1] + top[..., keep])
+        nearest = torch.sort((scores - cut.unsqueeze(-1)).abs(), dim=-1).values
+        return torch.minimum(band, nearest[..., _tie_cap(keep, max_share, scores.shape[-1]) - 1])
+    scores = np.asarray(scores)
+    band = rel_tol * np.maximum(np.abs(scores).max(axis=-1), SCORE_EPS)
+    if keep is None:
+        return band
+    top = -np.sort(-scores, axis=-1)
+    cut = 0.5 * (top[..., keep - 1] + top[..., keep])
+    nearest = np.sort(np.abs(scores - np.expand_dims(cut, -1)), axis=-1)
+    return np.minimum(band, nearest[..., _tie_cap(keep, max_share, scores.shape[-1]) - 1])
 
 
-def boundary_ties(scores: torch.Tensor, keep: int, rel_tol: float) -> torch.Tensor:
-    """Per image, how many scores lie within the tie band of the K-th/(K+1)-th boundary.
+def _tie_cap(keep: int, share: float, n: int) -> int:
+    return min(n, max(2, int(share * keep)))
+
+
+def boundary_ties(scores: torch.Tensor, keep: int, rel_tol: float, max_share: float = TIE_SHARE_MAX) -> torch.Tensor:
+    """Per image, how many scores lie within the (narrowed) tie band of the K-th/(K+1)-th boundary.
 
     Zero means the selection is unambiguous at that precision; a positive count
     means a lower precision may legitimately keep a different set.
     """
     top = torch.sort(scores, dim=-1, descending=True, stable=True).values
     cut = 0.5 * (top[:, keep - 1] + top[:, keep])
-    band = tie_band(scores, rel_tol)
+    band = tie_band(scores, rel_tol, keep, max_share)
     gap = (top[:, keep - 1] - top[:, keep]).abs()
     near = (scores - cut.unsqueeze(-1)).abs() <= band.unsqueeze(-1)
     # Only a boundary whose gap is inside the band is a tie at all.

@@ -120,3 +120,60 @@ def test_fp32_max_abs_bound_grows_with_the_outputs_scale_and_is_reported():
     exact = parity.compare_tokens(big, cand, parity.tolerance_for("fp32", parity.parse_overrides(
         {"atol": ("1e-4",)}, ["image_features"])["image_features"]))
     assert not exact["passed"] and exact["max_abs_bound"] == 1e-4
+
+
+def _flat_scores(n=40, keep=8, seed=0):
+    """Scores where half the patches sit within int16's band (1e-2 of the max) of the K-th boundary."""
+    rng = np.random.default_rng(seed)
+    scores = np.concatenate([[1.0] * 4, 0.5 + rng.uniform(-1e-3, 1e-3, n - 4)])
+    return scores[None]
+
+
+def test_the_tie_band_cannot_swallow_a_share_of_k():
+    """qnn at K=64: 112 and 84 scores within 1e-2 of the boundary counted as ties, so any swap passed; the band now
+    holds at most K/4 scores, the ones nearest the cut."""
+    int16 = parity.tolerance_for("int16")
+    scores = _flat_scores()
+    keep = 8
+    ref = np.sort(np.argsort(-scores[0], kind="stable")[:keep])[None]
+    ranked = np.argsort(np.abs(scores[0] - 0.5 * (np.sort(scores[0])[::-1][keep - 1] + np.sort(scores[0])[::-1][keep])))
+    near_out = [p for p in ranked[:2] if p not in ref[0]][0]  # the boundary pair: a tie
+    near_in = [p for p in ranked[:2] if p in ref[0]][0]
+    swapped = np.sort(np.where(ref == near_in, near_out, ref))
+    result = parity.compare_indices(ref, swapped, scores, int16)
+    assert result["passed"] and result["tie_resolved_images"] == [0]
+    assert result["boundary_ties"][0] <= max(2, keep // 4)  # not the ~36 scores within 1e-2
+    far_out = [p for p in ranked[keep:] if p not in ref[0]][0]  # in 1e-2 of the cut, but not among the K/4 nearest
+    result = parity.compare_indices(ref, np.sort(np.where(ref == near_in, far_out, ref)), scores, int16)
+    assert not result["passed"] and result["tie_resolved_images"] == []
+
+
+def test_a_stage_whose_kept_sets_all_differ_compares_the_tokens_both_kept():
+    """'every image was resolved differently by a boundary tie' passed with no feature compared: now the rows of the
+    tokens both sides kept are compared, and a wrong one fails."""
+    from vlmprune.compiler.parity.reference import FEATURES, KEPT, Reference
+    from vlmprune.passes.methods import get_method
+
+    scores = np.array([[0.9, 0.5, 0.5 - 1e-6, 0.1, 0.8]] * 2)  # patches 1 and 2 tie at the K = 3 boundary
+    rng = np.random.default_rng(0)
+    patches = rng.normal(size=(2, 5, 4))
+    ref_kept, cand_kept = np.array([[0, 1, 4]] * 2), np.array([[0, 2, 4]] * 2)
+    summary = lambda kept: np.stack([np.delete(patches[b], kept[b], 0).mean(0) for b in range(2)])[:, None]  # noqa
+    ref_feats = np.concatenate([np.take_along_axis(patches, ref_kept[..., None], 1), summary(ref_kept)], 1)
+    cand_feats = np.concatenate([np.take_along_axis(patches, cand_kept[..., None], 1), summary(cand_kept)], 1)
+    reference = Reference({FEATURES: ref_feats, KEPT: ref_kept}, trace={"scores": scores},
+                          method=get_method("cls"), params={"keep": 3, "lambda": 0.0})
+    stage = parity.run_stage("s", "test", "fp16", lambda _: {FEATURES: cand_feats, KEPT: cand_kept},
+                             np.zeros((2, 3, 4, 4)), reference)
+    feats = stage.outputs[FEATURES]
+    assert stage.passed and stage.indices["tie_resolved_images"] == [0, 1]
+    assert feats["images_compared_on_common_tokens"] == {"0": 2, "1": 2} and feats["rows_compared"] == 4
+    assert "on the tokens both sides kept" in parity.stage_line(stage)
+    wrong = cand_feats.copy()
+    wrong[1, 2] = -wrong[1, 2]  # patch 4 of image 1, kept by both
+    stage = parity.run_stage("s", "test", "fp16", lambda _: {FEATURES: wrong, KEPT: cand_kept},
+                             np.zeros((2, 3, 4, 4)), reference)
+    assert not stage.passed and stage.outputs[FEATURES]["cosine_min"] < 0
+    # nothing known to compare (no method recorded): no longer a pass
+    blind = parity.compare_tokens(ref_feats, cand_feats, parity.tolerance_for("fp16"), [0, 1])
+    assert not blind["passed"] and "no image compared" in blind["error"]
