@@ -8,7 +8,11 @@ lock is free was left by a writer that died, and is reclaimed. The finished bund
 is renamed into place, so an interrupted or failed compile never leaves a half-written
 bundle, and `--force` replaces only a complete bundle (one with a manifest), never a
 directory that is something else. An empty directory is taken as the output (as build
-tools take a `mkdir build`), and missing parents are created (removed again on failure).
+tools take a `mkdir build`): the bundle is staged inside it (`.vlmprune-partial`) and its
+files are moved into it, manifest.json last, since an empty directory may be a mount point
+(a tmpfs, a USB stick, a container volume) that no rename can replace or cross into; the
+same holds for a bundle at a mount point that --force replaces. Missing parents are created
+(removed again on failure). Writability of where the files go is checked before any work.
 
 Every file's sha256 is recorded in manifest.json, and the manifest records the digest
 of its own content, so an edited manifest (keep changed by hand, a file list trimmed)
@@ -31,6 +35,8 @@ from vlmprune.compiler.errors import InputError
 
 DIGEST_KEY = "manifest_sha256"
 _LOCK = ".vlmprune-writing"
+_OURS = ".vlmprune-"  # names of this module's own entries inside an output directory it publishes into
+_INTO = _OURS + "partial"
 _complete: list[str] | None = None  # while tracking(): the outputs complete so far, as the interrupt line names them
 
 
@@ -114,7 +120,27 @@ def interrupted_line(complete: list[str]) -> str:
 
 
 def _is_empty_dir(path: Path) -> bool:
-    return path.is_dir() and not any(path.iterdir())
+    """An empty directory, or one holding only a compile's staging (that compile's claim decides)."""
+    return path.is_dir() and not any(not p.name.startswith(_OURS) for p in path.iterdir())
+
+
+def is_mount_point(path: Path) -> bool:
+    """A mount point, bind mounts on the same file system included (os.path.ismount misses those)."""
+    if os.path.ismount(path):
+        return True
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            points = {line.split()[4].encode().decode("unicode_escape") for line in f if len(line.split()) > 4}
+    except OSError:
+        return False
+    return real in points
+
+
+def _publishes_into(output: Path, force: bool) -> bool:
+    """Whether output's files are moved into it rather than the bundle renamed onto it: an empty directory, or a
+    bundle at a mount point that --force replaces (a rename onto a mount point fails: EBUSY)."""
+    return output.is_dir() and (_is_empty_dir(output) or (force and _is_bundle(output) and is_mount_point(output)))
 
 
 def _not_a_bundle(output: Path) -> InputError:
@@ -131,7 +157,13 @@ def prepare_output(output: Path, force: bool) -> None:
         raise _not_a_bundle(output)
     if _is_bundle(output) and not force:
         raise InputError(f"{output} already exists (use --force to replace it)")
-    check_parent(output, str(output))
+    if _publishes_into(output, force):  # the files go into output itself: it must take them
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=_OURS, suffix=".probe", dir=output))
+        except OSError as exc:
+            raise InputError(f"{output} is not writable ({exc.strerror})") from None
+    else:
+        check_parent(output, str(output))
 
 
 def _claim(staging: Path, output: Path) -> int:
@@ -141,9 +173,9 @@ def _claim(staging: Path, output: Path) -> int:
     name: a rename onto a non-empty directory fails, so exactly one writer gets the name,
     and nobody ever sees the staging directory unlocked while its writer is alive.
     """
-    parent = _parent(output)
+    parent = staging.parent
     try:
-        private = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".claim", dir=parent))
+        private = Path(tempfile.mkdtemp(prefix=f"{staging.name}.", suffix=".claim", dir=parent))
     except OSError as exc:
         raise InputError(f"{parent}: cannot create a directory there ({exc.strerror})") from None
     fd = os.open(private / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -196,15 +228,20 @@ def staging(output: Path, force: bool):
     """
     output = Path(output)
     prepare_output(output, force)
+    into = _publishes_into(output, force)
     with parents_made(output):
-        tmp = _parent(output) / f".{output.name}.partial"
+        tmp = output / _INTO if into else _parent(output) / f".{output.name}.partial"
         fd = _claim(tmp, output)
         try:
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is not what a bundle should end up with
             yield tmp
-            _publish(tmp, output, force)
+            if into:
+                _publish_into(tmp, output)
+                shutil.rmtree(tmp, ignore_errors=True)  # the lock file is all that is left of it
+            else:
+                _publish(tmp, output, force)
             record_complete(f"the bundle at {output}")
             (output / _LOCK).unlink(missing_ok=True)
         except BaseException:
@@ -231,6 +268,35 @@ def _publish(tmp: Path, output: Path, force: bool) -> None:
     os.replace(output, old / output.name)
     os.rename(tmp, output)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _publish_into(tmp: Path, output: Path) -> None:
+    """Move the staged files into output (manifest.json last, so output is a bundle only once it is whole); a
+    bundle already there (--force at a mount point) is moved aside first, manifest first, and removed after. On
+    failure the moved files go and the old bundle comes back."""
+    theirs = [p for p in output.iterdir() if not p.name.startswith(_OURS)]
+    if theirs and not _is_bundle(output):  # changed since the start
+        raise _not_a_bundle(output)
+    old = Path(tempfile.mkdtemp(prefix=_OURS, suffix=".old", dir=output)) if theirs else None
+    aside, moved = [], []
+    try:
+        for p in sorted(theirs, key=lambda p: p.name != MANIFEST):  # manifest first: no longer a bundle
+            p.rename(old / p.name)
+            aside.append(p.name)
+        for p in sorted((p for p in tmp.iterdir() if p.name != _LOCK), key=lambda p: p.name == MANIFEST):
+            p.rename(output / p.name)
+            moved.append(p.name)
+    except BaseException:
+        for name in moved:
+            target = output / name
+            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink(missing_ok=True)
+        for name in reversed(aside):
+            (old / name).rename(output / name)
+        if old is not None:
+            old.rmdir()
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def manifest_digest(manifest: dict) -> str:

@@ -188,3 +188,58 @@ def test_an_interrupt_after_publishing_says_the_bundle_is_complete(tiny_clip_dir
         assert list(tmp_path.iterdir()) == ([out.parent] if complete else [])  # made/ removed when nothing was
     assert bundle.load_manifest(out)["parity"]["passed"]  # whole, as the line says
     assert sorted(p.name for p in out.parent.iterdir()) == ["b"]
+
+
+@pytest.fixture
+def mount_point(tmp_path):
+    """An empty tmpfs mounted at tmp_path/mnt (read-write), and how to remount it read-only; a skip where this
+    process may not mount (not root, or a container without CAP_SYS_ADMIN)."""
+    point = tmp_path / "mnt"
+    point.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(point)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip() or made.returncode}): the mount-point output "
+                    "case needs one")
+
+    def read_only():
+        subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+
+    yield point, read_only
+    subprocess.run(["umount", str(point)], check=True)
+
+
+def test_an_empty_mount_point_is_published_into(mount_point):
+    """-o MNT on an empty mount point: the rename onto it failed with EBUSY after all the work."""
+    point, _ = mount_point
+    assert bundle.is_mount_point(point)
+    _write_bundle(point, files={"model.onnx": "first"})
+    assert sorted(p.name for p in point.iterdir()) == ["manifest.json", "model.onnx"]  # no staging left
+    assert bundle.load_manifest(point)["files"]
+    with pytest.raises(InputError, match="already exists"):
+        _write_bundle(point)
+    _write_bundle(point, force=True, files={"model.onnx": "second"})  # --force replaces it in place
+    assert (point / "model.onnx").read_text() == "second"
+    assert sorted(p.name for p in point.iterdir()) == ["manifest.json", "model.onnx"]
+
+
+def test_a_failed_compile_into_an_empty_directory_leaves_it_empty(tmp_path):
+    out = tmp_path / "build"
+    out.mkdir()
+    with pytest.raises(RuntimeError):
+        with bundle.staging(out, False) as tmp:
+            (tmp / "x").write_text("x")
+            raise RuntimeError("boom")
+    assert list(out.iterdir()) == [] and out.is_dir()
+    with bundle.staging(out, False) as tmp:  # a second writer while the first stages inside it: refused
+        with pytest.raises(InputError, match="being written by another vlmprune compile"):
+            with bundle.staging(out, False):
+                pass
+        bundle.write_manifest(tmp, EMPTY)
+    bundle.load_manifest(out)
+
+
+def test_an_empty_read_only_mount_point_is_refused_before_any_work(mount_point):
+    point, read_only = mount_point
+    read_only()
+    with pytest.raises(InputError, match=r"mnt is not writable \(Read-only file system\)"):
+        bundle.prepare_output(point, False)
