@@ -78,18 +78,39 @@ def load_image_file(path: str, size: int, mean, std) -> tuple[np.ndarray, str, f
     return preprocess(rgb, size, mean, std)[None], text, scale
 
 
+# EXIF orientation -> what showing the stored pixels upright takes (ImageOps.exif_transpose does it)
+ORIENTATIONS = {2: "mirrored left-right", 3: "rotated 180°", 4: "mirrored top-bottom",
+                5: "mirrored left-right and rotated 90° counter-clockwise", 6: "rotated 90° clockwise",
+                7: "mirrored left-right and rotated 90° clockwise", 8: "rotated 90° counter-clockwise"}
+ALPHA_BACKGROUND = (255, 255, 255)  # white, as Hugging Face image processors composite (convert_to_rgb)
+
+
 def read_rgb(path: str) -> tuple[np.ndarray, str]:
-    """An image file -> (uint8 HxWx3, "" or how its pixels were scaled to 8 bits, for its description).
+    """An image file -> (uint8 HxWx3, "" or a note of what was done to its pixels, for its description).
 
-    Pillow's convert("RGB") clips 16-bit, 32-bit integer and float pixels at 255 rather than
-    scaling them (a 16-bit gradient would turn flat white), so those are scaled here by their
-    full scale. 16-bit RGB files need nothing: Pillow opens them as 8-bit RGB, scaled.
+    As image viewers show it: the EXIF orientation tag is applied (a camera's portrait photo
+    is stored sideways with a tag saying so), and transparency is composited on white
+    (ALPHA_BACKGROUND) rather than dropped, which would show whatever colour the transparent
+    pixels happen to hold. Pillow's convert("RGB") clips 16-bit, 32-bit integer and float
+    pixels at 255 rather than scaling them (a 16-bit gradient would turn flat white), so
+    those are scaled here by their full scale. 16-bit RGB files need nothing: Pillow opens
+    them as 8-bit RGB, scaled.
     """
-    from PIL import Image
+    from PIL import Image, ImageOps
 
-    with Image.open(path) as img:
+    notes = []
+    with Image.open(path) as stored:
+        orientation = stored.getexif().get(0x0112, 1)
+        img = ImageOps.exif_transpose(stored)
+        if orientation in ORIENTATIONS:
+            notes.append(f"EXIF orientation {orientation} applied: {ORIENTATIONS[orientation]}")
         if img.mode not in ("I", "F") and not img.mode.startswith("I;16"):
-            return np.asarray(img.convert("RGB")), ""
+            if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+                rgba = img.convert("RGBA")
+                if rgba.getextrema()[3][0] < 255:  # some pixel is not opaque
+                    img = Image.alpha_composite(Image.new("RGBA", rgba.size, ALPHA_BACKGROUND + (255,)), rgba)
+                    notes.append(f"transparency composited on white {ALPHA_BACKGROUND}")
+            return np.asarray(img.convert("RGB")), _note(notes)
         values = np.asarray(img, dtype=np.float64)
         mode = img.mode
     top = float(values.max()) if values.size else 0.0
@@ -106,7 +127,13 @@ def read_rgb(path: str) -> tuple[np.ndarray, str]:
     else:
         full, depth = top, "float grayscale, by its maximum"
     gray = np.round(np.clip(values / full, 0.0, 1.0) * 255.0).astype(np.uint8)
-    return np.stack([gray] * 3, axis=-1), f" ({depth}, scaled to 8 bits)" if depth else ""
+    if depth:
+        notes.append(f"{depth}, scaled to 8 bits")
+    return np.stack([gray] * 3, axis=-1), _note(notes)
+
+
+def _note(notes: list[str]) -> str:
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def anyres_crops(image: np.ndarray, crops: dict, size: int, mean, std, fill: bool = True) -> np.ndarray:

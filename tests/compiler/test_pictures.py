@@ -183,3 +183,35 @@ def test_a_bundle_without_a_patch_size_is_drawn_from_its_patch_count():
     manifest["method"]["num_patches"] = 60
     with pytest.raises(InputError, match="^this bundle records neither a patch size nor a square patch count"):
         pictures.token_grid(manifest)
+
+
+def test_a_camera_photo_is_read_upright_by_its_exif_orientation(tmp_path):
+    """A portrait photo stored sideways (landscape pixels, EXIF orientation 6) is fed upright, as viewers show it."""
+    from vlmprune.compiler.frontend.images import read_rgb
+
+    upright = np.zeros((120, 80, 3), np.uint8)
+    upright[:20] = (255, 0, 0)  # red at the top of the picture
+    stored = Image.fromarray(upright).transpose(Image.Transpose.ROTATE_90)  # as a camera held upright stores it
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to show"
+    stored.save(tmp_path / "portrait.jpg", exif=exif, quality=95)
+    rgb, note = read_rgb(str(tmp_path / "portrait.jpg"))
+    assert rgb.shape == (120, 80, 3) and rgb[:15, :, 0].mean() > 200 and rgb[30:, :, 0].mean() < 30
+    assert note == " (EXIF orientation 6 applied: rotated 90° clockwise)"
+    _, described, _ = load_image_file(str(tmp_path / "portrait.jpg"), 56, (0.5,) * 3, (0.5,) * 3)
+    assert described.startswith("80x120 image (EXIF orientation 6 applied: rotated 90° clockwise): short side")
+
+
+def test_transparency_is_composited_on_white_and_said(tmp_path):
+    from vlmprune.compiler.frontend.images import read_rgb
+
+    rgba = np.zeros((16, 16, 4), np.uint8)
+    rgba[..., 2] = 255  # blue where transparent: what dropping alpha would show
+    rgba[:8, ..., 3] = 255
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "logo.png")
+    rgb, note = read_rgb(str(tmp_path / "logo.png"))
+    assert rgb[:8].tolist() == [[[0, 0, 255]] * 16] * 8 and rgb[8:].tolist() == [[[255, 255, 255]] * 16] * 8
+    assert note == " (transparency composited on white (255, 255, 255))"
+    rgba[..., 3] = 255  # opaque: nothing to say
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "opaque.png")
+    assert read_rgb(str(tmp_path / "opaque.png"))[1] == ""
