@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -215,3 +217,15 @@ def test_transparency_is_composited_on_white_and_said(tmp_path):
     rgba[..., 3] = 255  # opaque: nothing to say
     Image.fromarray(rgba, "RGBA").save(tmp_path / "opaque.png")
     assert read_rgb(str(tmp_path / "opaque.png"))[1] == ""
+
+
+def test_docs_pictures_commands_write_where_a_checkout_has_no_file():
+    """docs/pictures.md's `run --show docs/images/cls-k64.png` refused in a checkout: the committed picture is there."""
+    root = Path(__file__).parents[2]
+    text = (root / "docs" / "pictures.md").read_text()
+    written = re.findall(r"(?:--show|compare .* -o) (\S+\.png)", text)
+    assert len(written) >= 2, written
+    for path in written:
+        for m in ("cls", "visionzip", "divprune", "dart"):
+            resolved = root / path.replace("$m", m)
+            assert not resolved.exists(), f"docs/pictures.md writes {path}, which a checkout holds already"
