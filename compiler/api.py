@@ -856,6 +856,8 @@ def targets() -> TargetListing:
         ok, why = target.available()
         listed.append(TargetInfo(name, target.summary, ok, why))
     listed += [TargetInfo(name, summary, None) for name, summary in PLANNED.items()]
+    notes.append("--opset (each target's range; others are refused before any work): " + "; ".join(
+        f"{name} {cls().opsets[0]}-{cls().opsets[1]}" for name, cls in TARGETS.items()))
     for cls in TARGETS.values():
         notes += cls().listing()
     return TargetListing(listed, notes, exporter_lines())

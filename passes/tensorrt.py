@@ -207,8 +207,10 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
     Why not keep opset 18 and hope: the 8.5 parser reads the axes of Reduce* from
     the attribute only, so opset-18 axes inputs are silently ignored (it reduces
     over every axis). Each node whose schema differs between the two opsets is
-    converted (Reduce*: axes input -> attribute; Split: num_outputs -> split sizes),
-    accepted when only its type constraints changed, or refused with its name.
+    converted (Reduce*: axes input -> attribute; Split: num_outputs -> split sizes;
+    Cast/CastLike-19: the saturate attribute, which only float8 reads, dropped once the
+    types are known and none is float8; Gelu-20: its erf or tanh formula in elementwise
+    ops), accepted when only its type constraints changed, or refused with its name.
     """
 
     def __init__(self, target: int):
@@ -232,10 +234,22 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
             new = onnx.defs.get_schema(node.op_type, source)
             old = onnx.defs.get_schema(node.op_type, self.target)
         except onnx.defs.SchemaError:
+            if node.op_type == "Gelu" and node.inputs[0] is not None and node.inputs[0].dtype is not None:
+                return None  # decomposed (_gelu)
             return f"{node.op_type} does not exist at opset {self.target}"
         if new.since_version == old.since_version or _same_signature(new, old):
             return None
-        if node.op_type in _REDUCE_OPS and new.since_version == 18:
+        if node.op_type in ("Cast", "CastLike") and new.since_version >= 19 and old.since_version < 19:
+            types = [v.dtype for v in [*node.inputs, *node.outputs] if v is not None]
+            if len(types) < len(node.inputs) + 1 or any(t is None for t in types):
+                return f"{node.op_type}-{new.since_version} of a type not known here"
+            if any(t.name.startswith(("FLOAT8", "FLOAT4", "INT4", "UINT4", "INT2", "UINT2")) for t in types):
+                return f"{node.op_type}-{new.since_version} of a type opset {self.target} lacks"
+            return None
+        if node.op_type in _REDUCE_OPS and new.since_version >= 18:
+            dtype = node.inputs[0].dtype if node.inputs[0] is not None else None
+            if old.since_version < 18 and dtype == ir.DataType.BOOL:
+                return f"{node.op_type} of bool"
             axes = node.inputs[1] if len(node.inputs) > 1 else None
             if axes is not None and const_ints(axes) is None:
                 return f"{node.op_type} with runtime axes"
@@ -256,13 +270,20 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
             if not is_default_domain(node):
                 continue
             new = onnx.defs.get_schema(node.op_type, source)
-            old = onnx.defs.get_schema(node.op_type, self.target)
+            try:
+                old = onnx.defs.get_schema(node.op_type, self.target)
+            except onnx.defs.SchemaError:  # no older op at all: requires() let through only what decomposes
+                self._gelu(node)
+                continue
             if new.since_version == old.since_version or _same_signature(new, old):
                 continue
             if node.op_type in _REDUCE_OPS:
-                self._reduce(node)
+                if old.since_version < 18:
+                    self._reduce(node)
             elif node.op_type == "Split":
                 self._split(node)
+            elif node.op_type in ("Cast", "CastLike"):
+                node.attributes.pop("saturate", None)
         model.opset_imports[""] = self.target
         model.opset_imports.pop("ai.onnx", None)
         return ir.passes.PassResult(model, modified=True)
@@ -275,6 +296,33 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
             attrs["axes"] = axes
         replacement = _node(node.op_type, [node.inputs[0]], node.name or node.op_type, **attrs)
         _replace(node, [replacement], list(replacement.outputs))
+
+    @staticmethod
+    def _gelu(node: ir.Node) -> None:
+        """Gelu-20 -> 0.5·x·(1 + erf(x/√2)), or its tanh form for approximate="tanh" (the op's own definition)."""
+        x, graph, name = node.inputs[0], node.graph, node.name or f"{node.outputs[0].name}_gelu"
+        dtype = x.dtype.numpy()
+
+        def const(label, value):
+            return fresh_initializer(graph, f"{name}_const_{label}", np.asarray(value, dtype=dtype))
+
+        typed = [(x.dtype, None)]
+        if node.attributes.get_string("approximate", "none") == "tanh":
+            cube = _node("Mul", [x, x], f"{name}_sq", types=typed)
+            cube3 = _node("Mul", [cube.outputs[0], x], f"{name}_cube", types=typed)
+            scaled = _node("Mul", [cube3.outputs[0], const("c", 0.044715)], f"{name}_c", types=typed)
+            inner = _node("Add", [x, scaled.outputs[0]], f"{name}_inner", types=typed)
+            arg = _node("Mul", [inner.outputs[0], const("root", np.sqrt(2.0 / np.pi))], f"{name}_arg", types=typed)
+            curve = _node("Tanh", [arg.outputs[0]], f"{name}_tanh", types=typed)
+            nodes = [cube, cube3, scaled, inner, arg, curve]
+        else:
+            arg = _node("Mul", [x, const("rsqrt2", 1.0 / np.sqrt(2.0))], f"{name}_arg", types=typed)
+            curve = _node("Erf", [arg.outputs[0]], f"{name}_erf", types=typed)
+            nodes = [arg, curve]
+        plus = _node("Add", [curve.outputs[0], const("one", 1.0)], f"{name}_plus", types=typed)
+        half = _node("Mul", [x, const("half", 0.5)], f"{name}_half", types=typed)
+        out = _node("Mul", [half.outputs[0], plus.outputs[0]], f"{name}_out", types=typed)
+        _replace(node, [*nodes, plus, half, out], list(out.outputs))
 
     @staticmethod
     def _split(node: ir.Node) -> None:

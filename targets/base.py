@@ -83,6 +83,10 @@ class Target(abc.ABC):
     options: ClassVar[dict[str, str]] = {}  # target options (--precision, --soc) -> help
     # --with-llm: the LLM exporter ids (compiler.llm.export.EXPORTERS) this target takes, the first its default;
     # named as strings, since targets sit below the LLM side. None taken: why, in the refusal's words.
+    # The --opset values this target compiles (inclusive; the exporter writes 17..23), and why not the others: the
+    # pipeline refuses the rest before any work (Target.opset_refusal).
+    opsets: ClassVar[tuple[int, int]] = (17, 23)
+    opsets_why: ClassVar[str] = ""
     llm_exporters: ClassVar[tuple[str, ...]] = ()
     no_llm_why: ClassVar[str] = "no LLM toolchain"
 
@@ -93,6 +97,14 @@ class Target(abc.ABC):
     @abc.abstractmethod
     def toolchain(self) -> dict[str, str]:
         """Versions recorded in the manifest (the device toolchain and the host tools used)."""
+
+    def opset_refusal(self, opset: int) -> str:
+        """One line if this target does not compile an export at opset, else ""."""
+        low, high = self.opsets
+        if low <= opset <= high:
+            return ""
+        return (f"--opset {opset}: target {self.name} compiles opsets {low} to {high}"
+                + (f" ({self.opsets_why})" if self.opsets_why else ""))
 
     def check_options(self, options) -> dict:
         """Parse and check the target options before any work; one line for a bad or foreign one.

@@ -49,7 +49,7 @@ from vlmprune.compiler.contract import MODEL, RKNN
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.prune import prune_record
-from vlmprune.passes.rknn import TARGET, rknn_legalization, rknn_model_support, rknn_support
+from vlmprune.passes.rknn import RKNN_MAX_OPSET, TARGET, rknn_legalization, rknn_model_support, rknn_support
 from vlmprune.targets import placement
 from vlmprune.targets.base import StageSpec, Target, reads_projector_output
 
@@ -109,6 +109,9 @@ class Rk3588Target(Target):
     summary = "Rockchip RK3588 NPU: rknn-toolkit2 2.5.0 .rknn (fp16, hybrid int8), simulator parity"
     no_llm_why = "RKLLM's converter, rkllm-toolkit, is not on the package index"
     options = {"precision": "rk3588: fp16, int8 (hybrid) or fp16,int8 (default)"}
+    opsets = (17, RKNN_MAX_OPSET)
+    opsets_why = ("rknn-toolkit2 2.5.0 reads opsets up to 19 and offers no down-conversion; 20 and later hold Gelu "
+                  "and Attention")
     no_prompt_input = ("rknn-toolkit2 converts static input shapes only, while the prompt's length varies per "
                        "request")
     # Measured: the worker's build and simulator runner (rknn_worker.py) feed the pixel input only.

@@ -77,6 +77,8 @@ class JetsonPlatform:
     kept_dtype: str  # the plugin's kept_indices type in the engine
     cmake_minimum: str
     device_python: str
+    opsets: tuple[int, int] = (17, 22)  # the exports the legalization brings into the parser's range (its own says)
+    opsets_why: str = ""
 
     @property
     def ops(self) -> trt_passes.TensorRTOps:
@@ -87,11 +89,15 @@ ORIN = JetsonPlatform(
     name="orin", device="Jetson AGX Orin / Orin NX / Orin Nano", jetpack="6.1", l4t="r36.4",
     tensorrt="10.3.0", cuda="12.6", sm=87, plugin_api="v3", plugin_interface="IPluginV3",
     trtexec_flag="--dynamicPlugins", kept_dtype="int64", cmake_minimum="3.18", device_python="3.10",
+    opsets_why="TensorRT 10.3 parses up to opset 20; 21 and 22 are converted to 20, while 23's Attention op has no "
+               "opset-20 form here",
 )
 XAVIER = JetsonPlatform(
     name="xavier", device="Jetson AGX Xavier / Xavier NX", jetpack="5.1", l4t="r35",
     tensorrt="8.5.2", cuda="11.4", sm=72, plugin_api="v2", plugin_interface="IPluginV2DynamicExt",
     trtexec_flag="--plugins", kept_dtype="int32", cmake_minimum="3.16", device_python="3.8",
+    opsets_why="TensorRT 8.5 parses up to opset 17; 18 to 22 are converted to 17 (Reduce* axes, Split, Cast and "
+               "CastLike-19/21, Gelu-20), while 23's Attention op has no opset-17 form here",
 )
 PLATFORMS = {p.name: p for p in (ORIN, XAVIER)}
 
@@ -123,6 +129,7 @@ class TensorRTTarget(Target):
         self.platform = platform or self.platform
         p = self.platform
         self.name = p.name
+        self.opsets, self.opsets_why = p.opsets, p.opsets_why
         self.summary = (f"{p.device}: TensorRT {p.tensorrt}, CUDA {p.cuda}, sm_{p.sm}, JetPack {p.jetpack} "
                         f"({p.plugin_interface} plugin; engine built on the device)")
 

@@ -226,6 +226,8 @@ def validate_options(options: CompileOptions) -> _Plan:
     integer("--opset", options.opset)
     if not 17 <= options.opset <= 23:
         raise InputError(f"--opset must be between 17 and 23, got {options.opset}")
+    if get_target(options.target).opset_refusal(options.opset):  # the target's declared range, before any export
+        raise InputError(get_target(options.target).opset_refusal(options.opset))
     if options.feature_layer is not None:
         integer("--feature-layer", options.feature_layer)
     if options.cls not in (None, "drop", "keep"):

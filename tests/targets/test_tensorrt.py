@@ -663,3 +663,53 @@ def test_profile_of_static_and_dynamic_batch():
                                                    "opt": [3, 3, 28, 28], "max": [3, 3, 28, 28], "batch": "static"}
     dynamic = trt_target._profile(model("batch"), None)
     assert (dynamic["min"][0], dynamic["opt"][0], dynamic["max"][0], dynamic["batch"]) == (1, 1, 4, "dynamic")
+
+
+def test_downgrade_converts_opset_20s_castlike_reducemax_and_gelu_to_17():
+    """xavier at --opset 19..22 failed: CastLike-19, ReduceMax-20 and Gelu-20 had no opset-17 form."""
+    import onnx.helper as oh
+
+    f = onnx.TensorProto.FLOAT
+    nodes = [oh.make_node("CastLike", ["half", "x"], ["h"]),
+             oh.make_node("Mul", ["x", "h"], ["xh"]),
+             oh.make_node("Gelu", ["xh"], ["g"]),
+             oh.make_node("Gelu", ["x"], ["t"], approximate="tanh"),
+             oh.make_node("Add", ["g", "t"], ["s"]),
+             oh.make_node("ReduceMax", ["s", "axes"], ["y"], keepdims=1),
+             oh.make_node("Cast", ["y"], ["out"], to=f)]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", f, [2, 8])],
+                          [oh.make_tensor_value_info("out", f, [2, 1])],
+                          [onnx.numpy_helper.from_array(np.array(0.5, np.float64), "half"),
+                           onnx.numpy_helper.from_array(np.array([1], np.int64), "axes")])
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    import onnxruntime as ort
+
+    want = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    model = ir.from_proto(proto)
+    for p in trt_passes.legalization_passes(trt_passes.tensorrt_ops("8.5"), 20):
+        p(model)
+    assert model.opset_imports[""] == 17
+    ops = [n.op_type for n in model.graph]
+    assert "Gelu" not in ops and "Erf" in ops and "Tanh" in ops
+    assert all("saturate" not in n.attributes for n in model.graph if n.op_type.startswith("Cast"))
+    assert trt_passes.unsupported(model, trt_passes.tensorrt_ops("8.5")) == []
+    legal = ir.to_proto(model)
+    onnx.checker.check_model(legal, full_check=True)
+    got = ort.InferenceSession(legal.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("target, opset, says", [
+    ("orin", 23, "--opset 23: target orin compiles opsets 17 to 22 (TensorRT 10.3 parses up to opset 20"),
+    ("xavier", 23, "--opset 23: target xavier compiles opsets 17 to 22"),
+    ("rk3588", 20, "--opset 20: target rk3588 compiles opsets 17 to 19 (rknn-toolkit2 2.5.0 reads"),
+])
+def test_an_opset_outside_the_targets_declared_range_is_refused_before_any_work(target, opset, says, tmp_path):
+    from vlmprune.compiler import api
+
+    with pytest.raises(InputError) as info:
+        api.compile("demo", tmp_path / "b", target=target, opset=opset, keep=32)
+    assert str(info.value).startswith(says) and "\n" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    assert get_target(target).opsets[1] >= 19
