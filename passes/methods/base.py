@@ -189,10 +189,11 @@ class Method(abc.ABC):
         """The method's parameters from --keep and its options; unknown or bad values are one line."""
         unknown = sorted(set(options) - set(self.options) - set(GENERIC_OPTIONS))
         if unknown:
-            flags = ", ".join(f"--{name}" for name in unknown)
+            flags = ", ".join(f"--{name.replace('_', '-')}" for name in unknown)
+            taken = self.taken_options(keep if isinstance(keep, int) and not isinstance(keep, bool) else 64)
             raise InputError(f"{flags} {'is not an option' if len(unknown) == 1 else 'are not options'} of method "
-                             f"{self.name}" + (f" (it takes {', '.join('--' + o for o in self.options)})"
-                                               if self.options else " (it takes none)"))
+                             f"{self.name}" + (f" (it takes {', '.join('--' + o.replace('_', '-') for o in taken)})"
+                                               if taken else " (it takes none)"))
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InputError(f"--keep must be an integer >= 1, got {keep!r}")
         params = {"keep": keep, **self.defaults(keep), **{k: v for k, v in options.items() if v is not None}}
@@ -200,6 +201,25 @@ class Method(abc.ABC):
 
         params = budget.parse(self, parse_scorer(self, roi.parse(self, merge.parse(self, params))))
         return relevance.parse(self, params)
+
+    def taken_options(self, keep: int = 64) -> list[str]:
+        """Every option this method takes, from the declarations: its own, and the generic ones (GENERIC_OPTIONS) it
+        declares (local_merge, prompt_weight, roi_keep, a [CLS]-kernel score, a ranked score for --budget)."""
+        from vlmprune.passes.methods import budget  # it builds on this module
+
+        params = {"keep": keep, **self.defaults(keep)}
+        taken = list(self.options)
+        if self.local_merge:
+            taken += list(merge.GENERIC)
+        if self.prompt_weight:
+            taken += list(relevance.GENERIC)
+        if self.roi_keep:
+            taken += list(roi.GENERIC)
+        if not budget.refusal(self, params):
+            taken += ["budget", *budget.OPTIONS]
+        if self.scores_by_cls_kernel(params):
+            taken.append("scorer")
+        return list(dict.fromkeys(taken))
 
     def defaults(self, keep: int) -> dict[str, Any]:
         """Default values of the method's options for this K."""

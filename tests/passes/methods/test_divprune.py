@@ -78,3 +78,19 @@ def test_refusals():
     method.check(method.parse(8, {}), SiteSpec(16, False))  # no [CLS] needed
     with pytest.raises(InputError, match="no 'while' formulation"):
         method.check_formulation("while")
+
+
+def test_a_foreign_option_lists_every_option_the_method_declares():
+    """`-m divprune --pivots 3` said "(it takes none)" though divprune takes --merge and --width; dart's listed
+    --text_pivots for --text-pivots."""
+    from vlmprune.passes.methods import get_method
+
+    with pytest.raises(InputError, match=r"^--pivots is not an option of method divprune \(it takes --merge, --width\)$"):
+        get_method("divprune").parse(32, {"pivots": 3})
+    with pytest.raises(InputError) as info:
+        get_method("dart").parse(32, {"theta": 1.0})
+    assert "(it takes --pivots, --text-pivots, --merge, --width)" in str(info.value)
+    with pytest.raises(InputError) as info:
+        get_method("cls").parse(32, {"pivots": 3})
+    for flag in ("--lambda", "--score", "--merge", "--roi", "--budget", "--scorer"):
+        assert flag in str(info.value)

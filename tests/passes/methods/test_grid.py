@@ -47,7 +47,7 @@ def test_site_and_refusals():
         method.check(method.parse(300, {}), SiteSpec(256, False))
     with pytest.raises(InputError, match=r"^--keep must be an integer >= 1, got -1$"):
         method.parse(-1, {})
-    with pytest.raises(InputError, match=r"^--seed is not an option of method grid \(it takes --site\)$"):
+    with pytest.raises(InputError, match=r"^--seed is not an option of method grid \(it takes --site, --merge, --width\)$"):
         method.parse(8, {"seed": 1})
 
 
