@@ -198,6 +198,8 @@ def compile(model: str, output: str | Path = "build", *, target: str = DEFAULT_T
                              family_options={k: v for k, v in (family_options or {}).items() if v is not None},
                              cache=cache, with_llm=with_llm, llm_exporter=llm_exporter, fastv_layer=fastv_layer,
                              fastv_keep=fastv_keep, image_start=image_start, latency_ms=latency_ms)
+    if not str(output).strip():  # Path("") is ".": the current directory, which nobody means
+        raise InputError("output is empty: name the bundle's directory")
     result = compile_model(model, Path(output), options, _say(progress))
     return CompileResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
 

@@ -164,6 +164,16 @@ def _usage_in_one_line():
         raise _UsageLine(f"{' '.join(exc.format_message().split())} (see {where} --help)") from None
 
 
+
+class _NonEmptyPath(click.Path):
+    """A path that is not "": pathlib reads "" as ".", the current directory, which no one means by -o ""."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path (name the directory or file to write)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 @click.group(cls=_Cli, name="vlmprune", context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="vlmprune")
 def main():
@@ -212,7 +222,7 @@ def _family_options(fn):
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset of the export.")
 @click.option("--feature-layer", type=int, default=None, help="Override the model's vision_feature_layer.")
 @_family_options
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("build"), show_default=True,
+@click.option("-o", "--output", type=_NonEmptyPath(path_type=Path), default=Path("build"), show_default=True,
               help="Bundle directory to write.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
@@ -389,7 +399,7 @@ def _stderr(line: str) -> None:
 @main.command()
 @click.argument("bundle_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--image", required=True, type=click.Path(exists=True, dir_okay=False), help="The image every bundle runs on.")
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="The PNG to write.")
+@click.option("-o", "--output", required=True, type=_NonEmptyPath(path_type=Path), help="The PNG to write.")
 @click.option("--columns", type=int, default=None, help="Pictures per row (default: up to 4).")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @_one_line_errors

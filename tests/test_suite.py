@@ -49,3 +49,15 @@ def test_the_readme_test_command_lists_the_slowest_tests():
     pattern = re.search(r"grep -m1 -E '([^']+)' README.md", (ROOT / ".ci" / "run").read_text())[1]
     line = next(line for line in (ROOT / "README.md").read_text().splitlines() if re.search(pattern, line))
     assert line.endswith("&& python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25")
+
+
+def test_the_readme_command_line_lists_every_method():
+    """README's "What it does" line listed 6 of the 9 methods."""
+    import re
+    from pathlib import Path
+
+    from vlmprune.passes.methods import METHODS
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    listed = re.search(r"--method \{([^}]*)\}", text).group(1).split(",")
+    assert sorted(listed) == sorted(METHODS)

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from tiny_models import edited_copy
 from vlmprune.compiler import bundle
 from vlmprune.compiler.cli import main
+from vlmprune.compiler.errors import InputError
 
 CLI = [sys.executable, "-m", "vlmprune.compiler.cli"]
 
@@ -247,3 +248,15 @@ def test_check_of_a_static_batch_onnx_bundle(elsewhere_onnx, tmp_path):
     assert _run("compile", elsewhere_onnx, "--keep", 20, "--layer", 1, "-o", out, "-q").exit_code == 0
     result = _run("check", out)
     assert result.exit_code == 0, result.output
+
+
+def test_an_empty_output_path_is_refused_not_read_as_the_current_directory(tmp_path, monkeypatch):
+    """`-o ""` said ". exists and is not a vlmprune bundle"."""
+    from vlmprune.compiler import api
+
+    monkeypatch.chdir(tmp_path)
+    result = _run("compile", "demo", "-k", "32", "-o", "")
+    assert result.exit_code == 2 and "an empty path" in result.output and "Traceback" not in result.output
+    with pytest.raises(InputError, match="output is empty"):
+        api.compile("demo", "", keep=32)
+    assert list(tmp_path.iterdir()) == []
