@@ -168,6 +168,9 @@ class Method(abc.ABC):
     # logits), not on block L's output alone: its reference is reference_blocks, and its emission rewrites those
     # blocks through Builder.after / Builder.reroute (token merging).
     in_blocks: ClassVar[bool] = False
+    # Why the method's output is lost below float32, by measurement; "" where it is not. A target that runs the
+    # graph in fp16 or quantised (Target.reduced_precision) refuses the method with it.
+    float32_only: ClassVar[str] = ""
 
     def roi_bound(self, params: dict) -> float:
         """With roi_keep: an upper bound of the scores the TopK ranks with these parameters."""
