@@ -62,6 +62,7 @@ import torch
 
 from vlmprune.compiler.contract import TOKENS_META
 from vlmprune.compiler.errors import InputError, StructureError
+from vlmprune.compiler.frontend.family import FEATURE_LAYER
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows
@@ -290,6 +291,11 @@ class ToMeMethod(Method):
 
     def needs(self, params: dict) -> Needs:
         return Needs(site=BLOCK, attention=True)
+
+    def serves(self) -> tuple:
+        # One patch grid through plain ViT blocks (no 2x2 merger, no crops); an .onnx tower is refused in
+        # check_onnx_source (its reference needs the blocks in torch), which this vocabulary does not say.
+        return ((FEATURE_LAYER, ""),)
 
     def copied_rows(self, params: dict) -> int:
         return 0  # every output token may be a merge
