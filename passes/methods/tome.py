@@ -47,8 +47,11 @@ Choices where the official code leaves it open or differs from the project's con
 Targets (tests/compiler/test_tome.py; the README's method x target table):
 - ort: both graphs pass parity (rewritten and fused); the blocks that merge or take the size
   bias stay in standard ops (MultiHeadAttention's fusion matches only the plain form).
-- orin, xavier: the same standard-op graph (TopK, GatherElements, GatherND, one-hot MatMul).
-- rk3588, qnn: see the README's table for the outcome of their toolchains.
+- orin, xavier: the same standard-op graph (TopK, GatherElements, GatherND, one-hot MatMul; the final
+  integer sort as float, its bound proven from the constant positions); ORT parity passes, no engine built.
+- rk3588: refused (float32_only): every op converts (84 of 366 on its CPU), but in fp16 the merges flip
+  and cascade (demo, K = 192: kept-index agreement 0.80, cosine -0.50; hybrid int8 0.78).
+- qnn: refused (float32_only): all ops on HTP, but under 16-bit QDQ the same (agreement 0.80, cosine -0.51).
 """
 
 from __future__ import annotations
