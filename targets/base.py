@@ -80,6 +80,9 @@ class Target(abc.ABC):
     # Why this target takes no ROI input (--roi: roi_mask, or roi_boxes + roi_count; static shapes), or "" where it
     # does: Target.refusal refuses --roi with it.
     no_roi_input: ClassVar[str] = ""
+    # Why the graph runs below float32 here (fp16 or quantised), "" where it runs float32: a method that declares
+    # float32_only is refused with both reasons.
+    reduced_precision: ClassVar[str] = ""
     options: ClassVar[dict[str, str]] = {}  # target options (--precision, --soc) -> help
     # --with-llm: the LLM exporter ids (compiler.llm.export.EXPORTERS) this target takes, the first its default;
     # named as strings, since targets sit below the LLM side. None taken: why, in the refusal's words.
@@ -132,6 +135,8 @@ class Target(abc.ABC):
         None."""
         if self.no_prompt_input and method.needs(params if params is not None else method.parse(64, {})).text:
             return f"it reads the prompt (the text_embeds input), and {self.no_prompt_input}"
+        if self.reduced_precision and method.float32_only:
+            return f"{method.float32_only}, and {self.reduced_precision}"
         if self.no_roi_input and (params or {}).get("roi"):
             return f"--roi adds the ROI inputs beside the pixels, and {self.no_roi_input}"
         return None

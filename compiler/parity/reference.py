@@ -55,6 +55,15 @@ class MethodPruner:
         return result.tokens, result.kept, result.trace
 
     @property
+    def inside(self) -> bool:
+        """Whether the method acts inside blocks 1..L (Method.in_blocks, Pruner.inside)."""
+        return self.method.in_blocks
+
+    def run_blocks(self, blocks, tensors: SiteTensors):
+        result = self.method.reference_blocks(self.params, blocks, tensors)
+        return result.tokens, result.kept, result.trace
+
+    @property
     def attention(self) -> bool:
         """Whether the method reads attention (at a FEATURES site: the last block's Q and K, Pruner.attention)."""
         return self.method.needs(self.params).attention

@@ -164,6 +164,13 @@ class Method(abc.ABC):
     # --roi (passes.methods.roi): the method adds roi.emit_force_scores / roi.force_scores before its TopK, lifting
     # forced patches by roi_bound(params) + 1; False (the default): --roi is refused.
     roi_keep: ClassVar[bool] = False
+    # The method acts inside blocks 1..L (between each block's attention and its MLP, and on later blocks' attention
+    # logits), not on block L's output alone: its reference is reference_blocks, and its emission rewrites those
+    # blocks through Builder.after / Builder.reroute (token merging).
+    in_blocks: ClassVar[bool] = False
+    # Why the method's output is lost below float32, by measurement; "" where it is not. A target that runs the
+    # graph in fp16 or quantised (Target.reduced_precision) refuses the method with it.
+    float32_only: ClassVar[str] = ""
 
     def roi_bound(self, params: dict) -> float:
         """With roi_keep: an upper bound of the scores the TopK ranks with these parameters."""
@@ -267,6 +274,11 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         """The method in plain torch, batched, without host synchronisation: the parity reference."""
+
+    def reference_blocks(self, params: dict, blocks: list, inputs: SiteTensors) -> TorchResult:
+        """With in_blocks: the method over the tower's blocks 1..L (compiler.frontend.tower.BlockRunner each),
+        from the embeddings (inputs.hidden); its TorchResult is that of block L's output."""
+        raise NotImplementedError(f"method {self.name} does not act inside the blocks")
 
     @abc.abstractmethod
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
