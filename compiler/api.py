@@ -158,6 +158,11 @@ class CompileResult(pipeline.CompileResult):
             where = (f"at the tower's end, after block {method.layer}/{method.num_blocks}"
                      if method.layer == method.num_blocks else
                      f"after block {method.layer}/{method.num_blocks}; " + _later(method))
+            steps = method.steps
+            if steps:  # --schedule: every step
+                where = ("progressive, " + ", ".join(f"{s['keep']} after block {s['layer']}" for s in steps)
+                         + f" of {method.num_blocks}" + ("" if method.layer == method.num_blocks else
+                                                         "; " + _later(method)))
             out.append(f"tokens: {_tokens_in(method, 'patch tokens')} -> {method.summary.split(' (')[0]} ({where})")
         else:
             out.append(f"tokens: {_tokens_in(method, 'tokens')} -> {method.summary.split(' (')[0]} "

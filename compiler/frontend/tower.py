@@ -39,6 +39,10 @@ class SiteTensors:
     patch_size: int | None = None
     prefix: int | None = None  # None: 1 with a [CLS] token, else 0
     head: PoolingHead | None = None  # the tower's attention-pooling head, where it has one (BLOCK sites)
+    layer: int | None = None  # the block after which the site is (BLOCK sites)
+    # The original patch index of each patch token present, where an earlier call of the same pruner (a pruner with
+    # several `layers`) has pruned some: [B, N_s] int64; None: all N patches, in order.
+    patch_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.prefix is None:
@@ -69,6 +73,8 @@ class Pruner(Protocol):
     site: str  # BLOCK (after block `layer`) or FEATURES (after the projector)
     layer: int | None
     # Optional, read with getattr (default False): `attention`, a FEATURES pruner that reads the last block's Q, K.
+    # Optional, read with getattr (default (layer,)): `layers`, the blocks after which a BLOCK pruner is called in
+    # turn (progressive pruning); each call gets the patch indices the previous one kept (SiteTensors.patch_ids).
 
     def __call__(self, tensors: SiteTensors) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(new tokens, kept patch indices [B, K'], trace for parity)."""
@@ -153,14 +159,15 @@ class VisionPipeline(nn.Module):
         # A FEATURES-site pruner that reads attention (Pruner.attention) gets the last block's Q and K.
         wants_qk = pruner is not None and pruner.site == FEATURES and getattr(pruner, "attention", False)
         qk_last = None
+        steps = tuple(getattr(pruner, "layers", None) or (pruner.layer,)) if at_block else ()
         for i, layer in enumerate(tower.blocks[: self.num_blocks], start=1):
-            capture = at_block and i == pruner.layer or wants_qk and i == self.num_blocks
+            capture = i in steps or wants_qk and i == self.num_blocks
             h, qk = run_block(tower.parts(layer), h, capture)
             if capture and not at_block:
                 qk_last = qk
             elif capture:
                 h, kept = self._prune(SiteTensors(h, self.has_cls, *qk, pixel_values, self.patch_size, self.prefix,
-                                                  tower.head))
+                                                  tower.head, layer=i, patch_ids=kept))
         if self.final_norm:
             h = tower.final_norm(h)
         prefix = self.prefix
