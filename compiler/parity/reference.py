@@ -53,7 +53,17 @@ class MethodPruner:
             fields = {f.name: getattr(tensors, f.name) for f in dataclasses.fields(tensors)}
             tensors = PromptSiteTensors(**{**fields, "text": self.text})
         result = self.method.reference(self.params, tensors)
-        return result.tokens, result.kept, result.trace
+        if not self.layers:
+            return result.tokens, result.kept, result.trace
+        # --schedule: called once per step; the last call's trace gains what each earlier step ranked
+        if tensors.layer == self.layers[0]:
+            self._earlier = []
+        if tensors.layer != self.layers[-1]:
+            self._earlier.append(result.trace)
+            return result.tokens, result.kept, result.trace
+        trace = {**result.trace, "step_scores": torch.stack([t["scores"] for t in self._earlier]),
+                 "step_boundaries": [t["boundary"] for t in self._earlier]}
+        return result.tokens, result.kept, trace
 
     @property
     def attention(self) -> bool:

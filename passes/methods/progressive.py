@@ -103,15 +103,15 @@ class Progressive(Method):
             kept = select_topk(result.trace["scores"], steps[index].keep)
             prefix, patches = split_prefix(inputs.hidden, inputs.prefix)
             tokens = torch.cat([*prefix, gather_rows(patches, kept)], dim=1)
-            return TorchResult(tokens, kept if ids is None else torch.gather(ids, 1, kept), {})
+            # what this step ranked, in original coordinates (parity's tie band per step: step_scores)
+            trace = {"scores": _original(result.trace["scores"], ids, n), "boundary": steps[index].keep}
+            return TorchResult(tokens, kept if ids is None else torch.gather(ids, 1, kept), trace)
         result = self.inner.reference(params, local)
         if ids is None:
             return result
         trace = dict(result.trace)
         if "scores" in trace:  # in original coordinates; tokens pruned earlier score below every one present
-            scores = trace["scores"]
-            low = scores.amin(dim=-1, keepdim=True) - 1.0
-            trace["scores"] = low.expand(-1, n).clone().scatter(1, ids, scores)
+            trace["scores"] = _original(trace["scores"], ids, n)
         if forced is not None:
             trace["forced"] = forced.expand(ids.shape[0], -1)
         return TorchResult(result.tokens, torch.gather(ids, 1, result.kept), trace)
@@ -144,6 +144,15 @@ class Progressive(Method):
                           "step_tokens", axis=1) if inputs.prefix else rows
         # The method's own tokens for K_s are not wanted: leave them to RemoveUnusedNodesPass.
         return tokens, kept
+
+
+def _original(scores: torch.Tensor, ids: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Scores [B, N_s] of the tokens present -> [B, N] by original patch index; a patch an earlier step pruned
+    scores 1 below the lowest present, so that it never lies at a boundary."""
+    if ids is None:
+        return scores
+    low = scores.amin(dim=-1, keepdim=True) - 1.0
+    return low.expand(-1, n).clone().scatter(1, ids, scores)
 
 
 def _replace(inputs: SiteTensors, **changes) -> SiteTensors:
