@@ -11,7 +11,10 @@ Layers: an integer L prunes after block L (the methods that prune inside the tow
 visionzip, and the baselines with --site block); `end` prunes at the tower's end (those
 methods at the feature layer; divprune and dart, which only prune there; the baselines on
 the projector output). A method that only prunes at the end is run once however many
-layers are asked for.
+layers are asked for. A progressive place, blocks joined by `/` (`--layer 2/4/6`), prunes in
+steps after each (--schedule, passes.methods.schedule; the last step keeps K, the counts
+before it geometric from N to K), labelled "progressive 2→4→6"; the baselines stand beside it
+after its last block. `-m cls:schedule=2/4/6` is the same place given as the method's option.
 
 A prompt-aware bundle (a `text_embeds` input: cdpruner, dart --text-pivots, --prompt-weight)
 gets each sample's question as its prompt, the question's non-image token rows of the
@@ -60,18 +63,26 @@ class Plan:
         """The table's name: the method, and its options as given (`cls budget=adaptive`)."""
         if self.method is None:
             return "dense"
-        given = {k: v for k, v in self.method_options.items() if k != "site"}  # the baselines' site: the place column
+        # the baselines' site and a --schedule: the place column
+        given = {k: v for k, v in self.method_options.items() if k not in ("site", "schedule")}
         return " ".join([self.method, *(f"{k.replace('_', '-')}={v}" for k, v in sorted(given.items()))])
 
     @property
     def where(self) -> str:
         if self.method is None:
             return "-"
+        if self.method_options.get("schedule") is not None:
+            from vlmprune.passes.methods import schedule
+
+            return "progressive " + "→".join(str(layer) for layer in schedule.layers(self.method_options))
         return "tower end" if self.layer == END else f"after block {self.layer}"
 
 
 def parse_layers(values) -> list[int | str]:
-    """--layer values: integers >= 1 or `end`, each a value or a comma list; default: the tower's end."""
+    """--layer values: integers >= 1, `end`, or a progressive place of blocks joined by `/` (2/4/6), each a value
+    or a comma list; default: the tower's end."""
+    from vlmprune.passes.methods import schedule
+
     out: list[int | str] = []
     for value in values or ():
         for part in str(value).split(","):
@@ -80,6 +91,13 @@ def parse_layers(values) -> list[int | str]:
                 continue
             if part == END:
                 out.append(END)
+                continue
+            if "/" in part:  # a progressive place: checked as --schedule is, its form kept (`/`: no comma here)
+                steps = schedule.split(part)
+                if len(steps) < 2 or any(a[0] >= b[0] for a, b in zip(steps, steps[1:])) or steps[0][0] < 1:
+                    raise InputError(f"--layer {part!r}: a progressive place is two or more increasing blocks "
+                                     "joined by / (e.g. 2/4/6)")
+                out.append(part)
                 continue
             try:
                 layer = int(part)
@@ -94,8 +112,15 @@ def parse_layers(values) -> list[int | str]:
 def parse_method_spec(spec: str) -> tuple[str, dict]:
     """A --method value of eval --dataset: NAME, or NAME:OPTION=VALUE[:OPTION=VALUE...] (the method's compile
     options, spelled as their flags without the dashes: `cls:budget=adaptive`, `cls:merge=local:width=3`), so that
-    one sweep holds a method with and without an option. Values read as int, then float, else text."""
-    name, *parts = spec.strip().split(":")
+    one sweep holds a method with and without an option. Values read as int, then float, else text; a colon
+    inside a value is kept where what follows it is no OPTION=VALUE (`cls:schedule=2:512/4:320/6:192`)."""
+    name, *pieces = spec.strip().split(":")
+    parts: list[str] = []
+    for piece in pieces:  # a piece without `=` continues the value before it (cls:schedule=2:512/4:320/6:192)
+        if parts and "=" not in piece:
+            parts[-1] += ":" + piece
+        else:
+            parts.append(piece)
     options: dict = {}
     for part in parts:
         key, eq, value = part.partition("=")
@@ -129,18 +154,31 @@ def plans_for(methods: list[str], keeps: list[int], layers: list[int | str]) -> 
         method = get_method(name)
         for keep in keeps:
             for layer in layers:
+                progressive = isinstance(layer, str) and layer != END  # a place of blocks joined by /
                 if method.baseline:
+                    layer = last_block(layer) if progressive else layer  # beside it, after its last block
                     options = {**given, "site": "features" if layer == END else "block"}
                 elif method.needs(method.parse(keep, given)).site == FEATURES:
                     layer, options = END, dict(given)
+                elif given.get("schedule") is not None:  # the method's own schedule is its place
+                    layer, options = last_block(str(given["schedule"])), dict(given)
+                elif progressive:
+                    layer, options = last_block(layer), {**given, "schedule": layer}
                 else:
                     options = dict(given)
                 method.parse(keep, options)  # one line for a bad K or option, before any work
                 plan = Plan(name, keep, layer, options)
-                if (plan.label, keep, layer) not in seen:
-                    seen.add((plan.label, keep, layer))
+                if (plan.label, keep, layer, plan.where) not in seen:
+                    seen.add((plan.label, keep, layer, plan.where))
                     plans.append(plan)
     return plans
+
+
+def last_block(place: str) -> int:
+    """A progressive place's (or --schedule's) last block: the layer its bundle is compiled with."""
+    from vlmprune.passes.methods import schedule
+
+    return schedule.split(place)[-1][0]
 
 
 def describe(plan: Plan, model_hash: str, target: str, max_new_tokens: int, target_options: dict) -> dict:

@@ -31,7 +31,7 @@ from vlmprune.compiler.contract import KEPT as KEPT_INDICES  # the bundle's name
 from vlmprune.compiler.contract import NUM_TOKENS, PRUNE_META, TEXT, TOKENS_META
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.graph.dataflow import consumers_downstream, opset
-from vlmprune.passes.methods import roi
+from vlmprune.passes.methods import coverage, roi
 from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, SiteSpec
 from vlmprune.passes.methods.builder import Builder
 from vlmprune.passes.graph.structure import TowerStructure, find_tower_structure, static_dim
@@ -41,6 +41,11 @@ def prune_record(model: ir.Model) -> dict | None:
     """What InsertPruningPass recorded in the model, or None for a graph it has not pruned."""
     text = model.metadata_props.get(PRUNE_META)
     return None if text is None else json.loads(text)
+
+
+def summary(method: Method, params: dict) -> str:
+    """The record's one line: the method's own, and what --coverage adds to any method that takes it."""
+    return method.describe(params) + coverage.describe(params)
 
 
 def _token_output(graph: ir.Graph) -> ir.Value:
@@ -116,6 +121,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
                                 pixel.shape[0] if pixel is not None and pixel.shape is not None else None)
         if forced is not None:
             inputs.forced = forced[0]
+        inputs.forced = coverage.emit_forced(b, self.params, spec.num_patches, inputs.forced)  # --coverage: the grid
         consumers = list(hidden.uses())
         tokens, kept, *count = self.method.emit(b, self.params, inputs, self.formulation)  # count: variable K
         anchor = hidden.producer()
@@ -158,7 +164,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
                   "num_blocks": spec.num_blocks, "tokens_in": tokens_in, "tokens_out": tokens_out,
                   "num_patches": spec.num_patches, "has_cls": spec.has_cls, "prefix": spec.prefix,
                   "kept": KEPT_INDICES,
-                  "kept_count": self.params["keep"], "summary": self.method.describe(self.params)}
+                  "kept_count": self.params["keep"], "summary": summary(self.method, self.params)}
         if text is not None:  # the graph input the prompt-aware method added (compiler.prompt feeds it)
             record["text"] = {"name": TEXT, "dim": text}
         if forced is not None:  # the ROI inputs (compiler.roi feeds them)

@@ -26,7 +26,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
 from vlmprune.passes.outputs import BatchDimNamePass, ZeroPaddingPass
-from vlmprune.passes.prune import InsertPruningPass
+from vlmprune.passes.progressive import insertion_pass
 from vlmprune.passes.retarget import RetargetTokenCountPass
 from vlmprune.passes.support import SupportCheckPass, TargetPipeline
 
@@ -149,8 +149,9 @@ class Target(abc.ABC):
         """Dense export -> this target's decomposed graph (model.decomposed.onnx), in order."""
         passes: list[ir.passes.PassBase] = []
         if config is not None:
-            passes.append(InsertPruningPass(config.method, config.params, config.layer,
-                                            self.formulation(config.method), config.head))
+            # one site, or a --schedule's steps (passes.progressive)
+            passes.append(insertion_pass(config.method, config.params, config.layer,
+                                         self.formulation(config.method), config.head))
             if config.method.needs(config.params).site == BLOCK:
                 passes.append(RetargetTokenCountPass())
             if config.method.variable_k:  # padded rows zero on the token output, num_tokens counting its rows

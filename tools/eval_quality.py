@@ -56,6 +56,8 @@ def tower_bundle(tower: Path, row: dict, folder: Path) -> Path:
     from vlmprune.compiler.bundle import load_manifest
 
     name = "dense" if row["keep"] is None else f"{row['method'].replace(' ', '_')}-{row['keep']}-{row['layer']}"
+    if (row.get("options") or {}).get("schedule"):  # a progressive place: its own tower beside block L's
+        name += "-p" + str(row["options"]["schedule"]).replace("/", "-").replace(",", "-").replace(":", "x")
     out = folder / name
     try:
         load_manifest(out, verify=True)

@@ -40,6 +40,10 @@ class SiteTensors:
     patch_size: int | None = None
     prefix: int | None = None  # None: 1 with a [CLS] token, else 0
     head: PoolingHead | None = None  # the tower's attention-pooling head, where it has one (BLOCK sites)
+    layer: int | None = None  # the block after which the site is (BLOCK sites)
+    # The original patch index of each patch token present, where an earlier call of the same pruner (a pruner with
+    # several `layers`) has pruned some: [B, N_s] int64; None: all N patches, in order.
+    patch_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.prefix is None:
@@ -80,6 +84,8 @@ class Pruner(Protocol):
     # Optional, read with getattr (default False): `attention`, a FEATURES pruner that reads the last block's Q, K;
     # `inside`, a BLOCK pruner that acts inside blocks 1..layer (token merging): the pipeline hands it those blocks
     # to run (run_blocks) instead of calling it on block L's output.
+    # Optional, read with getattr (default (layer,)): `layers`, the blocks after which a BLOCK pruner is called in
+    # turn (progressive pruning); each call gets the patch indices the previous one kept (SiteTensors.patch_ids).
 
     def run_blocks(self, blocks: list[BlockRunner], tensors: SiteTensors) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """With `inside`: run blocks 1..layer on tensors.hidden (the embeddings): (tokens, kept, trace)."""
@@ -174,14 +180,16 @@ class VisionPipeline(nn.Module):
                 h, self.has_cls, pixel_values=pixel_values, patch_size=self.patch_size, prefix=self.prefix,
                 head=tower.head))
             first = pruner.layer + 1
+        # The blocks after which a BLOCK pruner is called (Pruner.layers: several for a progressive schedule).
+        steps = tuple(getattr(pruner, "layers", None) or (pruner.layer,)) if at_block and first == 1 else ()
         for i, layer in enumerate(tower.blocks[first - 1: self.num_blocks], start=first):
-            capture = at_block and i == pruner.layer or wants_qk and i == self.num_blocks
+            capture = i in steps or wants_qk and i == self.num_blocks
             h, qk = run_block(tower.parts(layer), h, capture)
             if capture and not at_block:
                 qk_last = qk
             elif capture:
                 h, kept = self._prune(SiteTensors(h, self.has_cls, *qk, pixel_values, self.patch_size, self.prefix,
-                                                  tower.head))
+                                                  tower.head, layer=i, patch_ids=kept))
         if self.final_norm:
             h = tower.final_norm(h)
         prefix = self.prefix

@@ -27,7 +27,7 @@ import torch
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
-from vlmprune.passes.methods import merge, relevance, roi
+from vlmprune.passes.methods import coverage, merge, relevance, roi, schedule
 
 __all__ = ["BLOCK", "BY_SCORE", "FEATURES", "GREEDY", "Formulation", "FusedOp", "GraphInputs", "Method", "Needs",
            "PromptSiteTensors", "SiteSpec", "SiteTensors", "TorchResult", "finite_option", "positive_int"]
@@ -206,7 +206,8 @@ class Method(abc.ABC):
         from vlmprune.passes.methods import budget  # it builds on this module
 
         params = budget.parse(self, parse_scorer(self, roi.parse(self, merge.parse(self, params))))
-        return relevance.parse(self, params)
+        # --coverage builds on --roi's forced keep; --schedule asks what the others made of the method
+        return schedule.parse(self, coverage.parse(self, relevance.parse(self, params)))
 
     def defaults(self, keep: int) -> dict[str, Any]:
         """Default values of the method's options for this K."""
@@ -237,6 +238,7 @@ class Method(abc.ABC):
                              "which this graph does not show (no patch-embedding Conv found)")
         merge.check(params, spec)
         roi.check(params, spec)
+        coverage.check(params, spec)
         n, keep = spec.num_patches, params["keep"]
         if not 1 <= keep < n:
             raise InputError(f"--keep must satisfy 1 <= keep < {n} (the tower has {n} patch tokens), got {keep}")
@@ -349,6 +351,8 @@ GENERIC_OPTIONS: dict[str, tuple[type, str]] = {
     **merge.GENERIC,
     **relevance.GENERIC,  # --prompt-weight (passes.methods.relevance)
     **roi.GENERIC,
+    **coverage.GENERIC,  # --coverage F (passes.methods.coverage): a uniform grid forced into K
+    **schedule.GENERIC,  # --schedule (passes.methods.schedule): progressive pruning in steps across blocks
     # --budget adaptive (passes.methods.budget): K per image from the entropy of the method's score
     "budget": (str, "fixed (default) or adaptive: K per image = clamp(round((α·sigmoid(β·H) + γ)·N), --kmin, "
                     "--keep), H the entropy of the image's normalised score (score-based methods: cls)"),
