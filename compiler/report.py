@@ -502,7 +502,8 @@ class _Chart:
         if horizontal:
             for start in range(self.left, self.w - self.right, 12):
                 d.line([start, self.y(value), min(start + 6, self.w - self.right), self.y(value)], fill=(0, 0, 0))
-            d.text((self.w - self.right + 8, self.y(value) - 6), label, fill=(0, 0, 0), font=self.font)
+            if label:
+                d.text((self.w - self.right + 8, self.y(value) - 6), label, fill=(0, 0, 0), font=self.font)
         else:
             for start in range(self.top, self.h - self.bottom, 12):
                 d.line([self.x(value), start, self.x(value), min(start + 6, self.h - self.bottom)], fill=(160, 160, 160))
@@ -578,7 +579,7 @@ def speedup_picture(rows: list[dict], size=(720, 440)):
     chart.y_ticks([v for v in np.arange(np.floor((min(ys) - pad) / step) * step, max(ys) + pad + 1e-9, step)
                    if min(ys) - pad <= v <= max(ys) + pad])
     chart.x_ticks([v for v in range(1, int(x_hi) + 1)] if x_hi < 12 else [1, *range(2, int(x_hi) + 1, 2)], "{}x")
-    chart.dashed(1.0, "dense accuracy")
+    chart.dashed(1.0, "")  # dense's accuracy, and its speed: the legend names dense
     chart.dashed(1.0, "", horizontal=False)
     d = chart.draw
     markers = place_markers(pruned)
@@ -594,7 +595,7 @@ def speedup_picture(rows: list[dict], size=(720, 440)):
             d.text((px + 5, py - 12), str(r["keep"]), fill=color, font=chart.font)
         chart.legend(method + (" (baseline, hollow)" if mine[0]["baseline"] else ""), color)
     _marker(d, "diamond", chart.x(1.0), chart.y(1.0), (0, 0, 0), filled=True)
-    chart.legend("dense", (0, 0, 0), "diamond")
+    chart.legend("dense (dashed: its level)", (0, 0, 0), "diamond")
     for where, shape in markers.items():
         chart.legend(where, (90, 90, 90), shape)
     return chart.image
