@@ -351,10 +351,12 @@ def report_of(model, model_hash, dataset, samples, plans, settings, bundles, res
 
 
 def interval_text(ci) -> str:
-    return "-" if ci is None or not all(v is not None and math.isfinite(v) for v in ci) else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+    if ci is None or not all(v is not None and math.isfinite(v) for v in ci):
+        return "-"
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
-def versus_text(vs: dict | None, width: int = 0) -> str:
+def versus_text(vs: dict | None) -> str:
     """A paired difference to random keep: +0.042 [0.010, 0.074]*, the star where the interval excludes 0."""
     if vs is None:
         return "-"

@@ -506,7 +506,8 @@ class _Chart:
                 d.text((self.w - self.right + 8, self.y(value) - 6), label, fill=(0, 0, 0), font=self.font)
         else:
             for start in range(self.top, self.h - self.bottom, 12):
-                d.line([self.x(value), start, self.x(value), min(start + 6, self.h - self.bottom)], fill=(160, 160, 160))
+                d.line([self.x(value), start, self.x(value), min(start + 6, self.h - self.bottom)],
+                       fill=(160, 160, 160))
 
     def legend(self, text, color, marker=None):
         y = self.top + 14 * self.legend_rows

@@ -437,7 +437,8 @@ def run(a, log) -> int:
         sys.stdout.write(text)
     if latency:
         picture = speedup_picture(report["rows"])
-        png = a.png or ROOT / "docs" / "images" / f"quality-{a.dataset if a.dataset in DEFAULTS else data.stem}-speedup.png"
+        name = a.dataset if a.dataset in DEFAULTS else data.stem
+        png = a.png or ROOT / "docs" / "images" / f"quality-{name}-speedup.png"
         if picture is None:
             log("no picture: no pruned row has an accuracy retained (dense accuracy 0) beside its speedup")
         else:
