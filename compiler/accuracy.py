@@ -11,7 +11,10 @@ Layers: an integer L prunes after block L (the methods that prune inside the tow
 visionzip, and the baselines with --site block); `end` prunes at the tower's end (those
 methods at the feature layer; divprune and dart, which only prune there; the baselines on
 the projector output). A method that only prunes at the end is run once however many
-layers are asked for.
+layers are asked for. A progressive place, blocks joined by `/` (`--layer 2/4/6`), prunes in
+steps after each (--schedule, passes.methods.schedule; the last step keeps K, the counts
+before it geometric from N to K), labelled "progressive 2→4→6"; the baselines stand beside it
+after its last block. `-m cls:schedule=2/4/6` is the same place given as the method's option.
 
 A prompt-aware bundle (a `text_embeds` input: cdpruner, dart --text-pivots, --prompt-weight)
 gets each sample's question as its prompt, the question's non-image token rows of the
@@ -26,6 +29,12 @@ holds its image, question and answers, so each question is its own cell: an inte
 sweep computes only what is missing, and a changed model or method never reads old rows.
 The cells run in this process, or on a Ray cluster (`--ray`), each worker holding one
 loaded bundle and model.
+
+Every row is scored overall and, where the dataset's samples carry a `type`, per type, each
+with the majority-answer baseline of those samples; and against random keep at the same K and
+place, as a paired difference with its bootstrap interval (DESIGN: a difference counts only
+where that interval excludes 0). Retained is null, not NaN, where dense answers nothing right
+(nothing to retain): the report is strict JSON, and the table and page say why.
 """
 
 from __future__ import annotations
@@ -36,14 +45,18 @@ import math
 import shutil
 from pathlib import Path
 
+from vlmprune.compiler.bundle import Resumable, record_complete, summarised
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.quality import stats
 from vlmprune.compiler.quality.dataset import read_dataset
 from vlmprune.compiler.quality.store import Store
-from vlmprune.compiler.quality.sweep import Setting, run_sweep, setting_key
+from vlmprune.compiler.quality.sweep import Setting, run_sweep, setting_key, stored
 
 BASELINES = ("random", "grid")
+RANDOM = "random"  # the row every other one is compared with, at the same K and place
 END = "end"
+UNTYPED = "(no type)"  # the per-type group of a typed dataset's samples that carry none
+NO_RETAINED = "dense accuracy is 0 on these samples: nothing to retain"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +73,26 @@ class Plan:
         """The table's name: the method, and its options as given (`cls budget=adaptive`)."""
         if self.method is None:
             return "dense"
-        given = {k: v for k, v in self.method_options.items() if k != "site"}  # the baselines' site: the place column
+        # the baselines' site and a --schedule: the place column
+        given = {k: v for k, v in self.method_options.items() if k not in ("site", "schedule")}
         return " ".join([self.method, *(f"{k.replace('_', '-')}={v}" for k, v in sorted(given.items()))])
 
     @property
     def where(self) -> str:
         if self.method is None:
             return "-"
+        if self.method_options.get("schedule") is not None:
+            from vlmprune.passes.methods import schedule
+
+            return "progressive " + "→".join(str(layer) for layer in schedule.layers(self.method_options))
         return "tower end" if self.layer == END else f"after block {self.layer}"
 
 
 def parse_layers(values) -> list[int | str]:
-    """--layer values: integers >= 1 or `end`, each a value or a comma list; default: the tower's end."""
+    """--layer values: integers >= 1, `end`, or a progressive place of blocks joined by `/` (2/4/6), each a value
+    or a comma list; default: the tower's end."""
+    from vlmprune.passes.methods import schedule
+
     out: list[int | str] = []
     for value in values or ():
         for part in str(value).split(","):
@@ -80,6 +101,13 @@ def parse_layers(values) -> list[int | str]:
                 continue
             if part == END:
                 out.append(END)
+                continue
+            if "/" in part:  # a progressive place: checked as --schedule is, its form kept (`/`: no comma here)
+                steps = schedule.split(part)
+                if len(steps) < 2 or any(a[0] >= b[0] for a, b in zip(steps, steps[1:])) or steps[0][0] < 1:
+                    raise InputError(f"--layer {part!r}: a progressive place is two or more increasing blocks "
+                                     "joined by / (e.g. 2/4/6)")
+                out.append(part)
                 continue
             try:
                 layer = int(part)
@@ -94,8 +122,15 @@ def parse_layers(values) -> list[int | str]:
 def parse_method_spec(spec: str) -> tuple[str, dict]:
     """A --method value of eval --dataset: NAME, or NAME:OPTION=VALUE[:OPTION=VALUE...] (the method's compile
     options, spelled as their flags without the dashes: `cls:budget=adaptive`, `cls:merge=local:width=3`), so that
-    one sweep holds a method with and without an option. Values read as int, then float, else text."""
-    name, *parts = spec.strip().split(":")
+    one sweep holds a method with and without an option. Values read as int, then float, else text; a colon
+    inside a value is kept where what follows it is no OPTION=VALUE (`cls:schedule=2:512/4:320/6:192`)."""
+    name, *pieces = spec.strip().split(":")
+    parts: list[str] = []
+    for piece in pieces:  # a piece without `=` continues the value before it (cls:schedule=2:512/4:320/6:192)
+        if parts and "=" not in piece:
+            parts[-1] += ":" + piece
+        else:
+            parts.append(piece)
     options: dict = {}
     for part in parts:
         key, eq, value = part.partition("=")
@@ -129,18 +164,31 @@ def plans_for(methods: list[str], keeps: list[int], layers: list[int | str]) -> 
         method = get_method(name)
         for keep in keeps:
             for layer in layers:
+                progressive = isinstance(layer, str) and layer != END  # a place of blocks joined by /
                 if method.baseline:
+                    layer = last_block(layer) if progressive else layer  # beside it, after its last block
                     options = {**given, "site": "features" if layer == END else "block"}
                 elif method.needs(method.parse(keep, given)).site == FEATURES:
                     layer, options = END, dict(given)
+                elif given.get("schedule") is not None:  # the method's own schedule is its place
+                    layer, options = last_block(str(given["schedule"])), dict(given)
+                elif progressive:
+                    layer, options = last_block(layer), {**given, "schedule": layer}
                 else:
                     options = dict(given)
                 method.parse(keep, options)  # one line for a bad K or option, before any work
                 plan = Plan(name, keep, layer, options)
-                if (plan.label, keep, layer) not in seen:
-                    seen.add((plan.label, keep, layer))
+                if (plan.label, keep, layer, plan.where) not in seen:
+                    seen.add((plan.label, keep, layer, plan.where))
                     plans.append(plan)
     return plans
+
+
+def last_block(place: str) -> int:
+    """A progressive place's (or --schedule's) last block: the layer its bundle is compiled with."""
+    from vlmprune.passes.methods import schedule
+
+    return schedule.split(place)[-1][0]
 
 
 def describe(plan: Plan, model_hash: str, target: str, max_new_tokens: int, target_options: dict) -> dict:
@@ -255,52 +303,138 @@ def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[
         folder = store.path.parent / "bundles"
         settings, bundles = [], {}
         spec = str(Path(model).resolve()) if Path(model).exists() else model  # what every worker loads
-        for plan in plans:
-            description = describe(plan, source.content_hash, target, max_new_tokens, target_options)
-            key = setting_key(description)
-            bundles[key] = bundle_for(model, plan, key, target, target_options, folder, progress)
-            settings.append(Setting(key, description, functools.partial(BundleWorker, spec, str(bundles[key][0]),
-                                                                        max_new_tokens)))
+        with summarised(lambda made: made[0] if len(made) == 1 else
+                        f"{len(made)} bundles under {folder}"):
+            for plan in plans:
+                description = describe(plan, source.content_hash, target, max_new_tokens, target_options)
+                key = setting_key(description)
+                bundles[key] = bundle_for(model, plan, key, target, target_options, folder, progress)
+                settings.append(Setting(key, description, functools.partial(BundleWorker, spec, str(bundles[key][0]),
+                                                                            max_new_tokens),
+                                        plan.label + (f" K={plan.keep} ({plan.where})" if plan.method else "")))
         progress(f"{len(samples)} samples x {len(settings)} bundles ({executor.name})")
-        result = run_sweep(settings, samples, store, executor, progress=bar, on_chunk=on_chunk)
+        try:
+            result = run_sweep(settings, samples, store, executor, progress=bar, on_chunk=on_chunk, log=progress)
+        except KeyboardInterrupt:
+            held = stored(settings, samples, store)
+            if held:
+                record_complete(Resumable(f"{held} of {len(settings) * len(samples)} cells are stored in "
+                                          f"{store.path}: a rerun resumes from them"))
+            raise
     finally:
         store.close()
-    dense_key = settings[0].key
-    dense = [result.cells[dense_key][s.digest]["correct"] for s in samples]
+    return report_of(model, source.content_hash, dataset, samples, plans, settings, bundles, result, target,
+                     max_new_tokens, executor.name, store.path)
+
+
+def random_partners(plans: list[Plan]) -> dict[int, int]:
+    """Plan index -> the index of the plain random-keep plan at its K and place (none for dense and that plan)."""
+    at = {(p.keep, p.layer): i for i, p in enumerate(plans) if p.method == RANDOM and p.label == RANDOM}
+    return {i: at[(p.keep, p.layer)] for i, p in enumerate(plans)
+            if p.method is not None and (p.keep, p.layer) in at and at[(p.keep, p.layer)] != i}
+
+
+def scores(correct: list[bool], dense: list[bool], random: list[bool] | None) -> dict:
+    """One row's figures over some samples: accuracy, retained (None where dense has no hit), and the paired
+    difference to random keep (None without a random row to pair with), each with its 95 % interval."""
+    acc, lo, hi = stats.accuracy_interval(correct)
+    ret, rlo, rhi = stats.retained_interval(correct, dense)
+    out = {"samples": len(correct), "accuracy": acc, "accuracy_ci": [lo, hi],
+           "retained": None if math.isnan(ret) else ret,
+           "retained_ci": None if math.isnan(ret) else [rlo, rhi], "vs_random": None}
+    if random is not None:
+        d, dlo, dhi = stats.difference_interval(correct, random)
+        out["vs_random"] = {"difference": d, "ci": [dlo, dhi], "counts": bool(dlo > 0 or dhi < 0)}
+    return out
+
+
+def report_of(model, model_hash, dataset, samples, plans, settings, bundles, result, target, max_new_tokens,
+              executor_name, store_path) -> dict:
+    """The report: per row its answers and scores, overall and per question type."""
+    typed = any(s.type is not None for s in samples)
+    groups: dict[str, list[int]] = {}
+    if typed:
+        for i, s in enumerate(samples):
+            groups.setdefault(s.type or UNTYPED, []).append(i)
+        groups = dict(sorted(groups.items()))
+    correct_of = [[result.cells[st.key][s.digest]["correct"] for s in samples] for st in settings]
+    partners = random_partners(plans)
+    dense = correct_of[0]
     rows = []
-    for plan, setting in zip(plans, settings):
+    for i, (plan, setting) in enumerate(zip(plans, settings)):
         cells = result.cells[setting.key]
-        correct = [cells[s.digest]["correct"] for s in samples]
-        acc, lo, hi = stats.accuracy_interval(correct)
-        ret, rlo, rhi = stats.retained_interval(correct, dense)
+        random = correct_of[partners[i]] if i in partners else None
+        pick = lambda values, idx: None if values is None else [values[j] for j in idx]  # noqa: E731
         rows.append({"method": plan.label, "name": plan.method, "options": plan.method_options, "keep": plan.keep,
-                     "layer": plan.layer, "where": plan.where,
-                     "baseline": plan.method in BASELINES, "accuracy": acc, "accuracy_ci": [lo, hi],
-                     "retained": ret, "retained_ci": [rlo, rhi], "bundle": str(bundles[setting.key][0]),
-                     "parity_passed": bundles[setting.key][1], "key": setting.key,
-                     "answers": {s.digest: cells[s.digest] for s in samples}})
-    answers = [s.answers[0] for s in samples]
-    majority = max(set(answers), key=answers.count)
-    return {"model": model, "model_sha256": source.content_hash, "dataset": str(dataset), "samples": len(samples),
+                     "layer": plan.layer, "where": plan.where, "baseline": plan.method in BASELINES,
+                     **scores(correct_of[i], dense, random),
+                     "by_type": {t: scores(pick(correct_of[i], idx), pick(dense, idx), pick(random, idx))
+                                 for t, idx in groups.items()},
+                     "bundle": str(bundles[setting.key][0]), "parity_passed": bundles[setting.key][1],
+                     "key": setting.key, "answers": {s.digest: cells[s.digest] for s in samples}})
+    majority, majority_accuracy = stats.majority(s.answers for s in samples)
+    types = {}
+    for t, idx in groups.items():
+        answer, acc = stats.majority(samples[j].answers for j in idx)
+        types[t] = {"samples": len(idx), "majority_answer": answer, "majority_accuracy": acc}
+    return {"model": model, "model_sha256": model_hash, "dataset": str(dataset), "samples": len(samples),
             "sample_digests": [s.digest for s in samples], "images": [s.image for s in samples],
-            "target": target, "max_new_tokens": max_new_tokens, "executor": executor.name,
-            "store": str(store.path), "computed": result.computed, "reused": result.reused,
+            "sample_types": [s.type for s in samples] if typed else None,
+            "target": target, "max_new_tokens": max_new_tokens, "executor": executor_name,
+            "store": str(store_path), "computed": result.computed, "reused": result.reused,
             "dense_image_tokens": rows[0]["answers"][samples[0].digest]["extra"].get("image_tokens"),
-            "majority_answer": majority, "majority_accuracy": answers.count(majority) / len(answers),
+            "majority_answer": majority, "majority_accuracy": majority_accuracy, "types": types,
+            "retained_null": NO_RETAINED if any(r["retained"] is None for r in rows) else None,
             "rows": rows}
 
 
+def interval_text(ci) -> str:
+    if ci is None or not all(v is not None and math.isfinite(v) for v in ci):
+        return "-"
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def versus_text(vs: dict | None) -> str:
+    """A paired difference to random keep: +0.042 [0.010, 0.074]*, the star where the interval excludes 0."""
+    if vs is None:
+        return "-"
+    return f"{vs['difference']:+.3f} {interval_text(vs['ci'])}{'*' if vs['counts'] else ' '}"
+
+
 def table(report: dict) -> list[str]:
-    """The accuracy table, one line per bundle."""
-    lines = [f"{'method':<10} {'K':>4} {'where':<14} {'accuracy':>8} {'95% CI':>15} {'retained':>8} {'95% CI':>15}"]
+    """The accuracy table, one line per bundle; then, for a typed dataset, accuracy per question type."""
+    lines = [f"{'method':<10} {'K':>4} {'where':<14} {'accuracy':>8} {'95% CI':>15} {'retained':>8} {'95% CI':>15} "
+             f"{'vs random (95% CI)':>26}"]
     for r in report["rows"]:
         keep = "" if r["keep"] is None else str(r["keep"])
-        ci = lambda v: f"[{v[0]:.3f}, {v[1]:.3f}]" if all(math.isfinite(x) for x in v) else "-"  # noqa: E731
-        lines.append(f"{r['method']:<10} {keep:>4} {r['where']:<14} {r['accuracy']:>8.3f} {ci(r['accuracy_ci']):>15} "
-                     f"{r['retained']:>8.3f} {ci(r['retained_ci']):>15}" + ("" if r["parity_passed"] else
-                                                                             "  (bundle parity FAILED)"))
+        retained = "-" if r["retained"] is None else f"{r['retained']:.3f}"
+        lines.append(f"{r['method']:<10} {keep:>4} {r['where']:<14} {r['accuracy']:>8.3f} "
+                     f"{interval_text(r['accuracy_ci']):>15} {retained:>8} {interval_text(r['retained_ci']):>15} "
+                     f"{versus_text(r['vs_random']):>26}" + ("" if r["parity_passed"] else "  (bundle parity FAILED)"))
     lines.append(f"({report['samples']} samples, exact match of {report['max_new_tokens']} greedy tokens at most; "
                  f"majority answer {report['majority_answer']!r}: {report['majority_accuracy']:.3f}; "
                  f"{report['target']} bundles; {report['computed']} cells computed, {report['reused']} reused "
                  f"from {report['store']})")
+    lines.append("(vs random: accuracy minus random keep's at the same K and place, paired 95% interval; "
+                 "* where it excludes 0)")
+    if report.get("retained_null"):
+        lines.append(f"(retained -: {report['retained_null']})")
+    types = report.get("types") or {}
+    if types:
+        names = list(types)
+        width = max(9, *(len(t) for t in names))
+        lines += ["", "accuracy per question type:",
+                  f"{'method':<10} {'K':>4} {'where':<14} " + " ".join(f"{t:>{width}}" for t in names)]
+        lines.append(f"{'samples':<30} " + " ".join(f"{types[t]['samples']:>{width}}" for t in names))
+        lines.append(f"{'majority answer':<30} " + " ".join(f"{types[t]['majority_accuracy']:>{width}.3f}"
+                                                          for t in names))
+        for r in report["rows"]:
+            keep = "" if r["keep"] is None else str(r["keep"])
+            cells = []
+            for t in names:
+                vs = r["by_type"][t]["vs_random"]
+                cells.append(f"{r['by_type'][t]['accuracy']:.3f}" + ("*" if vs and vs["counts"] else ""))
+            lines.append(f"{r['method']:<10} {keep:>4} {r['where']:<14} " + " ".join(f"{c:>{width}}" for c in cells))
+        lines.append("(* where the paired difference to random keep at the same K and place excludes 0; "
+                     "every interval is in the JSON report)")
     return lines

@@ -158,6 +158,11 @@ class CompileResult(pipeline.CompileResult):
             where = (f"at the tower's end, after block {method.layer}/{method.num_blocks}"
                      if method.layer == method.num_blocks else
                      f"after block {method.layer}/{method.num_blocks}; " + _later(method))
+            steps = method.steps
+            if steps:  # --schedule: every step
+                where = ("progressive, " + ", ".join(f"{s['keep']} after block {s['layer']}" for s in steps)
+                         + f" of {method.num_blocks}" + ("" if method.layer == method.num_blocks else
+                                                         "; " + _later(method)))
             out.append(f"tokens: {_tokens_in(method, 'patch tokens')} -> {method.summary.split(' (')[0]} ({where})")
         else:
             out.append(f"tokens: {_tokens_in(method, 'tokens')} -> {method.summary.split(' (')[0]} "
@@ -789,8 +794,12 @@ def _generic_options(method, params: dict) -> dict[str, str]:
         taken["scorer"] = GENERIC_OPTIONS["scorer"][1]
     if getattr(method, "prompt_weight", False):  # passes.methods.relevance
         taken["prompt_weight"] = GENERIC_OPTIONS["prompt_weight"][1]
-    if getattr(method, "roi_keep", False):  # passes.methods.roi
-        taken.update({name: GENERIC_OPTIONS[name][1] for name in ("roi", "roi_max")})
+    if getattr(method, "roi_keep", False):  # passes.methods.roi, and --coverage built on it
+        taken.update({name: GENERIC_OPTIONS[name][1] for name in ("roi", "roi_max", "coverage")})
+    from vlmprune.passes.methods import schedule
+
+    if schedule.refusal(method, params) is None:  # --schedule: a score-based method at a block site
+        taken["schedule"] = GENERIC_OPTIONS["schedule"][1]
     return taken
 
 

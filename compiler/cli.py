@@ -457,7 +457,8 @@ def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
                    "random keep and a uniform grid compiled once and run as bundles.")
 @click.option("--limit", type=int, default=None, help="--dataset: the first N samples.")
 @click.option("--layer", "-l", "layers", multiple=True,
-              help="--dataset: prune after block L (from 1) or at the tower's `end` (default); repeat or comma list.")
+              help="--dataset: prune after block L (from 1), at the tower's `end` (default), or in steps after "
+                   "blocks joined by / (2/4/6: progressive, --schedule); repeat or comma list.")
 @click.option("--target", "-t", default=None,
               help="--dataset: the target the bundles are compiled for and run by, with its runner here "
                    "(default: the host runtime, ONNX Runtime).")

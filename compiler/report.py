@@ -471,79 +471,229 @@ CURVE_COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (1
                 (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
 
 
+class _Chart:
+    """A plot area in a PIL image for the eval pictures: a frame, ticks, axis names, a title, and a legend column
+    on the right; x and y map data to pixels (either axis linear or log2)."""
+
+    def __init__(self, size, x_range, y_range, title, x_name, y_name="", x_log=False):
+        from PIL import Image, ImageDraw, ImageFont
+
+        self.font = ImageFont.load_default()
+        self.w, self.h = size
+        self.left, self.right, self.top, self.bottom = 56, 150, 28, 44
+        self.image = Image.new("RGB", size, "white")
+        self.draw = ImageDraw.Draw(self.image)
+        self.x_log = x_log
+        f = np.log2 if x_log else (lambda v: v)
+        self._x0, self._x1 = float(f(x_range[0])), float(f(x_range[1]))
+        self._y0, self._y1 = y_range
+        self._f = f
+        d = self.draw
+        d.rectangle([self.left, self.top, self.w - self.right, self.h - self.bottom], outline=(0, 0, 0))
+        d.text((self.left, 8), title, fill=(0, 0, 0), font=self.font)
+        d.text(((self.w - self.right + self.left) / 2 - 40, self.h - 16), x_name, fill=(0, 0, 0), font=self.font)
+        if y_name:
+            d.text((4, self.top - 22), y_name, fill=(0, 0, 0), font=self.font)
+        self.legend_rows = 0
+
+    def x(self, v):
+        span = self._x1 - self._x0
+        return self.left + (0.5 if span == 0 else (self._f(v) - self._x0) / span) * (self.w - self.left - self.right)
+
+    def y(self, v):
+        span = self._y1 - self._y0
+        return self.top + (0.5 if span == 0 else 1 - (v - self._y0) / span) * (self.h - self.top - self.bottom)
+
+    def y_ticks(self, values, fmt="{:.2f}"):
+        for v in values:
+            self.draw.line([self.left - 4, self.y(v), self.left, self.y(v)], fill=(0, 0, 0))
+            self.draw.text((self.left - 34, self.y(v) - 6), fmt.format(v), fill=(0, 0, 0), font=self.font)
+
+    def x_ticks(self, values, fmt="{}"):
+        for v in values:
+            self.draw.line([self.x(v), self.h - self.bottom, self.x(v), self.h - self.bottom + 4], fill=(0, 0, 0))
+            self.draw.text((self.x(v) - 8, self.h - self.bottom + 8), fmt.format(v), fill=(0, 0, 0), font=self.font)
+
+    def dashed(self, value, label, horizontal=True):
+        d = self.draw
+        if horizontal:
+            for start in range(self.left, self.w - self.right, 12):
+                d.line([start, self.y(value), min(start + 6, self.w - self.right), self.y(value)], fill=(0, 0, 0))
+            if label:
+                d.text((self.w - self.right + 8, self.y(value) - 6), label, fill=(0, 0, 0), font=self.font)
+        else:
+            for start in range(self.top, self.h - self.bottom, 12):
+                d.line([self.x(value), start, self.x(value), min(start + 6, self.h - self.bottom)],
+                       fill=(160, 160, 160))
+
+    def legend(self, text, color, marker=None):
+        y = self.top + 14 * self.legend_rows
+        self.legend_rows += 1
+        if marker is not None:
+            _marker(self.draw, marker, self.w - self.right + 12, y + 6, color, filled=True)
+        self.draw.text((self.w - self.right + (22 if marker else 8), y), text, fill=color, font=self.font)
+
+
+def _marker(d, shape: str, px: float, py: float, color, filled: bool, r: int = 3) -> None:
+    """A point: square, circle, triangle or diamond; hollow for the baselines."""
+    fill = color if filled else "white"
+    if shape == "circle":
+        d.ellipse([px - r, py - r, px + r, py + r], fill=fill, outline=color)
+    elif shape == "triangle":
+        d.polygon([(px, py - r - 1), (px - r - 1, py + r), (px + r + 1, py + r)], fill=fill, outline=color)
+    elif shape == "diamond":
+        d.polygon([(px, py - r - 2), (px + r + 2, py), (px, py + r + 2), (px - r - 2, py)], fill=fill, outline=color)
+    else:
+        d.rectangle([px - r, py - r, px + r, py + r], fill=fill, outline=color)
+
+
 def accuracy_curves(rows: list[dict], dense: dict, where: str, size=(640, 400)):
     """Accuracy against K for each method at one pruning place, with 95 % intervals as bars and dense as a dashed
     line: a PIL image (K on a log2 axis; the baselines drawn thinner)."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    font = ImageFont.load_default()
-    w, h = size
-    left, right, top, bottom = 56, 130, 28, 44
-    image = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(image)
     keeps = sorted({r["keep"] for r in rows})
-    lo_k, hi_k = np.log2(keeps[0]), np.log2(keeps[-1])
-    x = lambda k: left + (0.5 if hi_k == lo_k else (np.log2(k) - lo_k) / (hi_k - lo_k)) * (w - left - right)  # noqa
-    y = lambda a: top + (1 - a) * (h - top - bottom)  # noqa: E731
-    d.rectangle([left, top, w - right, h - bottom], outline=(0, 0, 0))
-    for a in (0, 0.25, 0.5, 0.75, 1.0):
-        d.line([left - 4, y(a), left, y(a)], fill=(0, 0, 0))
-        d.text((left - 34, y(a) - 6), f"{a:.2f}", fill=(0, 0, 0), font=font)
-    for k in keeps:
-        d.line([x(k), h - bottom, x(k), h - bottom + 4], fill=(0, 0, 0))
-        d.text((x(k) - 8, h - bottom + 8), str(k), fill=(0, 0, 0), font=font)
-    d.text((left, 8), f"accuracy vs K, pruned {where}", fill=(0, 0, 0), font=font)
-    d.text(((w - right + left) / 2 - 40, h - 16), "K (kept patches)", fill=(0, 0, 0), font=font)
-    for start in range(left, w - right, 12):  # dense, dashed
-        d.line([start, y(dense["accuracy"]), min(start + 6, w - right), y(dense["accuracy"])], fill=(0, 0, 0))
-    d.text((w - right + 8, y(dense["accuracy"]) - 6), "dense", fill=(0, 0, 0), font=font)
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    for i, method in enumerate(methods):
+    chart = _Chart(size, (keeps[0], keeps[-1]), (0.0, 1.0), f"accuracy vs K, pruned {where}", "K (kept patches)",
+                   x_log=True)
+    chart.y_ticks((0, 0.25, 0.5, 0.75, 1.0))
+    chart.x_ticks(keeps)
+    chart.dashed(dense["accuracy"], "dense")
+    d = chart.draw
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
         color = CURVE_COLORS[i % len(CURVE_COLORS)]
         mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["keep"])
-        points = [(x(r["keep"]), y(r["accuracy"])) for r in mine]
-        width = 1 if mine[0]["baseline"] else 2
+        points = [(chart.x(r["keep"]), chart.y(r["accuracy"])) for r in mine]
         if len(points) > 1:
-            d.line(points, fill=color, width=width)
+            d.line(points, fill=color, width=1 if mine[0]["baseline"] else 2)
         for r, (px, py) in zip(mine, points):
             lo, hi = r["accuracy_ci"]
-            d.line([px, y(lo), px, y(hi)], fill=color)
+            d.line([px, chart.y(lo), px, chart.y(hi)], fill=color)
             d.rectangle([px - 2, py - 2, px + 2, py + 2], fill=color)
-        d.text((w - right + 8, top + 14 * i), method + (" (baseline)" if mine[0]["baseline"] else ""), fill=color,
-               font=font)
-    return image
+        chart.legend(method + (" (baseline)" if mine[0]["baseline"] else ""), color)
+    return chart.image
+
+
+def place_markers(rows: list[dict]) -> dict[str, str]:
+    """A marker shape per pruning place, in order of appearance: square, circle, triangle, then squares again."""
+    shapes = ("square", "circle", "triangle")
+    return {w: shapes[i] if i < len(shapes) else "square"
+            for i, w in enumerate(dict.fromkeys(r["where"] for r in rows if r["keep"] is not None))}
+
+
+def speedup_picture(rows: list[dict], size=(720, 440)):
+    """Accuracy retained against the tower's speedup over dense: a point per (method, K, place) with its 95 %
+    interval as a bar, a colour per method, a marker shape per place, the baselines hollow, dense a black diamond
+    at (1, 1); K written beside each point. rows: the report's rows with `tower_speedup` (eval_quality's latency);
+    a row without a speedup or a retained figure is left out. None when no row has both."""
+    pruned = [r for r in rows if r["keep"] is not None and r.get("tower_speedup") and r.get("retained") is not None]
+    if not pruned:
+        return None
+    xs = [r["tower_speedup"] for r in pruned] + [1.0]
+    ys = [v for r in pruned for v in (r["retained_ci"] or [r["retained"]] * 2)] + [1.0]
+    pad = 0.05 * max(max(ys) - min(ys), 0.05)
+    x_hi = max(xs) * 1.05
+    chart = _Chart(size, (min(1.0, min(xs)) * 0.95, x_hi), (min(ys) - pad, max(ys) + pad),
+                   "accuracy retained vs tower speedup (ONNX Runtime, this machine)", "tower speedup over dense (x)",
+                   "retained")
+    step = 0.05 if max(ys) - min(ys) <= 0.3 else 0.1
+    chart.y_ticks([v for v in np.arange(np.floor((min(ys) - pad) / step) * step, max(ys) + pad + 1e-9, step)
+                   if min(ys) - pad <= v <= max(ys) + pad])
+    chart.x_ticks([v for v in range(1, int(x_hi) + 1)] if x_hi < 12 else [1, *range(2, int(x_hi) + 1, 2)], "{}x")
+    chart.dashed(1.0, "")  # dense's accuracy, and its speed: the legend names dense
+    chart.dashed(1.0, "", horizontal=False)
+    d = chart.draw
+    markers = place_markers(pruned)
+    methods = list(dict.fromkeys(r["method"] for r in pruned))
+    for i, method in enumerate(methods):
+        color = CURVE_COLORS[i % len(CURVE_COLORS)]
+        mine = [r for r in pruned if r["method"] == method]
+        for r in mine:
+            px, py = chart.x(r["tower_speedup"]), chart.y(r["retained"])
+            if r["retained_ci"] is not None:
+                d.line([px, chart.y(r["retained_ci"][0]), px, chart.y(r["retained_ci"][1])], fill=color)
+            _marker(d, markers[r["where"]], px, py, color, filled=not r["baseline"])
+            d.text((px + 5, py - 12), str(r["keep"]), fill=color, font=chart.font)
+        chart.legend(method + (" (baseline, hollow)" if mine[0]["baseline"] else ""), color)
+    _marker(d, "diamond", chart.x(1.0), chart.y(1.0), (0, 0, 0), filled=True)
+    chart.legend("dense (dashed: its level)", (0, 0, 0), "diamond")
+    for where, shape in markers.items():
+        chart.legend(where, (90, 90, 90), shape)
+    return chart.image
+
+
+def _ci(v) -> str:
+    return "—" if v is None or not all(x is not None and np.isfinite(x) for x in v) else f"[{v[0]:.3f}, {v[1]:.3f}]"
+
+
+def _versus(vs) -> str:
+    return "—" if vs is None else f"{vs['difference']:+.3f} {_ci(vs['ci'])}" + (" *" if vs["counts"] else "")
 
 
 def quality_html(data: dict) -> str:
-    """`vlmprune eval --dataset D --report q.html`: the accuracy table, accuracy-vs-K curves per pruning place, and
-    every sample's answers, as one self-contained page (data: accuracy.evaluate_dataset's report)."""
+    """`vlmprune eval --dataset D --report q.html`: the accuracy table (overall, then per question type where the
+    dataset has types), accuracy-vs-K curves per pruning place, accuracy retained against tower speedup where the
+    rows carry latency (tools/eval_quality.py), and every sample's answers, as one self-contained page
+    (data: accuracy.evaluate_dataset's report)."""
     e = html.escape
     rows = data["rows"]
     dense = rows[0]
+    types = data.get("types") or {}
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            f"<title>vlmprune eval: {e(str(data['model']))}</title>", f"<style>{_STYLE}</style></head><body>",
            f"<h1>vlmprune eval --dataset: {e(str(data['model']))}</h1>", "<dl>",
-           f"<dt>dataset</dt><dd>{e(data['dataset'])}: {data['samples']} samples</dd>",
+           f"<dt>dataset</dt><dd>{e(data['dataset'])}: {data['samples']} samples"
+           + (f", {len(types)} question types" if types else "") + "</dd>",
            f"<dt>answers</dt><dd>exact match of at most {data['max_new_tokens']} greedy tokens; majority answer "
            f"{e(data['majority_answer'])!s}: {data['majority_accuracy']:.3f}</dd>",
            f"<dt>bundles</dt><dd>{len(rows)}, compiled for {e(data['target'])} and run by its runner here "
            f"({e(data['executor'])})</dd>",
-           f"<dt>store</dt><dd>{e(data['store'])}: {data['computed']} cells computed, {data['reused']} reused</dd>",
-           "</dl>", "<h2>Accuracy</h2>"]
-    fmt_ci = lambda v: "—" if not all(np.isfinite(v)) else f"[{v[0]:.3f}, {v[1]:.3f}]"  # noqa: E731
-    table_rows = [[r["method"], "" if r["keep"] is None else r["keep"], r["where"], f"{r['accuracy']:.3f}",
-                   fmt_ci(r["accuracy_ci"]), f"{r['retained']:.3f}", fmt_ci(r["retained_ci"]),
-                   "pass" if r["parity_passed"] else "FAIL"] for r in rows]
-    out.append(_html_table(("method", "K", "where", "accuracy", "95% CI", "retained", "95% CI", "bundle parity"),
-                           table_rows))
+           f"<dt>store</dt><dd>{e(data['store'])}: {data['computed']} cells computed, {data['reused']} reused</dd>"]
+    if data.get("latency"):
+        out.append(f"<dt>latency</dt><dd>{e(data['latency']['summary'])}</dd>")
+    out += ["</dl>", "<h2>Accuracy</h2>"]
+    latency = any(r.get("tower_ms") is not None for r in rows)
+    columns = ["method", "K", "where", "accuracy", "95% CI", "retained", "95% CI", "vs random (95% CI)"]
+    if latency:
+        columns += ["tower ms", "speedup"]
+    table_rows = []
+    for r in rows:
+        row = [r["method"], "" if r["keep"] is None else r["keep"], r["where"], f"{r['accuracy']:.3f}",
+               _ci(r["accuracy_ci"]), "—" if r["retained"] is None else f"{r['retained']:.3f}", _ci(r["retained_ci"]),
+               _versus(r.get("vs_random"))]
+        if latency:
+            row += ["—" if r.get("tower_ms") is None else f"{r['tower_ms']:.1f}",
+                    "—" if r.get("tower_speedup") is None else f"{r['tower_speedup']:.2f}x"]
+        table_rows.append(row + ["pass" if r["parity_passed"] else "FAIL"])
+    out.append(_html_table((*columns, "bundle parity"), table_rows))
+    out.append('<p class="key">vs random: accuracy minus random keep\'s at the same K and place, with the paired 95 % '
+               "bootstrap interval; * where the interval excludes 0 (only there does the difference count).</p>")
+    if data.get("retained_null"):
+        out.append(f'<p class="info">Retained — : {e(data["retained_null"])}.</p>')
+    if types:
+        out.append("<h2>Accuracy per question type</h2>")
+        names = list(types)
+        head = ("method", "K", "where", *names)
+        body = [["samples", "", "", *(types[t]["samples"] for t in names)],
+                ["majority answer", "", "", *(f"{types[t]['majority_accuracy']:.3f} ({types[t]['majority_answer']})"
+                                              for t in names)]]
+        for r in rows:
+            body.append([r["method"], "" if r["keep"] is None else r["keep"], r["where"],
+                         *(f"{r['by_type'][t]['accuracy']:.3f} {_ci(r['by_type'][t]['accuracy_ci'])}"
+                           + (f"; vs random {_versus(r['by_type'][t]['vs_random'])}"
+                              if r["by_type"][t]["vs_random"] else "") for t in names)])
+        out.append(_html_table(head, body))
+    picture = speedup_picture(rows)
+    if picture is not None:
+        out.append('<h2>Accuracy retained vs tower speedup</h2><img alt="accuracy retained vs tower speedup" '
+                   f'src="{_data_uri(picture)}">')
     pruned = [r for r in rows if r["keep"] is not None]
     for where in dict.fromkeys(r["where"] for r in pruned):
         picture = accuracy_curves([r for r in pruned if r["where"] == where], dense, where)
         out.append(f'<h2>Pruned {e(where)}</h2><img alt="accuracy vs K, pruned {e(where)}" '
                    f'src="{_data_uri(picture)}">')
     out.append("<h2>Samples</h2>")
-    columns = ("method", "K", "where", "sample", "answer", "correct")
-    out.append(_html_table(columns, [[r["method"], r["keep"], r["where"], digest[:12], cell["answer"],
+    sample_types = dict(zip(data["sample_digests"], data.get("sample_types") or []))
+    columns = ("method", "K", "where", "sample", *(("type",) if types else ()), "answer", "correct")
+    out.append(_html_table(columns, [[r["method"], r["keep"], r["where"], digest[:12],
+                                      *((sample_types.get(digest) or "",) if types else ()), cell["answer"],
                                       cell["correct"]] for r in rows for digest, cell in r["answers"].items()]))
     out.append("</body></html>")
     return "\n".join(out) + "\n"

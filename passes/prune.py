@@ -31,7 +31,7 @@ from vlmprune.compiler.contract import KEPT as KEPT_INDICES  # the bundle's name
 from vlmprune.compiler.contract import NUM_TOKENS, PRUNE_META, TEXT, TOKENS_META
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.graph.dataflow import consumers_downstream, opset
-from vlmprune.passes.methods import roi
+from vlmprune.passes.methods import coverage, roi
 from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, SiteSpec
 from vlmprune.passes.methods.builder import Builder
 from vlmprune.passes.graph.structure import TowerStructure, find_tower_structure, static_dim
@@ -41,6 +41,11 @@ def prune_record(model: ir.Model) -> dict | None:
     """What InsertPruningPass recorded in the model, or None for a graph it has not pruned."""
     text = model.metadata_props.get(PRUNE_META)
     return None if text is None else json.loads(text)
+
+
+def summary(method: Method, params: dict) -> str:
+    """The record's one line: the method's own, and what --coverage adds to any method that takes it."""
+    return method.describe(params) + coverage.describe(params)
 
 
 def _token_output(graph: ir.Graph) -> ir.Value:
@@ -92,9 +97,12 @@ class InsertPruningPass(ir.passes.InPlacePass):
         if record["site"] != BLOCK:
             tokens.append(_token_output(model.graph))
         for value in tokens:
-            if static_dim(value, 1) != record["tokens_out"]:
+            # A method acting inside earlier blocks (token merging) marks its intermediate counts there too.
+            meta = value.metadata_props.get(TOKENS_META)
+            want = int(meta.split(",")[1]) if meta is not None else record["tokens_out"]
+            if static_dim(value, 1) != want:
                 raise ir.passes.PostconditionError(f"{value.name} holds {static_dim(value, 1)} tokens, the record "
-                                                   f"{record['tokens_out']}")
+                                                   f"{want}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if prune_record(model) is not None:  # the same pruning, already in place
@@ -113,6 +121,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
                                 pixel.shape[0] if pixel is not None and pixel.shape is not None else None)
         if forced is not None:
             inputs.forced = forced[0]
+        inputs.forced = coverage.emit_forced(b, self.params, spec.num_patches, inputs.forced)  # --coverage: the grid
         consumers = list(hidden.uses())
         tokens, kept, *count = self.method.emit(b, self.params, inputs, self.formulation)  # count: variable K
         anchor = hidden.producer()
@@ -121,6 +130,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
         graph.insert_after(anchor, b.nodes)
         for use in consumers:
             use.node.replace_input_with(use.idx, tokens)
+        rerouted = _apply_placements(graph, b)
         if hidden.is_graph_output():  # the output keeps its name: consumers go by it
             name = hidden.name
             hidden.name = f"{name}.dense"
@@ -145,14 +155,16 @@ class InsertPruningPass(ir.passes.InPlacePass):
         if block is None:
             ShapeInferencePass()(model)
         else:  # shapes downstream are stale until RetargetTokenCountPass rewrites the baked token counts
-            for node in consumers_downstream(tokens):
-                for out in node.outputs:
-                    out.shape = None
+            own = set(b.all_nodes())
+            for node in consumers_downstream(tokens, *rerouted):
+                if node not in own:  # the method set the shapes of its own token values
+                    for out in node.outputs:
+                        out.shape = None
         record = {**self._wanted(), "site": self.method.needs(self.params).site, "layer": spec.layer,
                   "num_blocks": spec.num_blocks, "tokens_in": tokens_in, "tokens_out": tokens_out,
                   "num_patches": spec.num_patches, "has_cls": spec.has_cls, "prefix": spec.prefix,
                   "kept": KEPT_INDICES,
-                  "kept_count": self.params["keep"], "summary": self.method.describe(self.params)}
+                  "kept_count": self.params["keep"], "summary": summary(self.method, self.params)}
         if text is not None:  # the graph input the prompt-aware method added (compiler.prompt feeds it)
             record["text"] = {"name": TEXT, "dim": text}
         if forced is not None:  # the ROI inputs (compiler.roi feeds them)
@@ -197,6 +209,19 @@ class InsertPruningPass(ir.passes.InPlacePass):
         spec = SiteSpec(num_patches, has_cls, layer, n_blocks, has_pixels, prefix, self.head is not None,
                         tower_cls=tower_cls)
         return hidden, spec, block
+
+
+def _apply_placements(graph: ir.Graph, b: Builder) -> list[ir.Value]:
+    """Place the nodes a method put inside the graph upstream of its site (Builder.after) and apply its reroutes
+    (Builder.reroute); returns the values rerouted to."""
+    for anchor, nodes in b.placements:
+        graph.insert_after(anchor, nodes)
+    own = set(b.all_nodes())
+    for old, new in b.reroutes:
+        for use in list(old.uses()):
+            if use.node not in own:
+                use.node.replace_input_with(use.idx, new)
+    return [new for _, new in b.reroutes]
 
 
 def _prompt_inputs(graph: ir.Graph, method: Method, params: dict, inputs: GraphInputs,

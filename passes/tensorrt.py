@@ -485,9 +485,15 @@ class SortIndicesAsFloatPass(ir.passes.InPlacePass):
 def _index_bound(value: ir.Value) -> int | None:
     """An exclusive upper bound of value's entries, where the graph proves one below 2^24, else None.
 
-    Indices come out of TopK (over a static axis) or ArgMax, and reach the sort through
-    Concat, Gather, Slice and shape-only ops; the bound is the largest of what feeds them.
+    Indices come out of TopK (over a static axis) or ArgMax, or are constant positions (token
+    merging's, broadcast by Expand), and reach the sort through Concat, Gather, Slice and
+    shape-only ops; the bound is the largest of what feeds them.
     """
+    constant = ir.convenience.get_const_tensor(value)
+    if constant is not None:
+        entries = constant.numpy()
+        bound = int(entries.max()) + 1 if entries.size and entries.min() >= 0 else None
+        return bound if bound is not None and bound < SortIndicesAsFloatPass.EXACT else None
     producer = value.producer()
     if producer is None:
         return None
@@ -504,7 +510,8 @@ def _index_bound(value: ir.Value) -> int | None:
     if op == "Concat":
         bounds = [_index_bound(v) for v in producer.inputs]
         return None if any(b is None for b in bounds) else max(bounds)
-    if op in ("Gather", "GatherElements", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Transpose", "Identity"):
+    if op in ("Gather", "GatherElements", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Transpose", "Identity",
+              "Expand"):
         return _index_bound(producer.inputs[0])
     return None
 

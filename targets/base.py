@@ -26,7 +26,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
 from vlmprune.passes.outputs import BatchDimNamePass, ZeroPaddingPass
-from vlmprune.passes.prune import InsertPruningPass
+from vlmprune.passes.progressive import insertion_pass
 from vlmprune.passes.retarget import RetargetTokenCountPass
 from vlmprune.passes.support import SupportCheckPass, TargetPipeline
 
@@ -80,6 +80,9 @@ class Target(abc.ABC):
     # Why this target takes no ROI input (--roi: roi_mask, or roi_boxes + roi_count; static shapes), or "" where it
     # does: Target.refusal refuses --roi with it.
     no_roi_input: ClassVar[str] = ""
+    # Why the graph runs below float32 here (fp16 or quantised), "" where it runs float32: a method that declares
+    # float32_only is refused with both reasons.
+    reduced_precision: ClassVar[str] = ""
     options: ClassVar[dict[str, str]] = {}  # target options (--precision, --soc) -> help
     # --with-llm: the LLM exporter ids (compiler.llm.export.EXPORTERS) this target takes, the first its default;
     # named as strings, since targets sit below the LLM side. None taken: why, in the refusal's words.
@@ -144,6 +147,8 @@ class Target(abc.ABC):
         None."""
         if self.no_prompt_input and method.needs(params if params is not None else method.parse(64, {})).text:
             return f"it reads the prompt (the text_embeds input), and {self.no_prompt_input}"
+        if self.reduced_precision and method.float32_only:
+            return f"{method.float32_only}, and {self.reduced_precision}"
         if self.no_roi_input and (params or {}).get("roi"):
             return f"--roi adds the ROI inputs beside the pixels, and {self.no_roi_input}"
         return None
@@ -156,8 +161,9 @@ class Target(abc.ABC):
         """Dense export -> this target's decomposed graph (model.decomposed.onnx), in order."""
         passes: list[ir.passes.PassBase] = []
         if config is not None:
-            passes.append(InsertPruningPass(config.method, config.params, config.layer,
-                                            self.formulation(config.method), config.head))
+            # one site, or a --schedule's steps (passes.progressive)
+            passes.append(insertion_pass(config.method, config.params, config.layer,
+                                         self.formulation(config.method), config.head))
             if config.method.needs(config.params).site == BLOCK:
                 passes.append(RetargetTokenCountPass())
             if config.method.variable_k:  # padded rows zero on the token output, num_tokens counting its rows

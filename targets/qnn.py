@@ -57,6 +57,7 @@ def parse_precision(value: str | None) -> str:
 class QnnTarget(Target):
     name = "qnn"
     summary = "Qualcomm HTP: ONNX Runtime QNN EP (QDQ + EPContext for --soc), HTP emulator parity"
+    reduced_precision = "HTP runs the graph quantised (16-bit activations, 8-bit weights)"
     no_llm_why = ("onnxruntime-genai's builder has no QNN execution provider, and an HTP LLM needs static, "
                   "quantized, split graphs")
     options = {"precision": "qnn: int16 (default) or int8 activations",

@@ -116,6 +116,7 @@ class Rk3588Target(Target):
                        "request")
     # Measured: the worker's build and simulator runner (rknn_worker.py) feed the pixel input only.
     no_roi_input = "its RKNN build and simulator runner (rknn_worker.py) take the pixel input only (no ROI inputs yet)"
+    reduced_precision = "rk3588's NPU runs the graph in fp16 or hybrid int8"
     control_flow = False  # each greedy step would be a CPU island anyway (module docstring): straight-line
 
     def refusal(self, method, params: dict | None = None) -> str | None:

@@ -175,6 +175,29 @@ def _pruned_tower(dense: Path, folder: Path, keep: int, layer: int, name: str) -
     return folder / f"{name}.onnx"
 
 
+def ttft_call(features, llm, text_before: np.ndarray, text_after: np.ndarray):
+    """One TTFT as this benchmark times it: the tower (features(): pixels -> image features [1, T, D]), the prompt's
+    embeddings assembled on the host around them, the LLM prefill graph (-> the last token's logits) and argmax.
+    Returns the call; it returns (first token, the prefill's outputs). Shared with tools/eval_quality.py."""
+
+    def ttft():
+        embeds = np.concatenate([text_before, features(), text_after], axis=1).astype(np.float32)
+        # Positions 0..S-1: a tower-pruned image's original positions (handoff) cost the same.
+        positions = np.arange(embeds.shape[1], dtype=np.int64)[None]
+        outs = llm.run(None, {"inputs_embeds": embeds, "position_ids": positions})
+        return int(outs[0][0, -1].argmax()), outs
+
+    return ttft
+
+
+def kv_image_bytes(llm, outs, text_tokens: int) -> int:
+    """KV-cache bytes per image: the bytes of the image's tokens in every layer's present key and value, read from
+    the prefill outputs' shapes (lengths per layer minus the text tokens)."""
+    names = [o.name for o in llm.get_outputs()]
+    return sum(int(np.prod(o.shape)) // o.shape[2] * (o.shape[2] - text_tokens) * o.dtype.itemsize
+               for name, o in zip(names, outs) if name.startswith("present."))
+
+
 def _blocks(rows: dict, repeats: int, warmup: int, log) -> dict[str, list[float]]:
     """ms per run of every row: forwards then backwards, each block with the row's own sessions, warmed up."""
     names = list(rows)
@@ -264,28 +287,16 @@ def main() -> int:
         def row_runner(tower_name, llm_name):
             """Build the row's two sessions, run it once (warm-up), return its timed call and what it produced."""
             tower, llm = ort_session(towers[tower_name]), ort_session(llms[llm_name])
-            names = [o.name for o in llm.get_outputs()]
-
-            def ttft():
-                features = tower.run([FEATURES], {PIXELS: pixel})[0]
-                embeds = np.concatenate([text_before, features, text_after], axis=1).astype(np.float32)
-                # Positions 0..S-1: a tower-pruned image's original positions (handoff) cost the same.
-                positions = np.arange(embeds.shape[1], dtype=np.int64)[None]
-                outs = llm.run(None, {"inputs_embeds": embeds, "position_ids": positions})
-                return int(outs[0][0, -1].argmax()), outs
-
+            ttft = ttft_call(lambda: tower.run([FEATURES], {PIXELS: pixel})[0], llm, text_before, text_after)
             token, outs = ttft()
-            return ttft, token, {name: o.shape for name, o in zip(names, outs)}
+            return ttft, token, kv_image_bytes(llm, outs, args.text)
 
         kv, flops, first = {}, {}, {}
 
         def make(row, tower_name, llm_name, spec):
             def build():
-                run, token, shapes = row_runner(tower_name, llm_name)
+                run, token, kv[row] = row_runner(tower_name, llm_name)
                 first[row] = token
-                # bytes of the image's tokens in every layer's present key and value (float32)
-                kv[row] = sum(int(np.prod(shape)) // shape[2] * (shape[2] - args.text) * 4
-                              for name, shape in shapes.items() if name.startswith("present."))
                 return run
             keep = None if tower_name == "dense" else int(tower_name.split("=")[1])
             flops[row] = tower_flops(n, blocks, args.layer, keep)[0] + llm_flops(

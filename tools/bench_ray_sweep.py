@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """One `eval --dataset` sweep timed in this process, on 1 Ray worker and on 2, side by side in one run.
 
-    python tools/bench_ray_sweep.py [--model DIR] [--limit 64] [--keep 64]
+    python tools/bench_ray_sweep.py [--dataset easyvqa|inspection|FILE.jsonl] [--model DIR] [--limit 64]
+        [--keep 64] [--method cls] [--layer end]
 
-The model defaults to tools/train_easyvqa.py's; the dataset is the first --limit easy-vqa test
-questions. The bundles (dense, cls, random and grid at K, at the tower's end) are compiled before
+--dataset and --model as tools/eval_quality.py takes them (easyvqa: tools/train_easyvqa.py's model;
+inspection: the inspection benchmark's test split and model, e.g. --keep 96 --layer 2); the sweep
+is the first --limit questions. The bundles (dense, cls, random and grid at K, at the tower's end) are compiled before
 the clock starts (the product cache and the quality bundle folder keep them), and every timed run
 starts from an empty store, so each computes every cell. One local Ray cluster (this machine, on the
 loopback address) serves both Ray runs; its start is timed apart. A Ray run's time includes its
@@ -23,26 +25,31 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from easyvqa_jsonl import write_jsonl  # noqa: E402
-from train_easyvqa import default_output  # noqa: E402
+from eval_quality import Refused, dataset_and_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--dataset", default="easyvqa", help="easyvqa, inspection, or a questions .jsonl file")
+    p.add_argument("--model", type=Path, default=None, help="default: the dataset's model (tools/eval_quality.py)")
+    p.add_argument("--inspection-seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=64)
     p.add_argument("--keep", type=int, default=64)
+    p.add_argument("--method", default="cls", help="an eval --dataset method spec")
+    p.add_argument("--layer", default="end", help="a block (from 1) or end")
     a = p.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a single-machine cluster, loopback only
     from vlmprune.compiler.accuracy import evaluate_dataset
     from vlmprune.compiler.quality.executors import InProcess, RayExecutor
-    from vlmprune.kernels.build import cache_dir
 
-    model = str(a.model or default_output())
-    data = cache_dir() / "quality" / "easyvqa-test.jsonl"
-    if not data.is_file():
-        write_jsonl("test", data)
-    common = dict(methods=["cls"], keeps=[a.keep], layers=["end"], limit=a.limit)
+    try:
+        data, model, _training = dataset_and_model(a, lambda m: print(m, file=sys.stderr))
+    except Refused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model = str(model)
+    print(f"{data}: first {a.limit} questions; {a.method} K={a.keep} at {a.layer}, beside dense, random and grid")
+    common = dict(methods=[a.method], keeps=[a.keep], layers=[a.layer], limit=a.limit)
     with tempfile.TemporaryDirectory() as tmp:
         evaluate_dataset(model, data, **common, store=Path(tmp) / "warm.sqlite")  # compiles, then warms the caches
         print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} cores)")

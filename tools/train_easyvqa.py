@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""A LLaVA on a real DINOv2 tower, trained here on easy-vqa: the model issue 19 measures pruning with.
+"""A LLaVA on a real DINOv2 tower, trained here on easy-vqa or the inspection scenes: the models pruning is measured with.
 
-    python tools/train_easyvqa.py [-o DIR] [--tower TOWER_DIR] [--train N] [--epochs E] [--test M] [--seed S] [--force]
+    python tools/train_easyvqa.py [--dataset easyvqa|inspection] [-o DIR] [--tower TOWER_DIR] [--train N]
+                                  [--epochs E] [--test M] [--seed S] [--threads T] [--force]
 
 A LlavaForConditionalGeneration (family `llava_dinov2`): the tower (a Dinov2Model directory, e.g. from
 tools/dinov2_from_onnx.py; frozen), LLaVA's 2-layer MLP projector and a small Llama trained from
@@ -19,25 +20,43 @@ scratch, with a word-level tokenizer over easy-vqa's vocabulary and LLaVA-1.5's 
   test: the first M test questions, as `vlmprune eval --dataset test.jsonl --limit M` takes them
   (tools/easyvqa_jsonl.py). Dense accuracy is the exact match of the saved model's own greedy
   generate(), beside the majority training answer's accuracy; both go to DIR/training.json.
-- DIR (default $VLMPRUNE_CACHE/models/easyvqa-llava-dinov2) is written to a temporary folder and
-  renamed into place, its marker last; a complete one is reused unless --force.
+- `--dataset inspection` (issue 32): the scenes of tools/inspection_vqa.py at 448 px (seed --seed,
+  the first 3,000 of its 4,000 training images, 2 questions each, 2 epochs; the test split is its own stream,
+  never seen in training), on the tower converted at 448 px (`tools/dinov2_from_onnx.py --image-size 448`: 1024
+  patches). The splits are generated into $VLMPRUNE_CACHE/datasets on first use and reused. Dense
+  accuracy and the majority baseline are also given per question type.
+- DIR (default $VLMPRUNE_CACHE/models/easyvqa-llava-dinov2, or inspection-llava-dinov2) is written to a
+  temporary folder and renamed into place, its marker last; a complete one is reused unless --force.
+
+Reproducibility (issue 32): on one machine, the same seed gives the same weights, byte for byte, with 1
+or 2 threads (tests/tools/test_train_easyvqa.py). The 0.738 / 0.773 / 0.808 spread of earlier retrains
+came from different machines, not from the script: this workplace's CPU varies between sessions
+(an AMX Xeon one day, an AMD EPYC the next), and PyTorch picks its vector kernels by the CPU
+(ATEN_CPU_CAPABILITY: a run forced to AVX2 instead of AVX-512 on one machine gives other weights), so
+fp32 sums round differently and training amplifies the difference. training.json therefore records
+the CPU capability, the library versions and the weights' sha256 beside the accuracy: two records
+with equal environments must have equal digests.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import hashlib
 import json
+import platform
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from easyvqa_jsonl import records  # noqa: E402
+import easyvqa_jsonl  # noqa: E402
 
 from vlmprune.kernels.build import cache_dir  # noqa: E402
 
@@ -54,8 +73,43 @@ CHAT_TEMPLATE = (
 LM = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
-def default_output() -> Path:
-    return cache_dir() / "models" / "easyvqa-llava-dinov2"
+def _inspection_split(split: str, seed: int, count: int | None = None) -> list[dict]:
+    """The inspection split's questions (absolute image paths), generated into the cache on first use."""
+    import inspection_vqa
+
+    count = inspection_vqa.DEFAULT_COUNT[split] if count is None else count
+    folder = cache_dir() / "datasets" / f"inspection-{split}-s{seed}-n{count}"
+    if not (folder / "questions.jsonl").is_file():
+        inspection_vqa.write_split(split, folder, seed, count, force=True, log=print)
+    rows = [json.loads(line) for line in (folder / "questions.jsonl").read_text().splitlines() if line.strip()]
+    return [{**r, "image": str((folder / r["image"]).resolve())} for r in rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """What the training reads for one dataset: its splits, default sizes and where its model and tower live."""
+
+    name: str
+    splits: Callable[[], tuple[list[dict], list[dict]]]  # (train rows, test rows)
+    model: str  # the default output folder under $VLMPRUNE_CACHE/models
+    tower: str  # the default tower folder under $VLMPRUNE_CACHE/models
+    train: int  # default training questions
+    epochs: int
+    test: int
+
+
+DATASETS = {d.name: d for d in (
+    Dataset("easyvqa", lambda: (easyvqa_jsonl.records("train"), easyvqa_jsonl.records("test")),
+            "easyvqa-llava-dinov2", "dinov2-s14-imgfocus", train=10000, epochs=4, test=500),
+    # 448 px: 1024 image tokens a sample, four times easy-vqa's: 3,000 images' questions, twice, to fit 45 minutes on 2 cores.
+    # The benchmark's data is the generator's seed 0, whatever the training seed: one test set for every model.
+    Dataset("inspection", lambda: (_inspection_split("train", 0), _inspection_split("test", 0)),
+            "inspection-llava-dinov2", "dinov2-s14-imgfocus-448", train=6000, epochs=2, test=1000),
+)}
+
+
+def default_output(dataset: str = "easyvqa") -> Path:
+    return cache_dir() / "models" / DATASETS[dataset].model
 
 
 def build_tokenizer(texts: list[str]):
@@ -122,7 +176,7 @@ def prompt_text(processor, question: str) -> str:
 
 @torch.inference_mode()
 def tower_features(model, processor, paths: list[str], batch: int = 16) -> dict[str, torch.Tensor]:
-    """Each image's tower output as LLaVA selects it (hidden_states[-1], [CLS] dropped), once per image."""
+    """Each image's tower output as LLaVA selects it (hidden_states[-1], [CLS] dropped), once per image, in fp16."""
     from PIL import Image
 
     tower, out = model.model.vision_tower.eval(), {}
@@ -131,7 +185,7 @@ def tower_features(model, processor, paths: list[str], batch: int = 16) -> dict[
         images = [Image.open(p).convert("RGB") for p in chunk]
         pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
         hidden = tower(pixels, output_hidden_states=True).hidden_states[-1][:, 1:]
-        out.update(zip(chunk, hidden.clone()))
+        out.update(zip(chunk, hidden.to(torch.float16).clone()))  # half the memory: 4,000 x 1024 x 384 at 448 px
     return out
 
 
@@ -149,16 +203,30 @@ def encode(processor, samples: list[dict], image_tokens: int) -> list[tuple[list
     return out
 
 
+def batches(encoded: list[tuple[list[int], int]], batch: int, generator: torch.Generator) -> list[list[int]]:
+    """One epoch's batches: samples grouped by sequence length (a batch never pads), each group shuffled and cut
+    into batches, the batches shuffled; all draws from the seeded generator, in a fixed order of lengths."""
+    groups: dict[int, list[int]] = {}
+    for i, (seq, _) in enumerate(encoded):
+        groups.setdefault(len(seq), []).append(i)
+    out = []
+    for length in sorted(groups):
+        members = groups[length]
+        order = [members[k] for k in torch.randperm(len(members), generator=generator).tolist()]
+        out += [order[at: at + batch] for at in range(0, len(order), batch)]
+    return [out[k] for k in torch.randperm(len(out), generator=generator).tolist()]
+
+
 def train(model, processor, samples: list[dict], features: dict, epochs: int, seed: int, batch: int = 32,
           lr: float = 2e-3, log=print) -> list[float]:
     """Projector and language model by AdamW on the answers' cross-entropy; the tower's features precomputed."""
     tok = processor.tokenizer
     image_tokens = next(iter(features.values())).shape[0]
     encoded = encode(processor, samples, image_tokens)
-    image_id, pad_id = tok.convert_tokens_to_ids(IMAGE), tok.pad_token_id
+    image_id = tok.convert_tokens_to_ids(IMAGE)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    steps = epochs * -(-len(samples) // batch)
+    steps = epochs * len(batches(encoded, batch, torch.Generator()))  # the count does not depend on the draws
     warm = max(1, steps // 10)  # linear warm-up, then linear decay to zero
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min((k + 1) / warm, (steps - k) / max(1, steps - warm)))
     order_gen = torch.Generator().manual_seed(seed)
@@ -167,19 +235,15 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
     model.model.vision_tower.eval()
     losses = []
     for epoch in range(epochs):
-        order = torch.randperm(len(samples), generator=order_gen).tolist()
-        for at in range(0, len(order), batch):
-            rows = order[at: at + batch]
-            width = max(len(encoded[r][0]) for r in rows)
-            ids = torch.full((len(rows), width), pad_id)
+        for rows in batches(encoded, batch, order_gen):
+            width = len(encoded[rows[0]][0])  # one length a batch: no padding, so no mask and SDPA's flash kernel
+            ids = torch.tensor([encoded[r][0] for r in rows])
             labels = torch.full((len(rows), width), -100)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for j, r in enumerate(rows):  # right padding: positions stay those of the unpadded prompt
+            for j, r in enumerate(rows):
                 seq, start = encoded[r]
-                ids[j, :len(seq)] = torch.tensor(seq)
-                labels[j, start:len(seq)] = torch.tensor(seq[start:])
-                mask[j, :len(seq)] = 1
-            feats = projector(torch.stack([features[samples[r]["image"]] for r in rows]))
+                labels[j, start:] = torch.tensor(seq[start:])
+            mask = torch.ones((len(rows), width), dtype=torch.long)
+            feats = projector(torch.stack([features[samples[r]["image"]] for r in rows]).float())
             embeds = embed(ids).masked_scatter((ids == image_id)[..., None], feats.to(embed.weight.dtype))
             loss = model(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss
             opt.zero_grad()
@@ -187,7 +251,8 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
             opt.step()
             sched.step()
             losses.append(loss.item())
-        log(f"epoch {epoch + 1}/{epochs}: mean loss {sum(losses[-(len(order) // batch or 1):]) / (len(order) // batch or 1):.4f}")
+        per_epoch = len(losses) // (epoch + 1)
+        log(f"epoch {epoch + 1}/{epochs}: mean loss {sum(losses[-per_epoch:]) / per_epoch:.4f}")
     model.eval()
     return losses
 
@@ -209,22 +274,29 @@ def answers(model, processor, samples: list[dict], batch: int = 16) -> list[str]
     return out
 
 
-def train_easyvqa(out: Path, tower: Path, train_n: int = 10000, epochs: int = 4, test_n: int = 500, seed: int = 0,
-                  lm: dict | None = None, threads: int = 2, force: bool = False, log=print) -> dict:
-    """Train, evaluate and publish the checkpoint at out; its training.json record (the existing one if reused)."""
+def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: int | None = None,
+                  test_n: int | None = None, seed: int = 0, lm: dict | None = None, threads: int = 2,
+                  force: bool = False, log=print, dataset: str | Dataset = "easyvqa") -> dict:
+    """Train, evaluate and publish the checkpoint at out; its training.json record (the existing one if reused).
+
+    dataset: a name of DATASETS or a Dataset; train_n, epochs and test_n default to the dataset's own."""
+    data = DATASETS[dataset] if isinstance(dataset, str) else dataset
+    dataset = data.name
+    train_n, epochs, test_n = (data.train if train_n is None else train_n, data.epochs if epochs is None else epochs,
+                               data.test if test_n is None else test_n)
     out = Path(out)
     if (out / MARKER).is_file() and not force:
         log(f"{out}: already trained (reused; --force retrains)")
         return json.loads((out / MARKER).read_text())
     if out.exists() and not force:
-        raise FileExistsError(f"{out} exists but is not a finished easy-vqa model; pass --force to replace it")
+        raise FileExistsError(f"{out} exists but is not a finished {dataset} model; pass --force to replace it")
     if not (Path(tower) / "config.json").is_file():
         raise FileNotFoundError(f"{tower}: not a Dinov2Model directory (no config.json); "
                                 "make one with tools/dinov2_from_onnx.py")
     started = time.perf_counter()
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    train_all, test_all = records("train"), records("test")
+    train_all, test_all = data.splits()
     train_rows, test_rows = train_all[:train_n], test_all[:test_n]
     everything = train_all + test_all
     tokenizer = build_tokenizer([r["question"] for r in everything] + [r["answers"][0] for r in everything])
@@ -246,15 +318,13 @@ def train_easyvqa(out: Path, tower: Path, train_n: int = 10000, epochs: int = 4,
 
         saved = LlavaForConditionalGeneration.from_pretrained(tmp).eval()  # the accuracy is the saved model's
         got = answers(saved, AutoProcessor.from_pretrained(tmp), test_rows)
-        truth = [r["answers"][0] for r in test_rows]
-        majority = collections.Counter(r["answers"][0] for r in train_all).most_common(1)[0][0]  # whole split
         record = {
-            "dense_accuracy": sum(g == t for g, t in zip(got, truth)) / len(truth),
-            "majority_answer": majority,
-            "majority_accuracy": sum(t == majority for t in truth) / len(truth),
-            "test_questions": len(truth), "train_questions": len(train_rows), "train_images": len(images),
+            "dataset": dataset, **accuracy_record(got, test_rows, train_all),
+            "train_questions": len(train_rows), "train_images": len(images),
             "epochs": epochs, "seed": seed, "threads": threads, "language_model": {**LM, **(lm or {})},
             "tower": str(Path(tower).resolve()), "final_loss": losses[-1] if losses else None,
+            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
+            "environment": environment(),
             "seconds": {"features": round(featured - started, 1), "training": round(trained - featured, 1),
                         "evaluation": round(time.perf_counter() - trained, 1),
                         "total": round(time.perf_counter() - started, 1)},
@@ -274,30 +344,83 @@ def train_easyvqa(out: Path, tower: Path, train_n: int = 10000, epochs: int = 4,
     return record
 
 
+def majority(answers: list[str]) -> str:
+    """The most frequent answer; ties to the first in sorted order, so the baseline does not depend on row order."""
+    counts = collections.Counter(answers)
+    return max(sorted(counts), key=lambda a: counts[a])
+
+
+def accuracy_record(got: list[str], test_rows: list[dict], train_rows: list[dict]) -> dict:
+    """Dense exact-match accuracy beside the training split's majority answer, overall and per question type."""
+    truth = [r["answers"][0] for r in test_rows]
+    top = majority([r["answers"][0] for r in train_rows])
+    record = {"dense_accuracy": sum(g == t for g, t in zip(got, truth)) / len(truth), "majority_answer": top,
+              "majority_accuracy": sum(t == top for t in truth) / len(truth), "test_questions": len(truth)}
+    types = sorted({r["type"] for r in test_rows if "type" in r})
+    if types:
+        record["per_type"] = {}
+        for kind in types:
+            rows = [(g, r["answers"][0]) for g, r in zip(got, test_rows) if r.get("type") == kind]
+            top = majority([r["answers"][0] for r in train_rows if r.get("type") == kind])
+            record["per_type"][kind] = {"questions": len(rows), "dense_accuracy": sum(g == t for g, t in rows) / len(rows),
+                                        "majority_answer": top,
+                                        "majority_accuracy": sum(t == top for _, t in rows) / len(rows)}
+    return record
+
+
+def environment() -> dict:
+    """What decides the fp32 arithmetic of a run: the CPU's kernels, the libraries, the threads."""
+    import transformers
+
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+            "processor": _cpu_model(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "threads": torch.get_num_threads()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", choices=tuple(DATASETS), default="easyvqa")
     parser.add_argument("-o", "--output", type=Path, default=None, help="default: $VLMPRUNE_CACHE/models/"
-                        "easyvqa-llava-dinov2")
+                        "easyvqa-llava-dinov2 (inspection-llava-dinov2)")
     parser.add_argument("--tower", type=Path, default=None,
-                        help="a Dinov2Model directory; default: $VLMPRUNE_CACHE/models/dinov2-s14-imgfocus")
-    parser.add_argument("--train", type=int, default=10000, help="training questions (the first N)")
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--test", type=int, default=500, help="test questions for the dense accuracy (the first M)")
+                        help="a Dinov2Model directory; default: $VLMPRUNE_CACHE/models/dinov2-s14-imgfocus "
+                             "(-448 for inspection)")
+    parser.add_argument("--train", type=int, default=None, help="training questions (the first N; easyvqa 10000, "
+                        "inspection 6000)")
+    parser.add_argument("--epochs", type=int, default=None, help="easyvqa 4, inspection 2")
+    parser.add_argument("--test", type=int, default=None, help="test questions for the dense accuracy (the first M; "
+                        "easyvqa 500, inspection 1000)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (the weights do not depend on it)")
     parser.add_argument("--force", action="store_true", help="retrain and replace an existing model")
     args = parser.parse_args(argv)
-    tower = args.tower or cache_dir() / "models" / "dinov2-s14-imgfocus"
-    if min(args.train, args.epochs, args.test) < 1:
-        print("error: --train, --epochs and --test must be at least 1", file=sys.stderr)
+    data = DATASETS[args.dataset]
+    tower = args.tower or cache_dir() / "models" / data.tower
+    if min(v for v in (args.train, args.epochs, args.test, args.threads, 1) if v is not None) < 1:
+        print("error: --train, --epochs, --test and --threads must be at least 1", file=sys.stderr)
         return 2
     try:
-        record = train_easyvqa(args.output or default_output(), tower, args.train, args.epochs, args.test,
-                               args.seed, force=args.force, log=lambda line: print(line, flush=True))
+        record = train_easyvqa(args.output or default_output(args.dataset), tower, args.train, args.epochs, args.test,
+                               args.seed, threads=args.threads, force=args.force,
+                               log=lambda line: print(line, flush=True), dataset=args.dataset)
     except (FileExistsError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"dense accuracy {record['dense_accuracy']:.4f} on {record['test_questions']} test questions; "
           f"majority answer {record['majority_answer']!r}: {record['majority_accuracy']:.4f}")
+    for kind, row in record.get("per_type", {}).items():
+        print(f"  {kind:13s} dense {row['dense_accuracy']:.3f} on {row['questions']:4d}; majority "
+              f"{row['majority_answer']!r} {row['majority_accuracy']:.3f}")
     return 0
 
 

@@ -112,11 +112,39 @@ def record_complete(what: str) -> None:
         _complete.append(what)
 
 
+class Resumable(str):
+    """A partial result an interrupted command keeps for a rerun to resume from (eval --dataset's stored cells),
+    recorded as a whole clause: the interrupt line says it after the outputs that are complete."""
+
+
+class Several(str):
+    """One phrase for several outputs (`7 bundles under DIR`): the interrupt line says `are complete` after it."""
+
+
+@contextlib.contextmanager
+def summarised(phrase):
+    """Within the block, the outputs made are counted rather than listed; on leaving it, however it ends, one
+    phrase for them all (phrase(list of what was recorded) -> str) is recorded instead, so that a command that
+    makes many bundles (eval --dataset) has a short interrupt line."""
+    made: list[str] = []
+    try:
+        with tracking(made):
+            yield made
+    finally:
+        if made:
+            record_complete(phrase(made) if len(made) == 1 else Several(phrase(made)))
+
+
 def interrupted_line(complete: list[str]) -> str:
-    """What an interrupted command says: nothing was written, or which outputs are complete."""
-    if not complete:
+    """What an interrupted command says: nothing was written, or which outputs are complete and what a rerun
+    resumes from."""
+    outputs = [c for c in complete if not isinstance(c, Resumable)]
+    kept = [str(c) for c in complete if isinstance(c, Resumable)]
+    if not outputs and not kept:
         return "interrupted; nothing was written"
-    return f"interrupted; {' and '.join(complete)} {'is' if len(complete) == 1 else 'are'} complete"
+    several = len(outputs) > 1 or any(isinstance(c, Several) for c in outputs)
+    said = [f"{' and '.join(outputs)} {'are' if several else 'is'} complete"] if outputs else []
+    return "interrupted; " + "; ".join(said + kept)
 
 
 def _is_empty_dir(path: Path) -> bool:

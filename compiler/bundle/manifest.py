@@ -96,6 +96,7 @@ class MethodSection(Section):
     num_patches = property(lambda self: self._data.get("num_patches"))
     has_cls = property(lambda self: self._data.get("has_cls"))
     kept_count = property(lambda self: self._data.get("kept_count"))
+    steps = property(lambda self: self._data.get("steps", []))  # --schedule: each step's layer, keep, token counts
 
     @property
     def prefix(self) -> int | None:

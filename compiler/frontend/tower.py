@@ -13,6 +13,7 @@ knows nothing of methods: a pruner is any callable with a site; compiler.parity.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -39,6 +40,10 @@ class SiteTensors:
     patch_size: int | None = None
     prefix: int | None = None  # None: 1 with a [CLS] token, else 0
     head: PoolingHead | None = None  # the tower's attention-pooling head, where it has one (BLOCK sites)
+    layer: int | None = None  # the block after which the site is (BLOCK sites)
+    # The original patch index of each patch token present, where an earlier call of the same pruner (a pruner with
+    # several `layers`) has pruned some: [B, N_s] int64; None: all N patches, in order.
+    patch_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.prefix is None:
@@ -63,12 +68,27 @@ class PoolingHead:
     norm: nn.LayerNorm
 
 
+class BlockRunner(Protocol):
+    """One block of the tower, as a pruner that acts inside the blocks runs it (run_block bound to the block)."""
+
+    def __call__(self, h: torch.Tensor, capture: bool = False, bias: torch.Tensor | None = None,
+                 between: Callable | None = None) -> tuple[torch.Tensor, tuple | None]:
+        ...
+
+
 class Pruner(Protocol):
     """A pruning method bound to its parameters: where it runs, and what it returns there."""
 
     site: str  # BLOCK (after block `layer`) or FEATURES (after the projector)
     layer: int | None
-    # Optional, read with getattr (default False): `attention`, a FEATURES pruner that reads the last block's Q, K.
+    # Optional, read with getattr (default False): `attention`, a FEATURES pruner that reads the last block's Q, K;
+    # `inside`, a BLOCK pruner that acts inside blocks 1..layer (token merging): the pipeline hands it those blocks
+    # to run (run_blocks) instead of calling it on block L's output.
+    # Optional, read with getattr (default (layer,)): `layers`, the blocks after which a BLOCK pruner is called in
+    # turn (progressive pruning); each call gets the patch indices the previous one kept (SiteTensors.patch_ids).
+
+    def run_blocks(self, blocks: list[BlockRunner], tensors: SiteTensors) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """With `inside`: run blocks 1..layer on tensors.hidden (the embeddings): (tokens, kept, trace)."""
 
     def __call__(self, tensors: SiteTensors) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(new tokens, kept patch indices [B, K'], trace for parity)."""
@@ -153,14 +173,23 @@ class VisionPipeline(nn.Module):
         # A FEATURES-site pruner that reads attention (Pruner.attention) gets the last block's Q and K.
         wants_qk = pruner is not None and pruner.site == FEATURES and getattr(pruner, "attention", False)
         qk_last = None
-        for i, layer in enumerate(tower.blocks[: self.num_blocks], start=1):
-            capture = at_block and i == pruner.layer or wants_qk and i == self.num_blocks
+        first = 1
+        if at_block and getattr(pruner, "inside", False):  # the pruner runs blocks 1..L itself (Pruner.inside)
+            runners = [functools.partial(run_block, tower.parts(layer)) for layer in tower.blocks[: pruner.layer]]
+            h, kept, self.last_trace = pruner.run_blocks(runners, SiteTensors(
+                h, self.has_cls, pixel_values=pixel_values, patch_size=self.patch_size, prefix=self.prefix,
+                head=tower.head))
+            first = pruner.layer + 1
+        # The blocks after which a BLOCK pruner is called (Pruner.layers: several for a progressive schedule).
+        steps = tuple(getattr(pruner, "layers", None) or (pruner.layer,)) if at_block and first == 1 else ()
+        for i, layer in enumerate(tower.blocks[first - 1: self.num_blocks], start=first):
+            capture = i in steps or wants_qk and i == self.num_blocks
             h, qk = run_block(tower.parts(layer), h, capture)
             if capture and not at_block:
                 qk_last = qk
             elif capture:
                 h, kept = self._prune(SiteTensors(h, self.has_cls, *qk, pixel_values, self.patch_size, self.prefix,
-                                                  tower.head))
+                                                  tower.head, layer=i, patch_ids=kept))
         if self.final_norm:
             h = tower.final_norm(h)
         prefix = self.prefix
@@ -189,8 +218,13 @@ class VisionPipeline(nn.Module):
         return tokens, kept
 
 
-def run_block(parts: BlockParts, h: torch.Tensor, capture: bool):
+def run_block(parts: BlockParts, h: torch.Tensor, capture: bool = False, bias: torch.Tensor | None = None,
+              between: Callable | None = None):
     """One pre-norm block; with capture, also its own Q and K ([B, H, T, dh]) and attention scale.
+
+    For a pruner that acts inside the blocks (Pruner.inside): bias is added to the attention logits
+    (broadcast to [B, H, T, T]), and between(h, k) replaces the residual stream between the attention
+    and the MLP (k: the block's keys [B, H, T, dh]).
 
     Spelled out rather than calling the layer with hooks on its projections: forward hooks
     registered inside forward are not run under torch.compile (dynamo), and the reference
@@ -200,9 +234,11 @@ def run_block(parts: BlockParts, h: torch.Tensor, capture: bool):
     b, t, _ = h.shape
     x = parts.norm1(h)
     q, k, v = (proj(x).view(b, t, parts.heads, -1).transpose(1, 2) for proj in (parts.q, parts.k, parts.v))
-    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=parts.scale)
+    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=parts.scale)
     a = parts.out(a.transpose(1, 2).reshape(b, t, -1))
     h = h + (parts.scale1(a) if parts.scale1 is not None else a)
+    if between is not None:
+        h = between(h, k)
     m = parts.mlp(parts.norm2(h))
     h = h + (parts.scale2(m) if parts.scale2 is not None else m)
     return h, ((q, k, parts.scale) if capture else None)

@@ -98,10 +98,13 @@ def _agreement(ref: np.ndarray, cand: np.ndarray) -> list[float]:
 
 
 def compare_indices(ref: np.ndarray, cand: np.ndarray, ref_scores: np.ndarray | None, tol: Tolerance,
-                    boundary: int | None = None) -> dict:
+                    boundary: int | None = None, earlier: list[tuple[np.ndarray, int]] = ()) -> dict:
     """Kept-index agreement per image for a score-based selection, and whether mismatches sit in boundary ties.
 
     boundary: where the ranked selection's cut is (default: all K kept indices were ranked).
+    earlier: a --schedule's earlier steps, (scores [B, N] in original patch coordinates, K_s) each: an index kept
+    by one side only may also sit in the tie band of an earlier step's cut (a tie there, resolved differently,
+    which the later steps carry on); their boundary ties are reported per step.
     """
     keep = boundary or ref.shape[1]
     per_image = _agreement(ref, cand)
@@ -109,10 +112,29 @@ def compare_indices(ref: np.ndarray, cand: np.ndarray, ref_scores: np.ndarray | 
     if ref_scores is not None:
         scores = np.asarray(ref_scores, dtype=np.float64)
         ties = boundary_ties(torch.from_numpy(scores), keep, tol.tie_rel_tol, tol.tie_share_max).tolist()
+        cuts = [(scores, keep), *((np.asarray(s, dtype=np.float64), k) for s, k in earlier)]
         tie_resolved = [i for i, (r, c) in enumerate(zip(ref, cand)) if per_image[i] < 1.0
-                        and mismatch_in_band(r, c, scores[i], keep, tol.tie_rel_tol, tol.tie_share_max)]
-    return _verdict({"agreement": float(np.mean(per_image)), "per_image": per_image, "boundary_ties": ties,
-                     "tie_resolved_images": tie_resolved}, tol)
+                        and in_some_band(r, c, [(s[i], k) for s, k in cuts], tol.tie_rel_tol, tol.tie_share_max)]
+    result = {"agreement": float(np.mean(per_image)), "per_image": per_image, "boundary_ties": ties,
+              "tie_resolved_images": tie_resolved}
+    if earlier:
+        result["step_boundary_ties"] = [boundary_ties(torch.from_numpy(np.asarray(s, dtype=np.float64)), k,
+                                                      tol.tie_rel_tol, tol.tie_share_max).tolist()
+                                        for s, k in earlier]
+    return _verdict(result, tol)
+
+
+def in_some_band(ref: np.ndarray, cand: np.ndarray, cuts: list[tuple[np.ndarray, int]], rel: float,
+                 max_share: float = TIE_SHARE_MAX) -> bool:
+    """True when every index kept by only one side lies in the (narrowed) tie band of one of the cuts (scores, K):
+    the band of each cut holds at most max_share of its K (selection.tie_band)."""
+    differing = np.setxor1d(ref, cand)
+    near = np.zeros(len(differing), dtype=bool)
+    for scores, keep in cuts:
+        ordered = np.sort(scores)[::-1]
+        cut = 0.5 * (ordered[keep - 1] + ordered[keep])
+        near |= np.abs(scores[differing] - cut) <= tie_band(scores, rel, keep, max_share)
+    return bool(near.all())
 
 
 def mismatch_in_band(ref: np.ndarray, cand: np.ndarray, scores: np.ndarray, keep: int, rel: float,
@@ -462,13 +484,14 @@ def _indices(reference: Reference, cand: np.ndarray, tol: Tolerance, k_ties: lis
     if reference.method is not None and reference.method.selection == GREEDY:
         return compare_greedy(ref, cand, trace.get("steps"), tol)
     boundary = trace.get("boundary")
+    earlier = list(zip(trace["step_scores"], trace["step_boundaries"])) if "step_scores" in trace else []  # --schedule
     if boundary is not None and boundary < ref.shape[1]:
         # Only the first `boundary` indices were ranked (visionzip's dominant tokens); the rest follow from them.
-        head = compare_indices(ref[:, :boundary], cand[:, :boundary], trace.get("scores"), tol, boundary)
+        head = compare_indices(ref[:, :boundary], cand[:, :boundary], trace.get("scores"), tol, boundary, earlier)
         whole = _agreement(ref, cand)
         head["agreement"], head["per_image"] = float(np.mean(whole)), whole
         return _verdict(head, tol)
-    return compare_indices(ref, cand, trace.get("scores"), tol, boundary)
+    return compare_indices(ref, cand, trace.get("scores"), tol, boundary, earlier)
 
 
 @dataclasses.dataclass

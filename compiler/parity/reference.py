@@ -28,7 +28,7 @@ from vlmprune.compiler.frontend.prompt_input import PARITY, feeding, text_feed
 from vlmprune.compiler.frontend.roi_input import parity_roi
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES as FEATURES_SITE, SiteTensors
 from vlmprune.passes.graph.dataflow import consumers_downstream, producers_upstream
-from vlmprune.passes.methods import budget, get_method, relevance
+from vlmprune.passes.methods import budget, coverage, get_method, relevance, schedule
 from vlmprune.passes.methods.base import Method, PromptSiteTensors
 from vlmprune.passes.methods.crops import CropBudget
 from vlmprune.passes.methods.roi import forced_reference
@@ -45,6 +45,7 @@ class MethodPruner:
     layer: int | None
     forced: torch.Tensor | None = None  # --roi: F [B, N] of parity's ROI (forced_for)
     text: torch.Tensor | None = None  # text_embeds [B, T, D], for a method that reads the blocks too (--prompt-weight)
+    layers: tuple[int, ...] | None = None  # --schedule: the blocks after which it is called in turn (tower.Pruner)
 
     def __call__(self, tensors: SiteTensors):
         tensors = with_forced(tensors, self.forced)
@@ -52,6 +53,25 @@ class MethodPruner:
             fields = {f.name: getattr(tensors, f.name) for f in dataclasses.fields(tensors)}
             tensors = PromptSiteTensors(**{**fields, "text": self.text})
         result = self.method.reference(self.params, tensors)
+        if not self.layers:
+            return result.tokens, result.kept, result.trace
+        # --schedule: called once per step; the last call's trace gains what each earlier step ranked
+        if tensors.layer == self.layers[0]:
+            self._earlier = []
+        if tensors.layer != self.layers[-1]:
+            self._earlier.append(result.trace)
+            return result.tokens, result.kept, result.trace
+        trace = {**result.trace, "step_scores": torch.stack([t["scores"] for t in self._earlier]),
+                 "step_boundaries": [t["boundary"] for t in self._earlier]}
+        return result.tokens, result.kept, trace
+
+    @property
+    def inside(self) -> bool:
+        """Whether the method acts inside blocks 1..L (Method.in_blocks, Pruner.inside)."""
+        return self.method.in_blocks
+
+    def run_blocks(self, blocks, tensors: SiteTensors):
+        result = self.method.reference_blocks(self.params, blocks, tensors)
         return result.tokens, result.kept, result.trace
 
     @property
@@ -73,9 +93,11 @@ class Reference:
 def forced_for(record: dict | None, pixel: np.ndarray) -> torch.Tensor | None:
     """--roi: F [B, N] bool from parity's fixed-seed ROI (compiler.roi.parity_roi, what the runners feed), or None."""
     found = (record or {}).get("roi")
-    if found is None:
-        return None
-    return forced_reference(found, parity_roi(pixel, found["kind"], found.get("max_boxes")))
+    forced = None if found is None else forced_reference(found, parity_roi(pixel, found["kind"],
+                                                                           found.get("max_boxes")))
+    if record is None:
+        return forced
+    return coverage.forced_reference(record["params"], record["num_patches"], forced, len(pixel))  # --coverage
 
 
 def with_forced(tensors: SiteTensors, forced: torch.Tensor | None) -> SiteTensors:
@@ -90,7 +112,9 @@ def pruner_for(record: dict) -> MethodPruner:
     method = budget.wrap(get_method(record["method"]), record["params"])  # --budget adaptive
     if "crops" in record["params"]:  # an anyres model's crops under one global budget
         method = CropBudget(method)
-    return MethodPruner(method, record["params"], record["site"], record["layer"])
+    method = schedule.wrap(method, record["params"], record.get("num_patches"))  # --schedule: in steps
+    steps = tuple(s["layer"] for s in record["steps"]) if "steps" in record else None
+    return MethodPruner(method, record["params"], record["site"], record["layer"], layers=steps)
 
 
 def dense_reference(source: Source, pixel: np.ndarray) -> Reference:

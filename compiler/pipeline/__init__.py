@@ -35,7 +35,7 @@ from vlmprune.compiler.llm import export as llm_export
 from vlmprune.compiler.llm import handoff
 from vlmprune.compiler.bundle.manifest import Manifest
 from vlmprune.passes.methods import DEFAULT as DEFAULT_METHOD
-from vlmprune.passes.methods import budget, get_method
+from vlmprune.passes.methods import budget, get_method, schedule
 from vlmprune.passes.methods.base import BLOCK, SiteSpec
 from vlmprune.passes.methods.crops import over_tokens
 from vlmprune.passes.methods.dense import Dense
@@ -241,7 +241,15 @@ def validate_options(options: CompileOptions) -> _Plan:
         if options.layer is not None and method.needs(params).site != BLOCK:
             raise InputError(f"method {method.name} prunes the projector output (the tower's end); "
                              "--layer does not apply to it")
-        config = PruneConfig(budget.wrap(method, params), params, options.layer)  # --budget adaptive: K per image
+        layer = options.layer
+        if params.get("schedule") is not None:  # --schedule: its last block is the method's layer
+            last = schedule.layers(params)[-1]
+            if layer is not None and layer != last:
+                raise InputError(f"--layer {layer} is not the last block of --schedule {params['schedule']} ({last}); "
+                                 "leave --layer out")
+            layer = last
+        # --budget adaptive: K per image; --schedule: the method in steps
+        config = PruneConfig(schedule.wrap(budget.wrap(method, params), params), params, layer)
     elif options.method_options:
         raise InputError("--no-prune takes no method options")
     llm_export.check_llm_options(options)
@@ -311,13 +319,17 @@ def _manifest(source: Source, family: Family, options: CompileOptions, plan: _Pl
     else:
         where = (f"after block {record['layer']}/{record['num_blocks']}" if record["site"] == BLOCK
                  else "on the projector output")
+        if "steps" in record:  # --schedule
+            where = "progressive, after blocks " + "→".join(str(s["layer"]) for s in record["steps"]) + \
+                f"/{record['num_blocks']}"
         method = {"name": record["method"], "params": record["params"], "keep": record["params"]["keep"],
                   "site": record["site"], "layer": record["layer"], "num_blocks": record["num_blocks"],
                   "formulation": record["formulation"], "tokens_in": record["tokens_in"],
                   "tokens_out": record["tokens_out"], "num_patches": record["num_patches"],
                   "has_cls": record["has_cls"], "prefix": record["prefix"], "kept_count": record["kept_count"],
                   "summary": f"{record['summary']} ({where}, {record['num_patches']} patch tokens)",
-                  **({"roi": record["roi"]} if "roi" in record else {})}  # --roi: its inputs' layout (compiler.roi)
+                  **({"roi": record["roi"]} if "roi" in record else {}),  # --roi: its inputs' layout (compiler.roi)
+                  **({"steps": record["steps"]} if "steps" in record else {})}  # --schedule: every step
     return {
         "vlmprune_version": __version__,
         "target": {"name": target.name, "summary": target.summary, "toolchain": target.toolchain(),
@@ -365,7 +377,8 @@ def _record_of(manifest: Manifest) -> dict | None:
         return None
     return {"method": method.name, "params": method.params, "site": method.site, "layer": method.layer,
             "has_cls": method.has_cls, "num_patches": method.num_patches, "prefix": method.prefix,
-            **({"roi": manifest["method"]["roi"]} if "roi" in manifest["method"] else {})}  # --roi's layout
+            **({"roi": manifest["method"]["roi"]} if "roi" in manifest["method"] else {}),  # --roi's layout
+            **({"steps": manifest["method"]["steps"]} if "steps" in manifest["method"] else {})}  # --schedule
 
 
 def _parity(source: Source, family: Family, dense_path: Path, bundle_dir: Path, manifest: Manifest, target: Target,

@@ -1,9 +1,12 @@
 """Datasets for `eval --dataset`: JSON Lines, one {"image", "question", "answers"} object a line.
 
 `image` is a path, relative to the file's own folder unless absolute; `answers` a list of
-accepted answers (a string is one answer). An `id` is optional. Each sample has a digest of
+accepted answers (a string is one answer). An `id` is optional, and so is a `type` (a short
+name such as "count" or "color"): eval reports accuracy per type beside the overall figure.
+Each sample has a digest of
 its image bytes, question and answers: the store keys cells by it, so an edited sample or a
-replaced image is a new cell, while a moved dataset file reuses its rows.
+replaced image is a new cell, while a moved dataset file reuses its rows. The type is not in
+the digest: it groups the answers, it does not decide them, so typing a dataset reuses its cells.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class Sample:
     question: str
     answers: tuple[str, ...]
     digest: str
+    type: str | None = None  # the question's type, where the dataset gives one
 
 
 def read_dataset(path: str | Path, limit: int | None = None) -> list[Sample]:
@@ -59,6 +63,9 @@ def read_dataset(path: str | Path, limit: int | None = None) -> list[Sample]:
             raise InputError(f"{where}: answers must be a string or a non-empty list of strings")
         if not isinstance(record["question"], str) or not record["question"].strip():
             raise InputError(f"{where}: question must be a non-empty string")
+        kind = record.get("type")
+        if kind is not None and (not isinstance(kind, str) or not kind.strip()):
+            raise InputError(f"{where}: type must be a non-empty string where given")
         image = Path(str(record["image"]))
         image = (image if image.is_absolute() else path.parent / image).resolve()
         if not image.is_file():
@@ -68,7 +75,8 @@ def read_dataset(path: str | Path, limit: int | None = None) -> list[Sample]:
             image_digests[key] = hashlib.sha256(image.read_bytes()).hexdigest()
         digest = hashlib.sha256(json.dumps([image_digests[key], record["question"], list(answers)]).encode()
                                 ).hexdigest()[:32]
-        samples.append(Sample(len(samples), key, record["question"], tuple(answers), digest))
+        samples.append(Sample(len(samples), key, record["question"], tuple(answers), digest,
+                              kind.strip() if kind is not None else None))
     if not samples:
         raise InputError(f"--dataset {path}: no samples in it")
     return samples

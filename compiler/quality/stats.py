@@ -4,7 +4,12 @@ Exact match as VQA scripts score one-word answers: lower-cased, punctuation and 
 dropped, whitespace collapsed, then equal to any accepted answer. The intervals are the
 percentile bootstrap over samples (2,000 resamples at a fixed seed, so a table reprints the
 same figures); accuracy retained resamples the pruned and the dense answers of the same
-samples together (a paired ratio), as a paired comparison has to.
+samples together (a paired ratio), as a paired comparison has to; so does the difference of
+two rows' accuracies (difference_interval: a row against random keep at the same K and place),
+which counts only where its interval excludes 0.
+
+The majority baseline is the accuracy of always giving the most frequent answer: ties go to the
+answer that sorts first, so the baseline is the same whatever order the samples come in.
 """
 
 from __future__ import annotations
@@ -54,3 +59,26 @@ def retained_interval(correct, dense, resamples: int = RESAMPLES, seed: int = SE
     ratios = np.divide(num, den, out=np.full_like(num, np.nan), where=den > 0)
     ratios = ratios[np.isfinite(ratios)]
     return float(c.mean() / d.mean()), float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+
+
+def difference_interval(correct, other, resamples: int = RESAMPLES, seed: int = SEED) -> tuple[float, float, float]:
+    """(difference, low, high): accuracy(correct) - accuracy(other) over the same samples and its 95 % paired
+    bootstrap interval (both resampled with the same indices): the difference counts where the interval excludes 0."""
+    c, o = np.asarray(correct, dtype=np.float64), np.asarray(other, dtype=np.float64)
+    if c.shape != o.shape or c.size == 0:
+        raise ValueError("a paired difference needs the results of both rows on the same, non-empty samples")
+    diffs = (c - o)[_indices(c.size, resamples, seed)].mean(axis=1)
+    return float(c.mean() - o.mean()), float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))
+
+
+def majority(answer_sets) -> tuple[str, float]:
+    """(answer, accuracy): the most frequent first accepted answer over the samples (ties: the one that sorts first,
+    so a reordered dataset gives the same baseline), and the share of samples it answers right."""
+    sets = [tuple(a) for a in answer_sets]
+    if not sets:
+        raise ValueError("no samples")
+    counts: dict[str, int] = {}
+    for answers in sets:
+        counts[answers[0]] = counts.get(answers[0], 0) + 1
+    best = min(counts, key=lambda a: (-counts[a], a))
+    return best, sum(exact_match(best, answers) for answers in sets) / len(sets)

@@ -45,6 +45,9 @@ class AttentionBlock:
     scale_ops: list[ir.Node]
     scale: float
     output: ir.Value  # residual stream after the block
+    # The residual stream between the attention and the MLP (the first residual Add's output): where a method
+    # that works inside the blocks (token merging) acts.
+    middle: ir.Value | None = None
 
     @property
     def softmax(self) -> ir.Node | None:
@@ -194,7 +197,9 @@ def _scale_of(scale_ops: list[ir.Node]) -> float:
     return factor
 
 
-def _block_output(graph: ir.Graph, softmax: ir.Node, order: dict[ir.Node, int]) -> ir.Value | None:
+def _block_output(graph: ir.Graph, softmax: ir.Node,
+                  order: dict[ir.Node, int]) -> tuple[ir.Value, ir.Value] | None:
+    """(the residual stream after the attention, the block output), or None."""
     down = {softmax, *consumers_downstream(*softmax.outputs)}
     up = {softmax, *producers_upstream(*softmax.inputs)}
     first = None
@@ -217,7 +222,7 @@ def _block_output(graph: ir.Graph, softmax: ir.Node, order: dict[ir.Node, int]) 
         if node.op_type == "Add" and node is not first and len(node.inputs) == 2:
             other = node.inputs[1 - use.idx]
             if other is not None and other.producer() in after_mid:
-                return node.outputs[0]
+                return mid, node.outputs[0]
     return None
 
 
@@ -260,19 +265,21 @@ def find_tower_structure(graph: ir.Graph) -> TowerStructure:
         fused = None if found is not None else _attention_op(node)
         if found is None and fused is None:
             continue
-        output = _block_output(graph, node, order)
-        if output is None:
+        found_output = _block_output(graph, node, order)
+        if found_output is None:
             raise StructureError(
                 f"found attention block {len(blocks) + 1} ({node.op_type}) but not its residual Adds: "
                 "vlmprune handles pre-norm blocks x + Attn(LN(x)), then + MLP(LN(.))"
             )
+        middle, output = found_output
         if found is not None:
             matmul, scale_ops = found
             q, kt = matmul.inputs
-            blocks.append(AttentionBlock(len(blocks) + 1, node, q, kt, True, scale_ops, _scale_of(scale_ops), output))
+            blocks.append(AttentionBlock(len(blocks) + 1, node, q, kt, True, scale_ops, _scale_of(scale_ops), output,
+                                         middle))
         else:
             q, k, scale = fused
-            blocks.append(AttentionBlock(len(blocks) + 1, node, q, k, False, [], scale, output))
+            blocks.append(AttentionBlock(len(blocks) + 1, node, q, k, False, [], scale, output, middle))
     if not blocks:
         raise StructureError(
             "no attention block found: looked for Softmax(MatMul(Q, Kᵀ)) over rank-4 runtime tensors and for "

@@ -16,11 +16,12 @@ from vlmprune.passes.methods.grid import GridMethod
 from vlmprune.passes.methods.holov import HolovMethod
 from vlmprune.passes.methods.prumerge import PruMergePlusMethod
 from vlmprune.passes.methods.random_keep import RandomKeepMethod
+from vlmprune.passes.methods.tome import ToMeMethod
 from vlmprune.passes.methods.visionzip import VisionZipMethod
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMethod, DivPruneMethod, DartMethod,
                                                    RandomKeepMethod, GridMethod, PruMergePlusMethod,
-                                                   CDPrunerMethod, HolovMethod)}
+                                                   CDPrunerMethod, HolovMethod, ToMeMethod)}
 DEFAULT = "cls"
 
 # Parts of the seeds that are trained models, not training-free rules: their weights exist nowhere here (no

@@ -27,7 +27,7 @@ import torch
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
-from vlmprune.passes.methods import merge, relevance, roi
+from vlmprune.passes.methods import coverage, merge, relevance, roi, schedule
 
 __all__ = ["BLOCK", "BY_SCORE", "FEATURES", "GREEDY", "Formulation", "FusedOp", "GraphInputs", "Method", "Needs",
            "PromptSiteTensors", "SiteSpec", "SiteTensors", "TorchResult", "finite_option", "positive_int"]
@@ -164,6 +164,13 @@ class Method(abc.ABC):
     # --roi (passes.methods.roi): the method adds roi.emit_force_scores / roi.force_scores before its TopK, lifting
     # forced patches by roi_bound(params) + 1; False (the default): --roi is refused.
     roi_keep: ClassVar[bool] = False
+    # The method acts inside blocks 1..L (between each block's attention and its MLP, and on later blocks' attention
+    # logits), not on block L's output alone: its reference is reference_blocks, and its emission rewrites those
+    # blocks through Builder.after / Builder.reroute (token merging).
+    in_blocks: ClassVar[bool] = False
+    # Why the method's output is lost below float32, by measurement; "" where it is not. A target that runs the
+    # graph in fp16 or quantised (Target.reduced_precision) refuses the method with it.
+    float32_only: ClassVar[str] = ""
 
     def roi_bound(self, params: dict) -> float:
         """With roi_keep: an upper bound of the scores the TopK ranks with these parameters."""
@@ -200,7 +207,8 @@ class Method(abc.ABC):
         from vlmprune.passes.methods import budget  # it builds on this module
 
         params = budget.parse(self, parse_scorer(self, roi.parse(self, merge.parse(self, params))))
-        return relevance.parse(self, params)
+        # --coverage builds on --roi's forced keep; --schedule asks what the others made of the method
+        return schedule.parse(self, coverage.parse(self, relevance.parse(self, params)))
 
     def taken_options(self, keep: int = 64) -> list[str]:
         """Every option this method takes, from the declarations: its own, and the generic ones (GENERIC_OPTIONS) it
@@ -250,6 +258,7 @@ class Method(abc.ABC):
                              "which this graph does not show (no patch-embedding Conv found)")
         merge.check(params, spec)
         roi.check(params, spec)
+        coverage.check(params, spec)
         n, keep = spec.num_patches, params["keep"]
         if not 1 <= keep < n:
             raise InputError(f"--keep must satisfy 1 <= keep < {n} (the tower has {n} patch tokens), got {keep}")
@@ -287,6 +296,11 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         """The method in plain torch, batched, without host synchronisation: the parity reference."""
+
+    def reference_blocks(self, params: dict, blocks: list, inputs: SiteTensors) -> TorchResult:
+        """With in_blocks: the method over the tower's blocks 1..L (compiler.frontend.tower.BlockRunner each),
+        from the embeddings (inputs.hidden); its TorchResult is that of block L's output."""
+        raise NotImplementedError(f"method {self.name} does not act inside the blocks")
 
     @abc.abstractmethod
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
@@ -357,6 +371,8 @@ GENERIC_OPTIONS: dict[str, tuple[type, str]] = {
     **merge.GENERIC,
     **relevance.GENERIC,  # --prompt-weight (passes.methods.relevance)
     **roi.GENERIC,
+    **coverage.GENERIC,  # --coverage F (passes.methods.coverage): a uniform grid forced into K
+    **schedule.GENERIC,  # --schedule (passes.methods.schedule): progressive pruning in steps across blocks
     # --budget adaptive (passes.methods.budget): K per image from the entropy of the method's score
     "budget": (str, "fixed (default) or adaptive: K per image = clamp(round((α·sigmoid(β·H) + γ)·N), --kmin, "
                     "--keep), H the entropy of the image's normalised score (score-based methods: cls)"),

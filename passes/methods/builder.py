@@ -28,6 +28,10 @@ class Builder:
     def __init__(self, graph: ir.Graph, opset: int, prefix: str):
         self.graph, self.opset, self.prefix = graph, opset, prefix
         self.nodes: list[ir.Node] = []
+        # Nodes a method places inside the graph upstream of its site (Builder.after), and the values it
+        # substitutes there (Builder.reroute): the insertion pass applies both after placing `nodes`.
+        self.placements: list[tuple[ir.Node, list[ir.Node]]] = []
+        self.reroutes: list[tuple[ir.Value, ir.Value]] = []
         self._role = SCORE
         self._names: set[str] = set()
 
@@ -41,6 +45,25 @@ class Builder:
             yield self
         finally:
             self._role = previous
+
+    @contextlib.contextmanager
+    def after(self, anchor: ir.Node):
+        """Nodes created inside the block go right after `anchor`, a node of the graph upstream of the site (a
+        method that acts inside earlier blocks, as token merging does), instead of after the site."""
+        previous, self.nodes = self.nodes, []
+        try:
+            yield self
+        finally:
+            self.placements.append((anchor, self.nodes))
+            self.nodes = previous
+
+    def reroute(self, old: ir.Value, new: ir.Value) -> None:
+        """Every consumer of `old` in the graph, except this builder's own nodes, reads `new` instead."""
+        self.reroutes.append((old, new))
+
+    def all_nodes(self) -> list[ir.Node]:
+        """Every node this builder made: after the site, and placed inside the graph."""
+        return [*self.nodes, *(n for _, nodes in self.placements for n in nodes)]
 
     def _unique(self, name: str) -> str:
         base, i = f"{self.prefix}/{name}", 0

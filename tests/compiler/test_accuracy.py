@@ -234,3 +234,124 @@ def test_without_a_dataset_a_target_option_is_refused(setup):
     model, *_ = setup
     with pytest.raises(InputError, match=r"^--precision applies to eval --dataset only$"):
         api.eval(str(model), images="x", prompts="y", target_options={"precision": "int8"})
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_retained_is_null_and_explained_where_dense_answers_nothing_right(setup, tmp_path):
+    """Issue 31: with dense accuracy 0 (the tiny model never says "cat"), --json wrote `"retained": NaN` and NaN
+    bounds, which is not JSON, and the table said `retained nan` without a reason. Now null, and the table, the
+    page and the JSON say why."""
+    model, data, store, report = setup
+    assert report["rows"][0]["accuracy"] == 0
+    result = run_cli("eval", model, "--dataset", data, "--keep", "8", "--store", store, "--max-new-tokens", "3",
+                     "--json", "--report", tmp_path / "e.json")
+    assert result.exit_code == 0, result.output
+    for text in (result.stdout, (tmp_path / "e.json").read_text()):
+        out = _strict_json(text)
+        assert all(r["retained"] is None and r["retained_ci"] is None for r in out["rows"])
+        assert out["retained_null"] == "dense accuracy is 0 on these samples: nothing to retain"
+    lines = run_cli("eval", model, "--dataset", data, "--keep", "8", "--store", store, "--max-new-tokens", "3",
+                    "--report", tmp_path / "e.html").stdout.splitlines()
+    assert not any("nan" in line.lower() for line in lines)
+    assert "(retained -: dense accuracy is 0 on these samples: nothing to retain)" in lines
+    page = (tmp_path / "e.html").read_text()
+    assert "nan" not in page.lower() and "nothing to retain" in page
+
+
+def write_typed(root: Path, dense_answers: list[str]) -> Path:
+    """The setup's images and questions with types, and answers that make dense right on the count questions
+    (its own answers) and wrong on the color ones; ties in the majority broken by text."""
+    lines = []
+    for i, answer in enumerate(dense_answers):
+        kind = "count" if i % 2 == 0 else "color"
+        answers = [answer] if kind == "count" else [{1: "zebra", 3: "aardvark", 5: "mole"}[i]]
+        lines.append(json.dumps({"image": f"img{i // 2}.png", "question": QUESTIONS[i % 2], "answers": answers,
+                                 "type": kind}))
+    path = root / "typed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_typed_dataset_is_scored_per_type_against_its_majority_and_random_keep(setup, tmp_path):
+    model, data, store, report = setup
+    dense_answers = [report["rows"][0]["answers"][d]["answer"] for d in report["sample_digests"]]
+    typed = write_typed(data.parent, dense_answers)
+    out = evaluate_dataset(str(model), typed, ["cls"], [8], ["end"], store=store, max_new_tokens=3)
+    assert [r["method"] for r in out["rows"]] == ["dense", "cls", "random", "grid"]
+    assert out["sample_types"] == ["count", "color"] * 3
+    assert out["types"]["color"] == {"samples": 3, "majority_answer": "aardvark", "majority_accuracy": 1 / 3}
+    assert out["types"]["count"]["samples"] == 3
+    dense, cls_row, random_row, grid_row = out["rows"]
+    assert dense["by_type"]["count"]["accuracy"] == 1 and dense["by_type"]["color"]["accuracy"] == 0
+    assert dense["accuracy"] == 0.5 and dense["retained"] == 1.0
+    assert dense["by_type"]["color"]["retained"] is None  # nothing to retain within that type
+    assert dense["vs_random"] is None and random_row["vs_random"] is None
+    digests = out["sample_digests"]
+    for row in (cls_row, grid_row):
+        mine = [row["answers"][d]["correct"] for d in digests]
+        theirs = [random_row["answers"][d]["correct"] for d in digests]
+        want = stats.difference_interval(mine, theirs)
+        assert (row["vs_random"]["difference"], *row["vs_random"]["ci"]) == pytest.approx(want)
+        assert row["vs_random"]["counts"] == (want[1] > 0 or want[2] < 0)
+        count = [i for i, t in enumerate(out["sample_types"]) if t == "count"]
+        want = stats.difference_interval([mine[i] for i in count], [theirs[i] for i in count])
+        assert (row["by_type"]["count"]["vs_random"]["difference"], *row["by_type"]["count"]["vs_random"]["ci"]) \
+            == pytest.approx(want)
+    lines = api.EvalResult(out).lines()
+    assert "accuracy per question type:" in lines
+    header = lines[lines.index("accuracy per question type:") + 1].split()
+    assert header == ["method", "K", "where", "color", "count"]
+    assert lines[lines.index("accuracy per question type:") + 3].split() == ["majority", "answer", "0.333", "0.333"]
+    _strict_json(json.dumps(out))
+    from vlmprune.compiler.report import quality_html
+
+    page = quality_html(out)
+    assert "Accuracy per question type" in page and "aardvark" in page
+
+
+def test_an_interrupt_says_how_many_cells_are_stored_and_that_a_rerun_resumes(setup, tmp_path):
+    """Issue 31: Ctrl-C during the sweep said `interrupted; nothing was written` while the store held the cells
+    the rerun then reused."""
+    from vlmprune.compiler.bundle import interrupted_line, tracking
+
+    model, data, _, _ = setup
+    store, seen, complete = tmp_path / "s.sqlite", [], []
+
+    def interrupt(key, results):
+        seen.append(len(results))
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt), tracking(complete):
+        evaluate_dataset(str(model), data, ["cls"], [8], ["end"], store=store, max_new_tokens=3, on_chunk=interrupt)
+    assert interrupted_line(complete) == (f"interrupted; 4 bundles under {tmp_path / 'bundles'} are complete; "
+                                          f"{sum(seen)} of 24 cells are stored in {store}: a rerun resumes from them")
+    resumed = evaluate_dataset(str(model), data, ["cls"], [8], ["end"], store=store, max_new_tokens=3)
+    assert resumed["reused"] == sum(seen)
+
+
+def test_an_interrupt_during_the_compiles_summarises_the_bundles(setup, tmp_path, monkeypatch):
+    """Issue 31: the line listed seven bundle paths in one run-on line."""
+    from vlmprune.compiler import accuracy
+    from vlmprune.compiler.bundle import interrupted_line, record_complete, tracking
+
+    model, data, _, _ = setup
+    made = []
+
+    def compile_some(model, plan, key, target, target_options, folder, progress):
+        if len(made) == 7:
+            raise KeyboardInterrupt
+        made.append(folder / key)
+        record_complete(f"the bundle at {folder / key}")
+        return folder / key, True
+
+    monkeypatch.setattr(accuracy, "bundle_for", compile_some)
+    complete = []
+    with pytest.raises(KeyboardInterrupt), tracking(complete):
+        evaluate_dataset(str(model), data, ["cls", "divprune"], [8, 16], ["1", "end"], store=tmp_path / "s.sqlite")
+    assert interrupted_line(complete) == f"interrupted; 7 bundles under {tmp_path / 'bundles'} are complete"

@@ -243,3 +243,24 @@ def test_an_empty_read_only_mount_point_is_refused_before_any_work(mount_point):
     read_only()
     with pytest.raises(InputError, match=r"mnt is not writable \(Read-only file system\)"):
         bundle.prepare_output(point, False)
+
+
+def test_summarised_outputs_and_resumable_results_make_one_short_interrupt_line():
+    """Issue 31: eval's interrupt listed every bundle it had compiled in one run-on line; a summarised block says
+    them in one phrase, and what a rerun resumes from comes after the outputs that are complete."""
+    complete: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        with bundle.tracking(complete):
+            with bundle.summarised(lambda made: f"{len(made)} bundles under /q"):
+                for i in range(7):
+                    bundle.record_complete(f"the bundle at /q/{i}")
+                raise KeyboardInterrupt
+    assert complete == ["7 bundles under /q"]
+    complete.append(bundle.Resumable("54 of 90 cells are stored in s.sqlite: a rerun resumes from them"))
+    assert bundle.interrupted_line(complete) == ("interrupted; 7 bundles under /q are complete; 54 of 90 cells are "
+                                                 "stored in s.sqlite: a rerun resumes from them")
+    assert bundle.interrupted_line(complete[1:]) == ("interrupted; 54 of 90 cells are stored in s.sqlite: a rerun "
+                                                     "resumes from them")
+    with bundle.summarised(lambda made: "never"):
+        pass
+    assert bundle.interrupted_line([]) == "interrupted; nothing was written"

@@ -65,3 +65,21 @@ def test_saliency_concentrates_on_the_object():
     # The map is a sigmoid with a background floor (~0.55 here), so rank, not mass: every object patch
     # outranks every background patch, and the object's 36 patches are the map's top 36.
     assert sal[inside].min() > sal[~inside].max() + 0.1
+
+
+@pytest.mark.slow
+def test_convert_at_448_px_has_the_seeds_1024_patches(tmp_path):
+    """Issue 32: the graph itself runs at 448 px (its Resize takes the input's size), and the baked table matches it."""
+    report = dinov2_from_onnx.convert(imgfocus.onnx_path(), tmp_path / "d448", 448)
+    assert report["tokens"] == 1 + 32 * 32
+    assert max(report["max_abs"].values()) <= 1e-4
+    config = json.loads((tmp_path / "d448" / "config.json").read_text())
+    assert config["image_size"] == 448
+    pre = json.loads((tmp_path / "d448" / "preprocessor_config.json").read_text())
+    assert pre["crop_size"] == {"height": 448, "width": 448} and pre["size"] == {"shortest_edge": 448}
+
+
+def test_refuses_an_image_size_off_the_patch_grid(tmp_path, capsys):
+    assert dinov2_from_onnx.main(["-o", str(tmp_path / "x"), "--image-size", "450"]) == 2
+    assert capsys.readouterr().err == "error: --image-size must be a positive multiple of 14 (the patch size), got 450\n"
+    assert not (tmp_path / "x").exists()

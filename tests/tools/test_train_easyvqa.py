@@ -96,5 +96,37 @@ def test_refusals(tmp_path, capsys):
                                        "make one with tools/dinov2_from_onnx.py\n")
     (tmp_path / "mine").mkdir()
     assert train_easyvqa.main(["-o", str(tmp_path / "mine"), "--tower", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == (f"error: {tmp_path / 'mine'} exists but is not a finished easy-vqa model; "
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'mine'} exists but is not a finished easyvqa model; "
                                        "pass --force to replace it\n")
+
+
+def test_weights_do_not_depend_on_the_thread_count(trained, tower, tmp_path):
+    """Issue 32: the same seed gives the same weights whatever the thread count (the fixture trained on 2)."""
+    out, record = trained
+    one = _train(tmp_path / "one", tower, threads=1)
+    assert one["weights_sha256"] == record["weights_sha256"]
+    assert record["weights_sha256"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    assert one["environment"]["threads"] == 1 and record["environment"]["threads"] == 2
+    assert record["environment"]["cpu_capability"] and record["environment"]["torch"]
+
+
+def test_inspection_scenes_train_with_per_type_accuracy(tower, tmp_path, monkeypatch):
+    """The inspection dataset's path: the generator's splits, per-type dense accuracy beside each type's majority."""
+    import inspection_vqa
+
+    monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
+    data = train_easyvqa.Dataset(
+        "inspection", lambda: (train_easyvqa._inspection_split("train", 0, 12), train_easyvqa._inspection_split("test", 0, 6)),
+        "m", "t", train=24, epochs=1, test=12)
+    record = train_easyvqa.train_easyvqa(tmp_path / "model", tower, lm=TINY_LM, log=lambda line: None, dataset=data)
+    assert record["dataset"] == "inspection" and record["test_questions"] == 12 and record["train_images"] == 12
+    types = record["per_type"]
+    assert set(types) <= set(inspection_vqa.TYPES) and sum(t["questions"] for t in types.values()) == 12
+    for row in types.values():
+        assert 0 <= row["dense_accuracy"] <= 1 and row["majority_answer"] in sum(inspection_vqa.ANSWERS.values(), ())
+    assert (tmp_path / "cache" / "datasets" / "inspection-test-s0-n6" / "questions.jsonl").is_file()
+
+
+def test_majority_ties_go_to_the_first_answer_in_sorted_order():
+    assert train_easyvqa.majority(["no", "yes", "yes", "no"]) == "no"
+    assert train_easyvqa.majority(["b", "a", "b"]) == "b"

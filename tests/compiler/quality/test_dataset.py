@@ -135,6 +135,8 @@ def test_bad_files(tmp_path):
      "answers must be a string or a non-empty list of strings"),
     ('{"image": "a.png", "question": "  ", "answers": "x"}', "question must be a non-empty string"),
     ('{"image": "a.png", "question": 7, "answers": "x"}', "question must be a non-empty string"),
+    ('{"image": "a.png", "question": "q", "answers": "x", "type": 3}', "type must be a non-empty string where given"),
+    ('{"image": "a.png", "question": "q", "answers": "x", "type": " "}', "type must be a non-empty string where given"),
 ])
 def test_bad_line_names_its_number(tmp_path, line, problem):
     _png(tmp_path / "a.png")
@@ -182,3 +184,17 @@ def test_by_image_keeps_groups_and_fills_chunks():
     chunks = by_image(_samples("aaaaaabc"), 4)  # a group too big splits, and its rest shares a chunk
     assert ["".join(s.image[5] for s in c) for c in chunks] == ["aaaa", "aabc"]
     assert by_image([], 4) == []
+
+
+def test_a_type_is_read_where_given_and_is_not_in_the_digest(tmp_path):
+    """The type groups the answers (accuracy per type); it does not decide them, so typing a dataset keeps its
+    digests and every stored cell."""
+    _png(tmp_path / "a.png")
+    plain = _jsonl(tmp_path / "plain.jsonl", [{"image": "a.png", "question": "How many?", "answers": "2"},
+                                              {"image": "a.png", "question": "Color?", "answers": "red"}])
+    typed = _jsonl(tmp_path / "typed.jsonl", [{"image": "a.png", "question": "How many?", "answers": "2",
+                                               "type": "count"},
+                                              {"image": "a.png", "question": "Color?", "answers": "red"}])
+    a, b = read_dataset(plain), read_dataset(typed)
+    assert [s.type for s in a] == [None, None] and [s.type for s in b] == ["count", None]
+    assert [s.digest for s in a] == [s.digest for s in b]

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from vlmprune.compiler.quality.stats import (RESAMPLES, SEED, accuracy_interval, exact_match, normalize,
-                                             retained_interval)
+from vlmprune.compiler.quality.stats import (RESAMPLES, SEED, accuracy_interval, difference_interval,
+                                             exact_match, majority, normalize, retained_interval)
 
 
 @pytest.mark.parametrize("text, normal", [
@@ -138,3 +138,26 @@ def test_retained_is_nan_without_dense_hits():
 def test_retained_needs_the_same_samples(pruned, dense):
     with pytest.raises(ValueError):
         retained_interval(pruned, dense)
+
+
+def test_difference_interval_is_paired():
+    """The same resampled indices for both rows: two rows that differ on one sample in twenty have a difference of
+    0.05 and an interval from 0 (resamples without that sample) up; identical rows give exactly 0."""
+    a, b = [1] * 20, [1] * 19 + [0]
+    d, lo, hi = difference_interval(a, b)
+    assert d == pytest.approx(0.05) and lo == 0.0 and hi > 0
+    assert difference_interval(a, a) == (0.0, 0.0, 0.0)
+    wins = [1] * 15 + [0] * 5
+    d, lo, hi = difference_interval(wins, [0] * 20)
+    assert d == pytest.approx(0.75) and lo > 0  # excludes 0: it counts
+    with pytest.raises(ValueError):
+        difference_interval([1, 0], [1])
+
+
+def test_majority_breaks_ties_by_answer_text_whatever_the_order():
+    """Issue 31: two answers as frequent as each other; the baseline must not change with the samples' order (or
+    with Python's string hashing, which `max(set(...))` depended on)."""
+    sets = [("yes",), ("no",), ("no",), ("yes", "y"), ("red",)]
+    for order in (sets, sets[::-1], sets[2:] + sets[:2]):
+        assert majority(order) == ("no", 2 / 5)
+    assert majority([("y",), ("x", "y")]) == ("x", 0.5)  # scored by exact match against every accepted answer

@@ -148,3 +148,20 @@ def test_setting_key():
     assert len(setting_key(a)) == 24 and setting_key(a) == setting_key(json.loads(json.dumps(a)))
     for change in ({"model": "abd"}, {"params": {"k": 32, "layer": 2}}, {"target": "orin"}, {"decode": 8}):
         assert setting_key({**a, **change}) != setting_key(a)
+
+
+def test_without_a_bar_each_finished_setting_is_one_line(tmp_path, store):
+    """Issue 31: a sweep whose stderr is not a terminal (CI) printed nothing for its whole length; it says each
+    setting as it finishes, and nothing per chunk. With a bar (a terminal) the bar says it instead."""
+    log, samples = tmp_path / "log", _samples()
+    settings = [dataclasses.replace(_setting(log, k=8), label="reverse K=8"), _setting(log, k=16)]
+    lines = []
+    run_sweep(settings, samples, store, chunk=2, progress=False, log=lines.append)
+    assert [line.split(" (")[0] for line in lines] == ["eval: reverse K=8 done", f"eval: {settings[1].key} done"]
+    assert "1 of 2 settings, 6 of 12 cells" in lines[0] and "2 of 2 settings, 12 of 12 cells" in lines[1]
+    lines.clear()
+    run_sweep(settings, samples, Store(store.path), chunk=2, progress=False, log=lines.append)
+    assert lines == []  # nothing to compute: nothing to say
+    again = [_setting(log, k=32)]
+    run_sweep(again, samples, store, chunk=2, progress=True, log=lines.append)
+    assert lines == []  # the bar is shown

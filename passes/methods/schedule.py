@@ -1,0 +1,188 @@
+"""`--schedule`: progressive pruning, a score-based method applied in several steps across blocks.
+
+Instead of keeping K of the N patches at once after one block, step s of S prunes after
+block L_s to K_s tokens (L_1 < ... < L_S, N > K_1 > ... > K_S = K = --keep), so the blocks
+in between run on fewer tokens while the early ones still see most of the image (seed 003's
+layer-wise keep ratios: gentle early, stronger later). Two spellings:
+
+- blocks only, `--schedule 2,4,6` (or `2/4/6`): the counts follow the geometric
+  interpolation between N and K, K_s = round(N · (K/N)^(s/S)); each step keeps the same
+  share of what reaches it, so the early steps drop the tokens that are cheapest to lose
+  (in absolute numbers most, in share as many as the later ones). Counts that rounding
+  makes equal are pushed apart (K_s > K_{s+1}, K_1 < N). With N = 1024, K = 192: 586, 335, 192.
+- with counts, `--schedule 2:512,4:320,6:192` (or `2:512/4:320/6:192`); the last count must
+  be --keep and may be left out (`2:512,4:320,6`).
+`/` separates steps where a comma already separates something else: eval's comma lists
+(`-m cls:schedule=2/4/6`, a place `--layer 2/4/6`). The last block is the method's layer:
+`--layer` is then left out, or equal to it.
+
+Each step recomputes the method's own score at its own block over the tokens still present
+(cls: the [CLS] row of that block's attention; visionzip: its dominant score), with the
+method's other options. Intermediate steps keep their K_s best tokens in raster order and
+drop the others without a summary (a summary token would be one more token the next blocks
+run on and the next score ranks; the final step's own extras cover what was dropped by
+then); the final step is the method as it is at its block, its summary token (cls: the mean
+of the tokens pruned at that step) or contextual tokens included. kept_indices [B, K]
+compose back to the original patch indices (in ascending raster order for cls). Forced
+patches (--roi, --coverage) are forced at every step, mapped to the surviving tokens.
+
+Refused in one line: a schedule that is not increasing in blocks or decreasing in counts, a
+last count other than --keep, a block beyond the tower's, fewer than two steps (one step is
+--layer), and what has no single ranked score at a block: greedy selections, baselines,
+methods at the projector output, K per image (--budget adaptive, prumerge+), --merge local
+(its windows need the whole patch grid), the pixel term (--lambda: per original patch),
+--scorer int8, anyres crops and .onnx sources (whose reference reads the dense graph's
+blocks, which never run on the pruned tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+import torch
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.tower import BLOCK
+from vlmprune.passes.methods.builder import SELECT
+
+GENERIC = {
+    "schedule": (str, "progressive pruning in steps: the blocks after which each step prunes, 2,4,6 (or 2/4/6; the "
+                      "counts geometric from N to --keep), or with counts 2:512,4:320,6:192; the last step keeps "
+                      "--keep after the last block (score-based methods at a block site: cls, visionzip)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    layer: int  # prune after this block (from 1)
+    keep: int  # tokens kept by this step
+
+
+def split(text) -> list[tuple[int, int | None]]:
+    """`2,4,6`, `2/4/6`, `2:512,4:320,6` -> [(layer, count or None)]; one line for what does not read."""
+    if isinstance(text, (list, tuple)):
+        text = ",".join(str(s) for s in text)
+    if not isinstance(text, str) or not text.strip():
+        raise InputError(f"--schedule is a list of blocks (2,4,6) or of block:count steps (2:512,4:320,6:192), "
+                         f"got {text!r}")
+    steps = []
+    for part in text.replace("/", ",").split(","):
+        layer, colon, count = part.strip().partition(":")
+        try:
+            steps.append((int(layer), int(count) if colon else None))
+        except ValueError:
+            raise InputError(f"--schedule step {part.strip()!r} is not BLOCK or BLOCK:COUNT (e.g. 2,4,6 or "
+                             "2:512,4:320,6:192)") from None
+    return steps
+
+
+def parse(method, params: dict) -> dict:
+    """Check --schedule for `method`; params["schedule"] becomes its canonical text (`2,4,6`, `2:512,4:320,6:192`)."""
+    text = params.get("schedule")
+    if text is None:
+        return params
+    steps, keep = split(text), params["keep"]
+    if len(steps) < 2:
+        raise InputError(f"--schedule {text}: one step is --layer {steps[0][0]}; a schedule has two or more")
+    layers = [layer for layer, _ in steps]
+    if layers[0] < 1 or any(a >= b for a, b in zip(layers, layers[1:])):
+        raise InputError(f"--schedule {text}: the blocks must increase from 1 (each step after a later block)")
+    counts = [count for _, count in steps]
+    if counts[-1] is None and any(c is not None for c in counts[:-1]):
+        counts[-1] = keep  # `2:512,4:320,6`: the last step keeps --keep
+    if any(c is None for c in counts) and any(c is not None for c in counts):
+        raise InputError(f"--schedule {text}: give a count for every step (2:512,4:320,6:192) or for none (2,4,6)")
+    if counts[0] is not None:
+        if counts[-1] != keep:
+            raise InputError(f"--schedule {text}: the last step keeps --keep ({keep}), not {counts[-1]}")
+        if any(a <= b for a, b in zip(counts, counts[1:])):
+            raise InputError(f"--schedule {text}: the counts must decrease step by step (each step prunes)")
+    why = refusal(method, params)
+    if why:
+        raise InputError(f"method {method.name} cannot take --schedule: {why}")
+    params["schedule"] = ",".join(str(layer) if count is None else f"{layer}:{count}"
+                                  for layer, count in zip(layers, counts))
+    return params
+
+
+def refusal(method, params: dict) -> str | None:
+    """Why `method` with these parameters has no single score to rank at each of several blocks, or None."""
+    if method.baseline:
+        return "it is a baseline that keeps the same patches for every image (no score to recompute per step)"
+    if method.selection != "score":  # base.BY_SCORE
+        return "its selection is greedy (each pick depends on the others): no score to rank at each step"
+    if method.variable_k or params.get("budget"):
+        return "K varies per image (--budget adaptive, prumerge+), and a step's token count must be one constant"
+    if method.needs(params).site != BLOCK:
+        return "it prunes the projector output (the tower's end), where no block is left to step through"
+    if params.get("merge"):
+        return "--merge local's windows need the whole patch grid, which an earlier step has thinned"
+    if method.needs(params).pixels:
+        return "its pixel term (--lambda) scores the original patch grid, not the tokens an earlier step left"
+    if params.get("scorer"):
+        return "--scorer int8 runs one fused scorer (not checked over several steps)"
+    if "crops" in params:
+        return "LLaVA-NeXT's crops share one budget over several grids"
+    return None
+
+
+def layers(params: dict) -> list[int]:
+    """The blocks after which the steps prune, the last one the method's layer."""
+    return [layer for layer, _ in split(params["schedule"])]
+
+
+def resolve(params: dict, n: int) -> list[Step]:
+    """The steps with their counts for N patch tokens (module docstring: given, or geometric from N to K)."""
+    steps, keep = split(params["schedule"]), params["keep"]
+    total = len(steps)
+    if n - keep < total:
+        raise InputError(f"--schedule of {total} steps needs at least {total} tokens to drop, and K = {keep} of "
+                         f"N = {n} leaves {n - keep}")
+    if steps[0][1] is not None:
+        counts = [count for _, count in steps]
+        if counts[0] >= n:
+            raise InputError(f"--schedule: the first step keeps {counts[0]}, and the tower has {n} patch tokens")
+    else:
+        counts = [round(n * (keep / n) ** (s / total)) for s in range(1, total + 1)]
+        counts[-1] = keep
+        for s in range(total - 2, -1, -1):  # strictly decreasing, above K ...
+            counts[s] = max(counts[s], counts[s + 1] + 1)
+        for s in range(total):  # ... and below N
+            counts[s] = min(counts[s], n - 1 - s)
+    return [Step(layer, count) for (layer, _), count in zip(steps, counts)]
+
+
+def text(steps: list[Step]) -> str:
+    """`2→4→6` for tables and summaries."""
+    return "→".join(str(s.layer) for s in steps)
+
+
+def wrap(method, params: dict, num_patches: int | None = None):
+    """The method as compiled with these (parsed) parameters: Progressive(method) under --schedule."""
+    from vlmprune.passes.methods.progressive import Progressive  # it builds on base, which imports this module
+
+    if params.get("schedule") is None or isinstance(method, Progressive):
+        return method
+    return Progressive(method, num_patches)
+
+
+def emit_compose(b, composed: ir.Value | None, kept: ir.Value) -> ir.Value:
+    """Original patch indices of this step's kept tokens: kept indexes the tokens present, composed says which
+    original patch each of those is (None: the first step, the tokens are the patches)."""
+    if composed is None:
+        return kept
+    with b.role(SELECT):
+        return b.op("GatherElements", [composed, kept], "step_compose", axis=1)
+
+
+def steps_record(steps: list[Step], prefix: int, n: int, final_tokens: int) -> list[dict]:
+    """What the manifest lists per step: block, tokens kept, token counts in and out."""
+    out, tokens_in = [], prefix + n
+    for i, s in enumerate(steps):
+        tokens_out = final_tokens if i == len(steps) - 1 else prefix + s.keep
+        out.append({"layer": s.layer, "keep": s.keep, "tokens_in": tokens_in, "tokens_out": tokens_out})
+        tokens_in = prefix + s.keep
+    return out
+
+

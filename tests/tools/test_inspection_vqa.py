@@ -1,0 +1,118 @@
+"""tools/inspection_vqa.py: deterministic scenes, answers read back from the scene, balanced types, small parts."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import inspection_vqa as iv  # noqa: E402
+
+
+def _digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            h.update(p.relative_to(folder).as_posix().encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def test_same_seed_same_bytes_and_count_takes_a_prefix(tmp_path):
+    iv.write_split("test", tmp_path / "a", seed=3, count=6)
+    iv.write_split("test", tmp_path / "b", seed=3, count=6)
+    iv.write_split("test", tmp_path / "c", seed=3, count=4)
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    a = (tmp_path / "a" / "questions.jsonl").read_text().splitlines()
+    c = (tmp_path / "c" / "questions.jsonl").read_text().splitlines()
+    assert a[:len(c)] == c and len(a) == 12 and len(c) == 8
+    assert (tmp_path / "a/images/test-00003.png").read_bytes() == (tmp_path / "c/images/test-00003.png").read_bytes()
+    iv.write_split("test", tmp_path / "d", seed=4, count=6)
+    assert _digest(tmp_path / "a") != _digest(tmp_path / "d")
+
+
+def test_splits_are_different_streams():
+    train, _ = iv.scene(0, "train", 5)
+    test, _ = iv.scene(0, "test", 5)
+    assert not np.array_equal(train, test)
+
+
+def test_rows_are_eval_dataset_lines(tmp_path):
+    from vlmprune.compiler.quality.dataset import read_dataset
+
+    info = iv.write_split("test", tmp_path / "s", seed=0, count=5)
+    samples = read_dataset(tmp_path / "s" / "questions.jsonl")
+    assert len(samples) == 10 and all(Path(s.image).is_file() for s in samples)
+    rows = [json.loads(line) for line in (tmp_path / "s" / "questions.jsonl").read_text().splitlines()]
+    assert {r["type"] for r in rows} <= set(iv.TYPES)
+    assert all(len(r["answers"]) == 1 and " " not in r["answers"][0] for r in rows)
+    assert json.loads((tmp_path / "s" / "summary.json").read_text()) == json.loads(json.dumps(info))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_answers_are_balanced_per_type_and_parts_are_small():
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for i in range(400):
+        rng = iv.image_rng(0, "train", i)
+        kinds = iv._pick_types(rng)
+        assert len(set(kinds)) == 2
+        targets = {k: iv.ANSWERS[k][rng.integers(len(iv.ANSWERS[k]))] for k in kinds}
+        parts, refs = iv.plan_scene(rng, targets)
+        assert 1 <= len(parts) <= 6 and len({(p.color, p.shape) for p in parts}) == len(parts)
+        for p in parts:  # each part's box covers 0.3-3 % of the image, inside it
+            assert iv.AREA[0] * 0.9 <= p.side ** 2 / iv.SIZE ** 2 <= iv.AREA[1] * 1.05
+            assert 0 <= p.x and p.x + p.side <= iv.SIZE and 0 <= p.y and p.y + p.side <= iv.SIZE
+        for k in kinds:
+            text, answer = iv.question(k, refs, parts)
+            assert answer == targets[k], (i, k, text)
+            counts[k][answer] += 1
+    for kind, answers in counts.items():
+        assert set(answers) == set(iv.ANSWERS[kind]), kind
+        # drawn uniformly: no answer takes more than twice its fair share on ~100 questions a type
+        assert max(answers.values()) / sum(answers.values()) < 2 / len(iv.ANSWERS[kind]), (kind, answers)
+
+
+def test_region_and_defect_are_in_the_pixels():
+    """The queried part's colour is at its centre; a defect changes the part's pixels."""
+    for i in range(60):
+        pixels, rows = iv.scene(0, "test", i)
+        rng = iv.image_rng(0, "test", i)
+        kinds = iv._pick_types(rng)
+        targets = {k: iv.ANSWERS[k][rng.integers(len(iv.ANSWERS[k]))] for k in kinds}
+        parts, _ = iv.plan_scene(rng, targets)
+        for p in parts:
+            if p.shape in ("square", "circle", "cross") and not p.label and not p.defect:
+                cx, cy = (int(v) for v in p.center)
+                assert tuple(pixels[cy, cx]) == iv.COLORS[p.color], (i, p)
+        assert pixels.shape == (iv.SIZE, iv.SIZE, 3) and pixels.dtype == np.uint8
+        assert len(rows) == 2
+
+
+def test_region_names_follow_the_three_by_three_cells():
+    s = iv.SIZE
+    assert iv.region_of(1, 1) == "topleft" and iv.region_of(s - 1, s - 1) == "bottomright"
+    assert iv.region_of(s / 2, s / 2) == "center" and iv.region_of(s / 2, 2) == "top"
+
+
+def test_cli_refuses_existing_output_and_bad_count(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    assert iv.main(["--split", "test", "-o", str(tmp_path / "x"), "--count", "1"]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert iv.main(["--split", "test", "-o", str(tmp_path / "y"), "--count", "0"]) == 2
+    assert capsys.readouterr().err == "error: --count must be at least 1, got 0\n"
+    assert not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_every_type_can_be_drawn(split):
+    seen = set()
+    for i in range(40):
+        _, rows = iv.scene(1, split, i)
+        seen |= {r["type"] for r in rows}
+    assert seen == set(iv.TYPES)
