@@ -240,7 +240,9 @@ def _stage_line(name: str, stage: dict) -> str:
             images = ", ".join(map(str, stage["tie_resolved_images"]))
             why = ("it diverges at a greedy step whose two best candidates tie" if "first_divergent_step" in stage
                    else "every differing index lies in the K-th boundary tie band")
-            figures.append(f"image {images}: {why}")
+            many = len(stage["tie_resolved_images"]) > 1
+            why = why.replace("it diverges", "they diverge") if many else why
+            figures.append(f"image{'s' if many else ''} {images}: {why}")
     if compared_text(stage):
         figures.append(compared_text(stage))
     status = "PASS" if stage["passed"] else "FAIL"

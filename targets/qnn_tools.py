@@ -254,6 +254,13 @@ def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]],
         else:
             overrides = score_path_overrides(model, calib_inputs,
                                              _quant_type(score_weight_type) if score_weight_type else None)
+        if act_type in EIGHT_BIT:
+            # onnxruntime's QNN helpers fix a Softmax output's range to [0, 1]: 8-bit steps of 1/255, while attention
+            # over hundreds of keys gives probabilities below that (demo: at most 0.0027 over 577 keys), so every
+            # probability read 0 or 1/255 and the features lost cosine (0.26 after the first softmax). Their
+            # calibrated range instead (16 bits resolve 1/65535, enough).
+            for name, override in softmax_overrides(model, calib_inputs).items():
+                overrides.setdefault(name, override)
         if act_type in ("uint16", "int16") and act_matmul != "keep":
             for node in activation_matmuls(model):
                 if node.name not in exclude:
@@ -400,14 +407,22 @@ def feeding_selection_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in nodes if id(n) in ids]
 
 
+EIGHT_BIT = ("uint8", "int8")
+
+
+def softmax_overrides(model: onnx.ModelProto, calib_inputs: list[dict],
+                      nodes: list[onnx.NodeProto] | None = None) -> dict:
+    """TensorQuantOverrides giving each Softmax output (of nodes, default all) its calibrated range [0, max]."""
+    outputs = [n.output[0] for n in (model.graph.node if nodes is None else nodes) if n.op_type == "Softmax"]
+    return {name: [{"rmin": np.array(0.0, np.float32), "rmax": np.array(rmax, np.float32)}]
+            for name, rmax in _calibrated_max(model, outputs, calib_inputs).items()}
+
+
 def score_path_overrides(model: onnx.ModelProto, calib_inputs: list[dict], score_weight_qtype=None) -> dict:
     """TensorQuantOverrides for what feeds the selection: calibrated Softmax ranges, its weight type."""
     nodes = feeding_selection_nodes(model)
     inits = {i.name for i in model.graph.initializer}
-    overrides: dict[str, list[dict]] = {}
-    softmax_outputs = [n.output[0] for n in nodes if n.op_type == "Softmax"]
-    for name, rmax in _calibrated_max(model, softmax_outputs, calib_inputs).items():
-        overrides[name] = [{"rmin": np.array(0.0, np.float32), "rmax": np.array(rmax, np.float32)}]
+    overrides = softmax_overrides(model, calib_inputs, nodes)
     for node in nodes if score_weight_qtype is not None else ():
         for i in WEIGHT_INPUTS.get(node.op_type, ()):
             if i < len(node.input) and node.input[i] in inits:

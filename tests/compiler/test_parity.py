@@ -177,3 +177,14 @@ def test_a_stage_whose_kept_sets_all_differ_compares_the_tokens_both_kept():
     # nothing known to compare (no method recorded): no longer a pass
     blind = parity.compare_tokens(ref_feats, cand_feats, parity.tolerance_for("fp16"), [0, 1])
     assert not blind["passed"] and "no image compared" in blind["error"]
+
+
+def test_the_stage_line_names_the_tie_resolved_images_in_number():
+    """Issue 31: "image 0, 1: it diverges ..." named two images as one."""
+    from vlmprune.compiler.api import _stage_line
+
+    stage = {"passed": False, "precision": "int8", "index_agreement": 0.6, "tie_resolved_images": [0, 1],
+             "first_divergent_step": [3, 4]}
+    assert "images 0, 1: they diverge at a greedy step whose two best candidates tie" in _stage_line("qdq", stage)
+    stage["tie_resolved_images"] = [1]
+    assert "image 1: it diverges at a greedy step" in _stage_line("qdq", stage)

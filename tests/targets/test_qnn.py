@@ -105,9 +105,44 @@ def test_targets_lists_the_soc_values():
 def test_precision_option():
     from vlmprune.targets.qnn import parse_precision
 
-    assert parse_precision(None) == "int16" and parse_precision("INT8") == "int8"
+    assert parse_precision(None) == "int16" and parse_precision("INT16") == "int16"
     with pytest.raises(VlmpruneError, match="qnn --precision"):
         parse_precision("fp16")
+
+
+def test_int8_is_refused_in_one_line_before_any_work(tmp_path):
+    """Issue 31: --precision int8 compiled for half a minute, then failed parity (cosine 0.2065); it is refused with
+    what was measured, before any work."""
+    result = CliRunner().invoke(main, ["compile", "demo", "--target", "qnn", "--precision", "int8", "-k", "64",
+                                       "-o", str(tmp_path / "q8")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert lines[0].startswith("error: qnn --precision int8 is refused: 8-bit activations keep a token cosine of ")
+    assert lines[0].endswith("compile with --precision int16 (the default)")
+    assert not (tmp_path / "q8").exists()
+
+
+def test_eight_bit_softmax_keeps_its_calibrated_range(tmp_path):
+    """onnxruntime's QNN helpers fix a Softmax output to [0, 1]: with 8-bit steps of 1/255, attention over 577 keys
+    (probabilities under 0.003) read 0 or 1/255 and the demo tower's features lost cosine (0.26 after one softmax)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["p"], axis=-1, name="softmax"),
+                               helper.make_node("Mul", ["p", "w"], ["y"], name="scale")], "attention",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 577])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 577])],
+                              [helper.make_tensor("w", TensorProto.FLOAT, [1], [2.0])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    rng = np.random.default_rng(0)
+    calib = [{"x": rng.normal(0, 0.5, (1, 577)).astype(np.float32)} for _ in range(4)]
+    qnn_tools.quantize_qdq(tmp_path / "m.onnx", tmp_path / "q.onnx", calib, act_type="uint8", weight_type="uint8")
+    x = calib[0]["x"]
+    want = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    cosine = float(np.dot(want.ravel(), got.ravel()) / (np.linalg.norm(want) * np.linalg.norm(got)))
+    assert cosine > 0.99, cosine
 
 
 def test_in_batches_splits_parity_images():
