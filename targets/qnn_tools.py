@@ -14,8 +14,11 @@ list, per execution provider, the nodes it was given.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib.util
+import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -119,9 +122,46 @@ def htp_session(model_path, soc_model: str = DEFAULT_SOC_MODEL, *, cpu_fallback:
         options.add_session_config_entry(key, str(value))
     options.add_provider_for_devices(list(_ep_devices()), _htp_options(soc_model, **(provider_options or {})))
     try:
-        return ort.InferenceSession(str(model_path), sess_options=options)
+        with _without_libnative_banner():
+            return ort.InferenceSession(str(model_path), sess_options=options)
     except Exception as exc:
         raise QnnError(f"QNN HTP session for {Path(model_path).name}: {_first_line(exc)}") from exc
+
+
+_BANNER_SHOWN = False
+BANNER = " # LIBNATIVE:"
+
+
+@contextlib.contextmanager
+def _without_libnative_banner():
+    """The HTP library prints ` # LIBNATIVE: ...` (its thread-local-storage config; LIBNATIVE_CONFIG only changes
+    the wording) on file descriptor 1 as the first session loads it, under -q too. File descriptor 1 goes to a
+    temporary file for that first load; whatever else was written there is passed on to stderr."""
+    global _BANNER_SHOWN
+    if _BANNER_SHOWN:
+        yield
+        return
+    _BANNER_SHOWN = True
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 1)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, AttributeError):  # C stdio's buffer
+                ctypes.CDLL(None).fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+            caught.seek(0)
+            rest = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(BANNER)]
+            if rest:
+                sys.stderr.write("".join(rest))
 
 
 def run_qnn(model_path, inputs: dict[str, np.ndarray], soc_model: str = DEFAULT_SOC_MODEL) -> dict[str, np.ndarray]:
