@@ -334,6 +334,15 @@ def check(bundle: str | Path, *, batch: int | None = None, atol=(), rtol=(), cos
 
 # ---------------------------------------------------------------------- run
 
+SMALL_OUTPUT = 8  # an integer output of at most this many elements (a count per image) is printed with its values
+
+
+def _small_value(value: np.ndarray) -> str:
+    """", value [57]" for a small integer output (e.g. the tokens each image kept), else ""."""
+    if value.size > SMALL_OUTPUT or not np.issubdtype(value.dtype, np.integer):
+        return ""
+    return f", value {value.tolist()}"
+
 
 @dataclasses.dataclass
 class RunResult:
@@ -355,7 +364,9 @@ class RunResult:
     def to_json(self) -> dict:
         """`vlmprune run --json`'s summary."""
         data = {"bundle": str(self.bundle), "runtime": self.runtime, "batch": int(self.inputs.shape[0]),
-                "outputs": {name: {"shape": list(v.shape), "dtype": str(v.dtype)} for name, v in self.outputs.items()}}
+                "outputs": {name: {"shape": list(v.shape), "dtype": str(v.dtype),
+                                   **({"value": v.tolist()} if _small_value(v) else {})}
+                            for name, v in self.outputs.items()}}
         if self.kept is not None:
             data[KEPT] = self.kept.tolist()
         if self.benchmark is not None:
@@ -369,7 +380,8 @@ class RunResult:
     def lines(self) -> list[str]:
         """What `vlmprune run` prints: the runtime, each output's shape, image 0's kept indices, the figures."""
         out = [f"({self.runtime})"]
-        out += [f"{name}: shape {list(value.shape)} dtype {value.dtype}" for name, value in self.outputs.items()]
+        out += [f"{name}: shape {list(value.shape)} dtype {value.dtype}" + _small_value(value)
+                for name, value in self.outputs.items()]
         if self.kept is not None:
             out.append("kept (image 0): " + " ".join(map(str, self.kept[0].tolist())))
         if self.benchmark is not None:

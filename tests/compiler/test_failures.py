@@ -260,3 +260,15 @@ def test_an_empty_output_path_is_refused_not_read_as_the_current_directory(tmp_p
     with pytest.raises(InputError, match="output is empty"):
         api.compile("demo", "", keep=32)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_run_prints_the_value_of_a_small_integer_output():
+    """Issue 31: `run` on a prumerge+ bundle printed `num_tokens: shape [1]`, not how many tokens the image kept."""
+    from vlmprune.compiler.api import RunResult
+
+    result = RunResult(Path("b"), "onnxruntime", np.zeros((1, 3, 8, 8), np.float32),
+                       {"image_features": np.zeros((1, 65, 4), np.float32), "num_tokens": np.array([57])})
+    lines = result.lines()
+    assert f"num_tokens: shape [1] dtype {np.array([57]).dtype}, value [57]" in lines
+    assert "image_features: shape [1, 65, 4] dtype float32" in lines
+    assert result.to_json()["outputs"]["num_tokens"]["value"] == [57]
