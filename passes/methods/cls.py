@@ -80,6 +80,10 @@ class ClsMethod(Method):
         if self.needs(params).cls and not spec.has_cls and spec.merge is not None and spec.merge >= 2:
             raise InputError(f"method {self.name} needs a [CLS] token, and this tower's merged tokens have none: "
                              "use --score attention (the attention each merged token receives), or divprune or dart")
+        if self.needs(params).cls and not spec.has_cls and spec.head:
+            raise InputError(f"method {self.name} needs a [CLS] token, and this tower has none: use --score probe (rank "
+                             "by its attention-pooling head's probe), or a method for towers without one "
+                             "(`vlmprune methods`)")
         super().check(params, spec)
         self.check_prefix_for_scorer(params, spec)
         if params.get("score") == received.ATTENTION and spec.merge is not None and spec.merge < 2:

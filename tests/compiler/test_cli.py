@@ -125,7 +125,9 @@ def test_corrupt_onnx(tmp_path):
 
 
 def test_tower_without_cls(tiny_siglip_dir, tmp_path):
-    _assert_one_line_error(_run("compile", tiny_siglip_dir, "--keep", 8, "-o", tmp_path / "b"), "needs a [CLS] token")
+    """Issue 31: the refusal on SigLIP (an attention-pooling head) suggests the cls method's own way out."""
+    _assert_one_line_error(_run("compile", tiny_siglip_dir, "--keep", 8, "-o", tmp_path / "b"),
+                           "needs a [CLS] token, and this tower has none: use --score probe")
 
 
 def test_unwritable_output(tiny_llava_dir, tmp_path):
