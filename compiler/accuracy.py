@@ -14,7 +14,10 @@ the projector output). A method that only prunes at the end is run once however 
 layers are asked for. A progressive place, blocks joined by `/` (`--layer 2/4/6`), prunes in
 steps after each (--schedule, passes.methods.schedule; the last step keeps K, the counts
 before it geometric from N to K), labelled "progressive 2→4→6"; the baselines stand beside it
-after its last block. `-m cls:schedule=2/4/6` is the same place given as the method's option.
+after its last block. `-m cls:schedule=2/4/6` is the same place given as the method's option. A
+method that merges inside the blocks (Method.in_blocks: tome) has its block range (`tome:blocks=1-4`)
+as its place, "in blocks 1-4" or "in every block": it is run once whatever layers are asked for,
+and no random keep stands at that place (compare it by its tower speedup).
 
 A prompt-aware bundle (a `text_embeds` input: cdpruner, dart --text-pivots, --prompt-weight)
 gets each sample's question as its prompt, the question's non-image token rows of the
@@ -55,6 +58,7 @@ from vlmprune.compiler.quality.sweep import Setting, run_sweep, setting_key, sto
 BASELINES = ("random", "grid")
 RANDOM = "random"  # the row every other one is compared with, at the same K and place
 END = "end"
+IN_BLOCKS = "blocks"  # the place of a method that merges inside the blocks (Method.in_blocks): its block range
 UNTYPED = "(no type)"  # the per-type group of a typed dataset's samples that carry none
 NO_RETAINED = "dense accuracy is 0 on these samples: nothing to retain"
 
@@ -65,7 +69,7 @@ class Plan:
 
     method: str | None  # None: dense
     keep: int | None
-    layer: int | str | None  # an int L (after block L), END, or None (dense)
+    layer: int | str | None  # an int L (after block L), END, IN_BLOCKS, or None (dense)
     method_options: dict
 
     @property
@@ -85,6 +89,9 @@ class Plan:
             from vlmprune.passes.methods import schedule
 
             return "progressive " + "→".join(str(layer) for layer in schedule.layers(self.method_options))
+        if self.layer == IN_BLOCKS:
+            blocks = self.method_options.get("blocks")
+            return f"in blocks {blocks}" if blocks else "in every block"
         return "tower end" if self.layer == END else f"after block {self.layer}"
 
 
@@ -170,6 +177,8 @@ def plans_for(methods: list[str], keeps: list[int], layers: list[int | str]) -> 
                     options = {**given, "site": "features" if layer == END else "block"}
                 elif method.needs(method.parse(keep, given)).site == FEATURES:
                     layer, options = END, dict(given)
+                elif method.in_blocks:  # it spans the blocks (--blocks), whatever --layer: run once
+                    layer, options = IN_BLOCKS, dict(given)
                 elif given.get("schedule") is not None:  # the method's own schedule is its place
                     layer, options = last_block(str(given["schedule"])), dict(given)
                 elif progressive:

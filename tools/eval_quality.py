@@ -7,7 +7,8 @@
 
 --dataset easyvqa (the default): the first --limit (500) easy-vqa test questions on tools/train_easyvqa.py's
 model (it needs tools/dinov2_from_onnx.py's tower first). --dataset inspection: the inspection benchmark's test
-split (tools/inspection_vqa.py, generated into $VLMPRUNE_CACHE/quality/inspection-test/ when missing) on
+split (tools/inspection_vqa.py, generated into $VLMPRUNE_CACHE/datasets/inspection-test-s0-n1000/ when
+missing, the copy training reads) on
 `tools/train_easyvqa.py --dataset inspection`'s model (DINOv2-S/14 at 448 px: 1024 patches). A .jsonl file:
 any dataset `vlmprune eval --dataset` reads, with --model. For every method (--methods: eval --dataset's
 specs, NAME or NAME:OPTION=VALUE, e.g. a progressive schedule `cls:schedule=...`) at each K and place (--layer:
@@ -112,21 +113,13 @@ def cls_embeddings(bundle: Path, images: list[str]) -> np.ndarray:
 
 
 def inspection_data(seed: int, log) -> Path:
-    """The inspection benchmark's test split, generated once into the cache."""
-    folder = cache_dir() / "quality" / f"inspection-test-{seed}"
-    data = folder / "questions.jsonl"
-    if data.is_file():
-        return data
+    """The inspection benchmark's test split, generated once into the cache (the copy training reads too)."""
     try:
         import inspection_vqa
     except ImportError:
         raise Refused("tools/inspection_vqa.py is not in this checkout: --dataset inspection needs it to generate "
                       "the test split (or pass the split's questions.jsonl as --dataset)") from None
-    log(f"generating the inspection test split into {folder}")
-    code = inspection_vqa.main(["--split", "test", "--seed", str(seed), "-o", str(folder)])
-    if code or not data.is_file():
-        raise Refused(f"tools/inspection_vqa.py did not write {data}")
-    return data
+    return inspection_vqa.cached_split("test", seed, log=log) / "questions.jsonl"
 
 
 def dataset_and_model(a, log) -> tuple[Path, Path, dict]:

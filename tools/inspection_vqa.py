@@ -374,6 +374,19 @@ def write_split(split: str, out: Path, seed: int = 0, count: int | None = None, 
     return info
 
 
+def cached_split(split: str, seed: int = 0, count: int | None = None, log=lambda line: None) -> Path:
+    """The split's folder under $VLMPRUNE_CACHE/datasets, generated on first use: the one copy that training
+    (tools/train_easyvqa.py) and the quality table (tools/eval_quality.py) share."""
+    from vlmprune.kernels.build import cache_dir
+
+    count = DEFAULT_COUNT[split] if count is None else count
+    folder = cache_dir() / "datasets" / f"inspection-{split}-s{seed}-n{count}"
+    if not (folder / "questions.jsonl").is_file():
+        log(f"generating the inspection {split} split into {folder}")
+        write_split(split, folder, seed, count, force=True, log=log)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--split", choices=tuple(SPLITS), required=True)

@@ -77,10 +77,7 @@ def _inspection_split(split: str, seed: int, count: int | None = None) -> list[d
     """The inspection split's questions (absolute image paths), generated into the cache on first use."""
     import inspection_vqa
 
-    count = inspection_vqa.DEFAULT_COUNT[split] if count is None else count
-    folder = cache_dir() / "datasets" / f"inspection-{split}-s{seed}-n{count}"
-    if not (folder / "questions.jsonl").is_file():
-        inspection_vqa.write_split(split, folder, seed, count, force=True, log=print)
+    folder = inspection_vqa.cached_split(split, seed, count, log=print)
     rows = [json.loads(line) for line in (folder / "questions.jsonl").read_text().splitlines() if line.strip()]
     return [{**r, "image": str((folder / r["image"]).resolve())} for r in rows]
 

@@ -56,6 +56,15 @@ def test_plans_dense_methods_and_baselines():
                      ("grid", 8, 2, {"site": "block"}), ("grid", 8, "end", {"site": "features"})]
 
 
+def test_a_method_that_merges_in_the_blocks_is_one_row_at_its_block_range():
+    """tome spans the blocks: its place is its --blocks range, run once whatever --layer lists, and it has no
+    random keep at that place to be paired with."""
+    plans = plans_for(["tome", "tome:blocks=1-4"], [8], [2, "end"])
+    rows = [(p.label, p.layer, p.where) for p in plans if p.method == "tome"]
+    assert rows == [("tome", "blocks", "in every block"), ("tome blocks=1-4", "blocks", "in blocks 1-4")]
+    assert {(p.layer, p.where) for p in plans if p.method == "random"} == {(2, "after block 2"), ("end", "tower end")}
+
+
 def test_a_method_with_options_is_its_own_row_beside_the_plain_one():
     """NAME:OPTION=VALUE: the same method with and without an option, two plans with their own labels."""
     plans = [(p.label, p.method, p.method_options)
