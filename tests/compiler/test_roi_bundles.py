@@ -128,6 +128,7 @@ def test_run_roi_mask_file(bundles, tmp_path):
     ("boxes", {"roi_boxes": ["1,2,3"]}, "four numbers"),
     ("boxes", {"roi_boxes": ["5,5,2,9"]}, "x0 < x1"),
     ("boxes", {"roi_boxes": ["200,200,300,300"]}, "outside the tower's 112x112 input"),
+    ("boxes", {"roi_boxes": ["0,0,1000,100"]}, "reaches past the tower's 112x112 input"),
     ("boxes", {"roi_boxes": ["0,0,9,9"] * 5}, "at most 4 boxes"),
     ("boxes", {"roi_mask": "m.png"}, "give --roi-box, not --roi-mask"),
     ("mask", {"roi_boxes": ["0,0,9,9"]}, "give --roi-mask, not --roi-box"),
@@ -139,6 +140,16 @@ def test_run_flags_bad_input(bundles, tmp_path, kind, flags, match):
         flags = {"roi_mask": tmp_path / "m.png"}
     with pytest.raises(InputError, match=match):
         api.run(_bundle(bundles[kind]), images=[image], **flags)
+
+
+@pytest.mark.parametrize("box", ["0,0,1000,100", "-5,0,20,20", "0,0,20,337"])
+def test_a_box_past_the_input_is_refused_naming_the_input_size(box):
+    """Clipping it silently would force other patches than asked (0,0,1000,100 on a 336-px input forced 168)."""
+    layout = {"kind": "boxes", "max_boxes": 4, "width": 336, "height": 336}
+    with pytest.raises(InputError, match="reaches past the tower's 336x336 input") as info:
+        host.boxes_from_flags([box], layout)
+    assert "\n" not in str(info.value)
+    assert host.boxes_from_flags(["0,0,336,336"], layout)[ROI_COUNT].tolist() == [1]  # the whole input is fine
 
 
 def test_roi_flags_on_a_bundle_without_roi(tiny_llava_dir, tmp_path):
