@@ -4,7 +4,8 @@ A CI script or a notebook calls these instead of shelling out, and the CLI (comp
 is a thin layer over them: it parses options, calls one function here and prints the
 result (its `lines()`, or its `to_json()` for --json). Options are keyword-only with the
 CLI's defaults. Bad input raises vlmprune.compiler.errors.InputError (a VlmpruneError) with
-the message the CLI prints after `error:`; a failing parity figure is data (`passed`), not
+the message the CLI prints after `error:`, the options in it named as this API's keywords
+(`force=True` where the CLI says `--force`: compiler.errors.option); a failing parity figure is data (`passed`), not
 an exception. `progress`, where taken, receives the lines the CLI prints on stderr while a
 command works (progress, notes and warnings); None drops them.
 
@@ -32,7 +33,7 @@ from vlmprune.compiler import benchmark as bench
 from vlmprune.compiler import pictures, roi
 from vlmprune.compiler.bundle import interrupted_line, tracking  # noqa: F401 (the CLI's error boundary)
 from vlmprune.compiler.contract import KEPT
-from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.errors import InputError, option
 from vlmprune.compiler.frontend import FAMILIES, family_of, family_option_names
 from vlmprune.compiler.bundle.manifest import Manifest, MethodSection
 from vlmprune.compiler.bundle.output_files import check_output_file, write_file
@@ -296,13 +297,13 @@ def check(bundle: str | Path, *, batch: int | None = None, atol=(), rtol=(), cos
     """
     atol, rtol, cosine = _tolerance_specs(atol), _tolerance_specs(rtol), _tolerance_specs(cosine)
     if report:
-        check_output_file(report, force, (".html", ".htm", ".json"), "--report")
+        check_output_file(report, force, (".html", ".htm", ".json"), option("--report"))
         if Path(report).suffix.lower() != ".json":
             pictures.require_pillow()
     if junit:
-        check_output_file(junit, force, (".xml",), "--junit")
+        check_output_file(junit, force, (".xml",), option("--junit"))
     if report and junit and Path(report).resolve() == Path(junit).resolve():
-        raise InputError("--report and --junit name the same file")
+        raise InputError(f"{option('--report')} and {option('--junit')} name the same file")
     tolerances = None
     if atol or rtol or cosine:
         outputs = Manifest.load(bundle, verify=False).output_names
@@ -415,25 +416,28 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
     images = [Path(i) for i in images]
     roi_boxes = list(roi_boxes)
     if bool(images) == (inputs is not None):
-        raise InputError("give the input either as --image (one or more) or as --load-inputs FILE.npz")
+        raise InputError(f"give the input either as {option('--image', 'images')} (one or more) or as "
+                         f"{option('--load-inputs FILE.npz', 'inputs')}")
     if not benchmark and (warmup is not None or iterations is not None):
-        raise InputError("--warmup and --iterations only apply with --benchmark")
+        raise InputError(f"{option('--warmup')} and {option('--iterations')} only apply with "
+                         f"{option('--benchmark', 'benchmark=True')}")
     warmup, iterations = 5 if warmup is None else warmup, 50 if iterations is None else iterations
     bench.check_counts(warmup, iterations)
     if show:
         pictures.require_pillow()
-        check_output_file(show, force, (".png",), "--show")
+        check_output_file(show, force, (".png",), option("--show"))
     if save_outputs:
-        check_output_file(save_outputs, force, (".npz",), "--save-outputs")
+        check_output_file(save_outputs, force, (".npz",), option("--save-outputs"))
     if show and save_outputs and Path(show).resolve() == Path(save_outputs).resolve():
-        raise InputError("--show and --save-outputs name the same file")
+        raise InputError(f"{option('--show')} and {option('--save-outputs')} name the same file")
     bundle = Path(bundle)
     m = Manifest.load(bundle, verify=True)
     if show and not m.method.pruned:
-        raise InputError("--show needs a pruned bundle: this one keeps every patch (compiled with --no-prune)")
+        raise InputError(f"{option('--show')} needs a pruned bundle: this one keeps every patch (compiled with "
+                         f"{option('--no-prune', 'prune=False')})")
     family = family_of(m)
     if show and family.cannot_draw(m):
-        raise InputError(f"--show draws one patch grid per image; {family.cannot_draw(m)} cannot be drawn yet")
+        raise InputError(f"{option('--show')} draws one patch grid per image; {family.cannot_draw(m)} cannot be drawn yet")
     # The runtime first: on a machine without it (TensorRT off the Jetson) that is the one line to say.
     runner, runtime = get_target(m.target.name).runner(bundle, m)
     if images:  # the family's input loader (an anyres bundle: one image is the input's crops)
@@ -455,7 +459,7 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
         result.saved_outputs = Path(save_outputs)
     if show:
         if KEPT not in outputs:
-            raise InputError("--show needs the bundle's kept_indices output, and this bundle has none")
+            raise InputError(f"{option('--show')} needs the bundle's kept_indices output, and this bundle has none")
         sels, note = pictures.selections_for_run(m, pixel, outputs[KEPT], bundle.resolve().name,
                                                  roi.forced_for_run(roi.layout_of(m), region, len(pixel)))
         if note:
@@ -471,16 +475,18 @@ def _run_text(m: Manifest, prompt: str | None, model: str | None, say) -> np.nda
     text_input = next((i for i in m.inputs if i.name == TEXT), None)
     if text_input is None:
         if prompt is not None or model is not None:
-            raise InputError(f"--prompt and --model apply to bundles with a {TEXT} input (prompt-aware methods such "
-                             f"as cdpruner); this one ({m.method.name}) has none")
+            raise InputError(f"{option('--prompt')} and {option('--model')} apply to bundles with a {TEXT} input "
+                             f"(prompt-aware methods such as cdpruner); this one ({m.method.name}) has none")
         return None
     dim = text_input.shape[-1]
     fewest = METHODS[m.method.name]().min_text_rows(m.method.params)
     if prompt is None:
         if model is not None:
-            raise InputError("--model applies with --prompt (the checkpoint whose embedding table embeds it)")
+            raise InputError(f"{option('--model')} applies with {option('--prompt')} (the checkpoint whose embedding "
+                             "table embeds it)")
         if fewest:
-            raise InputError(f"this {m.method.name} bundle needs a prompt of at least {fewest} tokens: give --prompt")
+            raise InputError(f"this {m.method.name} bundle needs a prompt of at least {fewest} tokens: give "
+                             f"{option('--prompt')}")
         say(f"{TEXT}: no --prompt, no rows: {m.method.name} runs unconditioned")
         return empty_prompt(dim)
     from vlmprune.compiler.generate import default_model, load_vlm
@@ -488,7 +494,7 @@ def _run_text(m: Manifest, prompt: str | None, model: str | None, say) -> np.nda
     vlm = load_vlm(model or default_model(m), bundle=m)
     rows, how = prompt_embeds(vlm, prompt, dim)
     if len(rows) < fewest:
-        raise InputError(f"this {m.method.name} bundle needs a prompt of at least {fewest} tokens; --prompt gives "
+        raise InputError(f"this {m.method.name} bundle needs a prompt of at least {fewest} tokens; {option('--prompt')} gives "
                          f"{len(rows)}")
     say(f"{TEXT}: {how}, {list(rows.shape)} from {vlm.spec}'s embedding table")
     return rows
@@ -528,9 +534,9 @@ def compare(bundles: Iterable[str | Path], *, image: str | Path, output: str | P
     say = _say(progress)
     bundles = [Path(b) for b in bundles]
     pictures.require_pillow()
-    check_output_file(output, force, (".png",), "-o")
+    check_output_file(output, force, (".png",), option("-o", "output"))
     if columns is not None and (columns < 1):
-        raise InputError(f"--columns must be >= 1, got {columns}")
+        raise InputError(f"{option('--columns')} must be >= 1, got {columns}")
     manifests = [Manifest.load(b, verify=True) for b in bundles]  # every bundle checked before any run
     for b, m in zip(bundles, manifests):
         if not m.method.pruned:
@@ -690,24 +696,26 @@ def eval(model: str, *, images: str | Path | None = None, prompts: str | Path | 
     report: also write the report as .json or .html. Returns an EvalResult. Raises InputError for bad input.
     """
     if report:
-        check_output_file(report, force, (".json", ".html", ".htm"), "--report")
+        check_output_file(report, force, (".json", ".html", ".htm"), option("--report"))
     if dataset is not None:
         data = _eval_dataset(model, dataset, methods, keeps, bundles, images, prompts, max_new_tokens, limit, layers,
                              target, target_options, ray, ray_workers, store, progress, bar, image_size, grid)
     else:
         from vlmprune.compiler.evaluate import evaluate
 
-        given = [name for name, value in (("--limit", limit), ("--layer", layers or None), ("--ray", ray),
-                                          ("--ray-workers", ray_workers), ("--store", store)) if value]
-        given += [f"--{name.replace('_', '-')}" for name in target_options or {}]
+        given = [option(*names) for names, value in ((("--limit",), limit), (("--layer", "layers"), layers or None),
+                                                     (("--ray",), ray), (("--ray-workers",), ray_workers),
+                                                     (("--store",), store)) if value]
+        given += [option(f"--{name.replace('_', '-')}", f"target_options[{name!r}]") for name in target_options or {}]
         if given or target is not None:
-            raise InputError(f"{', '.join(given) or '--target'} applies to eval --dataset only")
+            raise InputError(f"{', '.join(given) or option('--target')} applies to eval {option('--dataset')} only")
         if images is None or prompts is None:
-            raise InputError("eval needs --dataset FILE.jsonl, or --images DIR and --prompts FILE")
+            raise InputError(f"eval needs {option('--dataset FILE.jsonl', 'dataset')}, or "
+                             f"{option('--images DIR', 'images')} and {option('--prompts FILE', 'prompts')}")
         bundles = [Path(b) for b in bundles]
         if not bundles:
             methods, keeps = methods or ("cls",), keeps or (64,)
-        methods, keeps = _comma_list(methods or ()), _comma_list(keeps or (), int, "--keep")
+        methods, keeps = _comma_list(methods or ()), _comma_list(keeps or (), int, option("--keep", "keeps"))
         data = evaluate(model, Path(images), Path(prompts), methods, keeps, max_new_tokens or 8, _say(progress),
                         bundles, image_size, grid)
     if report and Path(report).suffix.lower() == ".json":
@@ -724,17 +732,19 @@ def _eval_dataset(model, dataset, methods, keeps, bundles, images, prompts, max_
     from vlmprune.compiler.accuracy import evaluate_dataset
     from vlmprune.compiler.quality.executors import InProcess, RayExecutor
 
-    clash = [name for name, value in (("--images", images), ("--prompts", prompts), ("--bundle", list(bundles)),
-                                      ("--image-size", image_size), ("--grid", grid)) if value]
+    clash = [option(*names) for names, value in ((("--images",), images), (("--prompts",), prompts),
+                                                 (("--bundle", "bundles"), list(bundles)),
+                                                 (("--image-size",), image_size), (("--grid",), grid)) if value]
     if clash:
-        raise InputError(f"--dataset measures accuracy on bundles it compiles itself; drop {', '.join(clash)}")
+        raise InputError(f"{option('--dataset')} measures accuracy on bundles it compiles itself; drop "
+                         f"{', '.join(clash)}")
     if ray_workers is not None and ray is None:
-        raise InputError("--ray-workers needs --ray auto|ADDRESS")
+        raise InputError(f"{option('--ray-workers')} needs {option('--ray auto|ADDRESS', 'ray')}")
     target = target or EVAL_TARGET
     get_target(target)  # one line for an unknown target, before any work
     executor = RayExecutor(ray, ray_workers) if ray is not None else InProcess()
     return evaluate_dataset(model, Path(dataset), _comma_list(methods or ("cls",)),
-                            _comma_list(keeps or (64,), int, "--keep"), list(layers or ()), limit=limit,
+                            _comma_list(keeps or (64,), int, option("--keep", "keeps")), list(layers or ()), limit=limit,
                             target=target, target_options=target_options, max_new_tokens=max_new_tokens or 4,
                             store=Path(store) if store else None, executor=executor, progress=_say(progress), bar=bar)
 

@@ -47,7 +47,7 @@ def _ended_one_way(fn, complete: list[str], args, kwargs):
             result = fn(*args, **kwargs)
     except VlmpruneError as exc:
         on_command_end()
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {exc.cli_text()}", err=True)  # options as flags (compiler.errors.option)
         sys.exit(2)
     except BrokenPipeError:  # `vlmprune inspect B | head`: the reader left; not an error of ours
         on_command_end()

@@ -10,8 +10,45 @@ import traceback
 from onnx_ir.passes import PreconditionError
 
 
+# An option named in a message: its command-line spelling and its Python API spelling, between markers that
+# no message holds, so that one message serves both surfaces (option() writes it, rendered() reads it).
+_OPEN, _SEP, _CLOSE = "\x02", "\x1f", "\x03"
+_OPTION = re.compile(f"{_OPEN}([^{_SEP}]*){_SEP}([^{_CLOSE}]*){_CLOSE}")
+CLI, API = "cli", "api"
+
+
+def option(flag: str, keyword: str | None = None) -> str:
+    """`flag` as the CLI spells it (`--force`), `keyword` as a caller of compiler.api spells it (`force=True`;
+    default: the flag's name as a keyword, `--save-outputs` -> `save_outputs`), for a message's text.
+
+    An error raised by the library cannot know whether the CLI or a script called it: it names the option
+    through this, and each surface renders its own spelling (str(error) the API's, the CLI boundary
+    VlmpruneError.cli_text()).
+    """
+    keyword = keyword or flag.lstrip("-").replace("-", "_")
+    return f"{_OPEN}{flag}{_SEP}{keyword}{_CLOSE}"
+
+
+def rendered(text: str, surface: str = API) -> str:
+    """text with every option() in it spelled for surface (CLI or API)."""
+    return _OPTION.sub(lambda m: m.group(1 if surface == CLI else 2), text)
+
+
+FORCE = option("--force", "force=True")  # "use {FORCE} to replace it"
+
+
 class VlmpruneError(Exception):
-    """A problem with the user's input or environment, reported as one line."""
+    """A problem with the user's input or environment, reported as one line.
+
+    Its message may name options through option(): str() spells them as API keywords (`force=True`),
+    cli_text() as command-line flags (`--force`).
+    """
+
+    def __str__(self) -> str:
+        return rendered(super().__str__(), API)
+
+    def cli_text(self) -> str:
+        return rendered(super().__str__(), CLI)
 
 
 class InputError(VlmpruneError):

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from vlmprune.compiler.contract import MANIFEST
-from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.errors import FORCE, InputError, option
 
 DIGEST_KEY = "manifest_sha256"
 _LOCK = ".vlmprune-writing"
@@ -172,8 +172,8 @@ def _publishes_into(output: Path, force: bool) -> bool:
 
 
 def _not_a_bundle(output: Path) -> InputError:
-    return InputError(f"{output} exists and is not a vlmprune bundle (no {MANIFEST}), and --force replaces only a "
-                      "bundle: choose another -o or remove it")
+    return InputError(f"{output} exists and is not a vlmprune bundle (no {MANIFEST}), and {FORCE} replaces only a "
+                      f"bundle: choose another {option('-o', 'output')} or remove it")
 
 
 def prepare_output(output: Path, force: bool) -> None:
@@ -184,7 +184,7 @@ def prepare_output(output: Path, force: bool) -> None:
     if output.exists() and not _is_bundle(output) and not _is_empty_dir(output):
         raise _not_a_bundle(output)
     if _is_bundle(output) and not force:
-        raise InputError(f"{output} already exists (use --force to replace it)")
+        raise InputError(f"{output} already exists (use {FORCE} to replace it)")
     if _publishes_into(output, force):  # the files go into output itself: it must take them
         try:
             os.rmdir(tempfile.mkdtemp(prefix=_OURS, suffix=".probe", dir=output))
@@ -291,7 +291,7 @@ def _publish(tmp: Path, output: Path, force: bool) -> None:
     if not _is_bundle(output):
         raise _not_a_bundle(output)
     if not force:
-        raise InputError(f"{output} appeared while compiling (use --force to replace it)")
+        raise InputError(f"{output} appeared while compiling (use {FORCE} to replace it)")
     old = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=_parent(output)))
     os.replace(output, old / output.name)
     os.rename(tmp, output)

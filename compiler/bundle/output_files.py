@@ -18,18 +18,20 @@ import tempfile
 from pathlib import Path
 
 from vlmprune.compiler.bundle import check_parent, parents_made, record_complete
-from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.errors import FORCE, InputError
 
 
 def check_output_file(path: Path, force: bool, suffixes: tuple[str, ...], flag: str) -> Path:
-    """One line if path cannot be written as asked (wrong suffix, exists without --force, no parent)."""
+    """One line if path cannot be written as asked (wrong suffix, exists without --force, no parent).
+
+    flag: the option that named path, as compiler.errors.option() spells it for both surfaces."""
     path = Path(path)
     if suffixes and path.suffix.lower() not in suffixes:
         raise InputError(f"{flag} {path}: the file name must end in {' or '.join(suffixes)}")
     if path.is_dir():
         raise InputError(f"{flag} {path}: is a directory")
     if path.exists() and not force:
-        raise InputError(f"{flag} {path} already exists (use --force to replace it)")
+        raise InputError(f"{flag} {path} already exists (use {FORCE} to replace it)")
     check_parent(path, f"{flag} {path}")
     return path
 
@@ -60,7 +62,7 @@ def _write_file(path: Path, data: bytes, force: bool) -> None:
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                raise InputError(f"{path} already exists (use --force to replace it)") from None
+                raise InputError(f"{path} already exists (use {FORCE} to replace it)") from None
             os.unlink(tmp)
     finally:
         if os.path.exists(tmp):

@@ -209,7 +209,7 @@ def test_bad_input_is_one_line(setup, tmp_path, args, needle):
 
 def test_without_a_dataset_the_dataset_options_are_refused(setup):
     model, *_ = setup
-    with pytest.raises(InputError, match=r"^--limit, --ray applies to eval --dataset only$"):
+    with pytest.raises(InputError, match=r"^limit, ray applies to eval dataset only$"):
         api.eval(str(model), images="x", prompts="y", limit=3, ray="auto")
 
 
@@ -241,7 +241,7 @@ def test_a_bad_target_option_is_one_line(setup, tmp_path):
 
 def test_without_a_dataset_a_target_option_is_refused(setup):
     model, *_ = setup
-    with pytest.raises(InputError, match=r"^--precision applies to eval --dataset only$"):
+    with pytest.raises(InputError, match=r"^target_options\['precision'\] applies to eval dataset only$"):
         api.eval(str(model), images="x", prompts="y", target_options={"precision": "int8"})
 
 

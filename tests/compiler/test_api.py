@@ -111,12 +111,15 @@ def test_listings_are_data_and_the_cli_prints_their_lines():
     assert run_cli("targets").stdout.splitlines() == listing.lines()
 
 
-@pytest.mark.parametrize("call,args,message", [
-    ("run", [], "give the input either as --image (one or more) or as --load-inputs FILE.npz"),
-    ("run", ["--image", "PHOTO", "--warmup", "2"], "--warmup and --iterations only apply with --benchmark"),
-    ("inspect", [], None),
+@pytest.mark.parametrize("call,args,message,keywords", [
+    ("run", [], "give the input either as --image (one or more) or as --load-inputs FILE.npz",
+     "give the input either as images (one or more) or as inputs"),
+    ("run", ["--image", "PHOTO", "--warmup", "2"], "--warmup and --iterations only apply with --benchmark",
+     "warmup and iterations only apply with benchmark=True"),
+    ("inspect", [], None, None),
 ])
-def test_bad_input_raises_input_error_with_the_clis_message(bundle, photo, tmp_path, call, args, message):
+def test_bad_input_raises_input_error_with_the_clis_message(bundle, photo, tmp_path, call, args, message, keywords):
+    """The same error, its options spelled as the caller gave them: keywords through the API, flags on the CLI."""
     if call == "run":
         kwargs = {"images": [photo]} if args else {}
         if "--warmup" in args:
@@ -127,16 +130,28 @@ def test_bad_input_raises_input_error_with_the_clis_message(bundle, photo, tmp_p
             api.run(where, **kwargs)
     else:
         where, message = tmp_path / "nothing", f"{tmp_path / 'nothing'}: no such bundle directory"
+        keywords = message
         with pytest.raises(InputError) as raised:
             api.inspect(where)
-    assert str(raised.value) == message
+    assert str(raised.value) == keywords
     result = run_cli(call, where, *args)
     one_line_error(result, message)
     assert result.stderr.splitlines() == [f"error: {message}"]
 
 
+def test_an_existing_file_names_force_as_the_caller_spells_it(tmp_path):
+    """`use --force` through the API named a flag a script cannot pass: there it is force=True (compiler.errors.option)."""
+    existing = tmp_path / "r.json"
+    existing.write_text("{}")
+    with pytest.raises(InputError) as raised:
+        api.eval("demo", images=tmp_path, prompts=tmp_path / "p.txt", report=existing)
+    assert str(raised.value) == f"report {existing} already exists (use force=True to replace it)"
+    one_line_error(run_cli("eval", "demo", "--images", tmp_path, "--prompts", existing, "--report", existing),
+                   f"--report {existing} already exists (use --force to replace it)")
+
+
 def test_eval_refuses_a_k_that_is_not_an_integer_before_any_work(tmp_path):
-    with pytest.raises(InputError, match=r"^--keep '6x' is not an integer$"):
+    with pytest.raises(InputError, match=r"^keeps '6x' is not an integer$"):
         api.eval("demo", images=tmp_path, prompts=tmp_path / "p.txt", methods=["cls"], keeps=["64,6x"])
 
 

@@ -150,8 +150,8 @@ def test_a_directory_that_is_not_a_bundle_is_refused_with_and_without_force(tmp_
     other = tmp_path / "photos"
     other.mkdir()
     (other / "cat.jpg").write_text("precious")
-    expected = (f"{other} exists and is not a vlmprune bundle (no manifest.json), and --force replaces only a "
-                "bundle: choose another -o or remove it")
+    expected = (f"{other} exists and is not a vlmprune bundle (no manifest.json), and force=True replaces only a "
+                "bundle: choose another output or remove it")
     for force in (False, True):
         with pytest.raises(InputError) as info:
             _write_bundle(other, force=force)
@@ -161,7 +161,7 @@ def test_a_directory_that_is_not_a_bundle_is_refused_with_and_without_force(tmp_
     empty.mkdir()  # as a `mkdir build` before a build: taken as the output
     _write_bundle(empty)
     assert sorted(p.name for p in empty.iterdir()) == ["manifest.json", "model.onnx"]
-    with pytest.raises(InputError, match=r"already exists \(use --force to replace it\)"):
+    with pytest.raises(InputError, match=r"already exists \(use force=True to replace it\)"):
         _write_bundle(empty)
 
 

@@ -100,7 +100,7 @@ def test_run_with_a_prompt_embeds_it_with_the_checkpoints_table(bundle, tiny_lla
 
 def test_prompt_on_a_bundle_without_the_input_is_one_line(compiled, tiny_llava_dir, tmp_path):
     other = compiled(tiny_llava_dir, method="divprune", keep=KEEP)
-    with pytest.raises(InputError, match="--prompt and --model apply to bundles with a text_embeds input"):
+    with pytest.raises(InputError, match="prompt and model apply to bundles with a text_embeds input"):
         api.run(other.bundle, inputs=np.zeros((1, 3, 112, 112), np.float32), prompt="hi")
 
 
@@ -214,7 +214,7 @@ def test_dart_text_pivots_compile_with_parity_at_batch_3_and_need_a_prompt(compi
     assert [i["name"] for i in result.manifest["inputs"]] == ["pixel_values", "text_embeds"]
     assert all(len(s.indices["per_image"]) == 3 for s in result.report.stages if s.indices)
     pixel = np.zeros((3, 3, 112, 112), np.float32)
-    with pytest.raises(InputError, match="needs a prompt of at least 2 tokens: give --prompt"):
+    with pytest.raises(InputError, match="needs a prompt of at least 2 tokens: give prompt"):
         api.run(result.bundle, inputs=pixel)
     plain = compiled(tiny_llava_dir, method="dart", keep=KEEP, method_options={"pivots": 3})
     assert [i["name"] for i in plain.manifest["inputs"]] == ["pixel_values"]  # no text pivots, no input
