@@ -453,7 +453,8 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
         outputs = runner(pixel)
         result = RunResult(bundle, runtime, pixel, outputs)
         if benchmark:
-            result.benchmark = bench.benchmark(runner, pixel, warmup, iterations)
+            result.benchmark = bench.benchmark(runner, pixel, warmup, iterations,
+                                               get_target(m.target.name).emulated_time)
     if save_outputs:
         write_file(save_outputs, bench.npz_bytes(outputs), force)
         result.saved_outputs = Path(save_outputs)

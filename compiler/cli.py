@@ -363,7 +363,8 @@ def targets():
               help="Write every output to this .npz file (as Polygraphy's --save-outputs).")
 @click.option("--show", type=click.Path(path_type=Path), default=None,
               help="Draw what was kept on the image as the model saw it, into this PNG.")
-@click.option("--benchmark", is_flag=True, help="Time the runtime: latency min/p50/p90/p99 and throughput.")
+@click.option("--benchmark", is_flag=True, help="Time the runtime: latency min/p50/p90/p99 and throughput (named emulator time where the "
+                   "runtime here emulates the device).")
 @click.option("--warmup", type=int, default=None, help="--benchmark: untimed runs first (default 5).")
 @click.option("--iterations", type=int, default=None, help="--benchmark: timed runs (default 50).")
 @click.option("--json", "as_json", is_flag=True, help="Print the outputs' shapes, kept indices and benchmark as JSON.")

@@ -72,6 +72,7 @@ class QnnTarget(Target):
     options = {"precision": "qnn: int16 activations (the default; int8 is refused: it loses parity)",
                "soc": "qnn: the Snapdragon SoC to compile for (default SM8650; see `vlmprune targets`)"}
     control_flow = False  # HTP compiles no control flow
+    emulated_time = "onnxruntime-qnn's HTP emulator on this host's CPU, not the HTP's latency"  # ~1.6 s per image
     no_prompt_input = "QNN HTP compiles static input shapes only, while the prompt's length varies per request"
 
     def __init__(self, selection: str = "gather"):
