@@ -21,6 +21,7 @@ command works (progress, notes and warnings); None drops them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -33,7 +34,7 @@ from vlmprune.compiler import benchmark as bench
 from vlmprune.compiler import pictures, roi
 from vlmprune.compiler.bundle import interrupted_line, tracking  # noqa: F401 (the CLI's error boundary)
 from vlmprune.compiler.contract import KEPT
-from vlmprune.compiler.errors import InputError, option
+from vlmprune.compiler.errors import InputError, VlmpruneError, option
 from vlmprune.compiler.frontend import FAMILIES, family_of, family_option_names
 from vlmprune.compiler.bundle.manifest import Manifest, MethodSection
 from vlmprune.compiler.bundle.output_files import check_output_file, write_file
@@ -544,22 +545,41 @@ def compare(bundles: Iterable[str | Path], *, image: str | Path, output: str | P
             raise InputError(f"{b}: a dense bundle (--no-prune) keeps every patch; nothing to compare")
         if family_of(m).cannot_draw(m):
             raise InputError(f"{b}: {family_of(m).cannot_draw(m)} cannot be drawn yet")
-    tiles = []
+    tiles, said = [], set()
+
+    def once(line: str) -> None:  # the same image preprocessed the same way for several bundles: said once
+        if line not in said:
+            said.add(line)
+            say(line)
+
     for b, m in zip(bundles, manifests):
-        pixel = _load_images(m, [image], say)
-        static = _static_batch(m)
-        if isinstance(static, int) and static > 1:  # a static batch: the same image in every slot
-            pixel = np.repeat(pixel, static, axis=0)
-        runner, runtime = get_target(m.target.name).runner(b, m)
-        say(f"{b}: {runtime}")
-        with feeding(_run_text(m, None, None, say)):  # a prompt-aware bundle: no prompt (compiler.prompt)
-            kept = runner(pixel)[KEPT][:1]
-        sels, note = pictures.selections_for_run(m, pixel[:1], kept, b.resolve().name)
+        with _naming(b):  # several bundles: a refusal says which one
+            pixel = _load_images(m, [image], once)
+            static = _static_batch(m)
+            if isinstance(static, int) and static > 1:  # a static batch: the same image in every slot
+                pixel = np.repeat(pixel, static, axis=0)
+            runner, runtime = get_target(m.target.name).runner(b, m)
+            say(f"{b}: {runtime}")
+            with feeding(_run_text(m, None, None, say)):  # a prompt-aware bundle: no prompt (compiler.prompt)
+                kept = runner(pixel)[KEPT][:1]
+            sels, note = pictures.selections_for_run(m, pixel[:1], kept, b.resolve().name)
         if note:
             say(f"warning: {b}: {note}")
         tiles.append(pictures.picture(sels[0]))
     write_file(output, pictures.png_bytes(pictures.grid_of(tiles, columns)), force)
     return CompareResult(Path(output), len(tiles))
+
+
+@contextlib.contextmanager
+def _naming(bundle: Path):
+    """A VlmpruneError raised inside, prefixed with the bundle it concerns (unless it names it already)."""
+    try:
+        yield
+    except VlmpruneError as exc:
+        text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+        if text.startswith(str(bundle)):
+            raise
+        raise type(exc)(f"{bundle}: {text}") from exc
 
 
 # ---------------------------------------------------------------------- inspect

@@ -168,6 +168,20 @@ def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped(tmp_path):
     assert described.startswith("112x112 image (16-bit grayscale, scaled to 8 bits): LlavaNextImageProcessor")
 
 
+def test_compare_says_the_preprocessing_once_and_names_the_bundle_that_fails(bundles, photo, tmp_path, compiled,
+                                                                             tiny_llava_dir):
+    vz, cls = bundles
+    result = _run("compare", vz, cls, "--image", photo, "-o", tmp_path / "two.png")
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.stderr.splitlines() if line.startswith(f"{photo}: ")]
+    assert len(said) == 1, result.stderr  # the same image, preprocessed alike for both bundles: one line
+    # A bundle whose runtime is not here (an engine built on the device) fails: the line says which bundle.
+    engine = compiled(tiny_llava_dir, keep=16, target="orin").bundle
+    failed = _run("compare", cls, engine, "--image", photo, "-o", tmp_path / "three.png")
+    _one_line_error(failed, f"{engine}")
+    assert not (tmp_path / "three.png").exists()
+
+
 def test_compare_of_one_bundle_says_one_picture(bundles, photo, tmp_path):
     _, cls = bundles
     result = _run("compare", cls, "--image", photo, "-o", tmp_path / "one.png")
