@@ -36,6 +36,7 @@ from vlmprune.compiler.bundle import interrupted_line, tracking  # noqa: F401 (t
 from vlmprune.compiler.contract import KEPT
 from vlmprune.compiler.errors import InputError, VlmpruneError, option
 from vlmprune.compiler.frontend import FAMILIES, family_of, family_option_names
+from vlmprune.compiler.frontend.images import require_image_files
 from vlmprune.compiler.bundle.manifest import Manifest, MethodSection
 from vlmprune.compiler.bundle.output_files import check_output_file, write_file
 from vlmprune.compiler.parity import DEFAULT_TOLERANCES, ParityReport, compared_text, figure_text, parse_overrides, summary_bounds
@@ -414,7 +415,7 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
     Raises InputError for bad input, a modified bundle, or a runtime this machine lacks.
     """
     say = _say(progress)
-    images = [Path(i) for i in images]
+    images = require_image_files(images, option("--image", "images"))
     roi_boxes = list(roi_boxes)
     if bool(images) == (inputs is not None):
         raise InputError(f"give the input either as {option('--image', 'images')} (one or more) or as "
@@ -535,6 +536,7 @@ def compare(bundles: Iterable[str | Path], *, image: str | Path, output: str | P
     """
     say = _say(progress)
     bundles = [Path(b) for b in bundles]
+    image, = require_image_files([image], option("--image", "image"))
     pictures.require_pillow()
     check_output_file(output, force, (".png",), option("-o", "output"))
     if columns is not None and (columns < 1):

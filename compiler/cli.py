@@ -355,7 +355,7 @@ def targets():
 
 @main.command()
 @click.argument("bundle_dir", type=click.Path(path_type=Path))
-@click.option("--image", "image_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+@click.option("--image", "image_files", multiple=True, type=click.Path(),
               help="An image file; repeat it to fill a static batch (one image per batch slot).")
 @click.option("--load-inputs", type=click.Path(path_type=Path), default=None,
               help="Run on the input array of this .npz file instead of --image (as Polygraphy's --load-inputs).")
@@ -399,7 +399,7 @@ def _stderr(line: str) -> None:
 
 @main.command()
 @click.argument("bundle_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--image", required=True, type=click.Path(exists=True, dir_okay=False), help="The image every bundle runs on.")
+@click.option("--image", required=True, type=click.Path(), help="The image every bundle runs on.")
 @click.option("-o", "--output", required=True, type=_NonEmptyPath(path_type=Path), help="The PNG to write.")
 @click.option("--columns", type=int, default=None, help="Pictures per row (default: up to 4).")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")

@@ -46,9 +46,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.errors import InputError, option
 from vlmprune.compiler.frontend import family_of
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, image_positions
+from vlmprune.compiler.frontend.images import require_image_files
 from vlmprune.compiler.llm import handoff
 from vlmprune.compiler.llm.lm_source import has_tokenizer
 
@@ -500,10 +501,8 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+    image, = require_image_files([image], option("--image", "image"))
     manifest = load_manifest(bundle_dir, verify=True)
-    image = Path(image)
-    if not image.is_file():
-        raise InputError(f"{image}: no such image file")
     spec = model or default_model(manifest)
     vlm = load_vlm(spec, bundle=manifest)
     if family_of(manifest).identifies_model and vlm.source.content_hash != manifest.model.sha256:

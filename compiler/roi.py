@@ -60,7 +60,8 @@ def boxes_from_flags(texts, layout: dict) -> dict[str, np.ndarray]:
             raise InputError(f"--roi-box {text}: needs x0 < x1 and y0 < y1")
         if x1 <= 0 or y1 <= 0 or x0 >= layout["width"] or y0 >= layout["height"]:
             raise InputError(f"--roi-box {text} lies outside the tower's {layout['width']}x{layout['height']} input")
-        if x0 < 0 or y0 < 0 or x1 > layout["width"] or y1 > layout["height"]:  # a clipped box would force other patches than asked
+        # Past the input: clipping it would force other patches than the user drew, silently.
+        if x0 < 0 or y0 < 0 or x1 > layout["width"] or y1 > layout["height"]:
             raise InputError(f"--roi-box {text} reaches past the tower's {layout['width']}x{layout['height']} input "
                              f"(pixels of the input as the model sees it: x 0..{layout['width']}, "
                              f"y 0..{layout['height']})")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from vlmprune.compiler.errors import InputError
 
 # skimage.data images: real photographs with structure the [CLS] attention reacts to.
 REAL_IMAGES = ("astronaut", "chelsea", "coffee", "rocket")
@@ -54,6 +58,18 @@ def parity_inputs(batch: int, size: int, mean, std, seed: int = 0) -> tuple[np.n
 
 
 UPSCALE_WARNING = 4.0  # a short side upscaled more than this is mostly interpolation, not picture
+
+
+def require_image_files(paths, flag: str) -> list[Path]:
+    """paths, each an existing file, checked before any work: the one wording of a missing image for every command
+    that reads one (run, compare, generate). flag: the option that named them (compiler.errors.option)."""
+    paths = [Path(p) for p in paths]
+    for path in paths:
+        if path.is_dir():
+            raise InputError(f"{flag} {path}: a directory, not an image file")
+        if not path.is_file():
+            raise InputError(f"{flag} {path}: no such image file")
+    return paths
 
 
 def describe_preprocess(width: int, height: int, size: int, mean, std, depth: str = "") -> tuple[str, float]:

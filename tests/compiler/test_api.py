@@ -140,7 +140,8 @@ def test_bad_input_raises_input_error_with_the_clis_message(bundle, photo, tmp_p
 
 
 def test_an_existing_file_names_force_as_the_caller_spells_it(tmp_path):
-    """`use --force` through the API named a flag a script cannot pass: there it is force=True (compiler.errors.option)."""
+    """`use --force` through the API named a flag a script cannot pass: there it is force=True
+    (compiler.errors.option)."""
     existing = tmp_path / "r.json"
     existing.write_text("{}")
     with pytest.raises(InputError) as raised:

@@ -117,6 +117,26 @@ def test_missing_path(tmp_path):
     _assert_one_line_error(_run("compile", tmp_path / "nothing", "-o", tmp_path / "b"), "no such file or directory")
 
 
+def test_a_missing_image_is_worded_alike_by_run_compare_and_generate(tmp_path):
+    """run said click's "Invalid value for '--image': File ... does not exist.", generate "X: no such image file"."""
+    from vlmprune.compiler import api
+    from vlmprune.compiler.errors import InputError
+
+    missing, folder = tmp_path / "nope.png", tmp_path
+    for image, why in ((missing, "no such image file"), (folder, "a directory, not an image file")):
+        for args in (["run", tmp_path, "--image", image],
+                     ["compare", tmp_path, "--image", image, "-o", tmp_path / "c.png"],
+                     ["generate", tmp_path, "--image", image, "--prompt", "what is it?"]):
+            result = _run(*args)
+            assert result.exit_code == 2 and result.stderr.splitlines() == [f"error: --image {image}: {why}"], args
+        for call, given in ((api.run, {"images": [image]}),
+                            (api.compare, {"image": image, "output": tmp_path / "c.png"}),
+                            (api.generate, {"image": image, "prompt": "what is it?"})):
+            keyword = "images" if call is api.run else "image"
+            with pytest.raises(InputError, match=f"^{keyword} {image}: {why}$"):
+                call(*([[tmp_path]] if call is api.compare else [tmp_path]), **given)
+
+
 def test_corrupt_onnx(tmp_path):
     bad = tmp_path / "tower.onnx"
     bad.write_bytes(b"this is not a protobuf")
