@@ -415,6 +415,10 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
     Raises InputError for bad input, a modified bundle, or a runtime this machine lacks.
     """
     say = _say(progress)
+    if prompt is not None:
+        from vlmprune.compiler.generate import require_prompt
+
+        require_prompt(prompt)  # before the images are read and the checkpoint loaded
     images = require_image_files(images, option("--image", "images"))
     roi_boxes = list(roi_boxes)
     if bool(images) == (inputs is not None):

@@ -213,10 +213,16 @@ def image_token_id(vlm: Vlm) -> int:
 # ---------------------------------------------------------------------------------- prompt
 
 
+def require_prompt(prompt: str) -> str:
+    """One line for an empty prompt; callers check it before any work (loading, preprocessing)."""
+    if not str(prompt).strip():
+        raise InputError(f"{option('--prompt')} is empty")
+    return prompt
+
+
 def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     """The prompt's token ids before and after the image placeholder (see the module docstring)."""
-    if not prompt.strip():
-        raise InputError("--prompt is empty")
+    require_prompt(prompt)
     qwen = vlm.rules.vision_span is not None  # Qwen's convention: the image between vision_start/vision_end
     image_token = image_token_id(vlm)
     default_mark = QWEN_MARK if qwen else IMAGE_MARK
@@ -501,6 +507,7 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+    require_prompt(prompt)  # before the bundle, the image and the model are read
     image, = require_image_files([image], option("--image", "image"))
     manifest = load_manifest(bundle_dir, verify=True)
     spec = model or default_model(manifest)

@@ -48,10 +48,9 @@ def prompt_ids(vlm, prompt: str) -> tuple[list[int], str]:
     cannot take generate's UTF-8 convention: there the question's UTF-8 bytes modulo the
     vocabulary are the ids (said so in the run's output).
     """
-    from vlmprune.compiler.generate import build_prompt
+    from vlmprune.compiler.generate import build_prompt, require_prompt
 
-    if not prompt.strip():
-        raise InputError("--prompt is empty")
+    require_prompt(prompt)
     vocab = vlm.model.config.text_config.vocab_size
     if vlm.tokenizer is None and vocab < 256:
         return [b % vocab for b in prompt.encode("utf-8")], f"no tokenizer, vocabulary {vocab}: UTF-8 bytes mod {vocab}"

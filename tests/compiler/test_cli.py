@@ -137,6 +137,14 @@ def test_a_missing_image_is_worded_alike_by_run_compare_and_generate(tmp_path):
                 call(*([[tmp_path]] if call is api.compare else [tmp_path]), **given)
 
 
+@pytest.mark.parametrize("command", ["generate", "run"])
+def test_an_empty_prompt_is_refused_before_any_work(tmp_path, command):
+    """generate --prompt "" loaded the bundle and the model and preprocessed the image before saying so; nothing
+    here exists, so a refusal after any of those would name it instead."""
+    result = _run(command, tmp_path / "no-bundle", "--image", tmp_path / "no.png", "--prompt", " ")
+    assert result.exit_code == 2 and result.stderr.splitlines() == ["error: --prompt is empty"], result.output
+
+
 def test_corrupt_onnx(tmp_path):
     bad = tmp_path / "tower.onnx"
     bad.write_bytes(b"this is not a protobuf")
