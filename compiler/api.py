@@ -855,7 +855,8 @@ def _generic_options(method, params: dict) -> dict[str, str]:
 
 
 def unavailable_methods() -> list[str]:
-    """The lines `vlmprune methods` ends with: the seeds' parts that are trained networks, refused by name."""
+    """The lines `vlmprune methods` ends with: the parts of pruning designs that are trained networks, refused by
+    name."""
     return ["not available (trained weights that do not exist here):",
             *(f"  {name}: {why}" for name, why in NEEDS_TRAINED_WEIGHTS.items())]
 

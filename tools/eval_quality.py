@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vlmprune.kernels.build import cache_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-# The methods, then the options issue 20 brought, as rows of their own (`eval --dataset`'s NAME:OPTION=VALUE).
+# The methods, then the later options (adaptive budget, local merging, INT8 scorer), as rows of their own (`eval --dataset`'s NAME:OPTION=VALUE).
 METHODS = ("cls", "visionzip", "divprune", "dart", "holov", "prumerge+", "cdpruner", "cls:budget=adaptive",
            "cls:merge=local", "cls:scorer=int8", "holov:prompt-weight=1")
 INSPECTION_METHODS = ("cls", "visionzip", "divprune", "dart", "holov", "prumerge+", "cdpruner", "tome")

@@ -24,13 +24,16 @@ METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMeth
                                                    CDPrunerMethod, HolovMethod, ToMeMethod)}
 DEFAULT = "cls"
 
-# Parts of the seeds that are trained models, not training-free rules: their weights exist nowhere here (no
-# checkpoint was published with the seeds, and vlmprune downloads nothing), so they are named, to be refused
-# in one line saying so, rather than answered as unknown or approximated by an untrained network.
+# Parts of the pruning designs vlmprune started from (its seed designs) that are trained models, not
+# training-free rules: their weights exist nowhere here (no checkpoint was published with them, and vlmprune
+# downloads nothing), so they are named, to be refused in one line saying so, rather than answered as unknown
+# or approximated by an untrained network. The texts are user-facing (`vlmprune methods`, the refusal): they
+# say what the part is, not where it was proposed.
 NEEDS_TRAINED_WEIGHTS: dict[str, str] = {
-    "coarse-heatmap": "seed 001's coarse stage (a MobileNetV3 heat map of where to look) needs the trained "
-                      "heat-map network",
-    "query-compressor": "seed 002's learned query compressor needs its trained query tokens and projection",
+    "coarse-heatmap": "the coarse stage of a two-stage pruner (a small MobileNetV3 network that predicts a heat map "
+                      "of where to look, before the tower runs) needs that trained heat-map network",
+    "query-compressor": "a learned query compressor (trained query tokens that cross-attend to the patch tokens, "
+                        "then a projection, in place of selection) needs its trained query tokens and projection",
 }
 
 

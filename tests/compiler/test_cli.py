@@ -145,6 +145,26 @@ def test_an_empty_prompt_is_refused_before_any_work(tmp_path, command):
     assert result.exit_code == 2 and result.stderr.splitlines() == ["error: --prompt is empty"], result.output
 
 
+def test_user_facing_text_says_what_things_are_not_which_seed_or_issue_brought_them():
+    """`vlmprune methods` said "seed 001's coarse stage", docs/quality.md "the methods and options of issue 20": a user
+    has neither the seeds nor the issues. Every command's help, the listings, a refusal, README and the guides."""
+    import re
+
+    from vlmprune.compiler.errors import InputError
+    from vlmprune.passes.methods import NEEDS_TRAINED_WEIGHTS, get_method
+
+    texts = [_run(*command, "--help").output for command in [[]] + [[name] for name in main.commands]]
+    texts += [_run("methods").output, _run("targets").output]
+    for name in NEEDS_TRAINED_WEIGHTS:
+        with pytest.raises(InputError) as refused:
+            get_method(name)
+        texts.append(str(refused.value))
+    root = Path(__file__).parents[2]
+    texts += [(root / "README.md").read_text(), (root / "docs" / "quality.md").read_text()]
+    internal = re.compile(r"\bseed \d{3}\b|\bseeds'|\bissue \d+\b", re.I)
+    assert [m.group(0) for text in texts for m in internal.finditer(text)] == []
+
+
 def test_corrupt_onnx(tmp_path):
     bad = tmp_path / "tower.onnx"
     bad.write_bytes(b"this is not a protobuf")
