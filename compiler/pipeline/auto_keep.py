@@ -27,6 +27,13 @@ not a faster graph, so a K is taken only when every smaller measured K fits too;
 the chosen K monotone in the budget, and a budget between two measured points picks the
 lower one.
 
+A flat curve. Where K hardly changes the work (pruning at the tower's end: only the projector runs
+on fewer tokens; demo: K=1 36.5 ms, K=575 40.7 ms), the latencies of every K timed lie within the
+timings' own noise, and the K that "fits" a budget inside that band is picked by noise. flat()
+says so (a warning line, and manifest["keep_auto"]["flat"]) where the rise of the envelope from
+the smallest to the largest K timed is at most FLAT_SPREADS interquartile ranges of the widest
+candidate's runs: K is then to be chosen for accuracy, not latency.
+
 Rounding to a tile size. Whether K + 1 rows rounded up to a multiple of 8/16/32/64 pays on
 ONNX Runtime's CPU kernels was measured with tools/bench_keep_curve.py (demo tower, pruning
 after block 2, K around 64, 128, 192 and 256, interleaved, median of 15). ROUND_TO holds the
@@ -67,6 +74,10 @@ ROUND_TO = 1
 # took 75% of the 2 CPUs, so provisional): median ms of K = R-2 / R-1 (K + 1 = R rows) / R for R = 64: 78.5 / 82.1 /
 # 85.5; 128: 94.9 / 86.3 / 89.5; 192: 93.5 / 102.1 / 96.8; 256: 108.7 / 105.8 / 106.9, every interquartile range
 # 15-45 ms: the rounded K is +4.6 %, -9.1 %, +9.1 %, -2.7 % against the K below it, no sign and within the spread.
+# A curve is flat where its envelope rises by at most this many spreads (interquartile ranges of the runs) from its
+# smallest to its largest K: twice the bisection's own "cannot be told apart" bound (one spread), so that a curve
+# called flat is flat beyond doubt of a single noisy candidate.
+FLAT_SPREADS = 2.0
 ROUND_MEASUREMENT = "no tile size made the rounded K faster beyond the timings' spread (ORT CPU, demo tower)"
 
 # Why a target's candidates cannot be timed here, by target name (targets without a line are timed by their
@@ -122,6 +133,21 @@ def select(curve: Curve, budget_ms: float) -> int | None:
     """The largest measured K whose envelope latency fits budget_ms, or None where even the smallest does not."""
     fits = [k for k, ms in envelope(curve) if ms <= budget_ms]
     return max(fits) if fits else None
+
+
+def flat(timed: dict[int, "Timing"]) -> str | None:
+    """The sentence saying that K does not change the latency over the K timed (module docstring), or None."""
+    if len(timed) < 2:
+        return None
+    curve = envelope([(k, t.ms) for k, t in timed.items()])
+    (k0, ms0), (k1, ms1) = curve[0], curve[-1]
+    spread = max(t.spread for t in timed.values())
+    if ms1 - ms0 > FLAT_SPREADS * spread:
+        return None
+    return (f"K does not change the latency here: from K={k0} to K={k1} it rises {ms1 - ms0:.3f} ms "
+            f"({ms0:.3f} to {ms1:.3f} ms), within {FLAT_SPREADS:g}x the timings' spread ({spread:.3f} ms), so the K "
+            "chosen is picked by noise (pruning where little runs after it, e.g. at the tower's end); choose K for "
+            "accuracy instead (vlmprune eval --dataset)")
 
 
 def round_keep(keep: int, limit: int) -> int:
@@ -215,8 +241,10 @@ def resolve(model: str, options, progress: Callable[[str], None]):
     chosen = round_keep(chosen, last)
     section = {"budget_ms": budget, "chosen": chosen, "curve": [[k, ms] for k, ms in curve],
                "timed_on": f"{runtime}, batch {bench.batch}, median of {REPEATS} after {WARMUP} warm-up calls",
-               "load": load, "source": "measured"}
+               "load": load, "source": "measured", "flat": flat(timed)}
     progress(f"keep auto: K={chosen} ({dict(curve)[chosen]:.3f} ms <= {budget:g} ms)")
+    if section["flat"]:
+        progress(f"warning: keep auto: {section['flat']}")
     return dataclasses.replace(base, keep=chosen), section
 
 

@@ -72,6 +72,24 @@ def test_search_stops_where_the_bracket_is_within_the_noise():
     assert len(timings) <= 11  # no bisection through noise
 
 
+def _runs(median: float, spread: float) -> list[float]:
+    return [median + d * spread for d in (-0.6, -0.25, 0.0, 0.25, 0.6)]
+
+
+def test_a_flat_curve_says_that_k_does_not_change_the_latency():
+    """The demo pruned at the tower's end: K=1 36.5 ms, K=575 40.7 ms, each candidate's runs spread ~3 ms; a budget
+    inside that band picks K from noise, and the search says so."""
+    demo = {1: 36.5, 2: 37.9, 4: 36.8, 8: 38.2, 16: 37.0, 32: 39.1, 64: 38.0, 128: 39.6, 256: 40.1, 575: 40.7}
+    timed = {k: auto_keep.Timing(k, _runs(ms, 3.0)) for k, ms in demo.items()}
+    assert timed[1].spread >= 2.1  # the interquartile range the threshold is relative to
+    said = auto_keep.flat(timed)
+    assert said and said.startswith("K does not change the latency here: from K=1 to K=575 it rises 4.200 ms")
+    assert "picked by noise" in said
+    steep = {k: auto_keep.Timing(k, _runs(ms, 0.3)) for k, ms in CURVE}  # 2.0 to 11.0 ms, spread ~0.2 ms
+    assert auto_keep.flat(steep) is None
+    assert auto_keep.flat({1: timed[1]}) is None  # one K timed: nothing to compare
+
+
 @pytest.mark.parametrize("options,needle", [
     (dict(keep=64, latency_ms=5.0), "--latency-ms is the budget of --keep auto"),
     (dict(keep="auto"), "--keep auto needs --latency-ms"),
