@@ -64,7 +64,8 @@ def _platform_problem() -> str | None:
 
 
 ENV = IsolatedEnv("rknn venv", f"rknn-venv-{RKNN_TOOLKIT_VERSION}", "rknn-toolkit2", RKNN_TOOLKIT_VERSION, PYTHON_ENV,
-                  RknnError, _platform_problem, "rknn_env.rknn_python()")
+                  RknnError, _platform_problem, "rknn_env.rknn_python()",
+                  cost=("630 MB", "30 s"))  # measured: 628 MB, 27 s (2 cores, a fast index)
 venv_dir, available, index_reachable, venv_info = ENV.venv_dir, ENV.available, ENV.index_reachable, ENV.info
 
 
@@ -84,7 +85,7 @@ def rknn_python() -> Path:
     return ENV.python(create_venv)
 
 
-def create_venv(venv: Path) -> dict:
+def create_venv(venv: Path, log=None) -> dict:
     """Build the venv (the toolkit without its deps, its ONNX path's requirements, the host's torch linked)."""
     def install(venv: Path) -> dict:
         ENV.run([sys.executable, "-m", "venv", str(venv)], "create venv")
@@ -98,7 +99,7 @@ def create_venv(venv: Path) -> dict:
         return {"rknn_toolkit2": RKNN_TOOLKIT_VERSION, "requirements": [TOOLKIT_REQUIREMENT, *RUNTIME_REQUIREMENTS],
                 "torch": torch_source}
 
-    return ENV.build(venv, install)
+    return ENV.build(venv, install, log)
 
 
 def run_worker(request: dict, timeout: float = 1800) -> dict:

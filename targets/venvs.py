@@ -90,6 +90,7 @@ class IsolatedEnv:
     error: type[Exception]
     platform_problem: Callable[[], str | None]
     creator: str  # what creates it, for the "not created yet" line
+    cost: tuple[str, str] = ("", "")  # (size, time) its creation took when measured here, said before it starts
 
     def venv_dir(self) -> Path:
         return cache_dir() / self.folder
@@ -152,8 +153,23 @@ class IsolatedEnv:
         marker = self.venv_dir() / MARKER
         return json.loads(marker.read_text()) if marker.is_file() else {}
 
-    def build(self, venv: Path, install: Callable[[Path], dict]) -> dict:
-        """Run install(venv) in place under the lock unless the marker says it is done; the marker gets its record."""
+    def creating_line(self, venv: Path) -> str:
+        """Said before a creation: what is made, where, how big and how long (it downloads, and prints nothing)."""
+        size, seconds = self.cost
+        guess = f": ~{size} from the package index, ~{seconds}" if size else ""
+        return f"creating the {self.label} at {venv} (once{guess})..."
+
+    def ready_line(self, venv: Path, info: dict) -> str:
+        """Said after a creation: what it took."""
+        return (f"{self.label} ready at {venv} ({info['size_bytes'] / 1e6:.0f} MB, "
+                f"{info['install_seconds']:.0f} s)")
+
+    def build(self, venv: Path, install: Callable[[Path], dict], log: Callable[[str], None] | None = None) -> dict:
+        """Run install(venv) in place under the lock unless the marker says it is done; the marker gets its record.
+
+        log: where the lines before and after a creation go (default: stderr, where the CLI's progress goes); an
+        environment already complete is reused without a word."""
+        log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         venv.parent.mkdir(parents=True, exist_ok=True)
         with open(venv.parent / f"{venv.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -161,6 +177,7 @@ class IsolatedEnv:
                 return json.loads((venv / MARKER).read_text())
             if venv.exists():
                 shutil.rmtree(venv)  # left by a build that did not finish
+            log(self.creating_line(venv))
             t0 = time.perf_counter()
             try:
                 record = install(venv)
@@ -172,6 +189,7 @@ class IsolatedEnv:
             tmp = venv / f"{MARKER}.tmp"
             tmp.write_text(json.dumps(info, indent=1))
             os.replace(tmp, venv / MARKER)
+            log(self.ready_line(venv, info))
             return info
 
     def run(self, cmd: list[str], what: str) -> str:

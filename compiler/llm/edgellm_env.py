@@ -55,7 +55,8 @@ def _platform_problem() -> str | None:
 
 
 ENV = IsolatedEnv("Edge-LLM venv", f"edgellm-venv-{EDGELLM_VERSION}", "tensorrt-edgellm", EDGELLM_VERSION,
-                  PYTHON_ENV, EdgeLlmError, _platform_problem, "edgellm_env.edgellm_python()")
+                  PYTHON_ENV, EdgeLlmError, _platform_problem, "edgellm_env.edgellm_python()",
+                  cost=(CREATE_COST[1], CREATE_COST[0]))
 venv_dir, available, index_reachable, venv_info = ENV.venv_dir, ENV.available, ENV.index_reachable, ENV.info
 
 
@@ -99,7 +100,7 @@ def export_command() -> list[str]:
                                "sys.argv[0] = 'tensorrt-edgellm-export'; sys.exit(main())"]
 
 
-def create_venv(venv: Path) -> dict:
+def create_venv(venv: Path, log=None) -> dict:
     """Build the venv: this environment's torch linked in, the exporter and its pins installed."""
     problem = _host_torch_problem()
     if problem:
@@ -121,4 +122,4 @@ def create_venv(venv: Path) -> dict:
                 "torch": f"{torch_source} (imported from {Path(out[0]).parent})",
                 "transformers": out[1] if len(out) > 1 else None}
 
-    return ENV.build(venv, install)
+    return ENV.build(venv, install, log)

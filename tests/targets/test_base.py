@@ -59,3 +59,27 @@ def test_targets_contribute_their_commands_and_listings():
     assert main.commands["build-engine"] is contributed["build-engine"]
     assert get_target("qnn").listing()[0] == "qnn --soc values (default SM8650):"
     assert get_target("ort").listing() == []
+
+
+@pytest.mark.parametrize("which", ["rknn", "edgellm"])
+def test_creating_a_toolchain_venv_says_what_how_big_and_how_long_before_and_what_it_took_after(which):
+    """Creating the rknn venv (628 MB, ~27 s) or the Edge-LLM one (~1 GB, ~1 min) printed nothing. The lines, from
+    each environment's own declaration; the creation path on the environment already made here says nothing more
+    (a complete venv is reused) and its record gives the after line."""
+    if which == "rknn":
+        from vlmprune.targets import rknn_env as env_module
+    else:
+        from vlmprune.compiler.llm import edgellm_env as env_module
+    env = env_module.ENV
+    venv = env.venv_dir()
+    size, seconds = env.cost
+    assert size and seconds
+    assert env.creating_line(venv) == (f"creating the {env.label} at {venv} (once: ~{size} from the package index, "
+                                       f"~{seconds})...")
+    if not env.available()[0] or env.custom_python() is not None:
+        pytest.skip(f"the {env.label} is not created here ({env.available()[1]}): its creation is not run by tests")
+    said: list[str] = []
+    info = env_module.create_venv(venv, said.append)
+    assert said == [] and info == env.info()  # reused as it is, without a word
+    assert env.ready_line(venv, info) == (f"{env.label} ready at {venv} ({info['size_bytes'] / 1e6:.0f} MB, "
+                                          f"{info['install_seconds']:.0f} s)")
