@@ -527,6 +527,7 @@ class _Chart:
                        fill=(160, 160, 160))
 
     def legend(self, text, color, marker=None):
+        text = text.replace("→", "->")  # the picture's bitmap font has no arrow ("progressive 2→4→6")
         y = self.top + 14 * self.legend_rows
         self.legend_rows += 1
         if marker is not None:
