@@ -97,7 +97,7 @@ def forced_for(record: dict | None, pixel: np.ndarray) -> torch.Tensor | None:
                                                                            found.get("max_boxes")))
     if record is None:
         return forced
-    return coverage.forced_reference(record["params"], record["num_patches"], forced, len(pixel))  # --coverage
+    return coverage.forced_reference(record["params"], record.get("num_patches"), forced, len(pixel))  # --coverage
 
 
 def with_forced(tensors: SiteTensors, forced: torch.Tensor | None) -> SiteTensors:

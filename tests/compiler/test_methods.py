@@ -163,8 +163,8 @@ def test_cli_method_options_and_refusals(tiny_llava_dir, tmp_path):
     for args, needle in [(["--method", "divprune", "--lambda", "0.3"], "--lambda is not an option of method divprune"),
                          (["--method", "divprune", "--layer", "1"], "--layer does not apply"),
                          (["--method", "nope"], "unknown method 'nope'"),
-                         (["--method", "coarse-heatmap"], "needs the trained heat-map network, and no such weights"),
-                         (["--method", "query-compressor"], "learned query compressor needs its trained"),
+                         (["--method", "coarse-heatmap"], "needs that trained heat-map network, and no such weights"),
+                         (["--method", "query-compressor"], "in place of selection) needs its trained query tokens"),
                          (["--method", "cls", "--pivots", "2"], "--pivots is not an option of method cls"),
                          (["--target", "ort", "--soc", "SM8650"], "target ort has no --soc")]:
         result = run("compile", tiny_llava_dir, "-o", tmp_path / "c", *args)
@@ -181,7 +181,7 @@ def test_methods_command_lists_needs_and_targets():
     assert "needs:    the projector output (the tower's end)" in text
     assert "--contextual" in text and "--pivots" in text and "--lambda" in text
     assert "--text-pivots: " in text and "--roi-max: " in text and "_pivots" not in text  # the flags as typed
-    assert "not available (trained weights that do not exist here):\n  coarse-heatmap: seed 001's" in text
+    assert "not available (trained weights that do not exist here):\n  coarse-heatmap: the coarse stage of a two-stage pruner" in text
     assert "ort (loop, fused into DivPruneSelect)" in text and "orin (unrolled)" in text
     assert "rk3588 (standard ops)" in text
     # TokenPrune copies the one [CLS] token it ranks by: --score probe and attention stay in standard ops.

@@ -88,5 +88,5 @@ def test_other_targets_keep_their_messages(tmp_path):
     with pytest.raises(InputError, match=r"target rk3588 has no --calibration \(it takes --precision\)"):
         get_target("rk3588").check_options(CompileOptions(target="rk3588",
                                                           target_options={"calibration": str(tmp_path)}))
-    with pytest.raises(InputError, match="qnn --precision takes int16 or int8"):
+    with pytest.raises(InputError, match=r"qnn --precision takes int16 \(activation bits\), got .fp32."):
         get_target("qnn").check_options(CompileOptions(target="qnn", target_options={"precision": "fp32"}))
