@@ -321,13 +321,15 @@ def scene(seed: int, split: str, index: int) -> tuple[np.ndarray, list[dict]]:
 
 
 def summary(rows: list[dict]) -> dict:
-    """Per type: questions, the answer counts, the majority answer (ties: the first in sorted order) and its share."""
+    """Per type: questions, the answer counts, the majority answer (as eval's stats.majority picks it) and its share."""
+    from vlmprune.compiler.quality import stats
+
     out = {}
     for kind in TYPES:
         answers = collections.Counter(r["answers"][0] for r in rows if r["type"] == kind)
         if not answers:
             continue
-        top = max(sorted(answers), key=lambda a: answers[a])
+        top = stats.majority([r["answers"] for r in rows if r["type"] == kind])[0]
         out[kind] = {"questions": sum(answers.values()), "answers": dict(sorted(answers.items())),
                      "majority_answer": top, "majority_share": answers[top] / sum(answers.values())}
     total = len(rows)

@@ -41,7 +41,6 @@ with equal environments must have equal digests.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import hashlib
 import json
@@ -367,9 +366,10 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
 
 
 def majority(answers: list[str]) -> str:
-    """The most frequent answer; ties to the first in sorted order, so the baseline does not depend on row order."""
-    counts = collections.Counter(answers)
-    return max(sorted(counts), key=lambda a: counts[a])
+    """The most frequent answer, as eval's baseline picks it (stats.majority: ties to the first in sorted order)."""
+    from vlmprune.compiler.quality import stats
+
+    return stats.majority([(a,) for a in answers])[0]
 
 
 def accuracy_record(got: list[str], test_rows: list[dict], train_rows: list[dict]) -> dict:
