@@ -1,4 +1,4 @@
-"""`--budget adaptive`: K per image from the entropy of a score-based method's own score (seed 001's budget).
+"""`--budget adaptive`: K per image from the entropy of a score-based method's own score (an entropy-driven budget: a peaked score needs fewer tokens).
 
 For a method that ranks patches by one score S [B, N] (Method.selection == BY_SCORE: cls),
 the budget of image b is

@@ -1,4 +1,4 @@
-"""`cls`: seed 000's method, [CLS] attention (+ pixel variance), with a summary token.
+"""`cls`: the project's reference method, [CLS] attention (+ pixel variance), with a summary token.
 
 After block L, score every patch by the recomputed [CLS] attention row of that block
 (passes.methods.attention), optionally plus λ times its normalised pixel variance:
@@ -22,7 +22,7 @@ Fusion: select + gather + summary become one `TokenPrune` node (kernels/cpu, ker
 that reads each token once; the scorer stays in standard ops, measured faster there on
 CPU (tools/bench_fused_op.py). `--scorer int8` (base.GENERIC_OPTIONS) is the exception: the
 scorer is emitted in one fixed form (emit_kernel_scores, fp32 in model.decomposed.onnx) that
-ClsScoreFusion turns into `ClsAttentionScore` with int8=1, the decision in INT8 (seed 001).
+ClsScoreFusion turns into `ClsAttentionScore` with int8=1, the decision in INT8 (a cheap decision layer beside a float tower).
 `--merge local` (passes.methods.merge, applied by the base class) replaces the kept rows and the
 summary: no TokenPrune then.
 """

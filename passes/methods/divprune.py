@@ -1,4 +1,4 @@
-"""`divprune`: DivPrune's diversity selection on the projector output (vbdi/divprune; seed 001).
+"""`divprune`: DivPrune's diversity selection on the projector output (vbdi/divprune).
 
 On the tokens the LLM sees (the tower's end, after the projector), with
 D = 1 - cosine between token rows:

@@ -1,4 +1,4 @@
-"""`holov`: HoloV's holistic crop budgets on the projector output (obananas/HoloV; seed 004).
+"""`holov`: HoloV's holistic crop budgets on the projector output (obananas/HoloV).
 
 On the tokens the LLM sees (the tower's end, after the projector), scored by the [CLS] row
 of the feature layer's attention, mean over heads (a_i; the official code reads
@@ -19,7 +19,7 @@ the [CLS] row of the last block it runs, recomputed from that block's own Q and 
    crops of largest w (ties to the lower crop index).
 5. Within crop c: keep its k_c tokens of largest a (ties to the lower index).
 6. Output: [CLS, where the features keep it] + the K kept tokens in ascending raster order +
-   one context token, the mean of the N - K pruned tokens (seed 004's context re-injection):
+   one context token, the mean of the N - K pruned tokens (context re-injection: what was pruned comes back as one token):
    [B, (1)+N, D] -> [B, (1)+K+1, D]. K counts real tokens only, as cls's summary token.
    `--merge local` (passes.methods.merge, applied by the base class): the kept tokens merged
    with their pruned neighbours, and the context token the mean of those with none.
@@ -33,7 +33,7 @@ Deviations from the official code, and choices where it is batch-1 only or silen
   top-k, best first, crop by crop);
 - ties go to the lower index, in the leftover ranking and in each crop's top-k (torch.topk
   leaves them open);
-- the context token: seed 004's re-injection passes the pruned tokens through a trained FFN;
+- the context token: the published re-injection passes the pruned tokens through a trained FFN;
   no trained weights for it exist, so the token is their unweighted mean, untrained;
 - with a [CLS] token in the features (select strategy `full`), it passes through and only
   patch tokens are cropped and selected.

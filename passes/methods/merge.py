@@ -1,6 +1,6 @@
 """Local merging (`--merge local --width W`): pruned tokens merge into a kept neighbour, not into the summary.
 
-Seed 003's local clustering, as one post-selection step any selection method can call
+Local clustering, as one post-selection step any selection method can call
 (its reference and its emission), driven by options the base class parses (GENERIC):
 
 - Neighbourhood: patch i's W×W window of the patch grid, centred on it: every patch j with

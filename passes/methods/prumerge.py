@@ -1,4 +1,4 @@
-"""`prumerge+`: PruMerge+ (42Shawn/LLaVA-PruMerge; seed 002's merging), a K that varies per image.
+"""`prumerge+`: PruMerge+ (42Shawn/LLaVA-PruMerge), a K that varies per image.
 
 At block L (default: the feature layer), from that block's own attention and keys:
 

@@ -2,8 +2,8 @@
 
 Instead of keeping K of the N patches at once after one block, step s of S prunes after
 block L_s to K_s tokens (L_1 < ... < L_S, N > K_1 > ... > K_S = K = --keep), so the blocks
-in between run on fewer tokens while the early ones still see most of the image (seed 003's
-layer-wise keep ratios: gentle early, stronger later). Two spellings:
+in between run on fewer tokens while the early ones still see most of the image (layer-wise
+keep ratios: gentle early, stronger later). Two spellings:
 
 - blocks only, `--schedule 2,4,6` (or `2/4/6`): the counts follow the geometric
   interpolation between N and K, K_s = round(N · (K/N)^(s/S)); each step keeps the same

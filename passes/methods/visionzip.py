@@ -1,4 +1,4 @@
-"""`visionzip`: VisionZip's dominant + contextual tokens (dvlab-research/VisionZip; seed 003's k1:k2).
+"""`visionzip`: VisionZip's dominant + contextual tokens (dvlab-research/VisionZip; K split k1:k2 between the two).
 
 At block L (default: the feature layer), from that block's own attention and keys:
 

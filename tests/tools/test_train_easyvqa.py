@@ -117,9 +117,10 @@ def test_inspection_scenes_train_with_per_type_accuracy(tower, tmp_path, monkeyp
     monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
     data = train_easyvqa.Dataset(
         "inspection", lambda: (train_easyvqa._inspection_split("train", 0, 12), train_easyvqa._inspection_split("test", 0, 6)),
-        "m", "t", train=24, epochs=1, test=12)
-    record = train_easyvqa.train_easyvqa(tmp_path / "model", tower, lm=TINY_LM, log=lambda line: None, dataset=data)
+        "m", "t", train=24, epochs=1, test=12, pack=True, lm={**TINY_LM, "num_hidden_layers": 2})
+    record = train_easyvqa.train_easyvqa(tmp_path / "model", tower, log=lambda line: None, dataset=data)
     assert record["dataset"] == "inspection" and record["test_questions"] == 12 and record["train_images"] == 12
+    assert record["packed"] and record["language_model"]["num_hidden_layers"] == 2  # the dataset's override
     types = record["per_type"]
     assert set(types) <= set(inspection_vqa.TYPES) and sum(t["questions"] for t in types.values()) == 12
     for row in types.values():
@@ -130,3 +131,43 @@ def test_inspection_scenes_train_with_per_type_accuracy(tower, tmp_path, monkeyp
 def test_majority_ties_go_to_the_first_answer_in_sorted_order():
     assert train_easyvqa.majority(["no", "yes", "yes", "no"]) == "no"
     assert train_easyvqa.majority(["b", "a", "b"]) == "b"
+
+
+def test_packing_puts_an_images_questions_in_one_chat_and_labels_only_the_answers(tower):
+    """pack=True: one sequence per image; its first turn is exactly the unpacked sample (what eval asks), and the
+    labelled spans are each answer and its eos, nothing of the prompts."""
+    from transformers import Dinov2Config
+
+    rows = [{"image": "a.png", "question": "how many parts are there?", "answers": ["2"]},
+            {"image": "a.png", "question": "is there a red cross?", "answers": ["yes"]},
+            {"image": "b.png", "question": "what does the label say?", "answers": ["ok"]}]
+    tok = train_easyvqa.build_tokenizer([r["question"] for r in rows] + [r["answers"][0] for r in rows])
+    processor = train_easyvqa.build_processor(tok, Dinov2Config.from_pretrained(tower))
+    plain = train_easyvqa.encode(processor, rows, 64)
+    packed = train_easyvqa.encode(processor, rows, 64, pack=True)
+    assert len(plain) == 3 and len(packed) == 2
+    (seq, spans), (first, (span,)) = packed[0], plain[0]
+    assert seq[:len(first)] == first and spans[0] == span  # the first turn is the unpacked sample
+    assert packed[1] == plain[2]  # an image with one question is not changed
+    words = [tok.convert_ids_to_tokens(seq[a:b]) for a, b in spans]
+    assert words == [["2", "</s>"], ["yes", "</s>"]]
+    follow = tok.convert_ids_to_tokens(seq[spans[0][1]:spans[1][0]])
+    assert follow[:2] == ["user", ":"] and follow[-2:] == ["assistant", ":"] and "<image>" not in follow
+
+
+def test_features_are_cached_per_chunk_and_reused(tower, tmp_path, monkeypatch):
+    """A longer image list computes only the chunks it has not seen; a cached chunk equals a fresh computation."""
+    import inspection_vqa
+
+    monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
+    folder = inspection_vqa.cached_split("test", 0, 6)
+    paths = sorted(str(p) for p in (folder / "images").glob("*.png"))
+    tok = train_easyvqa.build_tokenizer(["a"])
+    model = train_easyvqa.build_model(tower, tok, TINY_LM)
+    processor = train_easyvqa.build_processor(tok, model.config.vision_config)
+    said: list[str] = []
+    first = train_easyvqa.cached_features(model, processor, tower, paths[:4], log=said.append, chunk=2)
+    again = train_easyvqa.cached_features(model, processor, tower, paths, log=said.append, chunk=2)
+    assert [("cached" in line) for line in said] == [False, False, True, True, False]
+    assert len(list((tmp_path / "cache" / "features").glob("*.pt"))) == 3
+    assert all((first[p] == again[p]).all() for p in paths[:4])
