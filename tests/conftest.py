@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import vlmprune.compiler  # noqa: F401  first: drops the checkout root from sys.path (see its _unshadow_checkout)
+import vlmprune.compiler  # noqa: F401
 
 
 def _tiny_vision(kind: str, image_size: int = 112):

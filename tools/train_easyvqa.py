@@ -21,7 +21,7 @@ scratch, with a word-level tokenizer over easy-vqa's vocabulary and LLaVA-1.5's 
   (tools/easyvqa_jsonl.py). Dense accuracy is the exact match of the saved model's own greedy
   generate(), beside the majority training answer's accuracy; both go to DIR/training.json.
 - `--dataset inspection`: the scenes of tools/inspection_vqa.py at 448 px (all 4,000 training images of
-  the generator's seed 0, 2 questions each, packed as two turns of one chat per image, 4 epochs in batches
+  the generator's seed 0, 2 questions each, packed as two turns of one chat per image, 3 epochs in batches
   of 8, a 4-layer language model; the test split is its own stream, never seen in training), on the tower
   converted at 448 px (`tools/dinov2_from_onnx.py --image-size 448`: 1024 patches). The splits are generated into $VLMPRUNE_CACHE/datasets on first use and reused. Dense
   accuracy and the majority baseline are also given per question type.
@@ -109,7 +109,7 @@ DATASETS = {d.name: d for d in (
     # share one sequence (a second question costs a dozen tokens, not 1,024), which doubles the images seen.
     # The benchmark's data is the generator's seed 0, whatever the training seed: one test set for every model.
     Dataset("inspection", lambda: (_inspection_split("train", 0), _inspection_split("test", 0)),
-            "inspection-llava-dinov2", "dinov2-s14-imgfocus-448", train=8000, epochs=4, test=500, batch=8, lr=1e-3,
+            "inspection-llava-dinov2", "dinov2-s14-imgfocus-448", train=8000, epochs=3, test=500, batch=8, lr=1e-3,
             pack=True, lm={"num_hidden_layers": 4}),
 )}
 
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a Dinov2Model directory; default: $VLMPRUNE_CACHE/models/dinov2-s14-imgfocus "
                              "(-448 for inspection)")
     parser.add_argument("--train", type=int, default=None, help="training questions (the first N; easyvqa 10000, "
-                        "inspection 4000)")
+                        "inspection 8000)")
     parser.add_argument("--epochs", type=int, default=None, help="easyvqa 4, inspection 3")
     parser.add_argument("--test", type=int, default=None, help="test questions for the dense accuracy (the first M; "
                         "easyvqa 500, inspection 500)")
