@@ -15,12 +15,21 @@ Precision (--precision):
   to the contract's "bf16" tolerances (compiler.parity), compares image features on the tokens both
   sides kept, and reports the swap and the tie band. Where the CPU has no bf16 (OPTIMIZATION_
   CAPABILITIES lacks BF16) the stage says in one line that it runs f32 instead.
-- int8: NNCF post-training quantization (nncf.quantize, ONNX backend, transformer preset) of the
-  decomposed graph, calibrated on --calibration DIR or the built-in photographs as the ort target
-  is, with everything the kept indices depend on kept out of it (nncf.IgnoredScope over
-  targets.ort_quant.score_path: the same "kept set is fp32's" contract as ort and rk3588); the QDQ
-  graph is converted to model.int8.xml + .bin, compiled with the f32 hint so that what NNCF left
-  unquantized stays f32.
+- int8: NNCF post-training quantization (nncf.quantize, ONNX backend, transformer preset, SmoothQuant
+  off: advanced_parameters says why) of the decomposed graph, calibrated on --calibration DIR or the
+  built-in photographs as the ort target is, with what the ort target keeps fp32 kept out of it
+  (nncf.IgnoredScope over targets.ort_quant.excluded_nodes: everything the kept indices depend on, the
+  selection, and the attention MatMuls and the MLP's second MatMul; the same "kept set is fp32's"
+  contract as ort and rk3588). The ONNX backend, not the OpenVINO one: the ignored nodes are named in
+  the ONNX graph, and after ov.convert_model only some names survive (measured: 40 of 61 score-path
+  nodes of the tests' tiny CLIP; quantizing the rest moved the kept set). The QDQ graph is converted to
+  model.int8.xml + .bin and compiled with the f32 hint, so that what NNCF left unquantized stays f32.
+  A method whose selection reads the projector output (divprune, dart, holov, cdpruner) is refused,
+  as on ort: the fp32 score path would be the whole tower.
+
+Methods (demo, K = 64, parity here): every method compiles and passes at f32; at bf16 all but
+cdpruner pass (its greedy DPP left a step off a tie: agreement 0.85, so that compile fails parity)
+and tome is refused up front (Method.float32_only: its merges flip below fp32).
 
 Devices (--device CPU | GPU | NPU, OpenVINO's names): the IR is device-independent; the bundle
 records the device it is meant for and its README compiles it there. A device this machine lacks
@@ -33,8 +42,10 @@ version does not export (no_llm_why).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -71,6 +82,25 @@ CHECK_DEVICE = "CPU"  # where a device absent here is checked
 THREADS_ENV = "VLMPRUNE_ORT_THREADS"  # the same thread count the ONNX Runtime sessions take (targets.runtime)
 
 
+def openvino():
+    """The openvino module, imported with OpenVINO's and NNCF's usage telemetry declined for this process.
+
+    Both send usage events unless a consent file says no (`import openvino` sends one, from ovc), each from a
+    process forked by a worker thread: here that fork killed a Python process with SIGBUS, and a compiler sends
+    nothing of its users'. Both ask openvino_telemetry whether they run in CI (disable_in_ci=True) and then
+    decline: that check answers yes here, before either is imported. The user's consent file is left alone.
+    """
+    try:
+        from openvino_telemetry.utils import opt_in_checker
+    except ImportError:  # no telemetry package: nothing is sent
+        pass
+    else:
+        opt_in_checker.OptInChecker._run_in_ci = staticmethod(lambda: True)
+    import openvino as ov
+
+    return ov
+
+
 def parse_precision(value: str | None) -> str:
     name = (value or DEFAULT_PRECISION).strip().lower()
     name = {"fp32": "f32", "float32": "f32", "bfloat16": "bf16"}.get(name, name)
@@ -88,14 +118,14 @@ def parse_device(value: str | None) -> str:
 
 def present_devices() -> list[str]:
     """OpenVINO's devices on this machine, by family ("GPU.0" -> "GPU")."""
-    import openvino as ov
+    ov = openvino()
 
     return sorted({d.split(".")[0] for d in ov.Core().available_devices})
 
 
 def bf16_note(device: str) -> str:
     """One line where bf16 cannot run as asked on `device` here, else ""."""
-    import openvino as ov
+    ov = openvino()
 
     capabilities = ov.Core().get_property(device, "OPTIMIZATION_CAPABILITIES")
     if "BF16" in capabilities:
@@ -122,9 +152,9 @@ class OpenVinoTarget(Target):
         return True, ""
 
     def toolchain(self) -> dict[str, str]:
+        ov = openvino()  # first: telemetry declined before nncf imports openvino
         import nncf
         import onnx
-        import openvino as ov
 
         return {"openvino": ov.get_version().split("-")[0], "nncf": nncf.__version__, "onnx": onnx.__version__}
 
@@ -143,6 +173,13 @@ class OpenVinoTarget(Target):
         if precision == "int8" and reads_projector_output(options):
             raise InputError(f"openvino --precision int8 with {options.method}: its selection reads the projector "
                              "output, so the fp32 score path would be the whole tower and nothing would be quantized")
+        if precision == "bf16" and options.prune:
+            from vlmprune.passes.methods import get_method
+
+            why = get_method(options.method).float32_only
+            if why:
+                raise InputError(f"openvino --precision bf16 cannot run method {options.method}: {why}, and bf16 "
+                                 "runs the whole graph in bfloat16; compile with --precision f32")
         chosen = {"precision": precision, "device": device}
         if given.get("calibration") is not None:
             ort_quant.check_calibration_dir(given["calibration"])
@@ -153,7 +190,7 @@ class OpenVinoTarget(Target):
 
     def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
         """model.onnx (standard ops), model.xml + model.bin (OpenVINO IR, fp32); int8: model.int8.xml + .bin too."""
-        import openvino as ov
+        ov = openvino()
 
         chosen = context["target_options"]
         precision, device = chosen["precision"], chosen["device"]
@@ -180,7 +217,7 @@ class OpenVinoTarget(Target):
 
     def runner(self, bundle_dir: Path, manifest: dict):
         """The IR compiled on the bundle's device (CPU where this machine lacks it) with its precision hint."""
-        import openvino as ov
+        ov = openvino()
 
         fields = manifest.target
         name = fields.get("precision", DEFAULT_PRECISION)
@@ -211,7 +248,7 @@ def first_line(exc: Exception) -> str:
 
 def compile_ir(path: Path, device: str, hint: str):
     """ov.CompiledModel of the IR at path on device, with the precision hint (and the product's thread count)."""
-    import openvino as ov
+    ov = openvino()
 
     config = {"INFERENCE_PRECISION_HINT": hint}
     threads = int(os.environ.get(THREADS_ENV, "0"))
@@ -256,45 +293,75 @@ def emit_int8(out_dir: Path, context: dict) -> dict:
                            "built-in photographs (targets.calibration), disjoint from the parity images"}
 
 
-def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray) -> dict:
-    """NNCF post-training quantization of the ONNX graph at `decomposed`, the score path ignored; saved as IR."""
+INLINE_LIMIT = 2_000_000_000  # bytes: protobuf's limit on one serialized ModelProto, with a margin
+
+
+def advanced_parameters():
+    """NNCF's advanced parameters here: SmoothQuant off (alpha -1), by measurement on the tiny CLIP of the tests
+    (cls keep 16 after block 1, 3 noise images): with it the features' min token cosine to f32 was 0.949, without
+    0.982 (the ort groups kept fp32 in both; the kept set fp32's in both)."""
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
+
+    return AdvancedQuantizationParameters(smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=-1))
+
+
+@contextlib.contextmanager
+def _quiet():
+    """NNCF's warnings off, and its progress bars on stderr: stdout is kept for data (`--json`)."""
     import logging
 
+    openvino()  # first: telemetry declined before nncf imports openvino
+    import nncf
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    nncf.set_log_level(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray) -> dict:
+    """NNCF post-training quantization of the ONNX graph at `decomposed`, the score path and the ort target's fp32
+    groups ignored (targets.ort_quant.excluded_nodes); saved as IR."""
+    ov = openvino()  # first: telemetry declined before nncf imports openvino
     import nncf
     import onnx
-    import openvino as ov
 
     from vlmprune.compiler.frontend import roi_input as roi
-    from vlmprune.targets.ort_quant import score_path
+    from vlmprune.targets.ort_quant import DEFAULT, excluded_nodes
     from vlmprune.targets.runtime import optional_feed
 
     graph = ir.load(decomposed)
-    fp32 = sorted({n.name for n in score_path(graph.graph)})
+    fp32 = sorted({n.name for n in excluded_nodes(graph.graph, DEFAULT)})
     value = graph.graph.inputs[0]
     batch = value.shape[0] if isinstance(value.shape[0], int) else 1
     samples = [pixels[[(i + j) % len(pixels) for j in range(batch)]] for i in range(0, len(pixels), batch)]
     with roi.feeding(roi.PARITY):  # --roi: the calibration images' fixed-seed ROI beside them (compiler.roi)
         feeds = [{value.name: x, **optional_feed(graph.graph.inputs[1:], x)} for x in samples]
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    nncf.set_log_level(logging.ERROR)
     try:
-        quantized = nncf.quantize(onnx.load(str(decomposed)), nncf.Dataset(feeds), subset_size=len(feeds),
-                                  model_type=nncf.ModelType.TRANSFORMER,
-                                  ignored_scope=nncf.IgnoredScope(names=fp32, validate=False))
-    except Exception as exc:
+        with _quiet():
+            quantized = nncf.quantize(onnx.load(str(decomposed)), nncf.Dataset(feeds), subset_size=len(feeds),
+                                      model_type=nncf.ModelType.TRANSFORMER, advanced_parameters=advanced_parameters(),
+                                      ignored_scope=nncf.IgnoredScope(names=fp32, validate=False))
+    except Exception as exc:  # NNCF raises many kinds; one line names it
         raise ToolchainError(f"openvino --precision int8: nncf.quantize failed: {first_line(exc)}") from None
-    finally:
-        logging.disable(previous)
     with tempfile.TemporaryDirectory(prefix=".int8-", dir=Path(out_path).parent) as tmp:
         path = Path(tmp) / "q.onnx"
-        onnx.save(quantized, str(path), save_as_external_data=True, location="q.bin")
+        # inline below protobuf's 2 GB: an external-data file written here was once found empty when
+        # ov.convert_model mapped it (SIGBUS), which one file cannot be
+        inline = quantized.ByteSize() < INLINE_LIMIT
+        onnx.save(quantized, str(path), save_as_external_data=not inline, location="q.bin")
         ov.save_model(ov.convert_model(str(path)), str(out_path), compress_to_fp16=False)
     ops = [n.op_type for n in quantized.graph.node]
     return {"model": Path(out_path).name, "format": "OpenVINO IR with FakeQuantize (NNCF PTQ, ONNX backend, "
-                                                    "ModelType.TRANSFORMER)",
+                                                    "ModelType.TRANSFORMER, SmoothQuant off)",
             "quantize_pairs": ops.count("QuantizeLinear"), "fp32_nodes": len(fp32),
-            "fp32": "everything the kept indices depend on, the selection and its gathers/merge (nncf.IgnoredScope)"}
+            "fp32": "everything the kept indices depend on, the selection and its gathers/merge, and the groups "
+                    f"{', '.join(DEFAULT.exclude)} (nncf.IgnoredScope: the ort target's measured choice, "
+                    "targets.ort_quant)"}
 
 
 # ---------------------------------------------------------------------------- README
