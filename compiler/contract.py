@@ -34,6 +34,8 @@ QDQ_WEIGHTS = "weights.qdq.bin"  # the QDQ graph's external data
 QNN_CONTEXT = "model_ctx.onnx"  # QNN: the EP context model wrapping the compiled context binary
 ENGINE = "model.engine"  # TensorRT: the engine built on the device (trt_engine.py)
 RKNN = "model.rknn"  # rk3588: the RKNN model (rknn_worker.py)
+OPENVINO_IR = "model.xml"  # openvino: the fp32 IR (its weights in model.bin beside it)
+OPENVINO_INT8_IR = "model.int8.xml"  # openvino --precision int8: the NNCF-quantized IR (+ model.int8.bin)
 
 # --- IR metadata keys ----------------------------------------------------------------------
 PRUNE_META = "vlmprune.prune"  # model.metadata_props: what InsertPruningPass inserted (JSON)

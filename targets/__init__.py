@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.targets.base import Target
+from vlmprune.targets.openvino import OpenVinoTarget
 from vlmprune.targets.ort import OrtTarget
 from vlmprune.targets.qnn import QnnTarget
 from vlmprune.targets.rk3588 import Rk3588Target
 from vlmprune.targets.tensorrt import OrinTarget, XavierTarget
 
 TARGETS: dict[str, type[Target]] = {"ort": OrtTarget, "orin": OrinTarget, "xavier": XavierTarget,
-                                  "rk3588": Rk3588Target, "qnn": QnnTarget}
+                                  "rk3588": Rk3588Target, "qnn": QnnTarget,
+                                  "openvino": OpenVinoTarget}
 DEFAULT_TARGET = "ort"  # `vlmprune compile` without --target
 # Named in the design, not built yet: listed so that users get a precise answer.
 PLANNED: dict[str, str] = {}

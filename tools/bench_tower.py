@@ -2,7 +2,7 @@
 """Latency of the vision tower, dense vs pruned, PyTorch (eager, torch.compile) vs ONNX Runtime, side by side in one run.
 
     python tools/bench_tower.py [--model clip-l-336] [--keep 192] [--layer 2] [--repeats 5] [--no-compile] [--op-profile]
-        [--method cls|visionzip|divprune|dart] [--score cls|probe] [--ort-only]
+        [--method cls|visionzip|divprune|dart] [--score cls|probe] [--ort-only] [--no-openvino] [--no-bf16]
 
 --model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448` where present, `demo`)
 or a Hugging Face directory. --method defaults to one the model serves: cls for towers with a
@@ -32,6 +32,16 @@ The pruned torch rows compute the product's reference pruner (the method's refer
 cls after block L from that block's own Q and K): eager runs VisionPipeline.with_pruner itself,
 and torch.compile compiles that same module (its block L is written without forward hooks
 so that dynamo can trace it); both are checked against eager in the run, as ONNX Runtime is.
+
+OpenVINO rows (targets.openvino; left out with --no-openvino or where openvino is not installed): the
+same decomposed graphs converted with ov.convert_model and compiled on CPU as `vlmprune compile
+--target openvino` compiles them, at f32 (INFERENCE_PRECISION_HINT f32), bf16 (the hint bf16) and int8
+(NNCF PTQ outside the score path, calibrated on the built-in photographs: targets.openvino.quantize),
+with as many inference threads. The "torch.compile bf16 autocast" rows run the torch.compile modules
+under torch.autocast("cpu", torch.bfloat16) (--no-bf16 leaves them out). Rows below fp32 are held to
+the eager fp32 reference by kept-index agreement and the minimum cosine over the rows of the tokens both
+sides kept (a swap at the K-th boundary moves the rows after it), not by max |d|.
+Whether the CPU has AMX (amx_tile) or only avx512_bf16 decides what bf16 is worth: the first line says.
 
 Why the rows are interleaved: on a small machine a neighbour (a test suite) that starts
 half-way through a run slows every op, the many small ones of a pruned tower most, so
@@ -215,6 +225,40 @@ def _agreement(ref, other) -> str:
     return f"max|d|={diff:.1e}, kept {'identical' if same else 'DIFFER'}"
 
 
+def _low_precision_agreement(ref, other) -> str:
+    """Kept-index agreement with the fp32 eager reference, and the minimum cosine over the rows of the tokens both
+    sides kept (the rows before the kept tokens, then each common token's row on each side: a swap at the K-th
+    boundary moves the rows after it), for rows below fp32 where a boundary swap is expected, not a failure."""
+    ref_h, ref_k = (ref, None) if isinstance(ref, torch.Tensor) else ref
+    h, k = (other, None) if isinstance(other, (torch.Tensor, np.ndarray)) else other
+    a = np.asarray(torch.as_tensor(np.asarray(h, dtype=np.float32)), dtype=np.float64)[0]
+    b = np.asarray(ref_h.float(), dtype=np.float64)[0]
+    ref_rows = cand_rows = np.arange(len(b))
+    text = ""
+    if ref_k is not None:
+        rk, ck = np.asarray(ref_k)[0], np.asarray(k)[0]
+        lead = len(b) - len(rk) - 1 if len(b) > len(rk) else 0  # [CLS] before the kept rows, summary after
+        both = np.intersect1d(rk, ck)  # the tokens both sides kept, each at its own row on each side
+        ref_rows = np.r_[np.arange(lead), lead + np.searchsorted(rk, both)] if np.all(np.diff(rk) > 0) else \
+            np.r_[np.arange(lead), [lead + int(np.flatnonzero(rk == p)[0]) for p in both]]
+        cand_rows = np.r_[np.arange(lead), [lead + int(np.flatnonzero(ck == p)[0]) for p in both]]
+        text = f"kept agreement {len(both) / len(rk):.3f}, "
+    a, b = a[cand_rows.astype(int)], b[ref_rows.astype(int)]
+    cos = (a * b).sum(-1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-30)
+    return text + f"min cos {cos.min():.4f} over {len(cos)} rows (the tokens both kept)"
+
+
+def _cpu_flags() -> str:
+    """What the CPU offers for bf16 and int8 (AMX or not), from /proc/cpuinfo."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return "CPU flags unknown"
+    wanted = ("amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni")
+    return "CPU: " + ", ".join(f"{f} {'yes' if f in flags else 'NO'}" for f in wanted)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="clip-l-336", help="a preset (see the docstring) or a Hugging Face directory")
@@ -223,10 +267,16 @@ def main() -> int:
     parser.add_argument("--keep", type=int, default=192)
     parser.add_argument("--layer", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (minutes to compile)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the fp32 torch.compile rows (minutes to compile; --no-bf16 skips the bf16 ones)")
     parser.add_argument("--ort-only", action="store_true", help="time the ONNX Runtime rows only (implies --no-compile)")
     parser.add_argument("--op-profile", action="store_true",
                         help="after the timed runs, profile the ONNX Runtime rows per op (tools/ort_profile.py, untimed)")
+    parser.add_argument("--no-openvino", action="store_true", help="leave out the OpenVINO rows")
+    parser.add_argument("--no-end", action="store_true",
+                        help="leave out the rows pruned at the tower's end (memory: a large tower on a small machine)")
+    parser.add_argument("--no-unfused", action="store_true", help="leave out the onnxruntime unfused rows")
+    parser.add_argument("--no-bf16", action="store_true", help="leave out the torch.compile bf16 autocast rows")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the profiled run that names each row's attention ops (one run per row saved)")
     args = parser.parse_args()
@@ -253,7 +303,7 @@ def main() -> int:
     end = source.num_blocks
     main_row = f"pruned L{args.layer}" if at_block else "pruned (features)"
     pruned = {"dense": None, main_row: _pruner(method, params, args.layer)}
-    if at_block:
+    if at_block and not args.no_end:
         pruned[f"pruned L{end} (end)"] = _pruner(method, params, end)
     method.check(params, SiteSpec(source.num_patches, bool(source.has_cls), args.layer if at_block else None, end,
                                   prefix=pipeline.prefix if at_block else 0, head=head is not None))
@@ -269,7 +319,7 @@ def main() -> int:
         paths = {"dense": folder / "dense.onnx",
                  main_row: _pruned_onnx(folder / "dense.onnx", folder, method, params, options,
                                         args.layer if at_block else None, head, "l.onnx")}
-        if at_block:
+        if at_block and not args.no_end:
             paths[f"pruned L{end} (end)"] = _pruned_onnx(folder / "dense.onnx", folder, method, params, options, None,
                                                          head, "e.onnx")
         flops = {name: graph_flops(path) for name, path in paths.items()}
@@ -301,8 +351,25 @@ def main() -> int:
                     labels[row] = "inductor, freezing: " + _torch_attention(lambda m=compiled: m(x), end)
                     labels[row] += f" (compiled in {time.perf_counter() - start:.0f} s)"
                     fns[row] = lambda m=compiled: m(x)
+            if torch_rows and not args.no_bf16:  # with or without --no-compile's fp32 rows
+                for name, prune in pruned.items():
+                    row = f"torch.compile bf16 autocast, {name}"
+                    compiled = torch.compile(pipeline.with_pruner(prune), backend="inductor")
+                    start = time.perf_counter()
+
+                    def bf16(m=compiled):
+                        with torch.autocast("cpu", dtype=torch.bfloat16):
+                            return m(x)
+
+                    out = bf16()  # warm-up, compiles
+                    out = out.float() if isinstance(out, torch.Tensor) else (out[0].float(), out[1])
+                    checks[row] = _low_precision_agreement(outputs[name], out)
+                    labels[row] = f"inductor, freezing, torch.autocast bf16 (compiled in " \
+                                  f"{time.perf_counter() - start:.0f} s)"
+                    fns[row] = bf16
         graphs = [(f"onnxruntime, {name}", name, *fused[name]) for name in paths]
-        graphs += [(f"onnxruntime unfused, {name}", name, path, ()) for name, path in paths.items()]
+        if not args.no_unfused:
+            graphs += [(f"onnxruntime unfused, {name}", name, path, ()) for name, path in paths.items()]
         for row, name, path, libs in graphs:
             session = ort_session(path, libs)
             result = run_session(session, x_np)  # warm-up
@@ -311,6 +378,9 @@ def main() -> int:
             labels[row] = "not profiled (--no-profile)" if args.no_profile else _ort_attention(path, x_np, libs)
             ort_threads = session.get_session_options().intra_op_num_threads
             fns[row] = lambda s=session: run_session(s, x_np)
+        openvino_rows = not args.no_openvino and _openvino_available()
+        if openvino_rows:
+            _add_openvino_rows(paths, folder, source, x_np, outputs, fns, labels, checks)
 
         meter = CpuMeter()
         with torch.inference_mode():
@@ -330,11 +400,12 @@ def main() -> int:
     what = "" if method.name == "cls" and not options else f", {method.describe(params)}"
     print(f"{args.model}, batch 1, keep {args.keep} of {n_patches}{what}, {torch.get_num_threads()} torch threads, "
           f"{ort_threads} ORT intra-op threads ({cores} physical cores), median of {args.repeats}, rows interleaved")
+    print(_cpu_flags())
     print(f"{'configuration':<42} {'ms':>9} {'min-max ms':>15} {'vs ' + base_name:>15}  attention")
     for row, ms in rows.items():
         spread = f"{min(times[row]):.0f}-{max(times[row]):.0f}"
         print(f"{row:<42} {ms:>9.1f} {spread:>15} {base / ms:>14.2f}x  {labels[row]}")
-    print("agreement with torch eager: " + "; ".join(f"{row}: {c}" for row, c in checks.items()))
+    print("agreement with torch eager (fp32): " + "; ".join(f"{row}: {c}" for row, c in checks.items()))
     if busy_line(load):
         print(busy_line(load))
     if any("DIFFER" in c for c in checks.values()):
@@ -358,7 +429,8 @@ def main() -> int:
     key = f"pruned_L{args.layer}" if at_block else "pruned_features"
     ort_l = rows[f"onnxruntime, {main_row}"]
     print(f"ort_{key}_vs_ort_dense: {ort_dense / ort_l:.2f}")
-    print(f"ort_fused_{key}_vs_ort_unfused_{key}: {rows[f'onnxruntime unfused, {main_row}'] / ort_l:.2f}")
+    if not args.no_unfused:
+        print(f"ort_fused_{key}_vs_ort_unfused_{key}: {rows[f'onnxruntime unfused, {main_row}'] / ort_l:.2f}")
     if torch_rows:
         eager_l = rows[f"torch eager, {main_row}"]
         print(f"torch_eager_{key}_vs_torch_eager_dense: {base / eager_l:.2f}")
@@ -371,7 +443,58 @@ def main() -> int:
             print(f"ort_{key}_vs_best_torch_{key}: {min(eager_l, compile_l) / ort_l:.2f}")
         print(f"ort_{key}_vs_torch_{key}: {eager_l / ort_l:.2f}")
         print(f"ort_{key}_vs_torch_dense: {base / ort_l:.2f}")
+    if openvino_rows:
+        for precision in OPENVINO_PRECISIONS:
+            print(f"openvino_{precision}_dense_vs_ort_dense: {ort_dense / rows[f'openvino {precision}, dense']:.2f}")
+            print(f"openvino_{precision}_{key}_vs_ort_{key}: {ort_l / rows[f'openvino {precision}, {main_row}']:.2f}")
+        torch_l = {row: ms for row, ms in rows.items() if row.startswith("torch") and row.endswith(main_row)}
+        if torch_l:
+            best = min(torch_l, key=torch_l.get)
+            fastest = min(OPENVINO_PRECISIONS, key=lambda p: rows[f"openvino {p}, {main_row}"])
+            print(f"fastest torch {main_row}: {best} ({torch_l[best]:.1f} ms); fastest openvino: {fastest}")
+            print(f"openvino_{fastest}_{key}_vs_best_torch_{key}: "
+                  f"{torch_l[best] / rows[f'openvino {fastest}, {main_row}']:.2f}")
     return 1 if any("DIFFER" in c for c in checks.values()) else 0
+
+
+OPENVINO_PRECISIONS = ("f32", "bf16", "int8")
+
+
+def _openvino_available() -> bool:
+    from vlmprune.targets.openvino import OpenVinoTarget
+
+    ok, why = OpenVinoTarget().available()
+    if not ok:
+        print(f"no OpenVINO rows: {why}", file=sys.stderr)
+    return ok
+
+
+def _add_openvino_rows(paths: dict, folder: Path, source, x_np: np.ndarray, outputs: dict, fns: dict, labels: dict,
+                       checks: dict) -> None:
+    """OpenVINO f32 / bf16 / int8 rows of every graph, compiled as the openvino target compiles its bundles."""
+    from vlmprune.compiler.frontend import images
+    from vlmprune.targets.openvino import PRECISIONS, compile_ir, openvino, quantize, run_compiled
+    from vlmprune.targets.ort_quant import calibration_pixels
+
+    ov = openvino()
+    pixels, _ = calibration_pixels(None, source.image_size, source.mean, source.std, images)
+    for name, path in paths.items():
+        ir_path = folder / f"ov_{path.stem}.xml"
+        ov.save_model(ov.convert_model(str(path)), str(ir_path), compress_to_fp16=False)
+        int8_path = folder / f"ov_{path.stem}.int8.xml"
+        start = time.perf_counter()
+        quantize(path, int8_path, pixels)
+        quantized_in = time.perf_counter() - start
+        for precision in OPENVINO_PRECISIONS:
+            row = f"openvino {precision}, {name}"
+            compiled = compile_ir(int8_path if precision == "int8" else ir_path, "CPU", PRECISIONS[precision].hint)
+            result = run_compiled(compiled, x_np)  # warm-up
+            out = result[FEATURES] if name == "dense" else (result[FEATURES], result[KEPT])
+            checks[row] = (_agreement if precision == "f32" else _low_precision_agreement)(outputs[name], out)
+            threads = compiled.get_property("INFERENCE_NUM_THREADS")
+            labels[row] = (f"OpenVINO {ov.get_version().split('-')[0]} CPU, {PRECISIONS[precision].what}, "
+                           f"{threads} threads" + (f" (NNCF PTQ in {quantized_in:.0f} s)" if precision == "int8" else ""))
+            fns[row] = lambda c=compiled: run_compiled(c, x_np)
 
 
 if __name__ == "__main__":

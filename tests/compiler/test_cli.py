@@ -87,7 +87,7 @@ def test_targets_lists_availability():
         assert [line for line in listed if line in own] == own
     assert sum(len(cls().listing()) for cls in TARGETS.values()) > 1
     llm = result.output.split("--with-llm (the language model):\n", 1)[1].splitlines()
-    assert [line.split()[0] for line in llm] == ["ort", "ort", "orin", "xavier", "rk3588", "qnn"]
+    assert [line.split()[0] for line in llm] == ["ort", "ort", "orin", "xavier", "rk3588", "qnn", "openvino"]
     assert "not supported" in llm[3] and "TensorRT Edge-LLM 0.11.0 exporter" in llm[2]
 
 

@@ -194,7 +194,7 @@ def test_every_target_declares_exporters_the_registry_has():
         {"ort": ("torch", "genai"), "orin": ("edgellm",)}
 
 
-@pytest.mark.parametrize("target", ["xavier", "rk3588", "qnn"])
+@pytest.mark.parametrize("target", ["xavier", "rk3588", "qnn", "openvino"])
 def test_the_refusal_line_is_the_targets_declaration(tmp_path, target):
     from vlmprune.targets import TARGETS
 
