@@ -44,7 +44,7 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import torch_onnx
 from vlmprune.compiler.llm import lm_source
-from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, tokens_note
+from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, LlmGraphRunner, tokens_note
 from vlmprune.compiler.llm.fastv import FastVSpec, default_positions, gather_positions
 from vlmprune.compiler.llm.lm_source import decoder_of, uses_mrope
 from vlmprune.compiler.parity import figure_text
@@ -419,6 +419,40 @@ Checked at compile time against the PyTorch reference (batch 2, seed 0): logits 
 """
 
 
+class GraphRunner(LlmGraphRunner):
+    """prefill.onnx + decode.onnx of a bundle's llm/ under ONNX Runtime: the graphs the bundle ships, as shipped."""
+
+    def __init__(self, folder: Path, prefill: str = PREFILL, decode: str = DECODE):
+        from vlmprune.targets.runtime import ort_session
+
+        self._prefill, self._decode = ort_session(folder / prefill), ort_session(folder / decode)
+        self._prefill_names = [o.name for o in self._prefill.get_outputs()]
+        self._decode_names = [o.name for o in self._decode.get_outputs()]
+        self.describe = f"{LLM_DIR}/{prefill} + {LLM_DIR}/{decode}, ONNX Runtime"
+        self.kept = None  # FastV: the kept image tokens of the last prefill (indices within the image span)
+
+    @staticmethod
+    def _past(outputs: dict) -> dict:
+        return {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in outputs.items() if k.startswith("present.")}
+
+    def prefill(self, embeds, positions):
+        import numpy as np
+
+        feed = {"inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32),
+                "position_ids": np.ascontiguousarray(positions, dtype=np.int64)}
+        out = dict(zip(self._prefill_names, self._prefill.run(None, feed)))
+        self.kept = out.get("kept_image_indices")
+        return out["logits"][0, -1], self._past(out)
+
+    def step(self, embeds, positions, state):
+        import numpy as np
+
+        feed = {"inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32),
+                "position_ids": np.ascontiguousarray(positions, dtype=np.int64), **state}
+        out = dict(zip(self._decode_names, self._decode.run(None, feed)))
+        return out["logits"][0, -1], self._past(out)
+
+
 class TorchExporter(LlmExporter):
     """torch.onnx (dynamo): prefill + decode in standard ops, original positions, FastV compiled in."""
 
@@ -509,6 +543,18 @@ class TorchExporter(LlmExporter):
                 "passed": plain["passed"]}
             passed = passed and plain["passed"]
         return passed, outputs
+
+    def graph_runner(self, bundle_dir: Path, manifest: dict) -> tuple[LlmGraphRunner | None, str]:
+        """The shipped prefill.onnx + decode.onnx under ONNX Runtime (here whenever onnxruntime imports)."""
+        import importlib.util
+
+        if importlib.util.find_spec("onnxruntime") is None:
+            return None, "onnxruntime is not installed"
+        files = manifest.llm_graphs["files"]
+        folder = Path(bundle_dir)
+        runner = GraphRunner(folder / Path(files["prefill"]).parent, Path(files["prefill"]).name,
+                             Path(files["decode"]).name)
+        return runner, runner.describe
 
     def readme_section(self, manifest: dict) -> str:
         return readme_section(manifest)
