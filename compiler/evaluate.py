@@ -137,7 +137,8 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
     tower run by their target's runner here), one row each.
     image_size (Qwen2-VL) and grid (LLaVA-NeXT): the static input, default the first bundle's, else the family's.
     A bundle compiled --with-llm answers with its own LLM graphs where they can run here (generate.bundle_llm),
-    unless reference; its row's `llm` says which language model answered. References and dense: transformers.
+    unless reference; its row's `llm` says which language model answered (and why, for such a bundle);
+    references, dense and bundles without an LLM: "transformers".
     """
     from vlmprune.compiler.bundle import load_manifest, source_of
 
@@ -172,7 +173,8 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
     runs = [(s.name, s.params["keep"], "reference", _reference_rows(vlm, s), (None, "transformers"))
             for s in settings]
     runs += [(m.method.name, m.method.keep, f"bundle {p.name} ({m.target.name})",
-              _bundle_rows(p, m, vlm), gen.bundle_llm(p, m, reference)) for p, m in manifests]
+              _bundle_rows(p, m, vlm), gen.bundle_llm(p, m, reference) if m.llm_graphs else (None, "transformers"))
+             for p, m in manifests]
     for name, keep, origin, rows_of, (graphs, llm) in runs:
         samples = []
         for i, pixel in enumerate(pixels):
@@ -190,7 +192,8 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
                     "dense_tokens": dense.tokens, "pruned_tokens": pruned.tokens,
                     "image_tokens": pruned.image_tokens})
         rows.append({**_summary(name, keep, origin, samples), "llm": llm})
-        progress(f"  {name} K={keep} ({origin}, language model: {llm}): KL mean {rows[-1]['kl_mean']:.4g}")
+        progress(f"  {name} K={keep} ({origin}): KL mean {rows[-1]['kl_mean']:.4g}"
+                 + ("" if llm == "transformers" else f"; language model: {llm}"))
     return {"model": vlm.spec, "images": [p.name for p in images], "prompts": prompts,
             "image_start": [len(p.before) for p in built],  # per prompt: FastV's --image-start for it
             "max_new_tokens": max_new_tokens, "dense_image_tokens": int(dense_runs[0, 0].image_tokens),
@@ -299,7 +302,7 @@ def table(report: dict) -> list[str]:
         lines.append(f"{r['method']:<10} {r['keep']:>5} {r['image_tokens']:>6} {_g(r['kl_mean']):>10} "
                      f"{_g(r['kl_max']):>10} {r['first_token_agreement']:>6.2f} {r['exact_match']:>8.2f} "
                      f"{r['prefix_agreement']:>7.2f}  {r['from']}"
-                     + (f"; language model: {r['llm']}" if r["from"].startswith("bundle") and "llm" in r else ""))
+                     + (f"; language model: {r['llm']}" if r.get("llm", "transformers") != "transformers" else ""))
     return lines
 
 

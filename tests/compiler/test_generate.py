@@ -319,6 +319,10 @@ def test_a_fastv_bundle_answers_with_its_own_llm_graph_and_reference_with_transf
     assert (graph.answer.first_logits - reference.answer.first_logits).abs().max() > 1e-3  # FastV changed them
     expected = reference_generate(lm, embeds, spec, len(graph.answer.tokens), positions)[0].tolist()
     assert graph.answer.tokens == expected
+    for flags, said in (((), "language model: the bundle's LLM graphs (llm/prefill.onnx + llm/decode.onnx"),
+                        (("--reference",), "language model: transformers (--reference")):
+        result = _run("generate", bundle, "--image", setup["image"], "--prompt", PROMPT, "--max-new-tokens", 2, *flags)
+        assert result.exit_code == 0 and said in result.output, result.output
 
 
 def test_a_bundle_without_an_llm_says_transformers_answered(setup):
