@@ -216,8 +216,10 @@ def _genai_graph(lm, folder: Path, log) -> Path | None:
 
 def genai_ttft_call(features, llm, text_before: np.ndarray, text_after: np.ndarray):
     """ttft_call for the builder's graph: inputs_embeds, attention_mask and an empty past per layer."""
-    past = {m.name: np.zeros((1, m.shape[1], 0, m.shape[3]), dtype=np.float32) for m in llm.get_inputs()
-            if m.name.startswith("past_key_values.")}
+    # The builder names its dims (batch_size, past_sequence_length): the kv heads and head size from the model.
+    past = {m.name: np.zeros((1, QWEN2_05B["num_key_value_heads"], 0,
+                              QWEN2_05B["hidden_size"] // QWEN2_05B["num_attention_heads"]), dtype=np.float32)
+            for m in llm.get_inputs() if m.name.startswith("past_key_values.")}
 
     def ttft():
         embeds = np.concatenate([text_before, features(), text_after], axis=1).astype(np.float32)
