@@ -651,22 +651,26 @@ def inspect(bundle: str | Path, *, ops: bool = True) -> InspectResult:
 
 
 def generate(bundle: str | Path, *, image: str | Path, prompt: str, model: str | None = None, dense: bool = False,
-             max_new_tokens: int = 32, progress: Progress = None):
-    """Run BUNDLE on image and let the checkpoint's LLM answer prompt, greedily (`vlmprune generate`).
+             max_new_tokens: int = 32, progress: Progress = None, reference: bool = False):
+    """Run BUNDLE on image and let its language model answer prompt, greedily (`vlmprune generate`).
 
-    model: the checkpoint whose LLM answers (default: the bundle's source); dense: feed the model's
-    own image features instead. Returns compiler.generate.GenerateResult (answer.text,
-    answer.tokens, kept, runtime, fastv_warning). Raises InputError for bad input.
+    A bundle compiled --with-llm answers with its own exported LLM graphs where they can run here;
+    reference: with the checkpoint's language model in transformers instead (as bundles without an LLM do).
+    model: the checkpoint (default: the bundle's source); dense: feed the model's own image features instead.
+    Returns compiler.generate.GenerateResult (answer.text, answer.tokens, kept, runtime, llm: which language
+    model answered, fastv_warning). Raises InputError for bad input.
     """
     from vlmprune.compiler.generate import generate as generate_answer
 
-    return generate_answer(Path(bundle), model, Path(image), prompt, dense, max_new_tokens, _say(progress))
+    return generate_answer(Path(bundle), model, Path(image), prompt, dense, max_new_tokens, _say(progress),
+                           reference)
 
 
 def generate_json(result) -> dict:
     """`vlmprune generate --json`: the answer and what was fed to the LLM (a GenerateResult as data)."""
     a = result.answer
-    return {"path": result.path, "runtime": result.runtime, "prompt": result.prompt.text,
+    return {"path": result.path, "runtime": result.runtime, "llm": result.llm, "fastv_kept": result.fastv_kept,
+            "prompt": result.prompt.text,
             "image_start": result.image_start, "image_tokens": a.image_tokens, KEPT: result.kept,
             "position_ids": a.position_ids, "tokens": a.tokens, "text": a.text}
 
@@ -708,7 +712,8 @@ def eval(model: str, *, images: str | Path | None = None, prompts: str | Path | 
          report: str | Path | None = None, force: bool = False, progress: Progress = None,
          dataset: str | Path | None = None, limit: int | None = None, layers: Iterable = (),
          target: str | None = None, target_options: dict | None = None, ray: str | None = None,
-         ray_workers: int | None = None, store: str | Path | None = None, bar: bool | None = None) -> EvalResult:
+         ray_workers: int | None = None, store: str | Path | None = None, bar: bool | None = None,
+         reference: bool = False) -> EvalResult:
     """Pruned against dense on MODEL's own LLM (`vlmprune eval`).
 
     Two modes. images (a directory) and prompts (a text file, one prompt a line): per method and K,
@@ -721,9 +726,14 @@ def eval(model: str, *, images: str | Path | None = None, prompts: str | Path | 
     target_options (dataset only): the target's own options, as `compile` takes them (ort: precision,
     calibration), so that e.g. an int8 sweep's bundles are the int8 ones a user deploys.
     report: also write the report as .json or .html. Returns an EvalResult. Raises InputError for bad input.
+    reference (images and prompts): a bundle compiled --with-llm answers with the checkpoint's language model in
+    transformers, not its own LLM graphs (each row's `llm` says which answered).
     """
     if report:
         check_output_file(report, force, (".json", ".html", ".htm"), option("--report"))
+    if dataset is not None and reference:
+        raise InputError(f"{option('--reference', 'reference')} applies to eval --bundle rows (--images, --prompts): "
+                         "the --dataset sweep's bundles hold no language model")
     if dataset is not None:
         data = _eval_dataset(model, dataset, methods, keeps, bundles, images, prompts, max_new_tokens, limit, layers,
                              target, target_options, ray, ray_workers, store, progress, bar, image_size, grid)
@@ -744,7 +754,7 @@ def eval(model: str, *, images: str | Path | None = None, prompts: str | Path | 
             methods, keeps = methods or ("cls",), keeps or (64,)
         methods, keeps = _comma_list(methods or ()), _comma_list(keeps or (), int, option("--keep", "keeps"))
         data = evaluate(model, Path(images), Path(prompts), methods, keeps, max_new_tokens or 8, _say(progress),
-                        bundles, image_size, grid)
+                        bundles, image_size, grid, reference)
     if report and Path(report).suffix.lower() == ".json":
         write_file(report, (json.dumps(data, indent=2) + "\n").encode(), force)
     elif report:

@@ -428,20 +428,25 @@ def methods():
 @click.option("--prompt", required=True, help="The question; the checkpoint's chat template wraps it.")
 @click.option("--dense", is_flag=True, help="Feed the model's own (unpruned) image features instead of the bundle's.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Greedy tokens to generate.")
+@click.option("--reference", is_flag=True,
+              help="Answer with the checkpoint's LLM in transformers, not the bundle's own exported LLM graphs "
+                   "(which a --with-llm bundle runs by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer and what was fed to the LLM as JSON.")
 @_one_line_errors
-def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
-    """Run BUNDLE on IMAGE and let the checkpoint's LLM answer PROMPT (greedy, transformers on the CPU)."""
+def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, reference, as_json):
+    """Run BUNDLE on IMAGE and let its LLM answer PROMPT (greedy, on the CPU): a --with-llm bundle's own LLM
+    graphs where they run here, else (or with --reference) the checkpoint's LLM in transformers."""
     with _stdout_for_data() as emit:
         result = api.generate(bundle_dir, image=image, prompt=prompt, model=model, dense=dense,
-                              max_new_tokens=max_new_tokens, progress=_progress(as_json))
+                              max_new_tokens=max_new_tokens, progress=_progress(as_json), reference=reference)
         if result.fastv_warning:  # on stderr with --json too: the graph the bundle ships would drop the wrong tokens
             click.echo(f"warning: {result.fastv_warning}", err=True)
         a = result.answer
         if as_json:
             emit(json.dumps(api.generate_json(result)))
             return
-    click.echo(f"({result.path}: {a.image_tokens} image tokens, {result.runtime})", err=True)
+    click.echo(f"({result.path}: {a.image_tokens} image tokens, {result.runtime}; language model: {result.llm})",
+               err=True)
     if a.text is None:
         click.echo("(no tokenizer in the checkpoint: the answer's token ids)", err=True)
         click.echo(" ".join(map(str, a.tokens)))
@@ -482,6 +487,8 @@ def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
               help="Qwen2-VL / Qwen2.5-VL: the static image size (a multiple of 28). Default: the bundle's, else 448.")
 @click.option("--grid", default=None,
               help="LLaVA-NeXT: the crops' grid ROWSxCOLS. Default: the bundle's, else the model's largest.")
+@click.option("--reference", is_flag=True,
+              help="--bundle rows: answer with MODEL's LLM in transformers, not a --with-llm bundle's own LLM graphs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON on stdout.")
 @click.option("--report", type=click.Path(path_type=Path), default=None,
               help="Also write the report here: .json (as --json prints it) or .html (one self-contained page).")
@@ -490,7 +497,7 @@ def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
 @_target_options
 @_one_line_errors
 def eval_command(model, images_dir, prompts_file, dataset, limit, layers, target, ray, ray_workers, store, methods,
-                 keeps, bundles, max_new_tokens, image_size, grid, as_json, report, force, quiet, **extra):
+                 keeps, bundles, max_new_tokens, image_size, grid, reference, as_json, report, force, quiet, **extra):
     """Pruned against dense on MODEL's own LLM (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL): per method and K,
     first-token KL and greedy agreement (--images, --prompts), or exact-match accuracy on bundles (--dataset)."""
     with _stdout_for_data() as emit:
@@ -499,7 +506,7 @@ def eval_command(model, images_dir, prompts_file, dataset, limit, layers, target
                           report=report, force=force, progress=_progress(quiet or as_json), dataset=dataset,
                           limit=limit, layers=layers, target=target, ray=ray, ray_workers=ray_workers, store=store,
                           target_options={k.removeprefix("topt_"): v for k, v in extra.items() if v is not None},
-                          bar=False if (quiet or as_json) else None)
+                          bar=False if (quiet or as_json) else None, reference=reference)
         if report:
             click.echo(f"report written to {report}", err=True)
         if as_json:

@@ -130,12 +130,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str], keeps: list[int],
              max_new_tokens: int = 8, progress=lambda _m: None, bundles: list[Path] = (),
-             image_size: int | None = None, grid: str | None = None) -> dict:
+             image_size: int | None = None, grid: str | None = None, reference: bool = False) -> dict:
     """The report behind `vlmprune eval`: per method and K, KL and agreement over every image x prompt.
 
     bundles: compiled bundles of the same model, evaluated beside the references (their own
     tower run by their target's runner here), one row each.
     image_size (Qwen2-VL) and grid (LLaVA-NeXT): the static input, default the first bundle's, else the family's.
+    A bundle compiled --with-llm answers with its own LLM graphs where they can run here (generate.bundle_llm),
+    unless reference; its row's `llm` says which language model answered (and why, for such a bundle);
+    references, dense and bundles without an LLM: "transformers".
     """
     from vlmprune.compiler.bundle import load_manifest, source_of
 
@@ -167,16 +170,18 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
             harness.append(kl_divergence(hf_first_logits(vlm, prompt, pixel, len(image.rows)),
                                          dense_runs[i, j].first_logits))
     rows = []
-    runs = [(s.name, s.params["keep"], "reference", _reference_rows(vlm, s)) for s in settings]
+    runs = [(s.name, s.params["keep"], "reference", _reference_rows(vlm, s), (None, "transformers"))
+            for s in settings]
     runs += [(m.method.name, m.method.keep, f"bundle {p.name} ({m.target.name})",
-              _bundle_rows(p, m, vlm)) for p, m in manifests]
-    for name, keep, origin, rows_of in runs:
+              _bundle_rows(p, m, vlm), gen.bundle_llm(p, m, reference) if m.llm_graphs else (None, "transformers"))
+             for p, m in manifests]
+    for name, keep, origin, rows_of, (graphs, llm) in runs:
         samples = []
         for i, pixel in enumerate(pixels):
             for j, prompt in enumerate(built):
                 features, place = rows_of(pixel, prompt)  # per image; per prompt too for a prompt-aware method
                 positions, text_start = place(len(prompt.before))
-                pruned = gen.answer(vlm, prompt, features, positions, text_start, max_new_tokens)
+                pruned = gen.answer(vlm, prompt, features, positions, text_start, max_new_tokens, graphs)
                 dense = dense_runs[i, j]
                 samples.append({
                     "image": images[i].name, "prompt": prompts[j],
@@ -186,8 +191,9 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
                     "prefix_share": common_prefix(pruned.tokens, dense.tokens) / len(dense.tokens),
                     "dense_tokens": dense.tokens, "pruned_tokens": pruned.tokens,
                     "image_tokens": pruned.image_tokens})
-        rows.append(_summary(name, keep, origin, samples))
-        progress(f"  {name} K={keep} ({origin}): KL mean {rows[-1]['kl_mean']:.4g}")
+        rows.append({**_summary(name, keep, origin, samples), "llm": llm})
+        progress(f"  {name} K={keep} ({origin}): KL mean {rows[-1]['kl_mean']:.4g}"
+                 + ("" if llm == "transformers" else f"; language model: {llm}"))
     return {"model": vlm.spec, "images": [p.name for p in images], "prompts": prompts,
             "image_start": [len(p.before) for p in built],  # per prompt: FastV's --image-start for it
             "max_new_tokens": max_new_tokens, "dense_image_tokens": int(dense_runs[0, 0].image_tokens),
@@ -295,7 +301,8 @@ def table(report: dict) -> list[str]:
     for r in report["results"]:
         lines.append(f"{r['method']:<10} {r['keep']:>5} {r['image_tokens']:>6} {_g(r['kl_mean']):>10} "
                      f"{_g(r['kl_max']):>10} {r['first_token_agreement']:>6.2f} {r['exact_match']:>8.2f} "
-                     f"{r['prefix_agreement']:>7.2f}  {r['from']}")
+                     f"{r['prefix_agreement']:>7.2f}  {r['from']}"
+                     + (f"; language model: {r['llm']}" if r.get("llm", "transformers") != "transformers" else ""))
     return lines
 
 

@@ -1,4 +1,10 @@
-"""`vlmprune generate`: a bundle's tokens fed to its checkpoint's language model in transformers, on the CPU.
+"""`vlmprune generate`: a bundle's tokens fed to its language model, on the CPU.
+
+Which language model answers (bundle_llm, and the output says which): a bundle compiled
+--with-llm answers with its own exported LLM graphs (llm/prefill.onnx + llm/decode.onnx under
+ONNX Runtime: FastV and all, what the user deploys) when its exporter can run them here;
+`--reference`, `--dense` and bundles without an LLM answer with the checkpoint's language
+model in transformers.
 
 The bundle's tower runs under its own runner (the target's runtime here); its
 `image_features` rows replace the image placeholder in the prompt's embeddings, and every
@@ -326,9 +332,13 @@ def eos_ids(model) -> set[int]:
 
 @torch.inference_mode()
 def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np.ndarray, text_start: int,
-           max_new_tokens: int) -> Answer:
+           max_new_tokens: int, graphs=None) -> Answer:
     """Greedy decoding: `features` [T, D] in place of the placeholder, at image_positions ([T], or [3, T] for
-    mRoPE); the text after it from text_start."""
+    mRoPE); the text after it from text_start.
+
+    graphs: a bundle's exported LLM (compiler.llm.exporter.LlmGraphRunner) to decode with, fed the same
+    embeddings and positions; None: the checkpoint's language model in transformers.
+    """
     model = vlm.model
     embed = model.get_input_embeddings()
     ids = lambda values: torch.tensor([values], dtype=torch.long)  # noqa: E731
@@ -352,16 +362,26 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
         position_ids = torch.from_numpy(positions)[None]
         step_ids = lambda p: torch.tensor([[p]])  # noqa: E731
         position = int(positions[-1]) + 1
-    out = model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1)
-    logits = out.logits[0, -1].float()
-    first, cache, tokens, stop = logits.clone(), out.cache, [], eos_ids(model)
+    if graphs is not None:  # the bundle's graphs: same feed, numpy in and out
+        def forward(embeds, position_ids, cache=None):
+            logits, cache = (graphs.prefill(embeds.numpy(), position_ids.numpy()) if cache is None
+                             else graphs.step(embeds.numpy(), position_ids.numpy(), cache))
+            return torch.from_numpy(np.asarray(logits, dtype=np.float32)), cache
+    else:
+        def forward(embeds, position_ids, cache=None):
+            out = (model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+                   if cache is None else
+                   model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=True))
+            return out.logits[0, -1].float(), out.cache
+    logits, cache = forward(embeds, position_ids)
+    first, tokens, stop = logits.clone(), [], eos_ids(model)
     for step in range(max_new_tokens):
         token = int(torch.argmax(logits))
         tokens.append(token)
         if token in stop or step == max_new_tokens - 1:
             break
-        out = model(inputs_embeds=embed(ids([token])), position_ids=step_ids(position), cache=cache, use_cache=True)
-        cache, position, logits = out.cache, position + 1, out.logits[0, -1].float()
+        logits, cache = forward(embed(ids([token])), step_ids(position), cache)
+        position += 1
     text = vlm.tokenizer.decode(tokens, skip_special_tokens=True) if vlm.tokenizer is not None else None
     return Answer(tokens, first, positions.tolist(), len(features), text)
 
@@ -480,6 +500,8 @@ class GenerateResult:
     path: str  # "pruned" | "dense"
     kept: list[int] | None
     fastv_warning: str | None = None  # the bundle's FastV graph expects the image elsewhere (fastv_mismatch)
+    llm: str = "transformers"  # which language model answered: the bundle's graphs (and where) or transformers (why)
+    fastv_kept: list[int] | None = None  # the bundle's FastV graph: the image tokens its prefill kept
 
     @property
     def image_start(self) -> int:
@@ -500,9 +522,35 @@ def fastv_mismatch(manifest, image_start: int) -> str | None:
             f"prompt puts the image at token {image_start}: recompile with --image-start {image_start}")
 
 
+def bundle_llm(bundle_dir: Path, manifest, reference: bool = False, dense: bool = False):
+    """(the bundle's LLM graphs to answer with, or None; the line saying which language model answers).
+
+    A bundle compiled --with-llm answers with its own exported graphs when its exporter can run them here
+    (compiler.llm.exporter.LlmExporter.graph_runner): the user sees what they deploy. --reference, --dense
+    (the model's own features, a sequence the compiled FastV span does not describe) and bundles without an
+    LLM answer with the checkpoint's language model in transformers.
+    """
+    if not manifest.llm_graphs:
+        return None, "transformers (the bundle holds no language model: compile it --with-llm to run its graphs)"
+    if reference:
+        return None, "transformers (--reference; the bundle's own LLM graphs were not run)"
+    if dense:
+        return None, "transformers (--dense feeds the model's own features; the bundle's LLM graphs were not run)"
+    from vlmprune.compiler.llm.export import exporter_of
+
+    runner, what = exporter_of(manifest).graph_runner(Path(bundle_dir), manifest)
+    if runner is None:
+        return None, f"transformers (the bundle's LLM graphs cannot run here: {what})"
+    return runner, f"the bundle's LLM graphs ({what})"
+
+
 def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dense: bool = False,
-             max_new_tokens: int = 32, progress=lambda _m: None) -> GenerateResult:
-    """The library call behind `vlmprune generate` (see the module docstring)."""
+             max_new_tokens: int = 32, progress=lambda _m: None, reference: bool = False) -> GenerateResult:
+    """The library call behind `vlmprune generate` (see the module docstring).
+
+    reference: answer with the checkpoint's language model in transformers even where the bundle holds its own
+    exported LLM (bundle_llm says which ran: GenerateResult.llm).
+    """
     from vlmprune.compiler.bundle import load_manifest
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -526,17 +574,20 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
     offset = len(built.before)
     progress(f"the image starts at prompt token {offset} (FastV's --image-start for this chat template)")
     warning = fastv_mismatch(manifest, offset)
+    graphs, llm = bundle_llm(bundle_dir, manifest, reference, dense)
+    progress(f"language model: {llm}")
     if dense:
         rows = dense_image(vlm, pixel, manifest.model.get("feature_layer_override"))
         result = answer(vlm, built, rows.rows, *rows.place(offset), max_new_tokens)
         return GenerateResult(result, built, "transformers (the model's own image features, dense)", "dense", None,
-                              warning)
+                              warning, llm)
     from vlmprune.compiler.prompt import bundle_feed, feeding
 
     with feeding(bundle_feed(manifest, vlm, built)):  # a prompt-aware bundle: the prompt's embedding rows
         tokens = bundle_tokens(bundle_dir, manifest, pixel, vlm)
     positions, text_start = bundle_positions(tokens, offset)
-    result = answer(vlm, built, tokens.features, positions, text_start, max_new_tokens)
+    result = answer(vlm, built, tokens.features, positions, text_start, max_new_tokens, graphs)
     kept = None if tokens.kept is None else tokens.kept.tolist()
+    fastv_kept = getattr(graphs, "kept", None)
     return GenerateResult(result, built, tokens.runtime, "pruned" if kept is not None else "dense bundle", kept,
-                          warning)
+                          warning, llm, None if fastv_kept is None else np.asarray(fastv_kept)[0].tolist())

@@ -16,6 +16,15 @@ TTFT = tower graph (pixels -> image features) + the prompt's embeddings assemble
 after block --layer, before fusion), the LLM through compiler.llm.torch_exporter (FastV in the graph
 for the FastV rows, its image span compiled in).
 
+Each row runs twice, with the LLM prefill graph as exported (standard ops: per layer a causal
+mask built as a Where over [1, heads, S, S], MatMul/Softmax/MatMul; `LLM unfused`) and as target
+ort ships it (each layer's attention com.microsoft.MultiHeadAttention, unidirectional=1, by
+passes.llm_attention_fusion; `LLM fused`), the same tower; the fused row's ratio to the unfused
+is printed per row. The dense row also runs with onnxruntime-genai's model builder graph
+(compiler.llm.genai.export_genai, fp32 CPU, prune_lm_head: the head on the last token as the
+torch.onnx graphs do; fed inputs_embeds, attention_mask and an empty past) where
+onnxruntime-genai is installed: `--no-genai` leaves it out.
+
 KV-cache bytes per image: the bytes of the image's tokens in every layer's present key and
 value, read from the prefill outputs' shapes (lengths per layer minus the text tokens).
 
@@ -73,7 +82,7 @@ from vlmprune.compiler.frontend import export_onnx, load_source
 from vlmprune.compiler.frontend.images import parity_inputs
 from vlmprune.compiler.frontend.source import no_init_weights, quiet_transformers, seeded_init
 from vlmprune.compiler.frontend.tower import Projector
-from vlmprune.compiler.llm.torch_exporter import export_prefill
+from vlmprune.compiler.llm.torch_exporter import export_prefill, fuse_attention
 from vlmprune.compiler.llm.fastv import FastVSpec
 from vlmprune.compiler.pipeline import CompileOptions
 from vlmprune.passes.methods import get_method
@@ -175,6 +184,52 @@ def _pruned_tower(dense: Path, folder: Path, keep: int, layer: int, name: str) -
     return folder / f"{name}.onnx"
 
 
+UNFUSED, FUSED, GENAI = "LLM unfused", "LLM fused", "LLM onnxruntime-genai builder"
+
+
+def _fused(unfused: Path, folder: Path, name: str, layers: int) -> Path:
+    """The prefill graph at `unfused` with each layer's attention fused (target ort's form), on the same weights."""
+    model = fuse_attention(ir.load(unfused), layers)
+    ir.save(model, folder / f"{name}.onnx")
+    return folder / f"{name}.onnx"
+
+
+def _genai_graph(lm, folder: Path, log) -> Path | None:
+    """onnxruntime-genai's builder graph of lm (fp32 CPU, head on the last token), or None where it is absent."""
+    from vlmprune.compiler.llm.genai import MODEL, export_genai
+
+    sub = folder / "genai_last"
+    if (sub / MODEL).is_file():
+        return sub / MODEL
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError as exc:
+        log(f"onnxruntime-genai's row left out: {exc}")
+        return None
+    config = lm.config
+    if config.eos_token_id is None:
+        config.bos_token_id = config.eos_token_id = 151643  # Qwen2-0.5B's <|endoftext|>: the builder needs one
+    log("export with onnxruntime-genai's builder (prune_lm_head)")
+    export_genai(lm, sub, last_logits_only=True, parity=False, progress=log)
+    return sub / MODEL
+
+
+def genai_ttft_call(features, llm, text_before: np.ndarray, text_after: np.ndarray):
+    """ttft_call for the builder's graph: inputs_embeds, attention_mask and an empty past per layer."""
+    # The builder names its dims (batch_size, past_sequence_length): the kv heads and head size from the model.
+    past = {m.name: np.zeros((1, QWEN2_05B["num_key_value_heads"], 0,
+                              QWEN2_05B["hidden_size"] // QWEN2_05B["num_attention_heads"]), dtype=np.float32)
+            for m in llm.get_inputs() if m.name.startswith("past_key_values.")}
+
+    def ttft():
+        embeds = np.concatenate([text_before, features(), text_after], axis=1).astype(np.float32)
+        feed = {"inputs_embeds": embeds, "attention_mask": np.ones(embeds.shape[:2], dtype=np.int64), **past}
+        outs = llm.run(None, feed)
+        return int(outs[0][0, -1].argmax()), outs
+
+    return ttft
+
+
 def ttft_call(features, llm, text_before: np.ndarray, text_after: np.ndarray):
     """One TTFT as this benchmark times it: the tower (features(): pixels -> image features [1, T, D]), the prompt's
     embeddings assembled on the host around them, the LLM prefill graph (-> the last token's logits) and argmax.
@@ -231,6 +286,7 @@ def main() -> int:
                         help="after the timed runs, profile every row with ONNX Runtime's profiler (where the time goes)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the graphs here and reuse those already there (default: a temp dir)")
+    parser.add_argument("--no-genai", action="store_true", help="leave out the onnxruntime-genai builder's dense row")
     args = parser.parse_args()
     keeps = [int(k) for k in args.keeps.split(",")]
 
@@ -274,20 +330,38 @@ def main() -> int:
             name = f"llm_fastv_{spec.image_len}"
             llms[f"fastv {tower_name}"] = reuse(name, lambda: _save(export_prefill(lm, spec), folder, name))
             fastv_specs[tower_name] = spec
+        layers = lm.config.num_hidden_layers
+        for name in list(llms):  # the fused form of each, on the same weights file
+            log(f"fuse the LLM's attention ({name})")
+            stem = llms[name].stem
+            llms[f"{name} fused"] = reuse(f"{stem}_fused", lambda p=llms[name], stem=stem: _fused(p, folder,
+                                                                                                  f"{stem}_fused",
+                                                                                                  layers))
+        genai = None if args.no_genai else _genai_graph(lm, folder, log)
         head_path = reuse("head", lambda: _save(_head_graph(embed), folder, "head"))
         lm = embed = None  # the torch weights (2 GB) are not needed for timing
 
-        rows = {"dense": ("dense", "dense", None),
-                **{f"tower K={k}": (f"K={k}", "dense", None) for k in keeps},
-                f"FastV L{args.fastv_layer} R{args.fastv_keep:g}": ("dense", "fastv dense", fastv_specs["dense"]),
-                f"tower K={keeps[0]} + FastV": (f"K={keeps[0]}", f"fastv K={keeps[0]}", fastv_specs[f"K={keeps[0]}"])}
+        plain = {"dense": ("dense", "dense", None),
+                 **{f"tower K={k}": (f"K={k}", "dense", None) for k in keeps},
+                 f"FastV L{args.fastv_layer} R{args.fastv_keep:g}": ("dense", "fastv dense", fastv_specs["dense"]),
+                 f"tower K={keeps[0]} + FastV": (f"K={keeps[0]}", f"fastv K={keeps[0]}",
+                                                 fastv_specs[f"K={keeps[0]}"])}
+        rows = {}
+        for row, (tower_name, llm_name, spec) in plain.items():
+            rows[f"{row}, {UNFUSED}"] = (tower_name, llm_name, spec)
+            rows[f"{row}, {FUSED}"] = (tower_name, f"{llm_name} fused", spec)
+            if row == "dense" and genai is not None:
+                llms[GENAI] = genai
+                rows[f"dense, {GENAI}"] = ("dense", GENAI, None)
         pixel, _ = parity_inputs(1, source.image_size, source.mean, source.std)
         pixel = np.ascontiguousarray(pixel)
 
         def row_runner(tower_name, llm_name):
             """Build the row's two sessions, run it once (warm-up), return its timed call and what it produced."""
             tower, llm = ort_session(towers[tower_name]), ort_session(llms[llm_name])
-            ttft = ttft_call(lambda: tower.run([FEATURES], {PIXELS: pixel})[0], llm, text_before, text_after)
+            features = lambda: tower.run([FEATURES], {PIXELS: pixel})[0]  # noqa: E731
+            ttft = (genai_ttft_call(features, llm, text_before, text_after) if llm_name == GENAI
+                    else ttft_call(features, llm, text_before, text_after))
             token, outs = ttft()
             return ttft, token, kv_image_bytes(llm, outs, args.text)
 
@@ -321,6 +395,8 @@ def main() -> int:
         if args.profile:
             log("profiling every row (not timed)")
             for row, (tower_name, llm_name, _spec) in rows.items():
+                if llm_name == GENAI:
+                    continue
                 tower = ort_profile.profile(lambda o: ort_session(towers[tower_name], options=o), {PIXELS: pixel})
                 features = tower["outputs"][FEATURES]
                 embeds = np.concatenate([text_before, features, text_after], axis=1).astype(np.float32)
@@ -334,7 +410,8 @@ def main() -> int:
     med = {row: statistics.median(t) for row, t in times.items()}
     head_ms = med.pop(HEAD_ROW)
     times.pop(HEAD_ROW)
-    base_ms, base_flops, base_kv = med["dense"], flops["dense"], kv["dense"]
+    base_row = f"dense, {UNFUSED}"
+    base_ms, base_flops, base_kv = med[base_row], flops[base_row], kv[base_row]
     # The head streams V x D fp32 weights for one token: its time is the memory's, not its 2·D·V FLOPs'.
     # Counted as the FLOPs the dense row would do in that time (its own rate), for every row alike.
     head_flops = 2.0 * width * HEAD_VOCAB
@@ -360,9 +437,14 @@ def main() -> int:
           f"rate that time is {(head_equiv + head_flops) / 1e9:.1f} GFLOP, not its {head_flops / 1e9:.2f}")
     if busy_line(load):
         print(busy_line(load))
-    shares = {row: (base_ms / med[row]) / (base_flops / flops[row]) for row in rows if row != "dense"}
+    print("fused vs unfused LLM, per row (TTFT of the unfused row / the fused row's): " + ", ".join(
+        f"{row}: {med[f'{row}, {UNFUSED}'] / med[f'{row}, {FUSED}']:.2f}x" for row in plain))
+    if f"dense, {GENAI}" in med:
+        print(f"dense, fused LLM vs onnxruntime-genai's builder (TTFT of the builder's row / the fused row's): "
+              f"{med[f'dense, {GENAI}'] / med[f'dense, {FUSED}']:.2f}x")
+    shares = {row: (base_ms / med[row]) / (base_flops / flops[row]) for row in rows if row != base_row}
     work_shares = {row: (base_ms / med[row]) / ((base_flops + head_equiv) / (flops[row] + head_equiv))
-                   for row in rows if row != "dense"}
+                   for row in rows if row != base_row}
     if profiles:
         print("\nONNX Runtime profile (separate, untimed runs; counted ops are those the FLOP model counts):")
         print("\n".join(ort_profile.table(profiles)))

@@ -14,6 +14,12 @@ agreement with the fp32 model.onnx, and the minimum (and mean) per-token cosine 
 image. Speed: batch 1, 2 intra-op threads, every model run once per round in turn (machine_load.interleaved),
 medians; the ratio is fp32 ms / int8 ms, and the last line says how much CPU other processes took meanwhile.
 
+Beside them, the fastest PyTorch peers (tools/torch_peers.py; --no-peers leaves them out): torchao's int8
+dynamic quantization under torch.compile and bf16 autocast under torch.compile, each the same tower pruned
+by the product's reference pruner (cls, keep, layer as the bundle), with the same quality columns against
+the same fp32 model.onnx and timed in the same rounds, torch on as many threads as ONNX Runtime. Their
+"quantized" column counts the nn.Linear layers torchao quantized (bf16: "-", autocast casts per op).
+
 Measured: the table in targets/ort_quant.py's docstring (shared 2-core machine: provisional figures).
 """
 
@@ -102,6 +108,58 @@ def quality(ref: dict, got: dict) -> tuple[float, float, float]:
     return float(np.mean(kept)), float(cos.min()), float(cos.mean())
 
 
+def torch_peer_rows(model: str, keep: int, layer: int | None, test: np.ndarray, ref: dict, rows: dict) -> dict:
+    """The torchao int8 and bf16 torch.compile peers: their quality into rows, their timed callables returned."""
+    import torch
+    import torch_peers
+
+    from vlmprune.compiler.frontend import load_source
+    from vlmprune.compiler.frontend.tower import BLOCK
+    from vlmprune.compiler.parity.reference import MethodPruner
+    from vlmprune.passes.methods import get_method
+
+    torch.set_num_threads(int(os.environ["VLMPRUNE_ORT_THREADS"]))
+    torch._inductor.config.freezing = True  # as bench_tower's torch.compile rows
+    source = load_source(model)
+    method = get_method("cls")
+    params = method.parse(keep, {})
+    pruner = MethodPruner(method, params, BLOCK, source.num_blocks if layer is None else layer)
+    builders = {"torch bf16 compile": torch_peers.compiled_bf16}
+    missing = torch_peers.torchao_available()
+    if missing:
+        print(f"int8 peer left out: {missing}")
+    else:
+        builders["torchao int8 compile"] = torch_peers.compiled_int8
+    ref_pair = (ref["image_features"], ref["kept_indices"])
+    x1 = torch.from_numpy(np.ascontiguousarray(test[:1]))
+    runs = {}
+    with torch.inference_mode():
+        for name, build in builders.items():
+            start = time.perf_counter()
+            peer = build(source.pipeline, pruner)
+            # Image by image at batch 1, the timed shape: compiled once (a second batch size would recompile it
+            # with dynamic shapes, a slower program than the one a batch-1 user runs).
+            outs = [peer(torch.from_numpy(np.ascontiguousarray(test[i:i + 1]))) for i in range(len(test))]
+            got = (torch.cat([o[0].float() for o in outs]), torch.cat([o[1] for o in outs]))
+            agreement, cos_min = torch_peers.quality(ref_pair, got)
+            feats = np.asarray(got[0], dtype=np.float64)
+            a = ref["image_features"].astype(np.float64)
+            cos = (a * feats).sum(-1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(feats, axis=-1), 1e-12)
+            linears = sum(isinstance(m, torch.nn.Linear) for m in source.pipeline.modules())
+            rows[name] = {"quantized": linears if "int8" in name else "-", "fp32_nodes": None,
+                          "quantize_s": time.perf_counter() - start, "agreement": agreement, "cos_min": cos_min,
+                          "cos_mean": float(cos.mean())}
+            runs[name] = lambda p=peer: _inference(p, x1)
+    return runs
+
+
+def _inference(fn, x):
+    import torch
+
+    with torch.inference_mode():
+        return fn(x)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DINOV2))
@@ -110,6 +168,7 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--bundle", type=Path, default=None, help="an fp32 ort cls bundle to reuse (compiled if absent)")
+    p.add_argument("--no-peers", action="store_true", help="leave out the torchao int8 and bf16 torch.compile rows")
     args = p.parse_args()
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
@@ -148,6 +207,8 @@ def main() -> None:
                 quality(ref, run_session(sessions[name], test))
         x = test[:1]
         runs = {name: (lambda s=s: run_session(s, x)) for name, s in sessions.items()}
+        if not args.no_peers:
+            runs.update(torch_peer_rows(args.model, args.keep, layer, test, ref, rows))
         for fn in runs.values():
             for _ in range(3):
                 fn()
@@ -161,7 +222,7 @@ def main() -> None:
           f"({', '.join(test_names)})")
     print(f"{'config':<20} {'quantized':>9} {'ms':>8} {'ratio':>6} {'agreement':>9} {'min cos':>8} {'mean cos':>8}")
     print(f"{'fp32 (model.onnx)':<20} {'-':>9} {med['fp32']:8.2f} {1.0:6.2f} {1.0:9.4f} {1.0:8.4f} {1.0:8.4f}")
-    for name in names:
+    for name in [*names, *(n for n in rows if n not in names)]:
         r = rows[name]
         print(f"{name:<20} {r['quantized']:>9} {med[name]:8.2f} {med['fp32'] / med[name]:6.2f} "
               f"{r['agreement']:9.4f} {r['cos_min']:8.4f} {r['cos_mean']:8.4f}")

@@ -11,9 +11,11 @@ after), 257 tokens by default.
 
 Rows (each the configuration its user would run fastest: ORT_ENABLE_ALL graph optimisations,
 the same intra-op threads, one per physical core):
-- torch.onnx: compiler.llm.torch_exporter.export_decoder(lm, None, folder)'s prefill.onnx (standard ops,
-  MatMul/Softmax attention with GQA heads expanded; logits of the last token only), fed
-  inputs_embeds and position_ids 0..T-1.
+- torch.onnx unfused: compiler.llm.torch_exporter.export_decoder(lm, None, folder)'s prefill.decomposed.onnx
+  (standard ops, MatMul/Softmax attention with GQA heads expanded, the causal mask a Where per layer;
+  logits of the last token only), fed inputs_embeds and position_ids 0..T-1: the ratios' base.
+- torch.onnx fused: the same export's prefill.onnx, what target ort ships: each layer's attention
+  com.microsoft.MultiHeadAttention with unidirectional=1 (passes.llm_attention_fusion), same feed.
 - genai: onnxruntime-genai's model builder (compiler.llm.genai.export_genai, exclude_embeds:
   what `python -m onnxruntime_genai.models.builder -p fp32 -e cpu` makes), fed inputs_embeds,
   attention_mask and an empty past; its logits cover every prompt token (T x vocab from the
@@ -43,11 +45,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_e2e import SETTLE_S, _blocks, qwen2_05b_shaped
+from bench_e2e import SETTLE_S, WARMUP, _blocks, qwen2_05b_shaped
 from machine_load import CpuMeter, busy_line, interleaved, physical_cores
 from vlmprune.compiler.frontend.source import quiet_transformers
-from vlmprune.compiler.llm.torch_exporter import PREFILL, export_decoder
+from vlmprune.compiler.llm.torch_exporter import PREFILL, PREFILL_DECOMPOSED, export_decoder
 from vlmprune.compiler.llm.genai import MODEL, export_genai, genai_version
+
+
+BASE, FUSED = "torch.onnx unfused", "torch.onnx fused"
 
 
 def session(path: Path, threads: int):
@@ -99,10 +104,12 @@ def main() -> int:
                                                      axis=1).astype(np.float32))
         length = embeds.shape[1]
         graphs = {}
-        if not (folder / "torch" / PREFILL).is_file():
+        if not (folder / "torch" / PREFILL_DECOMPOSED).is_file():
             log("export with torch.onnx (compiler.llm.torch_exporter.export_decoder, dense)")
+            shutil.rmtree(folder / "torch", ignore_errors=True)
             export_decoder(lm, None, folder / "torch")
-        graphs["torch.onnx"] = folder / "torch" / PREFILL
+        graphs[BASE] = folder / "torch" / PREFILL_DECOMPOSED
+        graphs[FUSED] = folder / "torch" / PREFILL
         for name, last in (("genai", False), ("genai last-logits", True)):
             sub = folder / ("genai_last" if last else "genai")
             if not (sub / MODEL).is_file():
@@ -117,7 +124,7 @@ def main() -> int:
         def make(name):
             def build():
                 s = session(graphs[name], cores)
-                if name == "torch.onnx":
+                if name in (BASE, FUSED):
                     feed = {"inputs_embeds": embeds, "position_ids": np.arange(length, dtype=np.int64)[None]}
                 else:
                     feed = {"inputs_embeds": embeds, "attention_mask": np.ones((1, length), dtype=np.int64)}
@@ -137,31 +144,33 @@ def main() -> int:
         rows = {name: make(name) for name in graphs}
         log(f"timing: {args.schedule}, {args.repeats} runs each, {cores} intra-op threads")
         meter = CpuMeter()
-        times = _blocks(rows, args.repeats, log) if args.schedule == "blocks" else _rounds(rows, args.repeats, log)
+        times = (_blocks(rows, args.repeats, WARMUP, log) if args.schedule == "blocks"
+                 else _rounds(rows, args.repeats, log))
         load = meter.report()
 
     med = {row: statistics.median(t) for row, t in times.items()}
-    base = med["torch.onnx"]
+    base = med[BASE]
     # interleaved: the ratio within each round (same neighbour load for every row), then its median
-    paired = {row: statistics.median(t / b for t, b in zip(times[row], times["torch.onnx"])) for row in rows}
+    paired = {row: statistics.median(t / b for t, b in zip(times[row], times[BASE])) for row in rows}
     print(f"Qwen2-0.5B-shaped decoder (24 layers, 896 wide, 14/2 heads, vocab 151936), seeded, fp32; prefill of "
           f"{args.image} image + {args.text} text tokens ({length}), batch 1; ONNX Runtime CPU (onnxruntime "
           f"{__import__('onnxruntime').__version__}), ORT_ENABLE_ALL, {cores} intra-op threads; onnxruntime-genai "
           f"{genai_version()}; median of {args.repeats}, "
           + ("rows interleaved run by run" if args.schedule == "interleaved" else
              "rows in blocks forwards then backwards"))
-    print("| exporter | TTFT ms median (min-max) | time vs torch.onnx: ratio of medians | median of per-round "
-          "ratios | ratio of minimums | first token | last-token logits max-abs vs torch.onnx |")
+    print(f"| exporter | TTFT ms median (min-max) | time vs {BASE}: ratio of medians | median of per-round "
+          f"ratios | ratio of minimums | first token | last-token logits max-abs vs {BASE} |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        gap = float(np.abs(logits[row] - logits["torch.onnx"]).max())
+        gap = float(np.abs(logits[row] - logits[BASE]).max())
         print(f"| {row} | {med[row]:.0f} ({min(times[row]):.0f}-{max(times[row]):.0f}) | "
-              f"{med[row] / base:.2f}x | {paired[row]:.2f}x | {min(times[row]) / min(times['torch.onnx']):.2f}x | "
+              f"{med[row] / base:.2f}x | {paired[row]:.2f}x | {min(times[row]) / min(times[BASE]):.2f}x | "
               f"{first[row]} | {gap:.2g} |")
     if busy_line(load):
         print(busy_line(load))
-    print("genai_over_torch_ttft_ratio: " + ", ".join(f"{row}: {med[row] / base:.3f}" for row in rows
-                                                     if row != "torch.onnx"))
+    print(f"fused_speedup_over_unfused: {base / med[FUSED]:.3f}")
+    print("genai_over_torch_fused_ttft_ratio: " + ", ".join(f"{row}: {med[row] / med[FUSED]:.3f}" for row in rows
+                                                           if row.startswith("genai")))
     return 0
 
 

@@ -3,6 +3,7 @@
 
     python tools/bench_tower.py [--model clip-l-336] [--keep 192] [--layer 2] [--repeats 5] [--no-compile] [--op-profile]
         [--method cls|visionzip|divprune|dart] [--score cls|probe] [--ort-only] [--no-openvino] [--no-bf16]
+        [--no-peers]
 
 --model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448` where present, `demo`)
 or a Hugging Face directory. --method defaults to one the model serves: cls for towers with a
@@ -17,6 +18,14 @@ FLOPs(pruned), both counted from the ONNX graphs that were timed (2 x the multip
 every MatMul, Gemm and Conv, from ONNX shape inference at batch 1; elementwise ops, softmax
 and normalisations are not counted). 1.0 means the pruned graph is as fast as its arithmetic
 allows; below 1, the selection's overhead or the smaller matrices' lower efficiency cost time.
+
+The lower-precision PyTorch peers (tools/torch_peers.py), as rows of their own for the dense
+and the main pruned configuration, pruned by the same reference pruner: torchao's int8 dynamic
+quantization under torch.compile, and bf16 autocast under torch.compile (the fastest PyTorch
+path on a CPU with AVX-512 bf16 or AMX). Their agreement column gives the kept-set agreement
+(intersection over K) and the minimum per-token cosine against fp32 eager, as
+tools/bench_int8.py reports for the int8 bundle. --no-bf16 leaves out the bf16 rows, --no-peers
+the int8 ones.
 
 Batch 1 on this machine's CPU, one process. Each peer runs as its users would run it at its
 fastest: PyTorch with SDPA attention, torch.inference_mode, contiguous fp32 weights and one
@@ -68,6 +77,7 @@ import onnx_ir as ir
 import torch
 
 import ort_profile
+import torch_peers
 from machine_load import CpuMeter, busy_line, physical_cores
 from vlmprune.compiler.contract import FEATURES, KEPT, PIXELS, WEIGHTS
 from vlmprune.compiler.frontend import export_onnx, load_source
@@ -270,6 +280,8 @@ def main() -> int:
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the fp32 torch.compile rows (minutes to compile; --no-bf16 skips the bf16 ones)")
     parser.add_argument("--ort-only", action="store_true", help="time the ONNX Runtime rows only (implies --no-compile)")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="skip the int8 (torchao) and bf16 (autocast) torch.compile rows (minutes to compile)")
     parser.add_argument("--op-profile", action="store_true",
                         help="after the timed runs, profile the ONNX Runtime rows per op (tools/ort_profile.py, untimed)")
     parser.add_argument("--no-openvino", action="store_true", help="leave out the OpenVINO rows")
@@ -351,22 +363,25 @@ def main() -> int:
                     labels[row] = "inductor, freezing: " + _torch_attention(lambda m=compiled: m(x), end)
                     labels[row] += f" (compiled in {time.perf_counter() - start:.0f} s)"
                     fns[row] = lambda m=compiled: m(x)
-            if torch_rows and not args.no_bf16:  # with or without --no-compile's fp32 rows
-                for name, prune in pruned.items():
-                    row = f"torch.compile bf16 autocast, {name}"
-                    compiled = torch.compile(pipeline.with_pruner(prune), backend="inductor")
+            # The lower-precision peers: bf16 autocast (with or without --no-compile's fp32 rows) and
+            # torchao's int8 dynamic quantization (--no-peers leaves that one out).
+            want_int8 = torch_rows and not args.no_peers
+            missing = torch_peers.torchao_available() if want_int8 else None
+            if missing:
+                print(f"int8 peer left out: {missing}")
+            for name in [n for n in pruned if n != f"pruned L{end} (end)"] if torch_rows else []:
+                builders = {}
+                if not args.no_bf16:
+                    builders[f"torch.compile bf16 autocast, {name}"] = torch_peers.compiled_bf16
+                if want_int8 and not missing:
+                    builders[f"torchao int8 dyn + compile, {name}"] = torch_peers.compiled_int8
+                for row, build in builders.items():
                     start = time.perf_counter()
-
-                    def bf16(m=compiled):
-                        with torch.autocast("cpu", dtype=torch.bfloat16):
-                            return m(x)
-
-                    out = bf16()  # warm-up, compiles
-                    out = out.float() if isinstance(out, torch.Tensor) else (out[0].float(), out[1])
-                    checks[row] = _low_precision_agreement(outputs[name], out)
-                    labels[row] = f"inductor, freezing, torch.autocast bf16 (compiled in " \
-                                  f"{time.perf_counter() - start:.0f} s)"
-                    fns[row] = bf16
+                    peer = build(pipeline, pruned[name])
+                    checks[row] = torch_peers.describe(outputs[name], peer(x))  # warm-up, compiles
+                    labels[row] = "inductor, freezing: " + _torch_attention(lambda m=peer: m(x), end)
+                    labels[row] += f" (compiled in {time.perf_counter() - start:.0f} s)"
+                    fns[row] = lambda m=peer: m(x)
         graphs = [(f"onnxruntime, {name}", name, *fused[name]) for name in paths]
         if not args.no_unfused:
             graphs += [(f"onnxruntime unfused, {name}", name, path, ()) for name, path in paths.items()]
@@ -441,6 +456,10 @@ def main() -> int:
             print(f"torch_compile_{key}_vs_torch_eager_{key}: {eager_l / compile_l:.2f}")
             print(f"ort_{key}_vs_torch_compile_{key}: {compile_l / ort_l:.2f}")
             print(f"ort_{key}_vs_best_torch_{key}: {min(eager_l, compile_l) / ort_l:.2f}")
+        for peer, short in (("torchao int8 dyn + compile", "torchao_int8_compile"),
+                            ("torch.compile bf16 autocast", "torch_bf16_compile")):
+            if f"{peer}, {main_row}" in rows:
+                print(f"ort_{key}_vs_{short}_{key}: {rows[f'{peer}, {main_row}'] / ort_l:.2f}")
         print(f"ort_{key}_vs_torch_{key}: {eager_l / ort_l:.2f}")
         print(f"ort_{key}_vs_torch_dense: {base / ort_l:.2f}")
     if openvino_rows:

@@ -81,9 +81,32 @@ class LlmExporter(abc.ABC):
                                error=f"{type(exc).__name__}: {exc}".splitlines()[0])
         return StageResult("llm", self.runtime, self.precision, tolerance, passed, outputs=outputs)
 
+    def graph_runner(self, bundle_dir: Path, manifest: dict) -> tuple[LlmGraphRunner | None, str]:
+        """The bundle's LLM graphs as `generate` and `eval` run them on this machine, and what runs, or
+        (None, why they cannot run here): those commands then answer with transformers and say why."""
+        return None, f"{self.name}'s graphs are not run by generate on this machine"
+
     @abc.abstractmethod
     def readme_section(self, manifest: dict) -> str:
         """The bundle README's language-model section for a bundle this exporter wrote."""
+
+
+class LlmGraphRunner(abc.ABC):
+    """A bundle's exported language model, as greedy decoding drives it: prefill once, then one step per token.
+
+    Arrays are numpy, batch 1: embeds [1, L, hidden]; positions [1, L] (mRoPE: [3, 1, L]), each token's original
+    position; logits [vocab] float32 of the last token. `state` is the runner's own (the caches).
+    """
+
+    describe: str  # what runs, in generate's output ("llm/prefill.onnx + llm/decode.onnx, ONNX Runtime")
+
+    @abc.abstractmethod
+    def prefill(self, embeds, positions) -> tuple[object, object]:
+        """(last token's logits, state) for the prompt."""
+
+    @abc.abstractmethod
+    def step(self, embeds, positions, state) -> tuple[object, object]:
+        """(logits, state) of one more token on top of state."""
 
 
 def tokens_note(got: dict) -> dict:

@@ -20,7 +20,12 @@ decode.onnx
 
 The layer math is spelled out over the Hugging Face model's own modules (projections, norms,
 MLP, rotary embedding): attention as MatMul/Softmax with GQA heads expanded, so the graph runs
-on any ONNX runtime. The parity reference (compiler.llm.fastv) runs the Hugging Face decoder
+on any ONNX runtime: that form is written as prefill.decomposed.onnx and decode.decomposed.onnx.
+prefill.onnx and decode.onnx, what target ort runs, are the same graphs with each layer's
+attention (and the prefill's per-layer causal mask) fused into ONNX Runtime's
+com.microsoft.MultiHeadAttention by passes.llm_attention_fusion (issue 35: the mask's Where and
+the Softmax were a sixth of the dense prefill). Both pairs are checked against the reference.
+The parity reference (compiler.llm.fastv) runs the Hugging Face decoder
 layers themselves.
 
 This is the default exporter of target ort (`--llm-exporter torch`, compiler.llm.exporter);
@@ -39,13 +44,14 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import torch_onnx
 from vlmprune.compiler.llm import lm_source
-from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, tokens_note
+from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, LlmGraphRunner, tokens_note
 from vlmprune.compiler.llm.fastv import FastVSpec, default_positions, gather_positions
 from vlmprune.compiler.llm.lm_source import decoder_of, uses_mrope
 from vlmprune.compiler.parity import figure_text
 
-WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx
-PREFILL, DECODE = "prefill.onnx", "decode.onnx"
+WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx (and their decomposed forms)
+PREFILL, DECODE = "prefill.onnx", "decode.onnx"  # each layer's attention fused (passes.llm_attention_fusion)
+PREFILL_DECOMPOSED, DECODE_DECOMPOSED = "prefill.decomposed.onnx", "decode.decomposed.onnx"  # standard ops only
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -202,11 +208,19 @@ def export_decode(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
                    ["logits", *cache_names(graph.num_layers, "present")], dynamic, opset)
 
 
+def fuse_attention(model: ir.Model, layers: int) -> ir.Model:
+    """model (an exported prefill or decode graph) with every layer's attention fused, in place."""
+    from vlmprune.passes.llm_attention_fusion import LlmAttentionFusionPass
+
+    return LlmAttentionFusionPass(layers)(model).model
+
+
 def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = 18) -> dict:
-    """prefill.onnx and decode.onnx in folder, their weights in one llm.weights.bin; returns what was written.
+    """prefill.onnx and decode.onnx (attention fused) and their .decomposed.onnx forms in folder, the weights in one
+    llm.weights.bin; returns what was written.
 
     The decode graph's initializers are the prefill graph's where their content agrees
-    (share_weights), so the weights are stored once.
+    (share_weights), so the weights are stored once; the fused graphs point at the same file.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -214,13 +228,16 @@ def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = 18)
     decode = export_decode(model, spec, opset)
     ir.external_data.unload_from_model(prefill, folder, WEIGHTS, size_threshold_bytes=1024)
     share_weights(decode, prefill)
-    ir.save(prefill, folder / PREFILL)
-    ir.save(decode, folder / DECODE)
     if _has_large_inline(decode):  # a weight only decode uses (none expected): keep the .onnx small anyway
         ir.external_data.unload_from_model(decode, folder, f"decode.{WEIGHTS}", size_threshold_bytes=1024)
-        ir.save(decode, folder / DECODE)
-    return {"prefill": PREFILL, "decode": DECODE, "weights": WEIGHTS,
-            "io": {"prefill": _io(prefill), "decode": _io(decode)}}
+    ir.save(prefill, folder / PREFILL_DECOMPOSED)
+    ir.save(decode, folder / DECODE_DECOMPOSED)
+    io = {"prefill": _io(prefill), "decode": _io(decode)}
+    layers = decoder_of(model)[1].num_hidden_layers
+    ir.save(fuse_attention(prefill, layers), folder / PREFILL)
+    ir.save(fuse_attention(decode, layers), folder / DECODE)
+    return {"prefill": PREFILL, "decode": DECODE, "prefill_decomposed": PREFILL_DECOMPOSED,
+            "decode_decomposed": DECODE_DECOMPOSED, "weights": WEIGHTS, "io": io}
 
 
 def share_weights(model: ir.Model, owner: ir.Model) -> int:
@@ -285,8 +302,13 @@ def parity_positions(config, batch: int, length: int, image_start: int, image_to
 
 
 @torch.no_grad()
-def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int) -> dict:
-    """Prefill logits, every present, kept tokens and greedy decode of the graphs vs the reference, batch 2, seed 0."""
+def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
+               graphs: tuple[str, str] = (PREFILL, DECODE)) -> dict:
+    """Prefill logits, every present, kept tokens and greedy decode of the graphs vs the reference, batch 2, seed 0.
+
+    graphs: (prefill, decode) file names in folder, the fused pair by default; where the folder holds the
+    decomposed prefill too, the result also has the fused prefill's max-abs gap to it (`fused_vs_decomposed`).
+    """
     import numpy as np
 
     from vlmprune.compiler.llm.fastv import reference_generate, reference_prefill
@@ -298,16 +320,22 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int) -> d
     positions = parity_positions(config, 2, length, spec.image_start if spec is not None else 0,
                                  spec.image_len if spec is not None else image_tokens)
     ref = reference_prefill(lm, embeds, spec, positions)
-    prefill = ort_session(folder / PREFILL)
+    feed = {"inputs_embeds": embeds.numpy(), "position_ids": positions.numpy()}
+    prefill = ort_session(folder / graphs[0])
     names = [o.name for o in prefill.get_outputs()]
-    got = dict(zip(names, prefill.run(None, {"inputs_embeds": embeds.numpy(), "position_ids": positions.numpy()})))
+    got = dict(zip(names, prefill.run(None, feed)))
+    between = None
+    if graphs[0] == PREFILL and (folder / PREFILL_DECOMPOSED).is_file():
+        plain = ort_session(folder / PREFILL_DECOMPOSED)
+        other = dict(zip([o.name for o in plain.get_outputs()], plain.run(None, feed)))
+        between = max(float(np.abs(got[k].astype(np.float64) - other[k]).max()) for k in names)
     worst = float(np.abs(got["logits"][:, 0] - ref.logits.numpy()).max())
     for i, layer in enumerate(ref.cache.layers):
         for part, tensor in (("key", layer.keys), ("value", layer.values)):
             worst = max(worst, float(np.abs(got[f"present.{i}.{part}"] - tensor.numpy()).max()))
     kept_ok = spec is None or bool(np.array_equal(got["kept_image_indices"], ref.kept.numpy()))
     expected = reference_generate(lm, embeds, spec, DECODE_STEPS, positions).numpy()
-    decode = ort_session(folder / DECODE)
+    decode = ort_session(folder / graphs[1])
     out_names = [o.name for o in decode.get_outputs()]
     table = lm.get_input_embeddings().weight.detach().numpy()
     past = {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in got.items() if k.startswith("present.")}
@@ -321,7 +349,8 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int) -> d
     same = bool(np.array_equal(np.stack(tokens, axis=1), expected))
     return {"batch": 2, "prompt_tokens": length, "seed": 0, "logits_max_abs": worst, "tolerance": PARITY_ATOL,
             "kept_identical": kept_ok, "decode_steps": DECODE_STEPS, "tokens_identical": same,
-            "passed": worst <= PARITY_ATOL and kept_ok and same}
+            "graphs": list(graphs), **({"fused_vs_decomposed": between} if between is not None else {}),
+            "passed": worst <= PARITY_ATOL and kept_ok and same and (between is None or between <= PARITY_ATOL)}
 
 
 def spec_of(llm: dict) -> FastVSpec | None:
@@ -350,6 +379,9 @@ def readme_section(manifest: dict) -> str:
                f"The prompt must put the image at token {fastv['image_start']} and end with text after it.")
     else:
         how = "The decoder is dense (every prompt token in every layer)."
+    fused_note = (f" `{files['prefill_decomposed']}` and `{files['decode_decomposed']}` are the same graphs in "
+                  "standard ONNX ops only (any ONNX runtime), on the same weights." if "prefill_decomposed" in files
+                  else "")
     if llm.get("mrope"):
         positions, step = "[3, batch, sequence]", "[3, batch, 1]"
         how += (" Positions are mRoPE's (t, h, w) rows: text tokens have t = h = w, image tokens the bundle's "
@@ -359,8 +391,9 @@ def readme_section(manifest: dict) -> str:
     return f"""
 ## The language model (`--with-llm`)
 
-`{files['prefill']}` and `{files['decode']}` ({llm['family']}, {n} layers, standard ONNX ops, weights in
-`{files['weights']}`), exported with {llm['exporter']}; they run in plain ONNX Runtime. {how}
+`{files['prefill']}` and `{files['decode']}` ({llm['family']}, {n} layers, weights in `{files['weights']}`),
+exported with {llm['exporter']}; each layer's attention is ONNX Runtime's `com.microsoft.MultiHeadAttention`
+(causal in prefill), so they run in ONNX Runtime.{fused_note} {how}
 
 - prefill: `inputs_embeds` [batch, sequence, {llm['hidden_size']}] (text embeddings with `image_features` in
   the image's place) and `position_ids` {positions} (the positions above) -> `logits` [batch, 1,
@@ -384,6 +417,40 @@ Checked at compile time against the PyTorch reference (batch 2, seed 0): logits 
 {llm['parity']['logits_max_abs']:.2g}, greedy tokens over {llm['parity']['decode_steps']} steps
 {'identical' if llm['parity']['tokens_identical'] else 'DIFFERENT'} (`manifest.json`, `llm_graphs`).
 """
+
+
+class GraphRunner(LlmGraphRunner):
+    """prefill.onnx + decode.onnx of a bundle's llm/ under ONNX Runtime: the graphs the bundle ships, as shipped."""
+
+    def __init__(self, folder: Path, prefill: str = PREFILL, decode: str = DECODE):
+        from vlmprune.targets.runtime import ort_session
+
+        self._prefill, self._decode = ort_session(folder / prefill), ort_session(folder / decode)
+        self._prefill_names = [o.name for o in self._prefill.get_outputs()]
+        self._decode_names = [o.name for o in self._decode.get_outputs()]
+        self.describe = f"{LLM_DIR}/{prefill} + {LLM_DIR}/{decode}, ONNX Runtime"
+        self.kept = None  # FastV: the kept image tokens of the last prefill (indices within the image span)
+
+    @staticmethod
+    def _past(outputs: dict) -> dict:
+        return {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in outputs.items() if k.startswith("present.")}
+
+    def prefill(self, embeds, positions):
+        import numpy as np
+
+        feed = {"inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32),
+                "position_ids": np.ascontiguousarray(positions, dtype=np.int64)}
+        out = dict(zip(self._prefill_names, self._prefill.run(None, feed)))
+        self.kept = out.get("kept_image_indices")
+        return out["logits"][0, -1], self._past(out)
+
+    def step(self, embeds, positions, state):
+        import numpy as np
+
+        feed = {"inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32),
+                "position_ids": np.ascontiguousarray(positions, dtype=np.int64), **state}
+        out = dict(zip(self._decode_names, self._decode.run(None, feed)))
+        return out["logits"][0, -1], self._past(out)
 
 
 class TorchExporter(LlmExporter):
@@ -417,21 +484,28 @@ class TorchExporter(LlmExporter):
                  + (f", FastV after layer {spec.layer} keeping {spec.kept} of {spec.image_len} image tokens)"
                     if spec is not None else ", dense)") + " with torch.onnx (dynamo)")
         written = export_decoder(lm, spec, folder / LLM_DIR, options.opset)
-        parity = llm_parity(lm, spec, folder / LLM_DIR, tokens if isinstance(tokens, int) else 8)
+        image_tokens = tokens if isinstance(tokens, int) else 8
+        parity = llm_parity(lm, spec, folder / LLM_DIR, image_tokens)
+        parity["decomposed"] = llm_parity(lm, spec, folder / LLM_DIR, image_tokens, (PREFILL_DECOMPOSED, DECODE_DECOMPOSED))
+        parity["passed"] = parity["passed"] and parity["decomposed"]["passed"]
         gap = figure_text(parity["logits_max_abs"], 3, at_most=PARITY_ATOL)  # a failing figure must read as failing
-        progress(f"  llm        {'PASS' if parity['passed'] else 'FAIL'}  logits max-abs {gap}, "
-                 f"greedy tokens {'identical' if parity['tokens_identical'] else 'DIFFER'}")
+        plain = figure_text(parity["decomposed"]["logits_max_abs"], 3, at_most=PARITY_ATOL)
+        between = figure_text(parity["fused_vs_decomposed"], 3, at_most=PARITY_ATOL)
+        progress(f"  llm        {'PASS' if parity['passed'] else 'FAIL'}  logits max-abs {gap} (fused attention), "
+                 f"{plain} (decomposed), fused vs decomposed {between}, greedy tokens "
+                 f"{'identical' if parity['tokens_identical'] and parity['decomposed']['tokens_identical'] else 'DIFFER'}")
         if not parity["passed"]:
             raise ParityError(f"the exported language model disagrees with its PyTorch reference "
                               f"(logits max-abs {gap}, tolerance {PARITY_ATOL})")
         return {
             "exporter": f"torch.onnx (dynamo) {torch.__version__}, opset {options.opset}",
-            "runtime": "ONNX Runtime (any execution provider), standard ops only",
+            "runtime": "ONNX Runtime (com.microsoft.MultiHeadAttention); the .decomposed.onnx pair: standard ops only",
             "family": config.model_type, "mrope": uses_mrope(config), "layers": config.num_hidden_layers,
             "hidden_size": config.hidden_size,
             "kv_heads": config.num_key_value_heads, "head_dim": getattr(config, "head_dim", None)
             or config.hidden_size // config.num_attention_heads, "vocab_size": config.vocab_size,
-            "files": {k: f"{LLM_DIR}/{written[k]}" for k in ("prefill", "decode", "weights")},
+            "files": {k: f"{LLM_DIR}/{written[k]}"
+                      for k in ("prefill", "decode", "prefill_decomposed", "decode_decomposed", "weights")},
             "io": written["io"],
             "fastv": None if spec is None else {
                 "layer": spec.layer, "keep": spec.keep, "image_start": spec.image_start, "image_tokens": spec.image_len,
@@ -457,7 +531,30 @@ class TorchExporter(LlmExporter):
         if llm.get("fastv"):
             outputs["kept_image_indices"] = {"note": "identical" if got["kept_identical"] else "DIFFER",
                                              "passed": got["kept_identical"]}
-        return got["passed"], outputs
+        passed = got["passed"]
+        if "fused_vs_decomposed" in got:  # a bundle with both forms: the decomposed pair against the reference too
+            plain = llm_parity(lm_source.language_model(model_spec), spec_of(llm), bundle_dir / LLM_DIR,
+                               tokens if isinstance(tokens, int) else 8, (PREFILL_DECOMPOSED, DECODE_DECOMPOSED))
+            outputs["fused vs decomposed prefill"] = {
+                "note": f"max-abs {got['fused_vs_decomposed']:.3g} (≤ {PARITY_ATOL:g})",
+                "passed": got["fused_vs_decomposed"] <= PARITY_ATOL}
+            outputs["decomposed: logits + present, greedy tokens"] = {
+                "note": f"max-abs {plain['logits_max_abs']:.3g} (≤ {PARITY_ATOL:g}), " + tokens_note(plain)["note"],
+                "passed": plain["passed"]}
+            passed = passed and plain["passed"]
+        return passed, outputs
+
+    def graph_runner(self, bundle_dir: Path, manifest: dict) -> tuple[LlmGraphRunner | None, str]:
+        """The shipped prefill.onnx + decode.onnx under ONNX Runtime (here whenever onnxruntime imports)."""
+        import importlib.util
+
+        if importlib.util.find_spec("onnxruntime") is None:
+            return None, "onnxruntime is not installed"
+        files = manifest.llm_graphs["files"]
+        folder = Path(bundle_dir)
+        runner = GraphRunner(folder / Path(files["prefill"]).parent, Path(files["prefill"]).name,
+                             Path(files["decode"]).name)
+        return runner, runner.describe
 
     def readme_section(self, manifest: dict) -> str:
         return readme_section(manifest)

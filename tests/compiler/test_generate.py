@@ -277,3 +277,55 @@ def test_a_fastv_graph_compiled_for_another_image_start_is_named():
     assert fastv_mismatch(Manifest({"llm_graphs": {"fastv": None}}), 2) is None and fastv_mismatch(Manifest(), 2) is None
     assert fastv_mismatch(manifest, 2) == ("this bundle's FastV prefill graph was compiled with --image-start 5, but "
                                            "this prompt puts the image at token 2: recompile with --image-start 2")
+
+
+def test_a_fastv_bundle_answers_with_its_own_llm_graph_and_reference_with_transformers(setup):
+    """A --with-llm FastV bundle: generate decodes with llm/prefill.onnx + decode.onnx (FastV inside) by default.
+
+    Shown by the numbers: the answer's first-token logits are FastV's (the plain-torch FastV reference on the same
+    embeddings and positions, 1e-4) and not the dense decoder's (transformers, which --reference runs); the graph's
+    kept image tokens are FastV's, and greedy tokens follow the FastV reference step by step.
+    """
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.llm.fastv import FastVSpec, reference_generate, reference_prefill
+    from vlmprune.compiler.llm.lm_source import language_model
+    from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+    bundle = compile_model(str(setup["model"]), setup["root"] / "fastv", CompileOptions(
+        keep=32, with_llm=True, fastv_layer=1, fastv_keep=0.25, image_start=2)).bundle
+    steps = 4
+    graph = gen.generate(bundle, None, setup["image"], PROMPT, max_new_tokens=steps)
+    assert graph.llm == "the bundle's LLM graphs (llm/prefill.onnx + llm/decode.onnx, ONNX Runtime)"
+    assert graph.fastv_warning is None and len(graph.fastv_kept) == 8  # 0.25 of the 33 image rows
+    reference = gen.generate(bundle, None, setup["image"], PROMPT, max_new_tokens=steps, reference=True)
+    assert reference.llm.startswith("transformers (--reference") and reference.fastv_kept is None
+    assert reference.answer.position_ids == graph.answer.position_ids and reference.kept == graph.kept
+
+    manifest = load_manifest(bundle)
+    vlm = gen.load_vlm(str(setup["model"]), bundle=manifest)
+    pixel, _ = gen.load_pixels(vlm, setup["image"], manifest.preprocess)
+    tokens = gen.bundle_tokens(bundle, manifest, pixel, vlm)
+    embed = vlm.model.get_input_embeddings()
+    ids = lambda values: torch.tensor([values])  # noqa: E731
+    with torch.inference_mode():
+        embeds = torch.cat([embed(ids(graph.prompt.before)), tokens.features[None], embed(ids(graph.prompt.after))], 1)
+    positions = torch.tensor([graph.answer.position_ids])
+    lm = language_model(str(setup["model"]))
+    spec = FastVSpec(2, 33, 1, 0.25)
+    fastv = reference_prefill(lm, embeds, spec, positions)
+    torch.testing.assert_close(graph.answer.first_logits, fastv.logits[0].float(), rtol=0, atol=1e-4)
+    assert graph.fastv_kept == fastv.kept[0].tolist()
+    assert (graph.answer.first_logits - reference.answer.first_logits).abs().max() > 1e-3  # FastV changed them
+    expected = reference_generate(lm, embeds, spec, len(graph.answer.tokens), positions)[0].tolist()
+    assert graph.answer.tokens == expected
+    for flags, said in (((), "language model: the bundle's LLM graphs (llm/prefill.onnx + llm/decode.onnx"),
+                        (("--reference",), "language model: transformers (--reference")):
+        result = _run("generate", bundle, "--image", setup["image"], "--prompt", PROMPT, "--max-new-tokens", 2, *flags)
+        assert result.exit_code == 0 and said in result.output, result.output
+
+
+def test_a_bundle_without_an_llm_says_transformers_answered(setup):
+    result = _run("generate", setup["pruned"], "--image", setup["image"], "--prompt", PROMPT, "--max-new-tokens", 2)
+    assert result.exit_code == 0, result.output
+    assert "language model: transformers (the bundle holds no language model" in result.output

@@ -14,7 +14,8 @@ import torch
 
 from test_fastv import tiny_lm
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.llm.torch_exporter import DECODE, PREFILL, export_decoder, export_prefill
+from vlmprune.compiler.llm.torch_exporter import (DECODE, DECODE_DECOMPOSED, PREFILL, PREFILL_DECOMPOSED, export_decoder,
+                                                  export_prefill)
 from vlmprune.compiler.llm.fastv import FastVSpec, reference_generate, reference_prefill
 from vlmprune.targets.runtime import ort_session
 
@@ -44,13 +45,23 @@ def _prefill(folder, embeds, positions):
     return dict(zip([o.name for o in session.get_outputs()], outs))
 
 
-def test_graphs_are_valid_standard_onnx_sharing_one_weights_file(exported):
+def test_graphs_are_valid_onnx_sharing_one_weights_file(exported):
+    """The decomposed pair is standard ops only; the shipped pair has every layer's attention fused, nothing else."""
     model, spec, folder, info = exported
-    for name in (PREFILL, DECODE):
+    layers = model.config.num_hidden_layers
+    for name in (PREFILL_DECOMPOSED, DECODE_DECOMPOSED):
         onnx.checker.check_model(str(folder / name), full_check=True)
         proto = onnx.load(str(folder / name), load_external_data=False)
         assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}
-    assert sorted(p.name for p in folder.iterdir()) == ["decode.onnx", "llm.weights.bin", "prefill.onnx"]
+    for name in (PREFILL, DECODE):
+        onnx.checker.check_model(str(folder / name), full_check=True)
+        proto = onnx.load(str(folder / name), load_external_data=False)
+        ops = [n.op_type for n in proto.graph.node]
+        assert {n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")} == {"com.microsoft"}
+        assert ops.count("MultiHeadAttention") == layers and "Where" not in ops
+        assert ops.count("Softmax") == (1 if name == PREFILL else 0)  # FastV's own score row stays
+    assert sorted(p.name for p in folder.iterdir()) == ["decode.decomposed.onnx", "decode.onnx", "llm.weights.bin",
+                                                        "prefill.decomposed.onnx", "prefill.onnx"]
     names = [o["name"] for o in info["io"]["decode"]["inputs"]]
     assert names[:2] == ["inputs_embeds", "position_ids"] and names[2] == "past_key_values.0.key"
 
@@ -272,9 +283,11 @@ def test_with_llm_adds_the_decoder_to_the_bundle_and_the_manifest_hashes_it(tiny
     result = _cli("compile", tiny_llava_dir, "--keep", 16, "--with-llm", "-o", out, "--json")
     assert result.exit_code == 0, result.output
     manifest = bundle.load_manifest(out, verify=True)
-    assert {"llm/prefill.onnx", "llm/decode.onnx", "llm/llm.weights.bin"} <= set(manifest["files"])
+    assert {"llm/prefill.onnx", "llm/decode.onnx", "llm/prefill.decomposed.onnx", "llm/decode.decomposed.onnx",
+            "llm/llm.weights.bin"} <= set(manifest["files"])
     graphs = manifest["llm_graphs"]
     assert graphs["parity"]["passed"] and graphs["parity"]["tokens_identical"] and graphs["fastv"] is None
+    assert graphs["parity"]["decomposed"]["passed"] and graphs["parity"]["fused_vs_decomposed"] <= 1e-4
     assert graphs["exporter_id"] == "torch" and graphs["exporter"].startswith("torch.onnx (dynamo)")
     assert "## The language model (`--with-llm`)" in (out / "README.md").read_text()
     assert json.loads(result.stdout)["parity"]["passed"] is True
@@ -282,7 +295,8 @@ def test_with_llm_adds_the_decoder_to_the_bundle_and_the_manifest_hashes_it(tiny
     assert checked.exit_code == 0, checked.output
     stages = {s["stage"]: s for s in json.loads(checked.stdout)["stages"]}
     assert stages["llm"]["passed"] and stages["llm"]["runtime"] == "onnxruntime (prefill + decode)"
-    assert set(stages["llm"]["outputs"]) == {"logits + present", "greedy tokens"}
+    assert set(stages["llm"]["outputs"]) == {"logits + present", "greedy tokens", "fused vs decomposed prefill",
+                                             "decomposed: logits + present, greedy tokens"}
     assert 'classname="vlmprune.parity.llm"' in (tmp_path / "check.xml").read_text()
     with open(out / "llm" / "llm.weights.bin", "r+b") as f:  # one flipped byte: the bundle is refused
         first = f.read(1)
