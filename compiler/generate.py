@@ -332,7 +332,8 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
     model = vlm.model
     embed = model.get_input_embeddings()
     ids = lambda values: torch.tensor([values], dtype=torch.long)  # noqa: E731
-    embeds = torch.cat([embed(ids(prompt.before)), features[None].to(embed.weight.dtype), embed(ids(prompt.after))],
+    rows, first_call = vlm.rules.llm_image_rows(model, features)  # Qwen3-VL: plane 0, DeepStack beside it
+    embeds = torch.cat([embed(ids(prompt.before)), rows[None].to(embed.weight.dtype), embed(ids(prompt.after))],
                        dim=1)
     offset = len(prompt.before)
     image_positions = np.asarray(image_positions, dtype=np.int64)
@@ -352,7 +353,7 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
         position_ids = torch.from_numpy(positions)[None]
         step_ids = lambda p: torch.tensor([[p]])  # noqa: E731
         position = int(positions[-1]) + 1
-    out = model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+    out = model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1, **first_call)
     logits = out.logits[0, -1].float()
     first, cache, tokens, stop = logits.clone(), out.cache, [], eos_ids(model)
     for step in range(max_new_tokens):
@@ -376,8 +377,7 @@ def dense_features(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None
         kwargs["vision_feature_select_strategy"] = config.vision_feature_select_strategy
     with torch.inference_mode():
         out = vlm.model.model.get_image_features(**kwargs)
-    features = out.pooler_output if hasattr(out, "pooler_output") else out
-    return features[0]
+    return vlm.rules.hf_image_features(out)
 
 
 def dense_place(vlm: Vlm, tokens: int) -> Callable[[int], tuple[np.ndarray, int]]:
