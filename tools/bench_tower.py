@@ -4,7 +4,7 @@
     python tools/bench_tower.py [--model clip-l-336] [--keep 192] [--layer 2] [--repeats 5] [--no-compile] [--op-profile]
         [--method cls|visionzip|divprune|dart] [--score cls|probe] [--ort-only]
 
---model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448` where present, `demo`)
+--model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448`, `qwen3-vl-2b-512` where present, `demo`)
 or a Hugging Face directory. --method defaults to one the model serves: cls for towers with a
 [CLS] token, cls --score probe for towers with an attention-pooling head (SigLIP), else
 divprune. A method that prunes the projector output (divprune, dart) has one pruned row: the
