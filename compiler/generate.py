@@ -342,7 +342,11 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
     model = vlm.model
     embed = model.get_input_embeddings()
     ids = lambda values: torch.tensor([values], dtype=torch.long)  # noqa: E731
-    embeds = torch.cat([embed(ids(prompt.before)), features[None].to(embed.weight.dtype), embed(ids(prompt.after))],
+    if graphs is None:  # Qwen3-VL: plane 0, DeepStack beside it
+        rows, first_call = vlm.rules.llm_image_rows(model, features)
+    else:
+        rows, at_image = vlm.rules.llm_graph_image_rows(model, features)
+    embeds = torch.cat([embed(ids(prompt.before)), rows[None].to(embed.weight.dtype), embed(ids(prompt.after))],
                        dim=1)
     offset = len(prompt.before)
     image_positions = np.asarray(image_positions, dtype=np.int64)
@@ -363,13 +367,20 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
         step_ids = lambda p: torch.tensor([[p]])  # noqa: E731
         position = int(positions[-1]) + 1
     if graphs is not None:  # the bundle's graphs: same feed, numpy in and out
+        extra = {}
+        for name, value in at_image.items():  # the image span's rows, zero at the text rows
+            full = np.zeros((*value.shape[:-2], embeds.shape[1], value.shape[-1]), dtype=np.float32)
+            full[..., offset:offset + len(features), :] = value.detach().float().numpy()
+            extra[name] = full
+
         def forward(embeds, position_ids, cache=None):
-            logits, cache = (graphs.prefill(embeds.numpy(), position_ids.numpy()) if cache is None
+            logits, cache = (graphs.prefill(embeds.numpy(), position_ids.numpy(), extra) if cache is None
                              else graphs.step(embeds.numpy(), position_ids.numpy(), cache))
             return torch.from_numpy(np.asarray(logits, dtype=np.float32)), cache
     else:
         def forward(embeds, position_ids, cache=None):
-            out = (model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+            out = (model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1,
+                         **first_call)
                    if cache is None else
                    model(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=True))
             return out.logits[0, -1].float(), out.cache
@@ -396,8 +407,7 @@ def dense_features(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None
         kwargs["vision_feature_select_strategy"] = config.vision_feature_select_strategy
     with torch.inference_mode():
         out = vlm.model.model.get_image_features(**kwargs)
-    features = out.pooler_output if hasattr(out, "pooler_output") else out
-    return features[0]
+    return vlm.rules.hf_image_features(out)
 
 
 def dense_place(vlm: Vlm, tokens: int) -> Callable[[int], tuple[np.ndarray, int]]:

@@ -5,7 +5,7 @@
         [--method cls|visionzip|divprune|dart] [--score cls|probe] [--ort-only] [--no-openvino] [--no-bf16]
         [--no-peers]
 
---model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448` where present, `demo`)
+--model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448`, `qwen3-vl-2b-512` where present, `demo`)
 or a Hugging Face directory. --method defaults to one the model serves: cls for towers with a
 [CLS] token, cls --score probe for towers with an attention-pooling head (SigLIP), else
 divprune. A method that prunes the projector output (divprune, dart) has one pruned row: the

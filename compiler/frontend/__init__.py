@@ -22,12 +22,13 @@ from vlmprune.compiler.frontend.llava_next import LlavaNextFamily
 from vlmprune.compiler.frontend.onnx_tower import OnnxFamily, load_onnx_tower
 from vlmprune.compiler.frontend.presets import PRESETS, load_preset
 from vlmprune.compiler.frontend.qwen2_vl import Qwen2VLFamily
+from vlmprune.compiler.frontend.qwen3_vl import Qwen3VLFamily
 from vlmprune.compiler.frontend.source import Source
 from vlmprune.compiler.frontend.vit import VitFamily
 
 # The whole list of families, each with its adapter (None: loaded otherwise, an .onnx file); never discovered.
 FAMILIES: tuple[Family, ...] = (LlavaDinov2Family(), LlavaFamily(), LlavaNextFamily(), ClipFamily(), VitFamily(),
-                                Dinov2Family(), Qwen2VLFamily(), OnnxFamily())
+                                Dinov2Family(), Qwen2VLFamily(), Qwen3VLFamily(), OnnxFamily())
 ADAPTERS: tuple[type[ModelAdapter], ...] = tuple(f.adapter for f in FAMILIES if f.adapter is not None)
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "DenseRequest", "Family", "Source", "adapter_for", "check_family_options",

@@ -196,6 +196,11 @@ class Family:
         """This family's section of the bundle README ("" when it has none)."""
         return ""
 
+    def llm_handoff(self, model: dict) -> dict:
+        """What the manifest's llm section says beyond the rows and positions, from the manifest's model section
+        (keys it overrides or adds: Qwen3-VL's DeepStack planes and the LLM's width); {} for most families."""
+        return {}
+
     # ------------------------------------------------------------------ its language model (generate, eval)
 
     def llm_source(self, checkpoint, options: dict) -> Source:
@@ -220,6 +225,25 @@ class Family:
         import torch
 
         return {"pixel_values": torch.from_numpy(pixel)}
+
+    def hf_image_features(self, out):
+        """One image's rows, as this family's bundles give them, from the transformers model's get_image_features
+        output (its pooler_output where it has one)."""
+        features = out.pooler_output if hasattr(out, "pooler_output") else out
+        return features[0]
+
+    def llm_image_rows(self, model, features) -> tuple[object, dict]:
+        """(the rows that go into the LLM's inputs_embeds for an image's rows `features` [T, D], the extra arguments
+        of the model's first forward): the features themselves and nothing, unless the family's LLM takes more of
+        each image row than one embedding (Qwen3-VL's DeepStack planes)."""
+        return features, {}
+
+    def llm_graph_image_rows(self, model, features) -> tuple[object, dict]:
+        """(the rows of an exported LLM graph's inputs_embeds for an image's rows `features` [T, D], the graph's
+        further prefill inputs given at those rows, each [..., T, hidden]: generate puts them at the image span
+        and zeros at the text rows): the features themselves and nothing, unless the family's LLM graph takes more
+        of each image row than one embedding (Qwen3-VL's deepstack_embeds)."""
+        return features, {}
 
     # ------------------------------------------------------------------ finished bundles
 

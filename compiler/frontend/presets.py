@@ -7,7 +7,9 @@
 - `siglip-so400m-384`: the shapes of SigLIP-so400m/14-384 (27 blocks, 1152 wide, 729 patches,
   no [CLS], with its attention-pooling head), the tower of LLaVA-OneVision and PaliGemma;
 - `qwen2.5-vl-3b-448`: the shapes of Qwen2.5-VL-3B's vision tower and merger at 448x448 (32 blocks,
-  1280 wide, window attention but in blocks 7, 15, 23, 31; 1024 patches -> 256 tokens of 2048).
+  1280 wide, window attention but in blocks 7, 15, 23, 31; 1024 patches -> 256 tokens of 2048);
+- `qwen3-vl-2b-512`: the shapes of Qwen3-VL-2B's vision tower, merger and DeepStack mergers at 512x512 (24 blocks,
+  1024 wide, patch 16, DeepStack after blocks 5, 11, 17; 1024 patches -> 256 tokens of 4 x 2048).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ PRESETS = {"demo": "a small LLaVA model (CLIP tower, 576 patches), seeded", "cli
            "siglip-so400m-384": "SigLIP-so400m/14-384's tower shapes (LLaVA-OneVision's, PaliGemma's) with its "
                                 "attention-pooling head, seeded",
            "qwen2.5-vl-3b-448": "Qwen2.5-VL-3B's vision tower and merger shapes at 448x448 (1024 patches, 256 "
-                                "merged tokens), seeded"}
+                                "merged tokens), seeded",
+           "qwen3-vl-2b-512": "Qwen3-VL-2B's vision tower, merger and DeepStack mergers at 512x512 (1024 patches, 256 "
+                              "merged tokens, each with its 3 DeepStack rows), seeded"}
 
 
 def load_preset(name: str) -> Source:
@@ -36,6 +40,8 @@ def load_preset(name: str) -> Source:
         return _siglip_so400m_384()
     if name == "qwen2.5-vl-3b-448":
         return _qwen2_5_vl_3b_448()
+    if name == "qwen3-vl-2b-512":
+        return _qwen3_vl_2b_512()
     return _demo() if name == "demo" else _clip_l_336()
 
 
@@ -114,3 +120,20 @@ def _qwen2_5_vl_3b_448() -> Source:
             if type(module).__name__.endswith("RMSNorm"):
                 module.weight.fill_(1.0)
     return qwen_source("qwen2.5-vl-3b-448", "preset", "qwen2_5_vl", visual, 448, sha256_state(visual))
+
+
+def _qwen3_vl_2b_512() -> Source:
+    """Qwen3-VL-2B's vision tower (its config.json's vision_config): 24 blocks 1024 wide (MLP 4096, gelu tanh, 16
+    heads), patch 16, a 48x48 learned position table, merger 4 x 1024 -> 2048 and DeepStack mergers after blocks
+    5, 11, 17; at 512 px."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+
+    from vlmprune.compiler.frontend.qwen3_vl import build_visual, qwen3_source
+
+    vision = Qwen3VLVisionConfig(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                                 out_hidden_size=2048, num_position_embeddings=2304, patch_size=16,
+                                 spatial_merge_size=2, temporal_patch_size=2, hidden_act="gelu_pytorch_tanh",
+                                 deepstack_visual_indexes=[5, 11, 17])
+    visual = build_visual(vision)
+    seeded_init(visual, seed=0)  # its norms are LayerNorms: unit scales
+    return qwen3_source("qwen3-vl-2b-512", "preset", visual, 512, sha256_state(visual))

@@ -95,13 +95,15 @@ class LlmGraphRunner(abc.ABC):
     """A bundle's exported language model, as greedy decoding drives it: prefill once, then one step per token.
 
     Arrays are numpy, batch 1: embeds [1, L, hidden]; positions [1, L] (mRoPE: [3, 1, L]), each token's original
-    position; logits [vocab] float32 of the last token. `state` is the runner's own (the caches).
+    position; logits [vocab] float32 of the last token. `state` is the runner's own (the caches). `extra`: the
+    prefill's further inputs by name, each over the whole prompt (Qwen3-VL's deepstack_embeds [L, 1, L_prompt,
+    hidden]).
     """
 
     describe: str  # what runs, in generate's output ("llm/prefill.onnx + llm/decode.onnx, ONNX Runtime")
 
     @abc.abstractmethod
-    def prefill(self, embeds, positions) -> tuple[object, object]:
+    def prefill(self, embeds, positions, extra: dict | None = None) -> tuple[object, object]:
         """(last token's logits, state) for the prompt."""
 
     @abc.abstractmethod

@@ -61,6 +61,7 @@ def llm_section(manifest) -> dict:
                       "meaning": rule.meaning, "rule": rule.rule},
         "text_resumes_at": rule.text_resumes_at(model, dense, extra),  # relative to the placeholder's position
     }
+    section.update(family_of(manifest).llm_handoff(model))  # what the family's LLM takes beyond rows (DeepStack)
     if NUM_TOKENS in outputs:  # K varies per image (docs/design.md, "Variable K")
         section["num_tokens"] = {
             "output": NUM_TOKENS, "max_rows": tokens, "padding": "zero rows after each image's num_tokens rows",

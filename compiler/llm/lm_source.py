@@ -16,8 +16,11 @@ from vlmprune.compiler.errors import InputError
 # Hugging Face model_type values whose decoder layer the exporters know: Llama and Qwen2, and the
 # language models of Qwen2-VL / Qwen2.5-VL (Qwen2's layer; their rotary embedding takes mRoPE's
 # (t, h, w) positions, [3, B, T], and hands the layers ordinary cos/sin).
-FAMILIES = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
-MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text"})
+# Qwen3-VL's language model (qwen3_vl_text): Qwen3's layer (a per-head RMSNorm on the queries and keys, QK_NORM),
+# mRoPE positions, and DeepStack: the vision tower's level-l rows added to the image rows after layer l-1.
+FAMILIES = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
+QK_NORM = frozenset({"qwen3_vl_text"})
 _CAUSAL_LM_TYPES = ("llama", "qwen2")  # text models with a causal-LM class of their own
 
 
@@ -58,9 +61,10 @@ class CausalLM(nn.Module):
     Qwen2.5-VL's take mRoPE positions): what decoder_of, the reference and the graphs read.
     """
 
-    def __init__(self, model: nn.Module, lm_head: nn.Module, config):
+    def __init__(self, model: nn.Module, lm_head: nn.Module, config, deepstack: int = 0):
         super().__init__()
         self.model, self.lm_head, self.config = model, lm_head, config
+        self.deepstack = deepstack  # DeepStack levels its prefill adds after layers 0..deepstack-1 (Qwen3-VL)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
@@ -74,7 +78,7 @@ def llm_checkpoint(spec: str):
     checkpoint = Checkpoint(path) if path.is_dir() else None
     if checkpoint is None or checkpoint.model_type not in vlm_classes():
         kind = f"model type {checkpoint.model_type!r}" if checkpoint is not None else "not a checkpoint directory"
-        raise InputError(f"--with-llm needs `demo` or a LLaVA, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL checkpoint that holds its "
+        raise InputError(f"--with-llm needs `demo` or a LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint that holds its "
                          f"language model; {spec} is {kind}")
     return checkpoint
 
@@ -125,7 +129,13 @@ def language_model(spec: str):
         lm.model = vlm.model.language_model
         lm.lm_head = vlm.lm_head
         return lm.eval()
-    return CausalLM(vlm.model.language_model, vlm.lm_head, text).eval()
+    levels = len(getattr(vlm.config.vision_config, "deepstack_visual_indexes", None) or ())  # Qwen3-VL's
+    return CausalLM(vlm.model.language_model, vlm.lm_head, text, levels).eval()
+
+
+def deepstack_levels(model) -> int:
+    """How many DeepStack levels a causal LM's prefill takes (0 for every language model but Qwen3-VL's)."""
+    return model.deepstack if isinstance(model, CausalLM) else 0
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one: it has one

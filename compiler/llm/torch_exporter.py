@@ -41,17 +41,19 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from vlmprune.compiler import contract
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import torch_onnx
 from vlmprune.compiler.llm import lm_source
 from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, LlmGraphRunner, tokens_note
 from vlmprune.compiler.llm.fastv import FastVSpec, default_positions, gather_positions
-from vlmprune.compiler.llm.lm_source import decoder_of, uses_mrope
+from vlmprune.compiler.llm.lm_source import QK_NORM, decoder_of, deepstack_levels, uses_mrope
 from vlmprune.compiler.parity import figure_text
 
 WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx (and their decomposed forms)
 PREFILL, DECODE = "prefill.onnx", "decode.onnx"  # each layer's attention fused (passes.llm_attention_fusion)
 PREFILL_DECOMPOSED, DECODE_DECOMPOSED = "prefill.decomposed.onnx", "decode.decomposed.onnx"  # standard ops only
+DEEPSTACK = contract.DEEPSTACK  # prefill input [L, batch, sequence, hidden] of a language model with DeepStack
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -79,6 +81,8 @@ class _Decoder(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.groups = self.heads // self.kv_heads
         self.num_layers = config.num_hidden_layers
+        self.qk_norm = config.model_type in QK_NORM
+        self.deepstack = deepstack_levels(model)
 
     @property
     def inner(self):
@@ -88,8 +92,11 @@ class _Decoder(nn.Module):
         """(attention output, new k, new v, q, expanded k): the last two for FastV's score row."""
         attn = layer.self_attn
         b, t, _ = x.shape
-        q = attn.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = attn.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:  # Qwen3's layer: an RMSNorm over each head's queries and keys, before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
@@ -126,7 +133,9 @@ class PrefillGraph(_Decoder):
             spec.check(self.num_layers)
         self.spec = spec
 
-    def forward(self, inputs_embeds, position_ids):
+    def forward(self, inputs_embeds, position_ids, deepstack_embeds=None):
+        """deepstack_embeds [L, B, T, D] (Qwen3-VL): level l's rows at the image rows, zero elsewhere, added after
+        layer l (what transformers' _deepstack_process adds at visual_pos_masks)."""
         b, length, width = inputs_embeds.shape
         rope = self.inner.rotary_emb(inputs_embeds, position_ids)
         hidden, presents, kept = inputs_embeds, [], None
@@ -134,6 +143,8 @@ class PrefillGraph(_Decoder):
         for i, layer in enumerate(self.inner.layers):
             hidden, k, v, q, kx = self.layer(layer, hidden, rope)
             presents += [k, v]
+            if deepstack_embeds is not None and i < self.deepstack:
+                hidden = hidden + deepstack_embeds[i]
             if spec is not None and i == spec.layer - 1:
                 # Layer K's attention row of the last prompt token, recomputed from its own Q and K:
                 # O(T·d), so the layer's attention itself stays whatever the runtime makes of it.
@@ -184,8 +195,12 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
     outputs = ["logits", *(["kept_image_indices"] if spec is not None else []),
                *cache_names(graph.num_layers, "present")]
     position_dims = {1: batch, 2: sequence} if uses_mrope(config) else {0: batch, 1: sequence}
-    return _export(graph, (example, positions), ["inputs_embeds", "position_ids"], outputs,
-                   ({0: batch, 1: sequence}, position_dims), opset)
+    args, names, dims = (example, positions), ["inputs_embeds", "position_ids"], ({0: batch, 1: sequence}, position_dims)
+    if graph.deepstack:  # Qwen3-VL: the DeepStack rows, one plane per level
+        args += (torch.zeros(graph.deepstack, 2, start + 2, config.hidden_size),)
+        names.append(DEEPSTACK)
+        dims += ({1: batch, 2: sequence},)
+    return _export(graph, args, names, outputs, dims, opset)
 
 
 def export_decode(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
@@ -319,8 +334,15 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
     embeds = torch.randn(2, length, config.hidden_size, generator=torch.Generator().manual_seed(0))
     positions = parity_positions(config, 2, length, spec.image_start if spec is not None else 0,
                                  spec.image_len if spec is not None else image_tokens)
-    ref = reference_prefill(lm, embeds, spec, positions)
     feed = {"inputs_embeds": embeds.numpy(), "position_ids": positions.numpy()}
+    levels = deepstack_levels(lm)
+    if levels:  # random DeepStack rows at the image span, zero at the text rows
+        deepstack = torch.randn(levels, 2, length, config.hidden_size, generator=torch.Generator().manual_seed(1))
+        deepstack[:, :, image_tokens:] = 0
+        feed[DEEPSTACK] = deepstack.numpy()
+        ref = deepstack_prefill(lm, embeds, positions, deepstack, image_tokens)
+    else:
+        ref = reference_prefill(lm, embeds, spec, positions)
     prefill = ort_session(folder / graphs[0])
     names = [o.name for o in prefill.get_outputs()]
     got = dict(zip(names, prefill.run(None, feed)))
@@ -334,7 +356,8 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
         for part, tensor in (("key", layer.keys), ("value", layer.values)):
             worst = max(worst, float(np.abs(got[f"present.{i}.{part}"] - tensor.numpy()).max()))
     kept_ok = spec is None or bool(np.array_equal(got["kept_image_indices"], ref.kept.numpy()))
-    expected = reference_generate(lm, embeds, spec, DECODE_STEPS, positions).numpy()
+    expected = (deepstack_generate(lm, ref, positions) if levels else
+                reference_generate(lm, embeds, spec, DECODE_STEPS, positions)).numpy()
     decode = ort_session(folder / graphs[1])
     out_names = [o.name for o in decode.get_outputs()]
     table = lm.get_input_embeddings().weight.detach().numpy()
@@ -351,6 +374,37 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
             "kept_identical": kept_ok, "decode_steps": DECODE_STEPS, "tokens_identical": same,
             "graphs": list(graphs), **({"fused_vs_decomposed": between} if between is not None else {}),
             "passed": worst <= PARITY_ATOL and kept_ok and same and (between is None or between <= PARITY_ATOL)}
+
+
+def deepstack_prefill(lm, embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor, image_tokens: int):
+    """The reference prefill of a language model with DeepStack: transformers' own text model forward, given the
+    image rows' mask (the first image_tokens rows) and each level's rows there (visual_pos_masks,
+    deepstack_visual_embeds), eager attention; its logits and cache as reference_prefill gives them."""
+    from transformers import DynamicCache
+
+    from vlmprune.compiler.llm.fastv import Prefill, eager_attention
+
+    b, length, _ = embeds.shape
+    mask = torch.zeros(b, length, dtype=torch.bool)
+    mask[:, :image_tokens] = True
+    cache = DynamicCache()
+    with eager_attention(lm):
+        out = lm.model(inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True,
+                       visual_pos_masks=mask, deepstack_visual_embeds=[d[mask] for d in deepstack])
+        logits = lm.lm_head(out.last_hidden_state[:, -1:])[:, 0]
+    return Prefill(logits.float(), cache, positions, None, None)
+
+
+def deepstack_generate(lm, first, positions: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens [B, DECODE_STEPS] after deepstack_prefill (DeepStack adds nothing to the decode steps)."""
+    from vlmprune.compiler.llm.fastv import reference_decode
+
+    tokens, embed = [first.logits.argmax(-1)], lm.get_input_embeddings()
+    position = positions[..., -1:] + 1
+    for _ in range(DECODE_STEPS - 1):
+        tokens.append(reference_decode(lm, embed(tokens[-1])[:, None], position, first.cache).argmax(-1))
+        position = position + 1
+    return torch.stack(tokens, dim=1)
 
 
 def spec_of(llm: dict) -> FastVSpec | None:
@@ -435,11 +489,12 @@ class GraphRunner(LlmGraphRunner):
     def _past(outputs: dict) -> dict:
         return {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in outputs.items() if k.startswith("present.")}
 
-    def prefill(self, embeds, positions):
+    def prefill(self, embeds, positions, extra=None):
         import numpy as np
 
         feed = {"inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32),
-                "position_ids": np.ascontiguousarray(positions, dtype=np.int64)}
+                "position_ids": np.ascontiguousarray(positions, dtype=np.int64),
+                **{k: np.ascontiguousarray(v, dtype=np.float32) for k, v in (extra or {}).items()}}
         out = dict(zip(self._prefill_names, self._prefill.run(None, feed)))
         self.kept = out.get("kept_image_indices")
         return out["logits"][0, -1], self._past(out)
@@ -474,6 +529,9 @@ class TorchExporter(LlmExporter):
         lm = lm_source.language_model(model_spec)
         _inner, config = decoder_of(lm)
         tokens = (manifest.llm or {}).get("image_tokens")
+        if spec is not None and deepstack_levels(lm):
+            raise InputError("--fastv-layer with a DeepStack language model (Qwen3-VL) is not supported: FastV drops "
+                             "image rows that the DeepStack levels still add to after its layer")
         if spec is not None:
             if not isinstance(tokens, int):
                 raise InputError(f"FastV needs a fixed image-token count; this bundle's is {tokens!r}")
@@ -501,7 +559,7 @@ class TorchExporter(LlmExporter):
             "exporter": f"torch.onnx (dynamo) {torch.__version__}, opset {options.opset}",
             "runtime": "ONNX Runtime (com.microsoft.MultiHeadAttention); the .decomposed.onnx pair: standard ops only",
             "family": config.model_type, "mrope": uses_mrope(config), "layers": config.num_hidden_layers,
-            "hidden_size": config.hidden_size,
+            "hidden_size": config.hidden_size, "deepstack_levels": deepstack_levels(lm),
             "kv_heads": config.num_key_value_heads, "head_dim": getattr(config, "head_dim", None)
             or config.hidden_size // config.num_attention_heads, "vocab_size": config.vocab_size,
             "files": {k: f"{LLM_DIR}/{written[k]}"

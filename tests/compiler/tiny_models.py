@@ -78,3 +78,28 @@ def tiny_llava_dinov2(path: Path, seed: int = 0, **llava) -> Path:
     spread(model, ("model.vision_tower.",))
     model.eval().save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def tiny_qwen3_vl(path: Path, seed: int = 0, ids: dict | None = None, **text) -> Path:
+    """A seeded tiny Qwen3-VL saved (safetensors) at path, its tower's weights spread: 3 vision blocks 32 wide,
+    patch 16 (S a multiple of 32), DeepStack after blocks 0 and 1, a 6x6 position table (resampled to the grid).
+
+    text: overrides of the language model's config (default: 2 layers, so both DeepStack planes are added;
+    48 wide, 2 heads of 24, vocab 128, mRoPE sections [4, 4, 4]).
+    """
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=24, vocab_size=128,
+                  rope_parameters={"rope_type": "default", "mrope_section": [4, 4, 4], "rope_theta": 10000.0,
+                                   "mrope_interleaved": True})
+    config.update(text)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=config["hidden_size"],
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=36,
+                  deepstack_visual_indexes=[0, 1])
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(vision_config=vision, text_config=config,
+                                                          **(QWEN_IDS if ids is None else ids)))
+    spread(model, ("visual.", "model.visual."))
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return Path(path)
