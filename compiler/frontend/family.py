@@ -43,6 +43,7 @@ PATCH_TOKENS = Capability("tokens", "every family (no [CLS] needed: {})")  # wha
 CLS_TOKEN = Capability("cls", "towers with a [CLS] token ({})")
 POOLING_HEAD = Capability("head", "{}")  # an attention-pooling head (SigLIP's): --score probe
 MERGED_TOKENS = Capability("merged", "{} merged tokens")  # features that merge patches (Qwen2-VL's 2x2)
+VIDEO = Capability("video", "{} video (compile --video-frames F)")  # several frames' tokens, frame by frame
 CROPS = Capability("crops", "{}'s crops")  # several crops of one image, pruned under one budget
 # One grid of patches whose feature layer's tokens map one to one onto the projector output (no patch merging, no
 # crops): what a method that reads both needs (cdpruner's similarity and relevance).
