@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from vlmprune.compiler.contract import FRAMES_META
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import export_onnx
 from vlmprune.compiler.frontend.images import UPSCALE_WARNING, load_image_file, parity_inputs
@@ -173,18 +174,31 @@ class Family:
         if config.layer is not None and not 1 <= config.layer <= blocks:
             raise InputError(f"--layer {config.layer} is out of range: this tower runs {blocks} blocks "
                              f"(1..{blocks})")
+        method.check(params, self.site(source, config, site_spec))
+
+    def fit_params(self, source: Source, config, site_spec: type):
+        """The config with the method's parameters as it runs them at this source's site (Method.at_site: an option
+        relative to the site, such as evs's --video-pruning-rate, becomes K)."""
+        return dataclasses.replace(config, params=config.method.at_site(config.params,
+                                                                         self.site(source, config, site_spec)))
+
+    def site(self, source: Source, config, site_spec: type):
+        """The site the method will meet in this source's graph, as the insertion will see it (a SiteSpec)."""
         pipe = source.pipeline
-        site = method.needs(params).site
+        site = config.method.needs(config.params).site
         prefix = pipe.prefix if site == BLOCK or not pipe.drop_cls else 0
-        method.check(params, site_spec(source.num_patches, bool(source.has_cls and prefix), config.layer or blocks,
-                                       blocks, prefix=prefix, head=config.head is not None,
-                                       merge=source.spatial_merge, tower_cls=bool(source.has_cls)))
+        return site_spec(source.num_patches, bool(source.has_cls and prefix), config.layer or source.num_blocks,
+                         source.num_blocks, prefix=prefix, head=config.head is not None, merge=source.spatial_merge,
+                         tower_cls=bool(source.has_cls), frames=source.frames)
 
     def dense_model(self, source: Source, request: DenseRequest):
         """The dense tower as an onnx_ir model: the torch pipeline's export (at the batch the input needs)."""
         batch = self.export_batch(source, request.batch)
         request.step(f"export (torch.onnx dynamo, opset {request.opset}, batch {batch or 'dynamic'})")
-        return export_onnx(source.pipeline, source.image_size, batch, request.opset)
+        model = export_onnx(source.pipeline, source.image_size, batch, request.opset)
+        if source.frames > 1:  # the insertion reads how the features divide into frames (video methods)
+            model.metadata_props[FRAMES_META] = str(source.frames)
+        return model
 
     def export_batch(self, source: Source, batch: int | None) -> int | None:
         return batch

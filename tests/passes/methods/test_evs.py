@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from method_helpers import finish, run
+from vllm_evs import vllm_count, vllm_mask
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import SiteTensors
 from vlmprune.passes.methods import get_method
@@ -17,24 +18,6 @@ from vlmprune.passes.methods.builder import Builder
 from vlmprune.passes.methods.evs import EvsMethod, dissimilarity, retained_tokens
 
 METHOD = EvsMethod()
-
-
-def vllm_count(tokens_per_frame: int, frames: int, q: float) -> int:
-    """compute_retained_tokens_count as vLLM states it: the clip's count times (1 - q), truncated, at least a frame."""
-    total = tokens_per_frame * frames
-    return max(tokens_per_frame, int(total * (1 - q)))
-
-
-def vllm_mask(clip: np.ndarray, frames: int, keep: int) -> np.ndarray:
-    """compute_retention_mask as vLLM states it, for one clip [T·HW, D]: torch's cosine_similarity between each frame
-    and the one before, 255 for the first frame, a stable descending argsort, the first `keep` set in a boolean mask."""
-    x = torch.from_numpy(clip).reshape(frames, -1, clip.shape[-1])
-    dis = 1 - torch.nn.functional.cosine_similarity(x[1:], x[:-1], dim=-1)
-    dis = torch.cat([255 * torch.ones_like(x[:1, :, 0]), dis], dim=0).reshape(-1)
-    order = torch.argsort(dis, dim=-1, descending=True, stable=True)
-    mask = torch.zeros_like(dis, dtype=torch.bool)
-    mask[order[:keep]] = True
-    return mask.numpy()
 
 
 def evs_model(frames: int, per_frame: int, d: int, keep: int, prefix: int = 0, **options):

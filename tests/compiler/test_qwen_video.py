@@ -1,0 +1,193 @@
+"""Qwen2-VL / Qwen2.5-VL video (--video-frames F): the dense clip path equals transformers' get_video_features, the
+tokens' (t, h, w) equal get_rope_index's for a video, EVS compiles with parity on ort over the clip made here and
+keeps vLLM's tokens there, and what a video bundle cannot take is refused in one line.
+
+The tiny checkpoints of test_qwen2_vl (tiny_models.tiny_qwen) at 112 px: 4x4 merged tokens per temporal patch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tiny_models import tiny_qwen
+from vllm_evs import vllm_mask
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend import load_source
+from vlmprune.compiler.frontend.images import preprocess
+from vlmprune.compiler.frontend.qwen2_vl import set_video
+from vlmprune.compiler.frontend.video import clip_made_here, load_clip, read_frames, sample_indices, write_frames
+from vlmprune.compiler.pipeline import CompileOptions, compile_model
+from vlmprune.passes.methods.evs import EvsMethod, retained_tokens
+from vlmprune.targets.runtime import ort_session, run_session
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+VIDEO, START, END = 121, 122, 123  # the tiny vocabulary's special tokens (tiny_models.QWEN_IDS)
+SIZE, FRAMES = 112, 8
+
+
+@pytest.fixture(scope="module")
+def qwen_dirs(tmp_path_factory):
+    return {family: tiny_qwen(tmp_path_factory.mktemp(f"video_{family}"), family, seed)
+            for seed, family in enumerate(FAMILIES, start=30)}
+
+
+@pytest.fixture(scope="module")
+def hf_models(qwen_dirs):
+    from transformers import AutoModelForImageTextToText
+
+    return {family: AutoModelForImageTextToText.from_pretrained(path).eval() for family, path in qwen_dirs.items()}
+
+
+def video_source(path, frames: int = FRAMES):
+    source = load_source(str(path), image_size=SIZE)
+    set_video(source, frames)
+    return source
+
+
+def processor_patches(clip: torch.Tensor, patch: int = 14, merge: int = 2, temporal: int = 2) -> torch.Tensor:
+    """[F, C, S, S] -> [T·N, C·2·P·P]: the patches transformers' Qwen2VLVideoProcessor.patchify makes of one clip
+    (restated: that module imports torchvision, absent here): frames in pairs, merge windows contiguous, each patch
+    flattened (C, T, P, P)."""
+    f, c, s, _ = clip.shape
+    g = s // patch
+    x = clip.reshape(f // temporal, temporal, c, g // merge, merge, patch, g // merge, merge, patch)
+    return x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(f // temporal * g * g, c * temporal * patch * patch)
+
+
+def hf_video_features(model, patches: torch.Tensor, frames: int) -> torch.Tensor:
+    g = SIZE // 14
+    with torch.inference_mode():
+        out = model.model.get_video_features(pixel_values_videos=patches,
+                                             video_grid_thw=torch.tensor([[frames // 2, g, g]])).pooler_output
+    return out[0]
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_clip_path_is_hf_get_video_features(qwen_dirs, hf_models, family):
+    source = video_source(qwen_dirs[family])
+    clip = torch.randn(FRAMES, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = source.pipeline(clip)
+    assert got.shape == (1, FRAMES // 2 * 16, 48) and source.num_patches == FRAMES // 2 * 16
+    assert_close(got[0], hf_video_features(hf_models[family], processor_patches(clip), FRAMES))
+    # pairs of equal frames: the image processor's own patches of each pair's frame, as a video of 4 patches
+    from transformers import Qwen2VLImageProcessorPil
+
+    still_pairs = clip[::2].repeat_interleave(2, dim=0)
+    processor = Qwen2VLImageProcessorPil(do_resize=False, do_rescale=False, do_normalize=False, do_convert_rgb=False)
+    patches = processor(images=list(clip[::2].numpy()), return_tensors="pt",
+                        input_data_format="channels_first")["pixel_values"]
+    with torch.inference_mode():
+        got = source.pipeline(still_pairs)
+    assert_close(got[0], hf_video_features(hf_models[family], patches, FRAMES))
+
+
+def test_frames_in_the_wrong_order_are_not_the_clip(qwen_dirs, hf_models):
+    source = video_source(qwen_dirs["qwen2_5_vl"])
+    clip = torch.randn(FRAMES, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(2))
+    expected = hf_video_features(hf_models["qwen2_5_vl"], processor_patches(clip), FRAMES)
+    swapped = clip[[1, 0, 3, 2, 5, 4, 7, 6]]  # each pair's two frames swapped: the temporal kernel sees it
+    with torch.inference_mode():
+        wrong = source.pipeline(swapped)[0]
+    assert (wrong - expected).abs().max() > 100 * 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_video_positions_are_hf_rope_index(qwen_dirs, hf_models, family):
+    source = video_source(qwen_dirs[family])
+    tokens, offset, g = source.num_patches, 4, SIZE // 14
+    input_ids = torch.tensor([[5] * (offset - 1) + [START] + [VIDEO] * tokens + [END, 6, 7]])
+    types = 2 * (input_ids == VIDEO).int()
+    position_ids, _ = hf_models[family].model.get_rope_index(input_ids, types,
+                                                             video_grid_thw=torch.tensor([[FRAMES // 2, g, g]]))
+    np.testing.assert_array_equal(source.position_table + offset, position_ids[:, 0, offset:offset + tokens].T.numpy())
+    if family == "qwen2_5_vl":  # time interval tokens_per_second (4 by default) per temporal patch
+        assert source.position_table[16, 0] == hf_models[family].config.vision_config.tokens_per_second
+
+
+def test_evs_on_real_embeddings_is_vllms(qwen_dirs):
+    """The tiny tower's features of the clip made here (a still photograph, a moving square, a scene cut)."""
+    source = video_source(qwen_dirs["qwen2_5_vl"], 16)
+    clip = np.stack([preprocess(f, SIZE, source.mean, source.std) for f in clip_made_here(16, SIZE)])
+    with torch.inference_mode():
+        features = source.pipeline(torch.from_numpy(clip))
+    method = EvsMethod()
+    for q in (0.5, 0.75):
+        keep = retained_tokens(16, 8, q)
+        got = method.reference({"keep": keep}, source_tensors(features, 8)).kept[0].numpy()
+        assert got.tolist() == np.flatnonzero(vllm_mask(features[0].numpy(), 8, keep)).tolist()
+        assert set(range(16)) <= set(got.tolist())
+        cut = set(range(4 * 16, 5 * 16))  # the scene cut: temporal patch 4 (frames 8 and 9) differs everywhere
+        assert cut <= set(got.tolist()) if q == 0.5 else len(cut & set(got.tolist())) >= 12
+
+
+def source_tensors(features: torch.Tensor, frames: int):
+    from vlmprune.compiler.frontend.tower import SiteTensors
+
+    return SiteTensors(features, False, prefix=0, frames=frames)
+
+
+@pytest.fixture(scope="module")
+def evs_bundle(qwen_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("video_bundles") / "evs"
+    return compile_model(str(qwen_dirs["qwen2_5_vl"]), out, CompileOptions(
+        method="evs", keep=192, method_options={"video_pruning_rate": 0.5}, target="ort", opset=18,
+        family_options={"image_size": SIZE, "video_frames": FRAMES}, cache=False))
+
+
+def test_evs_bundle_passes_parity_and_keeps_vllms_tokens(evs_bundle, qwen_dirs):
+    assert evs_bundle.report.passed
+    manifest = evs_bundle.manifest
+    assert manifest.method.keep == retained_tokens(16, 4, 0.5) == 32
+    source = video_source(qwen_dirs["qwen2_5_vl"])
+    clip = np.stack([preprocess(f, SIZE, source.mean, source.std) for f in clip_made_here(FRAMES, SIZE)])
+    out = run_session(ort_session(str(evs_bundle.bundle / "model.onnx")), clip)
+    with torch.inference_mode():
+        dense = source.pipeline(torch.from_numpy(clip))[0].numpy()
+    kept = out["kept_indices"][0]
+    assert kept.tolist() == np.flatnonzero(vllm_mask(dense, 4, 32)).tolist()
+    np.testing.assert_allclose(out["image_features"][0], dense[kept], rtol=1e-4, atol=1e-4 * np.abs(dense).max())
+    np.testing.assert_array_equal(out["kept_positions"][0], source.position_table[kept])
+
+
+def test_frames_of_a_folder_and_a_file(tmp_path):
+    clip = clip_made_here(12, 56)
+    folder = write_frames(clip, tmp_path / "frames")
+    frames, described = read_frames(folder, 4)
+    assert sample_indices(12, 4) == [0, 4, 7, 11] and "12 frames, sampled to 4" in described
+    np.testing.assert_array_equal(np.stack(frames), clip[[0, 4, 7, 11]])
+    import imageio.v3 as iio
+
+    iio.imwrite(tmp_path / "clip.gif", clip, loop=0)
+    pixels, _ = load_clip(tmp_path / "clip.gif", 4, 56, (0.5,) * 3, (0.5,) * 3)
+    assert pixels.shape == (4, 3, 56, 56)
+    with pytest.raises(InputError, match="12 frames, and this bundle takes 16"):
+        read_frames(folder, 16)
+    with pytest.raises(InputError, match="no such file or folder"):
+        read_frames(tmp_path / "missing", 4)
+
+
+def test_refusals(qwen_dirs, tmp_path):
+    path = str(qwen_dirs["qwen2_5_vl"])
+
+    def compile_(name, **kw):
+        family = {"image_size": SIZE, **kw.pop("family", {})}
+        return compile_model(path, tmp_path / name, CompileOptions(target="ort", family_options=family, **kw))
+
+    with pytest.raises(InputError, match="multiple of the temporal patch"):
+        compile_("odd", method="evs", keep=20, family={"video_frames": 3})
+    with pytest.raises(InputError, match="one clip per call"):
+        compile_("batch", method="evs", keep=20, batch=2, family={"video_frames": 4})
+    with pytest.raises(InputError, match="at least 2 frames"):
+        compile_("image", method="evs", keep=8)
+    with pytest.raises(InputError, match="attend each within itself"):
+        compile_("attention", method="cls", keep=20, method_options={"score": "attention"},
+                 family={"video_frames": 4})
+    with pytest.raises(InputError, match=r"16 <= keep < 32"):
+        compile_("keep", method="evs", keep=8, family={"video_frames": 4})
