@@ -357,6 +357,9 @@ def targets():
 @click.argument("bundle_dir", type=click.Path(path_type=Path))
 @click.option("--image", "image_files", multiple=True, type=click.Path(),
               help="An image file; repeat it to fill a static batch (one image per batch slot).")
+@click.option("--video", type=click.Path(), default=None,
+              help="A video bundle (compile --video-frames F): a folder of frames or a short video file (imageio), "
+                   "sampled evenly to its F frames.")
 @click.option("--load-inputs", type=click.Path(path_type=Path), default=None,
               help="Run on the input array of this .npz file instead of --image (as Polygraphy's --load-inputs).")
 @click.option("--save-outputs", type=click.Path(path_type=Path), default=None,
@@ -380,13 +383,13 @@ def targets():
               help="A bundle compiled with --roi mask: a PNG at the tower input's size; patches with any non-zero "
                    "pixel are always kept.")
 @_one_line_errors
-def run(bundle_dir, image_files, load_inputs, save_outputs, show, benchmark, warmup, iterations, as_json, force,
-        prompt, model, roi_boxes, roi_mask):
+def run(bundle_dir, image_files, video, load_inputs, save_outputs, show, benchmark, warmup, iterations, as_json,
+        force, prompt, model, roi_boxes, roi_mask):
     """Run BUNDLE on IMAGE with its target's runtime here (ONNX Runtime, an emulator, an engine on the device)."""
     with _stdout_for_data() as emit:  # a runtime's native chatter (an emulator's libraries) goes to stderr too
         result = api.run(bundle_dir, images=image_files, inputs=load_inputs, benchmark=benchmark, warmup=warmup,
                          iterations=iterations, save_outputs=save_outputs, show=show, force=force, progress=_stderr,
-                         prompt=prompt, model=model, roi_boxes=roi_boxes, roi_mask=roi_mask)
+                         prompt=prompt, model=model, roi_boxes=roi_boxes, roi_mask=roi_mask, video=video)
         if as_json:
             emit(json.dumps(result.to_json(), indent=2))
             return

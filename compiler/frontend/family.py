@@ -242,6 +242,14 @@ class Family:
         """What of this bundle `--show` and `compare` cannot draw (one patch grid per image), or None."""
         return None
 
+    def takes_video(self, manifest: dict) -> bool:
+        """Whether the bundle's input is one clip's frames (compile --video-frames)."""
+        return False
+
+    def load_video(self, manifest: dict, path) -> tuple[np.ndarray, list[str]]:
+        """The bundle's input for a clip (a folder of frames or a video file), sampled to its frames."""
+        raise InputError("--video takes a video bundle (compile --video-frames F); this bundle takes images (--image)")
+
     def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
         """The bundle's input for these images, preprocessed as its model does, and the lines saying how
         (with a warning for heavy upscaling). static: the bundle's static batch, checked against the images."""

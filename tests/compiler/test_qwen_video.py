@@ -191,3 +191,24 @@ def test_refusals(qwen_dirs, tmp_path):
                  family={"video_frames": 4})
     with pytest.raises(InputError, match=r"16 <= keep < 32"):
         compile_("keep", method="evs", keep=8, family={"video_frames": 4})
+
+
+def test_run_video_draws_the_kept_tokens_frame_by_frame(evs_bundle, tmp_path):
+    from click.testing import CliRunner
+
+    from vlmprune.compiler.cli import main
+
+    folder = write_frames(clip_made_here(16, 64), tmp_path / "frames")
+    show = tmp_path / "kept.png"
+    result = CliRunner().invoke(main, ["run", str(evs_bundle.bundle), "--video", str(folder), "--show", str(show)])
+    assert result.exit_code == 0, result.output
+    assert "16 frames, sampled to 8" in result.output and "kept_indices: shape [1, 32]" in result.output
+    from PIL import Image
+
+    assert Image.open(show).width > 4 * 112  # the four temporal patches side by side
+    image = tmp_path / "frame.png"
+    Image.fromarray(clip_made_here(2, 64)[0]).save(image)
+    refused = CliRunner().invoke(main, ["run", str(evs_bundle.bundle), "--image", str(image)])
+    assert refused.exit_code != 0 and "pass --video PATH" in refused.output and "Traceback" not in refused.output
+    both = CliRunner().invoke(main, ["run", str(evs_bundle.bundle), "--image", str(image), "--video", str(folder)])
+    assert both.exit_code != 0 and "either as --image" in both.output
