@@ -657,8 +657,8 @@ def inspect(bundle: str | Path, *, ops: bool = True) -> InspectResult:
 # ---------------------------------------------------------------------- generate and eval
 
 
-def generate(bundle: str | Path, *, image: str | Path, prompt: str, model: str | None = None, dense: bool = False,
-             max_new_tokens: int = 32, progress: Progress = None):
+def generate(bundle: str | Path, *, image: str | Path | None = None, prompt: str, model: str | None = None,
+             dense: bool = False, max_new_tokens: int = 32, progress: Progress = None, video: str | Path | None = None):
     """Run BUNDLE on image and let the checkpoint's LLM answer prompt, greedily (`vlmprune generate`).
 
     model: the checkpoint whose LLM answers (default: the bundle's source); dense: feed the model's
@@ -667,7 +667,8 @@ def generate(bundle: str | Path, *, image: str | Path, prompt: str, model: str |
     """
     from vlmprune.compiler.generate import generate as generate_answer
 
-    return generate_answer(Path(bundle), model, Path(image), prompt, dense, max_new_tokens, _say(progress))
+    return generate_answer(Path(bundle), model, None if image is None else Path(image), prompt, dense, max_new_tokens,
+                           _say(progress), None if video is None else Path(video))
 
 
 def generate_json(result) -> dict:

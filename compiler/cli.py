@@ -427,17 +427,19 @@ def methods():
 @click.option("--model", default=None,
               help="The checkpoint whose LLM answers (a LLaVA-1.5, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL directory, or "
                    "`demo`). Default: the bundle's own source.")
-@click.option("--image", required=True, help="The image file.")
+@click.option("--image", default=None, help="The image file.")
+@click.option("--video", default=None, help="A video bundle (compile --video-frames F): a folder of frames or a short "
+                                             "video file, sampled evenly to its F frames (in place of --image).")
 @click.option("--prompt", required=True, help="The question; the checkpoint's chat template wraps it.")
 @click.option("--dense", is_flag=True, help="Feed the model's own (unpruned) image features instead of the bundle's.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Greedy tokens to generate.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer and what was fed to the LLM as JSON.")
 @_one_line_errors
-def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, as_json):
+def generate(bundle_dir, model, image, video, prompt, dense, max_new_tokens, as_json):
     """Run BUNDLE on IMAGE and let the checkpoint's LLM answer PROMPT (greedy, transformers on the CPU)."""
     with _stdout_for_data() as emit:
         result = api.generate(bundle_dir, image=image, prompt=prompt, model=model, dense=dense,
-                              max_new_tokens=max_new_tokens, progress=_progress(as_json))
+                              max_new_tokens=max_new_tokens, progress=_progress(as_json), video=video)
         if result.fastv_warning:  # on stderr with --json too: the graph the bundle ships would drop the wrong tokens
             click.echo(f"warning: {result.fastv_warning}", err=True)
         a = result.answer

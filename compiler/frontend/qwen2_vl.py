@@ -298,6 +298,16 @@ def video_positions(grid: QwenGrid, frames: int, interval: float) -> np.ndarray:
     return table
 
 
+def video_patches(clip: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """[F, C, S, S] -> [T·N, C·temporal·P·P]: the flattened patches of one clip, laid out as transformers'
+    Qwen2VLVideoProcessor lays them out (frames in groups of `temporal`, merge windows contiguous, each patch
+    (C, T, P, P)): Hugging Face's get_video_features input, for generate's dense path and the tests."""
+    f, c, s, _ = clip.shape
+    g = s // patch
+    x = clip.reshape(f // temporal, temporal, c, g // merge, merge, patch, g // merge, merge, patch)
+    return x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(f // temporal * g * g, c * temporal * patch * patch)
+
+
 def set_video(source: Source, frames: int) -> None:
     """Make the source a video one: clips of F frames, F / temporal_patch_size temporal patches of tokens.
 
@@ -316,6 +326,7 @@ def set_video(source: Source, frames: int) -> None:
     counts = source.details["token_counts"]
     counts.update({"video_frames": frames, "temporal_patches": t, "merged_grid_thw": [t, m, m],
                    "tokens": t * pipe.grid.num_tokens, "time_interval": interval})
+    source.details["video_frames"] = frames
     source.details["input"] = (f"one clip per call: pixel_values [{frames}, 3, S, S], its frames in order, each "
                                "preprocessed as a still image; features [1, T·M, D] frame by frame")
 
@@ -430,7 +441,10 @@ class Qwen2VLFamily(Family):
     vision_span = ("vision_start_token_id", "vision_end_token_id")
 
     def llm_source(self, checkpoint, options: dict) -> Source:
-        return self.adapter().load(checkpoint, None, image_size=options.get("image_size"))
+        source = self.adapter().load(checkpoint, None, image_size=options.get("image_size"))
+        if options.get("video_frames"):
+            self.fix(source, {"video_frames": options["video_frames"]}, prune=False, batch=None, cls=None)
+        return source
 
     def other_input(self, model: dict, source: Source) -> str | None:
         if model["image_size"] != source.image_size:
@@ -439,8 +453,16 @@ class Qwen2VLFamily(Family):
         return None
 
     def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
-        """The processor's patches and image_grid_thw of the already-resized image."""
+        """The processor's patches and image_grid_thw of the already-resized image; of a video source, the video
+        processor's patches and video_grid_thw of the clip's frames [F, 3, S, S]."""
         from transformers import Qwen2VLImageProcessorPil
+
+        if source.frames > 1:
+            vcfg = config.vision_config
+            patches = video_patches(torch.from_numpy(pixel), vcfg.patch_size, vcfg.spatial_merge_size,
+                                    vcfg.temporal_patch_size)
+            side = source.image_size // vcfg.patch_size
+            return {"pixel_values_videos": patches, "video_grid_thw": torch.tensor([[source.frames, side, side]])}
 
         vcfg = config.vision_config
         processor = Qwen2VLImageProcessorPil(do_resize=False, do_rescale=False, do_normalize=False,

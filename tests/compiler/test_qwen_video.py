@@ -16,20 +16,24 @@ from vllm_evs import vllm_mask
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.images import preprocess
-from vlmprune.compiler.frontend.qwen2_vl import set_video
+from vlmprune.compiler.frontend.qwen2_vl import set_video, video_patches
 from vlmprune.compiler.frontend.video import clip_made_here, load_clip, read_frames, sample_indices, write_frames
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 from vlmprune.passes.methods.evs import EvsMethod, retained_tokens
 from vlmprune.targets.runtime import ort_session, run_session
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-VIDEO, START, END = 121, 122, 123  # the tiny vocabulary's special tokens (tiny_models.QWEN_IDS)
+# A vocabulary of 320 (UTF-8 bytes fit: generate's prompt without a tokenizer), its special tokens above the bytes.
+VOCAB, IMAGE, VIDEO, START, END = 320, 300, 301, 302, 303
+PROMPT = "what moves?"
 SIZE, FRAMES = 112, 8
 
 
 @pytest.fixture(scope="module")
 def qwen_dirs(tmp_path_factory):
-    return {family: tiny_qwen(tmp_path_factory.mktemp(f"video_{family}"), family, seed)
+    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    return {family: tiny_qwen(tmp_path_factory.mktemp(f"video_{family}"), family, seed, ids, vocab_size=VOCAB,
+                              initializer_range=0.3)
             for seed, family in enumerate(FAMILIES, start=30)}
 
 
@@ -76,6 +80,7 @@ def test_clip_path_is_hf_get_video_features(qwen_dirs, hf_models, family):
         got = source.pipeline(clip)
     assert got.shape == (1, FRAMES // 2 * 16, 48) and source.num_patches == FRAMES // 2 * 16
     assert_close(got[0], hf_video_features(hf_models[family], processor_patches(clip), FRAMES))
+    torch.testing.assert_close(video_patches(clip, 14, 2, 2), processor_patches(clip), rtol=0, atol=0)
     # pairs of equal frames: the image processor's own patches of each pair's frame, as a video of 4 patches
     from transformers import Qwen2VLImageProcessorPil
 
@@ -212,3 +217,62 @@ def test_run_video_draws_the_kept_tokens_frame_by_frame(evs_bundle, tmp_path):
     assert refused.exit_code != 0 and "pass --video PATH" in refused.output and "Traceback" not in refused.output
     both = CliRunner().invoke(main, ["run", str(evs_bundle.bundle), "--image", str(image), "--video", str(folder)])
     assert both.exit_code != 0 and "either as --image" in both.output
+
+
+def clip_pixels(source, frames: int = FRAMES) -> np.ndarray:
+    return np.stack([preprocess(f, SIZE, source.mean, source.std) for f in clip_made_here(frames, SIZE)])
+
+
+def test_dense_clip_splice_is_the_hf_forward(evs_bundle):
+    """generate's dense video path (HF's get_video_features spliced at our (t, h, w)) = the model's own forward on
+    pixel_values_videos and video_grid_thw."""
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.evaluate import hf_first_logits
+
+    vlm = gen.load_vlm(str(evs_bundle.manifest.model.source), bundle=load_manifest(evs_bundle.bundle))
+    assert vlm.source.frames == 4
+    pixel = clip_pixels(vlm.source)
+    prompt = gen.build_prompt(vlm, PROMPT)
+    image = gen.dense_image(vlm, pixel)
+    assert image.rows.shape == (64, 48)
+    positions, text_start = image.place(len(prompt.before))
+    ours = gen.answer(vlm, prompt, image.rows, positions, text_start, 1)
+    hf = hf_first_logits(vlm, prompt, pixel, 64)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    o = len(prompt.before)
+    assert positions[0, 16] == o + 4 and text_start == o + 4  # t: 4 per temporal patch; the text after max(h, w)
+    flat = positions.copy()
+    flat[0] = o  # every temporal patch at t = 0: not the model's video positions
+    wrong = gen.answer(vlm, prompt, image.rows, flat, text_start, 1)
+    assert (wrong.first_logits - hf).abs().max() > 1e-3
+
+
+def test_generate_answers_through_the_pruned_clip_at_hf_positions(evs_bundle, tmp_path):
+    from vlmprune.compiler import api
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.bundle import load_manifest
+
+    manifest = load_manifest(evs_bundle.bundle)
+    vlm = gen.load_vlm(str(manifest.model.source), bundle=manifest)
+    pixel = clip_pixels(vlm.source)
+    prompt = gen.build_prompt(vlm, PROMPT)
+    tokens = gen.bundle_tokens(evs_bundle.bundle, manifest, pixel, vlm)
+    o = len(prompt.before)
+    positions, text_start = gen.bundle_positions(tokens, o)
+    kept = np.asarray(tokens.kept)
+    ids = gen.hf_forward_ids(vlm, prompt, 64)
+    rope, _ = vlm.model.model.get_rope_index(ids["input_ids"], ids["mm_token_type_ids"],
+                                             video_grid_thw=torch.tensor([[4, 8, 8]]))
+    rope = rope[:, 0].numpy()
+    np.testing.assert_array_equal(positions, rope[:, o + kept])  # the kept tokens at HF's dense video positions
+    assert text_start == rope[0, o + 64]  # the text where HF's dense clip resumes it
+    folder = write_frames(clip_made_here(FRAMES, SIZE), tmp_path / "frames")
+    result = api.generate(evs_bundle.bundle, video=folder, prompt=PROMPT, max_new_tokens=3)
+    assert result.path == "pruned" and result.kept == kept.tolist() and len(result.answer.tokens) >= 1
+    with pytest.raises(InputError, match="pass --video PATH"):
+        image = tmp_path / "frame.png"
+        from PIL import Image
+
+        Image.fromarray(clip_made_here(2, 64)[0]).save(image)
+        api.generate(evs_bundle.bundle, image=image, prompt=PROMPT)
