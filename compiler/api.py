@@ -154,7 +154,9 @@ class CompileResult(pipeline.CompileResult):
             t, h, w = counts["merged_grid_thw"]
             out.append(f"image {counts['image_size']}x{counts['image_size']}: {counts['patch_grid'][0]}x"
                        f"{counts['patch_grid'][1]} = {counts['patches']} patches, merged "
-                       f"{counts['spatial_merge']}x{counts['spatial_merge']} into {h}x{w} = {counts['tokens']} tokens")
+                       f"{counts['spatial_merge']}x{counts['spatial_merge']} into {h}x{w}"
+                       + (f" per temporal patch: a clip of {counts['video_frames']} frames, {t} temporal patches, "
+                          f"{counts['tokens']} tokens" if counts.get("video_frames") else f" = {counts['tokens']} tokens"))
         if not method.pruned:
             out.append("tokens: dense (no pruning)")
         elif method.site == "block":

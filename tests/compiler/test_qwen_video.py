@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiny_models import tiny_qwen
-from vllm_evs import vllm_mask
+from video_references import vllm_mask
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.images import preprocess
@@ -276,3 +276,18 @@ def test_generate_answers_through_the_pruned_clip_at_hf_positions(evs_bundle, tm
 
         Image.fromarray(clip_made_here(2, 64)[0]).save(image)
         api.generate(evs_bundle.bundle, image=image, prompt=PROMPT)
+
+
+def test_dycoke_bundle_passes_parity_and_keeps_the_official_tokens(qwen_dirs, tmp_path):
+    from video_references import dycoke_official
+
+    result = compile_model(str(qwen_dirs["qwen2_vl"]), tmp_path / "dycoke", CompileOptions(
+        method="dycoke", target="ort", family_options={"image_size": SIZE, "video_frames": FRAMES}, cache=False))
+    assert result.report.passed and result.manifest.method.keep == 16 + 4 + 16 + 4  # 4 patches: 1 and 3 pruned
+    source = video_source(qwen_dirs["qwen2_vl"])
+    clip = clip_pixels(source)
+    out = run_session(ort_session(str(result.bundle / "model.onnx")), clip)
+    with torch.inference_mode():
+        dense = source.pipeline(torch.from_numpy(clip))[0]
+    official = dycoke_official(dense, 16)
+    assert out["kept_indices"][0].tolist() == [j * 16 + i for j, ids in enumerate(official) for i in sorted(ids)]

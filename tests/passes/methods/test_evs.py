@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from method_helpers import finish, run
-from vllm_evs import vllm_count, vllm_mask
+from video_references import vllm_count, vllm_mask
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import SiteTensors
 from vlmprune.passes.methods import get_method
