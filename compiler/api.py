@@ -154,7 +154,9 @@ class CompileResult(pipeline.CompileResult):
             t, h, w = counts["merged_grid_thw"]
             out.append(f"image {counts['image_size']}x{counts['image_size']}: {counts['patch_grid'][0]}x"
                        f"{counts['patch_grid'][1]} = {counts['patches']} patches, merged "
-                       f"{counts['spatial_merge']}x{counts['spatial_merge']} into {h}x{w} = {counts['tokens']} tokens")
+                       f"{counts['spatial_merge']}x{counts['spatial_merge']} into {h}x{w}"
+                       + (f" per temporal patch: a clip of {counts['video_frames']} frames, {t} temporal patches, "
+                          f"{counts['tokens']} tokens" if counts.get("video_frames") else f" = {counts['tokens']} tokens"))
         if not method.pruned:
             out.append("tokens: dense (no pruning)")
         elif method.site == "block":
@@ -400,8 +402,8 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
         benchmark: bool = False, warmup: int | None = None, iterations: int | None = None,
         save_outputs: str | Path | None = None, show: str | Path | None = None, force: bool = False,
         progress: Progress = None, prompt: str | None = None, model: str | None = None, roi_boxes: Iterable[str] = (),
-        roi_mask: str | Path | None = None) -> RunResult:
-    """Run BUNDLE with its target's runtime here (`vlmprune run`) on images or on inputs, never both.
+        roi_mask: str | Path | None = None, video: str | Path | None = None) -> RunResult:
+    """Run BUNDLE with its target's runtime here (`vlmprune run`) on images, a video or inputs, one of them.
 
     images: image files, preprocessed as the bundle's model does (one per static batch slot);
     inputs: the pixel values as a float32 array, or an .npz file holding one (--load-inputs).
@@ -421,9 +423,9 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
         require_prompt(prompt)  # before the images are read and the checkpoint loaded
     images = require_image_files(images, option("--image", "images"))
     roi_boxes = list(roi_boxes)
-    if bool(images) == (inputs is not None):
-        raise InputError(f"give the input either as {option('--image', 'images')} (one or more) or as "
-                         f"{option('--load-inputs FILE.npz', 'inputs')}")
+    if bool(images) + (inputs is not None) + (video is not None) != 1:
+        raise InputError(f"give the input either as {option('--image', 'images')} (one or more), as "
+                         f"{option('--video PATH', 'video')} or as {option('--load-inputs FILE.npz', 'inputs')}")
     if not benchmark and (warmup is not None or iterations is not None):
         raise InputError(f"{option('--warmup')} and {option('--iterations')} only apply with "
                          f"{option('--benchmark', 'benchmark=True')}")
@@ -448,6 +450,10 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
     runner, runtime = get_target(m.target.name).runner(bundle, m)
     if images:  # the family's input loader (an anyres bundle: one image is the input's crops)
         pixel = _load_images(m, images, say, _static_batch(m))
+    elif video is not None:  # a video bundle: one clip's frames
+        pixel, notes = family.load_video(m, video)
+        for note in notes:
+            say(note)
     elif isinstance(inputs, np.ndarray):
         pixel = bench.check_inputs(inputs, m, "inputs")
     else:
@@ -467,8 +473,11 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
     if show:
         if KEPT not in outputs:
             raise InputError(f"{option('--show')} needs the bundle's kept_indices output, and this bundle has none")
-        sels, note = pictures.selections_for_run(m, pixel, outputs[KEPT], bundle.resolve().name,
-                                                 roi.forced_for_run(roi.layout_of(m), region, len(pixel)))
+        if family.takes_video(m):
+            sels, note = pictures.video_selections(m, pixel, outputs[KEPT], bundle.resolve().name), None
+        else:
+            sels, note = pictures.selections_for_run(m, pixel, outputs[KEPT], bundle.resolve().name,
+                                                     roi.forced_for_run(roi.layout_of(m), region, len(pixel)))
         if note:
             say(f"warning: {note}")
         drawn = [pictures.picture(sel) for sel in sels]
@@ -650,9 +659,11 @@ def inspect(bundle: str | Path, *, ops: bool = True) -> InspectResult:
 # ---------------------------------------------------------------------- generate and eval
 
 
-def generate(bundle: str | Path, *, image: str | Path, prompt: str, model: str | None = None, dense: bool = False,
-             max_new_tokens: int = 32, progress: Progress = None, reference: bool = False):
-    """Run BUNDLE on image and let its language model answer prompt, greedily (`vlmprune generate`).
+def generate(bundle: str | Path, *, image: str | Path | None = None, prompt: str, model: str | None = None,
+             dense: bool = False, max_new_tokens: int = 32, progress: Progress = None, reference: bool = False,
+             video: str | Path | None = None):
+    """Run BUNDLE on image (or a video bundle on a clip, video) and let its language model answer prompt, greedily
+    (`vlmprune generate`).
 
     A bundle compiled --with-llm answers with its own exported LLM graphs where they can run here;
     reference: with the checkpoint's language model in transformers instead (as bundles without an LLM do).
@@ -662,8 +673,8 @@ def generate(bundle: str | Path, *, image: str | Path, prompt: str, model: str |
     """
     from vlmprune.compiler.generate import generate as generate_answer
 
-    return generate_answer(Path(bundle), model, Path(image), prompt, dense, max_new_tokens, _say(progress),
-                           reference)
+    return generate_answer(Path(bundle), model, None if image is None else Path(image), prompt, dense, max_new_tokens,
+                           _say(progress), reference, None if video is None else Path(video))
 
 
 def generate_json(result) -> dict:

@@ -357,6 +357,9 @@ def targets():
 @click.argument("bundle_dir", type=click.Path(path_type=Path))
 @click.option("--image", "image_files", multiple=True, type=click.Path(),
               help="An image file; repeat it to fill a static batch (one image per batch slot).")
+@click.option("--video", type=click.Path(), default=None,
+              help="A video bundle (compile --video-frames F): a folder of frames or a short video file (imageio), "
+                   "sampled evenly to its F frames.")
 @click.option("--load-inputs", type=click.Path(path_type=Path), default=None,
               help="Run on the input array of this .npz file instead of --image (as Polygraphy's --load-inputs).")
 @click.option("--save-outputs", type=click.Path(path_type=Path), default=None,
@@ -380,13 +383,13 @@ def targets():
               help="A bundle compiled with --roi mask: a PNG at the tower input's size; patches with any non-zero "
                    "pixel are always kept.")
 @_one_line_errors
-def run(bundle_dir, image_files, load_inputs, save_outputs, show, benchmark, warmup, iterations, as_json, force,
-        prompt, model, roi_boxes, roi_mask):
+def run(bundle_dir, image_files, video, load_inputs, save_outputs, show, benchmark, warmup, iterations, as_json,
+        force, prompt, model, roi_boxes, roi_mask):
     """Run BUNDLE on IMAGE with its target's runtime here (ONNX Runtime, an emulator, an engine on the device)."""
     with _stdout_for_data() as emit:  # a runtime's native chatter (an emulator's libraries) goes to stderr too
         result = api.run(bundle_dir, images=image_files, inputs=load_inputs, benchmark=benchmark, warmup=warmup,
                          iterations=iterations, save_outputs=save_outputs, show=show, force=force, progress=_stderr,
-                         prompt=prompt, model=model, roi_boxes=roi_boxes, roi_mask=roi_mask)
+                         prompt=prompt, model=model, roi_boxes=roi_boxes, roi_mask=roi_mask, video=video)
         if as_json:
             emit(json.dumps(result.to_json(), indent=2))
             return
@@ -424,7 +427,9 @@ def methods():
 @click.option("--model", default=None,
               help="The checkpoint whose LLM answers (a LLaVA-1.5, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL directory, or "
                    "`demo`). Default: the bundle's own source.")
-@click.option("--image", required=True, help="The image file.")
+@click.option("--image", default=None, help="The image file.")
+@click.option("--video", default=None, help="A video bundle (compile --video-frames F): a folder of frames or a short "
+                                             "video file, sampled evenly to its F frames (in place of --image).")
 @click.option("--prompt", required=True, help="The question; the checkpoint's chat template wraps it.")
 @click.option("--dense", is_flag=True, help="Feed the model's own (unpruned) image features instead of the bundle's.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Greedy tokens to generate.")
@@ -433,12 +438,14 @@ def methods():
                    "(which a --with-llm bundle runs by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer and what was fed to the LLM as JSON.")
 @_one_line_errors
-def generate(bundle_dir, model, image, prompt, dense, max_new_tokens, reference, as_json):
-    """Run BUNDLE on IMAGE and let its LLM answer PROMPT (greedy, on the CPU): a --with-llm bundle's own LLM
-    graphs where they run here, else (or with --reference) the checkpoint's LLM in transformers."""
+def generate(bundle_dir, model, image, video, prompt, dense, max_new_tokens, reference, as_json):
+    """Run BUNDLE on IMAGE (a video bundle on --video) and let its LLM answer PROMPT (greedy, on the CPU): a
+    --with-llm bundle's own LLM graphs where they run here, else (or with --reference) the checkpoint's LLM in
+    transformers."""
     with _stdout_for_data() as emit:
         result = api.generate(bundle_dir, image=image, prompt=prompt, model=model, dense=dense,
-                              max_new_tokens=max_new_tokens, progress=_progress(as_json), reference=reference)
+                              max_new_tokens=max_new_tokens, progress=_progress(as_json), reference=reference,
+                              video=video)
         if result.fastv_warning:  # on stderr with --json too: the graph the bundle ships would drop the wrong tokens
             click.echo(f"warning: {result.fastv_warning}", err=True)
         a = result.answer

@@ -42,6 +42,7 @@ OPENVINO_INT8_IR = "model.int8.xml"  # openvino --precision int8: the NNCF-quant
 PRUNE_META = "vlmprune.prune"  # model.metadata_props: what InsertPruningPass inserted (JSON)
 TOKENS_META = "vlmprune.tokens"  # value.metadata_props of the new tokens: "tokens before,tokens after"
 FUSED_META = "vlmprune.fused"  # model.metadata_props: what the fusion pass replaced (JSON)
+FRAMES_META = "vlmprune.frames"  # model.metadata_props: a video tower's frames of tokens at the features (absent: 1)
 POSITIONS_META = "vlmprune.positions"  # model.metadata_props: {"layout": ..., "tokens": T}
 HAS_CLS_META = "vlmprune.has_cls"  # value.meta of the features: whether they start with the [CLS] token
 ROLE = "vlmprune.role"  # node.metadata_props: the node's part in the selection (one of ROLES)

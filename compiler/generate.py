@@ -157,7 +157,8 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
         raise InputError(f"{spec}: generate and eval run {supported()}; this one is {checkpoint.model_type!r}")
     mine = owner.id
     _bundle_family(spec, mine, bundle, checkpoint.model_type)
-    given = {"image_size": image_size, "grid": grid}
+    # the flags given, and every option the family declares (--video-frames), the bundle's own values their defaults
+    given = {**{name: None for name in owner.options}, "image_size": image_size, "grid": grid}
     for name in given:  # the bundle's own --image-size / --grid are the defaults
         if family is not None and given[name] is None and name in owner.options:
             given[name] = bundle.model.get(name)
@@ -315,10 +316,12 @@ def hf_image_inputs(vlm: Vlm, pixel: np.ndarray) -> dict:
 def hf_forward_ids(vlm: Vlm, prompt: Prompt, tokens: int) -> dict:
     """input_ids (the placeholder expanded to `tokens`, as the family's processor expands it) for the model's own
     forward, with Qwen's mm_token_type_ids."""
-    ids = torch.tensor([prompt.before + [image_token_id(vlm)] * tokens + prompt.after])
+    video = vlm.source.frames > 1  # a video source: Qwen's video placeholder, token type 2
+    token = vlm.model.config.video_token_id if video else image_token_id(vlm)
+    ids = torch.tensor([prompt.before + [token] * tokens + prompt.after])
     out = {"input_ids": ids}
-    if vlm.rules.vision_span is not None:  # Qwen's forward marks the image tokens
-        out["mm_token_type_ids"] = (ids == image_token_id(vlm)).int()
+    if vlm.rules.vision_span is not None:  # Qwen's forward marks the image (1) and video (2) tokens
+        out["mm_token_type_ids"] = (ids == token).int() * (2 if video else 1)
     return out
 
 
@@ -406,7 +409,10 @@ def dense_features(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None
         kwargs["vision_feature_layer"] = config.vision_feature_layer if feature_layer is None else feature_layer
         kwargs["vision_feature_select_strategy"] = config.vision_feature_select_strategy
     with torch.inference_mode():
-        out = vlm.model.model.get_image_features(**kwargs)
+        if vlm.source.frames > 1:  # a clip: the model's own video path
+            out = vlm.model.model.get_video_features(**kwargs)
+        else:
+            out = vlm.model.model.get_image_features(**kwargs)
     return vlm.rules.hf_image_features(out)
 
 
@@ -460,7 +466,8 @@ def bundle_tokens(bundle_dir: Path, manifest, pixel: np.ndarray, vlm: Vlm | None
     if rule.needs_model and (vlm is None or vlm.rules.positions.kind != rule.kind):
         raise ValueError(f"a {rule.kind!r} bundle needs its own model's Vlm to place its tokens")
     static = manifest.inputs[0].shape[0]
-    if rule.repeats_batch and isinstance(static, int) and static > 1:  # a static batch: the image in every slot, slot 0
+    # A static batch: the image in every slot, slot 0 read (one image; a video bundle's batch is its clip's frames).
+    if rule.repeats_batch and len(pixel) == 1 and isinstance(static, int) and static > 1:
         pixel = np.repeat(pixel, static, axis=0)
     runner, runtime = get_target(manifest.target.name).runner(Path(bundle_dir), manifest)
     outputs = runner(pixel)
@@ -554,8 +561,9 @@ def bundle_llm(bundle_dir: Path, manifest, reference: bool = False, dense: bool 
     return runner, f"the bundle's LLM graphs ({what})"
 
 
-def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dense: bool = False,
-             max_new_tokens: int = 32, progress=lambda _m: None, reference: bool = False) -> GenerateResult:
+def generate(bundle_dir: Path, model: str | None, image: Path | None, prompt: str, dense: bool = False,
+             max_new_tokens: int = 32, progress=lambda _m: None, reference: bool = False,
+             video: Path | None = None) -> GenerateResult:
     """The library call behind `vlmprune generate` (see the module docstring).
 
     reference: answer with the checkpoint's language model in transformers even where the bundle holds its own
@@ -566,8 +574,14 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
     require_prompt(prompt)  # before the bundle, the image and the model are read
-    image, = require_image_files([image], option("--image", "image"))
+    if (image is None) == (video is None):
+        raise InputError(f"give {option('--image', 'image')} or {option('--video', 'video')} (a video bundle), one "
+                         "of them")
+    if image is not None:
+        image, = require_image_files([image], option("--image", "image"))
     manifest = load_manifest(bundle_dir, verify=True)
+    if (video is not None) != family_of(manifest).takes_video(manifest):
+        raise InputError(f"this bundle takes {'a clip: pass --video PATH' if video is None else 'images: pass --image'}")
     spec = model or default_model(manifest)
     vlm = load_vlm(spec, bundle=manifest)
     if family_of(manifest).identifies_model and vlm.source.content_hash != manifest.model.sha256:
@@ -577,8 +591,13 @@ def generate(bundle_dir: Path, model: str | None, image: Path, prompt: str, dens
     width = (manifest.llm or handoff.llm_section(manifest))["hidden_size"]
     if width != hidden:
         raise InputError(f"the bundle's image_features are {width} wide, but the LLM of {spec} takes {hidden}")
-    pixel, described = load_pixels(vlm, image, manifest.preprocess)
-    progress(f"{image}: {described}")
+    if video is not None:
+        pixel, notes = family_of(manifest).load_video(manifest, video)
+        described = "; ".join(notes)
+        progress(described)
+    else:
+        pixel, described = load_pixels(vlm, image, manifest.preprocess)
+        progress(f"{image}: {described}")
     built = build_prompt(vlm, prompt)
     progress(f"prompt ({built.how}): {built.text!r}")
     offset = len(built.before)

@@ -339,6 +339,24 @@ def check_one_grid(kept, grid: int) -> None:
                          "(several crops per image): pictures draw one grid and cannot show it yet")
 
 
+def video_selections(manifest: dict, pixel: np.ndarray, kept: np.ndarray, name: str) -> list[Selection]:
+    """A video bundle's run (one clip, [F, 3, S, S]): one Selection per temporal patch, drawn on its first frame,
+    with the kept tokens of that patch (kept indices count the clip's tokens frame by frame)."""
+    counts = manifest.model["token_counts"]
+    t, h, w = counts["merged_grid_thw"]
+    per_frame, frames = h * w, counts["video_frames"]
+    step = frames // t
+    kept = np.asarray(kept).reshape(-1)
+    sels = []
+    for i in range(t):
+        mine = kept[(kept >= i * per_frame) & (kept < (i + 1) * per_frame)] - i * per_frame
+        sel = Selection(model_view(pixel[i * step], manifest.preprocess.mean, manifest.preprocess.std), h, mine,
+                        title=f"{name}: frames {i * step}-{(i + 1) * step - 1}")
+        sel.legend = legend_for(manifest, sel) + f" ({len(kept)} of {t * per_frame} over the clip)"
+        sels.append(sel)
+    return sels
+
+
 def selections_for_run(manifest: dict, pixel: np.ndarray, kept: np.ndarray, name: str,
                        forced: np.ndarray | None = None) -> tuple[list[Selection], str | None]:
     """One Selection per image of a `vlmprune run`: the bundle's kept indices, merges traced from the reference;

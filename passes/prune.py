@@ -22,13 +22,14 @@ ZeroPaddingPass (passes.outputs) zeroes the padded rows of the final token outpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from vlmprune.compiler.contract import KEPT as KEPT_INDICES  # the bundle's names: compiler.contract
-from vlmprune.compiler.contract import NUM_TOKENS, PRUNE_META, TEXT, TOKENS_META
+from vlmprune.compiler.contract import FRAMES_META, NUM_TOKENS, PRUNE_META, TEXT, TOKENS_META
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.graph.dataflow import consumers_downstream, opset
 from vlmprune.passes.methods import coverage, roi
@@ -110,10 +111,12 @@ class InsertPruningPass(ir.passes.InPlacePass):
         graph = model.graph
         structure = find_tower_structure(graph) if self.method.needs(self.params).site == BLOCK else _structure(graph)
         hidden, spec, block = self._site(graph, structure)
+        spec = dataclasses.replace(spec, frames=int(model.metadata_props.get(FRAMES_META, 1)))
         self.method.check(self.params, spec)
         where = f"L{spec.layer}" if block is not None else "features"
         b = Builder(graph, opset(model), f"vlmprune/{self.method.name}_{where}")
-        inputs = GraphInputs(hidden, spec.has_cls, spec.num_patches, block, structure, spec.prefix, self.head)
+        inputs = GraphInputs(hidden, spec.has_cls, spec.num_patches, block, structure, spec.prefix, self.head,
+                             frames=spec.frames)
         text = _prompt_inputs(graph, self.method, self.params, inputs, structure)
         # --roi: the forced-keep inputs beside the pixels and F [B, N] from them (passes.methods.roi)
         pixel = structure.pixel_input if structure is not None else None

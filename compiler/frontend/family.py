@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from vlmprune.compiler.contract import FRAMES_META
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import export_onnx
 from vlmprune.compiler.frontend.images import UPSCALE_WARNING, load_image_file, parity_inputs
@@ -43,6 +44,7 @@ PATCH_TOKENS = Capability("tokens", "every family (no [CLS] needed: {})")  # wha
 CLS_TOKEN = Capability("cls", "towers with a [CLS] token ({})")
 POOLING_HEAD = Capability("head", "{}")  # an attention-pooling head (SigLIP's): --score probe
 MERGED_TOKENS = Capability("merged", "{} merged tokens")  # features that merge patches (Qwen2-VL's 2x2)
+VIDEO = Capability("video", "{} video (compile --video-frames F)")  # several frames' tokens, frame by frame
 CROPS = Capability("crops", "{}'s crops")  # several crops of one image, pruned under one budget
 # One grid of patches whose feature layer's tokens map one to one onto the projector output (no patch merging, no
 # crops): what a method that reads both needs (cdpruner's similarity and relevance).
@@ -172,18 +174,31 @@ class Family:
         if config.layer is not None and not 1 <= config.layer <= blocks:
             raise InputError(f"--layer {config.layer} is out of range: this tower runs {blocks} blocks "
                              f"(1..{blocks})")
+        method.check(params, self.site(source, config, site_spec))
+
+    def fit_params(self, source: Source, config, site_spec: type):
+        """The config with the method's parameters as it runs them at this source's site (Method.at_site: an option
+        relative to the site, such as evs's --video-pruning-rate, becomes K)."""
+        return dataclasses.replace(config, params=config.method.at_site(config.params,
+                                                                         self.site(source, config, site_spec)))
+
+    def site(self, source: Source, config, site_spec: type):
+        """The site the method will meet in this source's graph, as the insertion will see it (a SiteSpec)."""
         pipe = source.pipeline
-        site = method.needs(params).site
+        site = config.method.needs(config.params).site
         prefix = pipe.prefix if site == BLOCK or not pipe.drop_cls else 0
-        method.check(params, site_spec(source.num_patches, bool(source.has_cls and prefix), config.layer or blocks,
-                                       blocks, prefix=prefix, head=config.head is not None,
-                                       merge=source.spatial_merge, tower_cls=bool(source.has_cls)))
+        return site_spec(source.num_patches, bool(source.has_cls and prefix), config.layer or source.num_blocks,
+                         source.num_blocks, prefix=prefix, head=config.head is not None, merge=source.spatial_merge,
+                         tower_cls=bool(source.has_cls), frames=source.frames)
 
     def dense_model(self, source: Source, request: DenseRequest):
         """The dense tower as an onnx_ir model: the torch pipeline's export (at the batch the input needs)."""
         batch = self.export_batch(source, request.batch)
         request.step(f"export (torch.onnx dynamo, opset {request.opset}, batch {batch or 'dynamic'})")
-        return export_onnx(source.pipeline, source.image_size, batch, request.opset)
+        model = export_onnx(source.pipeline, source.image_size, batch, request.opset)
+        if source.frames > 1:  # the insertion reads how the features divide into frames (video methods)
+            model.metadata_props[FRAMES_META] = str(source.frames)
+        return model
 
     def export_batch(self, source: Source, batch: int | None) -> int | None:
         return batch
@@ -250,6 +265,14 @@ class Family:
     def cannot_draw(self, manifest: dict) -> str | None:
         """What of this bundle `--show` and `compare` cannot draw (one patch grid per image), or None."""
         return None
+
+    def takes_video(self, manifest: dict) -> bool:
+        """Whether the bundle's input is one clip's frames (compile --video-frames)."""
+        return False
+
+    def load_video(self, manifest: dict, path) -> tuple[np.ndarray, list[str]]:
+        """The bundle's input for a clip (a folder of frames or a video file), sampled to its frames."""
+        raise InputError("--video takes a video bundle (compile --video-frames F); this bundle takes images (--image)")
 
     def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
         """The bundle's input for these images, preprocessed as its model does, and the lines saying how

@@ -27,7 +27,7 @@ def preprocess(image: np.ndarray, size: int, mean, std) -> np.ndarray:
     return x[0].numpy().astype(np.float32)
 
 
-def _real(name: str) -> np.ndarray | None:
+def real_image(name: str) -> np.ndarray | None:
     try:
         from skimage import data
     except ImportError:
@@ -49,7 +49,7 @@ def parity_inputs(batch: int, size: int, mean, std, seed: int = 0) -> tuple[np.n
     images, names = [], []
     for i in range(batch):
         name = REAL_IMAGES[i % len(REAL_IMAGES)]
-        raw = _real(name)
+        raw = real_image(name)
         if raw is None:
             raw, name = _synthetic(seed + i, size), f"synthetic(seed={seed + i})"
         images.append(preprocess(raw, size, mean, std))
@@ -188,7 +188,7 @@ def parity_crops(images: int, crops: dict, size: int, mean, std, seed: int = 0) 
     height, width = crops["resolution"]
     for i in range(images):
         name = REAL_IMAGES[i % len(REAL_IMAGES)]
-        raw = _real(name)
+        raw = real_image(name)
         if raw is None:
             raw, name = _synthetic(seed + i, max(height, width)), f"synthetic(seed={seed + i})"
         out.append(anyres_crops(raw, crops, size, mean, std))

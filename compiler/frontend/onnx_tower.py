@@ -71,6 +71,9 @@ class OnnxFamily(Family):
         if batch is not None:
             raise InputError("--batch cannot change an .onnx source; re-export it with the batch you need")
 
+    def fit_params(self, source: Source, config, site_spec: type):
+        return config  # an .onnx tower is one image: no parameter is relative to its site before the insertion
+
     def check_method(self, source: Source, config, site_spec: type) -> None:
         """What needs a torch tower is refused now; the insertion checks its site in the graph."""
         config.method.check_onnx_source(config.params)

@@ -44,7 +44,7 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import MERGED_TOKENS, PATCH_TOKENS, Family, IndicesPositions, Place
+from vlmprune.compiler.frontend.family import MERGED_TOKENS, PATCH_TOKENS, VIDEO, Family, IndicesPositions, Place
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, no_init_weights,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import FEATURES, Pruner, SiteTensors
@@ -156,10 +156,14 @@ class QwenVisionPipeline(nn.Module):
     with torch.onnx dynamo, and compile with torch.compile.
     """
 
-    def __init__(self, visual: nn.Module, grid: QwenGrid, pruner: Pruner | None = None):
+    def __init__(self, visual: nn.Module, grid: QwenGrid, pruner: Pruner | None = None, clip: int | None = None):
         super().__init__()
         if pruner is not None and pruner.site != FEATURES:
             raise InputError("qwen2_vl towers are pruned on the merged tokens (the features site) only")
+        # Video (--video-frames F): the input is clips of F frames [n·F, 3, S, S]; the tower sees F / T temporal
+        # patches of T = temporal_patch_size frames each, and the features are [n, (F / T)·M, D], frame by frame.
+        self.clip = clip
+        self.temporal = visual.config.temporal_patch_size
         self.visual = visual
         self.vision_model = visual
         self.grid = grid
@@ -170,16 +174,26 @@ class QwenVisionPipeline(nn.Module):
         self.last_trace: dict | None = None
 
     def with_pruner(self, pruner: Pruner | None) -> QwenVisionPipeline:
-        """The same weights and grid, pruning (or not) as given."""
-        return QwenVisionPipeline(self.visual, self.grid, pruner)
+        """The same weights, grid and clip length, pruning (or not) as given."""
+        return QwenVisionPipeline(self.visual, self.grid, pruner, self.clip)
+
+    @property
+    def frames(self) -> int:
+        """Temporal patches per clip (the features' frames); 1 for a still image."""
+        return self.clip // self.temporal if self.clip else 1
 
     def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[B, 3, S, S] -> patch embeddings [B, N, D] in the tower's token order."""
         g, p = self.grid.side, self.grid.patch
         b, c = pixel_values.shape[0], pixel_values.shape[1]
-        x = pixel_values.reshape(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
         weight = self.visual.patch_embed.proj.weight  # [D, C, T, P, P]
-        h = x @ weight.sum(dim=2).reshape(weight.shape[0], -1).t()
+        if self.clip:  # T consecutive frames per temporal patch, flattened (C, T, P, P) as the processor does
+            t = self.temporal
+            x = pixel_values.reshape(b // t, t, c, g, p, g, p).permute(0, 3, 5, 2, 1, 4, 6)
+            h = x.reshape(b // t, g * g, c * t * p * p) @ weight.reshape(weight.shape[0], -1).t()
+        else:
+            x = pixel_values.reshape(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
+            h = x @ weight.sum(dim=2).reshape(weight.shape[0], -1).t()
         return torch.index_select(h, 1, self.grid.order)  # one Gather on axis 1 (not GatherND)
 
     def block(self, index: int, h: torch.Tensor, capture: list | None = None) -> torch.Tensor:
@@ -236,13 +250,19 @@ class QwenVisionPipeline(nn.Module):
         for i in range(self.num_blocks):
             h = self.block(i, h, capture if i == score_block else None)
         h = self.merge(h)
+        frames = self.frames
+        if self.clip:  # each temporal patch attends within itself (HF's cu_seqlens per t): clips are batches of them
+            h = h.reshape(h.shape[0] // frames, frames * h.shape[1], h.shape[2])
         if self.pruner is None:
             return h
-        order = self.features_order()
-        q, k, scale = capture[0][:, :, order], capture[1][:, :, order], capture[2]
+        if self.clip:
+            q = k = scale = None  # a video's methods read the features only (Qwen2VLFamily refuses the others)
+        else:
+            order = self.features_order()
+            q, k, scale = capture[0][:, :, order], capture[1][:, :, order], capture[2]
         tokens, kept, self.last_trace = self.pruner(SiteTensors(h, False, q=q, k=k, scale=scale,
-                                                                pixel_values=pixel_values,
-                                                                patch_size=self.patch_size, prefix=0))
+                                                                pixel_values=None if self.clip else pixel_values,
+                                                                patch_size=self.patch_size, prefix=0, frames=frames))
         return tokens, kept
 
 
@@ -267,6 +287,48 @@ def qwen_source(spec: str, kind: str, model_type: str, visual: nn.Module, image_
     return Source(spec, kind, Qwen2VLAdapter.family, content_hash, image_size, cfg.patch_size, False, tuple(mean),
                   tuple(std), pipeline=pipeline, positions="thw", spatial_merge=grid.merge,
                   position_table=grid.positions(), details=details)
+
+
+def video_positions(grid: QwenGrid, frames: int, interval: float) -> np.ndarray:
+    """[T·M, 3] int64: (t, h, w) of each merged token of a clip of T temporal patches, frame by frame, as
+    get_rope_index places a video: t = floor(frame · interval) (Qwen2.5-VL: tokens_per_second x seconds per
+    temporal patch; Qwen2-VL: 1), (h, w) the image's."""
+    table = np.tile(grid.positions(), (frames, 1))
+    table[:, 0] = (np.repeat(np.arange(frames), grid.num_tokens) * interval).astype(np.int64)
+    return table
+
+
+def video_patches(clip: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """[F, C, S, S] -> [T·N, C·temporal·P·P]: the flattened patches of one clip, laid out as transformers'
+    Qwen2VLVideoProcessor lays them out (frames in groups of `temporal`, merge windows contiguous, each patch
+    (C, T, P, P)): Hugging Face's get_video_features input, for generate's dense path and the tests."""
+    f, c, s, _ = clip.shape
+    g = s // patch
+    x = clip.reshape(f // temporal, temporal, c, g // merge, merge, patch, g // merge, merge, patch)
+    return x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(f // temporal * g * g, c * temporal * patch * patch)
+
+
+def set_video(source: Source, frames: int) -> None:
+    """Make the source a video one: clips of F frames, F / temporal_patch_size temporal patches of tokens.
+
+    Seconds per temporal patch are get_rope_index's default (1: the processor's temporal_patch_size / fps is not
+    known for frames sampled from a folder); the manifest records the interval the positions use.
+    """
+    pipe = source.pipeline
+    cfg = pipe.visual.config
+    t = frames // pipe.temporal
+    interval = float(getattr(cfg, "tokens_per_second", 1) or 1) if source.details["model_type"] == "qwen2_5_vl" \
+        else 1.0
+    pipe.clip = frames
+    source.frames = t
+    source.position_table = video_positions(pipe.grid, t, interval)
+    m = pipe.grid.merged_side
+    counts = source.details["token_counts"]
+    counts.update({"video_frames": frames, "temporal_patches": t, "merged_grid_thw": [t, m, m],
+                   "tokens": t * pipe.grid.num_tokens, "time_interval": interval})
+    source.details["video_frames"] = frames
+    source.details["input"] = (f"one clip per call: pixel_values [{frames}, 3, S, S], its frames in order, each "
+                               "preprocessed as a still image; features [1, T·M, D] frame by frame")
 
 
 def check_mrope(checkpoint: Checkpoint) -> None:
@@ -321,7 +383,7 @@ def thw_positions(offset: int, kept_positions: np.ndarray, grid_thw: tuple[int, 
     A dense image is kept_positions = the whole position table (Source.position_table).
     """
     kept_positions = np.asarray(kept_positions, dtype=np.int64).reshape(-1, 3)
-    after = offset + max(grid_thw)
+    after = offset + max(grid_thw[1:])  # get_rope_index: the text resumes max(h, w) after a video's start too
     tail = np.broadcast_to(after + np.arange(extra, dtype=np.int64), (3, extra))
     return np.concatenate([offset + kept_positions.T, tail], axis=1).astype(np.int64), after + extra
 
@@ -332,13 +394,13 @@ class ThwPositions(IndicesPositions):
     kind = "thw"
     meaning = "kept_positions[b, j] is the (t, h, w) grid position of row prefix + j (mRoPE's three position axes)"
     rule = ("row prefix + j at offset + kept_positions[j] on each mRoPE axis (t, h, w); extra row e at "
-            "offset + max(t, h, w) of the dense merged grid + e on every axis; text after the image from "
-            "offset + max(t, h, w) + extra")
+            "offset + max(h, w) of the dense merged grid + e on every axis; text after the image from "
+            "offset + max(h, w) + extra")
     needs_model = True
 
     def text_resumes_at(self, model: dict, dense: int | None, extra: int) -> int | None:
         grid = (model.get("token_counts") or {}).get("merged_grid_thw")
-        return max(grid) + extra if grid else None
+        return max(grid[1:]) + extra if grid else None
 
     def readme_places(self, rows: dict, dense, after) -> str:
         return (f"- row {rows['prefix']} + j: offset + kept_positions[j] on each mRoPE axis (t, h, w)\n"
@@ -367,8 +429,11 @@ class Qwen2VLFamily(Family):
     id = "qwen2_vl"
     adapter = Qwen2VLAdapter
     options = {"image_size": (int, "Static image size S for dynamic-resolution models (qwen2_vl, qwen2_5_vl): a "
-                                   "multiple of patch x merge (28). Default 448 (1024 patches, 256 merged tokens).")}
-    has = {PATCH_TOKENS: "Qwen2-VL / Qwen2.5-VL", MERGED_TOKENS: "Qwen2-VL / Qwen2.5-VL"}
+                                   "multiple of patch x merge (28). Default 448 (1024 patches, 256 merged tokens)."),
+               "video_frames": (int, "Video (qwen2_vl, qwen2_5_vl): compile for clips of F frames (static, a multiple "
+                                     "of the temporal patch, 2): the input is one clip's frames [F, 3, S, S] "
+                                     "(run/check --video PATH), the features its F/2 temporal patches of tokens")}
+    has = {PATCH_TOKENS: "Qwen2-VL / Qwen2.5-VL", MERGED_TOKENS: "Qwen2-VL / Qwen2.5-VL", VIDEO: "Qwen2-VL / Qwen2.5-VL"}
     positions = ThwPositions()
     language_model = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
                       "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -376,7 +441,10 @@ class Qwen2VLFamily(Family):
     vision_span = ("vision_start_token_id", "vision_end_token_id")
 
     def llm_source(self, checkpoint, options: dict) -> Source:
-        return self.adapter().load(checkpoint, None, image_size=options.get("image_size"))
+        source = self.adapter().load(checkpoint, None, image_size=options.get("image_size"))
+        if options.get("video_frames"):
+            self.fix(source, {"video_frames": options["video_frames"]}, prune=False, batch=None, cls=None)
+        return source
 
     def other_input(self, model: dict, source: Source) -> str | None:
         if model["image_size"] != source.image_size:
@@ -385,8 +453,16 @@ class Qwen2VLFamily(Family):
         return None
 
     def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
-        """The processor's patches and image_grid_thw of the already-resized image."""
+        """The processor's patches and image_grid_thw of the already-resized image; of a video source, the video
+        processor's patches and video_grid_thw of the clip's frames [F, 3, S, S]."""
         from transformers import Qwen2VLImageProcessorPil
+
+        if source.frames > 1:
+            vcfg = config.vision_config
+            patches = video_patches(torch.from_numpy(pixel), vcfg.patch_size, vcfg.spatial_merge_size,
+                                    vcfg.temporal_patch_size)
+            side = source.image_size // vcfg.patch_size
+            return {"pixel_values_videos": patches, "video_grid_thw": torch.tensor([[source.frames, side, side]])}
 
         vcfg = config.vision_config
         processor = Qwen2VLImageProcessorPil(do_resize=False, do_rescale=False, do_normalize=False,
@@ -396,7 +472,75 @@ class Qwen2VLFamily(Family):
         inputs = processor(images=list(pixel), return_tensors="pt", input_data_format="channels_first")
         return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
 
+    def fix(self, source: Source, options: dict, *, prune: bool, batch: int | None, cls: str | None) -> None:
+        frames = options.get("video_frames")
+        if frames is not None:
+            temporal = source.pipeline.temporal
+            if frames % temporal or frames < 2 * temporal:
+                raise InputError(f"--video-frames must be a multiple of the temporal patch ({temporal}) and at least "
+                                 f"{2 * temporal} (two temporal patches), got {frames}")
+            if batch is not None:
+                raise InputError(f"--batch does not apply to video: the input is the {frames} frames of one clip "
+                                 f"[{frames}, 3, {source.image_size}, {source.image_size}]; run one clip per call")
+            set_video(source, frames)
+        super().fix(source, options, prune=prune, batch=batch, cls=cls)
+
+    def check_method(self, source: Source, config, site_spec: type) -> None:
+        needs = config.method.needs(config.params)
+        if source.frames > 1 and (needs.attention or needs.pixels or needs.tower_features or needs.text):
+            raise InputError(f"method {config.method.name} with these options reads {needs.describe()}, and a video "
+                             "bundle hands its methods the merged tokens only (evs, divprune, dart, random, grid)")
+        super().check_method(source, config, site_spec)
+
+    def export_batch(self, source: Source, batch: int | None) -> int | None:
+        return source.pipeline.clip or batch  # video: one clip's frames
+
+    def check_target(self, source: Source, target: str, check_batch) -> None:
+        """A clip's frames are the graph's batch: refuse, before the export, a target that cannot run it."""
+        if not source.pipeline.clip:
+            return
+        try:
+            check_batch(source.pipeline.clip)
+        except InputError as exc:
+            raise InputError(f"target {target} cannot run this video bundle: its input is the {source.pipeline.clip} "
+                             f"frames of one clip as a batch, and {str(exc).split(': ')[0]}") from None
+
+    def parity_pixels(self, source: Source, images: int) -> tuple[np.ndarray, dict]:
+        """Video: the clip made here (a still photograph, a moving square, a scene cut), preprocessed frame by frame."""
+        frames = source.pipeline.clip
+        if not frames:
+            return super().parity_pixels(source, images)
+        from vlmprune.compiler.frontend.images import preprocess
+        from vlmprune.compiler.frontend.video import clip_made_here
+
+        clip = clip_made_here(frames, source.image_size)
+        pixels = np.stack([preprocess(f, source.image_size, source.mean, source.std) for f in clip])
+        return pixels, {"images": [f"clip made here: {frames} frames (astronaut, a moving square, a cut to coffee)"],
+                        "seed": 0, "size": source.image_size, "mean": list(source.mean), "std": list(source.std)}
+
+    def takes_video(self, manifest: dict) -> bool:
+        return bool((manifest["model"].get("token_counts") or {}).get("video_frames"))
+
+    def load_video(self, manifest: dict, path) -> tuple[np.ndarray, list[str]]:
+        from vlmprune.compiler.frontend.video import load_clip
+
+        if not self.takes_video(manifest):
+            return super().load_video(manifest, path)
+        pre, frames = manifest["preprocess"], manifest["model"]["token_counts"]["video_frames"]
+        pixel, described = load_clip(path, frames, pre["size"], pre["mean"], pre["std"])
+        return pixel, [described]
+
+    def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
+        if self.takes_video(manifest):
+            frames = manifest["model"]["token_counts"]["video_frames"]
+            raise InputError(f"this bundle takes one clip of {frames} frames: pass --video PATH (a folder of frames "
+                             "or a video file)")
+        return super().load_images(manifest, image_files, static)
+
     def check_options(self, given: dict) -> None:
+        frames = given.get("video_frames")
+        if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+            raise InputError(f"--video-frames must be an integer >= 1, got {frames!r}")
         size = given.get("image_size")
         if size is None:
             return

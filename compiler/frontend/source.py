@@ -56,6 +56,8 @@ class Source:
     # (t, h, w) of each output token in the LLM's grid ([T, 3] int64) for the `kept_positions` output.
     spatial_merge: int = 1
     position_table: object | None = dataclasses.field(default=None, repr=False)
+    # A video source (--video-frames): the features are this many frames of tokens, frame by frame (1: an image).
+    frames: int = 1
 
     def release_weights(self) -> None:
         """Free the torch weights once the reference has run. The parity stages after it run the bundle's graphs
@@ -86,7 +88,10 @@ class Source:
 
     @property
     def num_patches(self) -> int | None:
-        return None if self.patch_size is None else (self.image_size // (self.patch_size * self.spatial_merge)) ** 2
+        """The tokens pruning runs over: every frame's, for a video."""
+        if self.patch_size is None:
+            return None
+        return self.frames * (self.image_size // (self.patch_size * self.spatial_merge)) ** 2
 
 
 def sha256_files(paths: list[Path]) -> str:

@@ -44,6 +44,7 @@ class SiteTensors:
     # The original patch index of each patch token present, where an earlier call of the same pruner (a pruner with
     # several `layers`) has pruned some: [B, N_s] int64; None: all N patches, in order.
     patch_ids: torch.Tensor | None = None
+    frames: int = 1  # a video's frames: the N patches are frames x tokens per frame, frame by frame
 
     def __post_init__(self):
         if self.prefix is None:

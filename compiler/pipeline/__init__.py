@@ -123,6 +123,7 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
         if plan.config is not None:
             plan.config = dataclasses.replace(plan.config, head=source.head)  # for --score probe
             plan.config = over_tokens(plan.config, family.token_layout(source, options.family_options))
+            plan.config = family.fit_params(source, plan.config, SiteSpec)  # e.g. evs's --video-pruning-rate -> K
             family.check_method(source, plan.config, SiteSpec)  # what the insertion would reject, before the export
         dense = _dense_model(source, family, options, tmp, timer)
         dense_path = tmp / DENSE

@@ -11,6 +11,8 @@ from vlmprune.passes.methods.base import Method
 from vlmprune.passes.methods.cdpruner import CDPrunerMethod
 from vlmprune.passes.methods.cls import ClsMethod
 from vlmprune.passes.methods.dart import DartMethod
+from vlmprune.passes.methods.dycoke import DyCokeMethod
+from vlmprune.passes.methods.evs import EvsMethod
 from vlmprune.passes.methods.divprune import DivPruneMethod
 from vlmprune.passes.methods.grid import GridMethod
 from vlmprune.passes.methods.holov import HolovMethod
@@ -21,7 +23,7 @@ from vlmprune.passes.methods.visionzip import VisionZipMethod
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMethod, DivPruneMethod, DartMethod,
                                                    RandomKeepMethod, GridMethod, PruMergePlusMethod,
-                                                   CDPrunerMethod, HolovMethod, ToMeMethod)}
+                                                   CDPrunerMethod, HolovMethod, ToMeMethod, EvsMethod, DyCokeMethod)}
 DEFAULT = "cls"
 
 # Parts of the pruning designs vlmprune started from (its seed designs) that are trained models, not

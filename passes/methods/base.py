@@ -82,6 +82,7 @@ class SiteSpec:
     head: bool = False  # the tower's attention-pooling head is available (SigLIP's; torch sources only)
     merge: int | None = None  # patches merged per side into a site token (Qwen: 2; 1: none; None: unknown, a graph)
     tower_cls: bool | None = None  # a [CLS] token leads the tower's blocks, kept at the site or not; None: has_cls
+    frames: int = 1  # a video's frames at the site: N = frames x tokens per frame, frame by frame (compiler.contract)
 
     def __post_init__(self):
         if self.prefix is None:
@@ -117,6 +118,7 @@ class GraphInputs:
     features: ir.Value | None = None  # Needs.tower_features: the last block's output [B, prefix' + N, Dv]
     text: ir.Value | None = None  # Needs.text: the graph input text_embeds [B, T, D]
     forced: ir.Value | None = None  # --roi: F [B, N] float, 1 where a patch is forced (passes.methods.roi)
+    frames: int = 1  # a video's frames: the N patches are frames x tokens per frame, frame by frame
 
     def __post_init__(self):
         if self.prefix is None:
@@ -236,6 +238,12 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def needs(self, params: dict) -> Needs:
         """What the method reads from the model with these parameters."""
+
+    def at_site(self, params: dict, spec: SiteSpec) -> dict:
+        """The parameters this method runs with at this site, where an option is relative to it (evs's
+        --video-pruning-rate: K from the clip's frames); as given by default. The compile calls it once the source
+        is loaded, before anything reads params["keep"]."""
+        return params
 
     def check_onnx_source(self, params: dict) -> None:
         """Refuse, before any work, what an .onnx source cannot serve: its reference reads the graph's own tensors

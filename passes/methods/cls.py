@@ -77,6 +77,10 @@ class ClsMethod(Method):
         return Needs(site=BLOCK, cls=by_cls, attention=by_cls, pixels=params["lambda"] > 0, head=not by_cls)
 
     def check(self, params: dict, spec) -> None:
+        if params.get("score") == received.ATTENTION and spec.frames > 1:
+            raise InputError(f"method {self.name} --score attention ranks by the attention each token receives in one "
+                             "image's full-attention block, and a video's temporal patches attend each within itself "
+                             "(video: evs, divprune, dart)")
         if self.needs(params).cls and not spec.has_cls and spec.merge is not None and spec.merge >= 2:
             raise InputError(f"method {self.name} needs a [CLS] token, and this tower's merged tokens have none: "
                              "use --score attention (the attention each merged token receives), or divprune or dart")

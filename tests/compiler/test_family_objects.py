@@ -58,7 +58,8 @@ def test_family_options_replace_the_fixed_fields():
     fields = {f.name for f in dataclasses.fields(CompileOptions)}
     assert "family_options" in fields and not fields & {"image_size", "grid", "crop_budget"}
     declared = {name: f.id for f in FAMILIES for name in f.options}
-    assert declared == {"grid": "llava_next", "crop_budget": "llava_next", "image_size": "qwen2_vl"}
+    assert declared == {"grid": "llava_next", "crop_budget": "llava_next", "image_size": "qwen2_vl",
+                        "video_frames": "qwen2_vl"}
 
 
 def test_cli_flags_come_from_the_family_declarations():

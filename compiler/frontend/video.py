@@ -1,0 +1,102 @@
+"""Video input: a folder of frames or a short video file, sampled to the F frames a bundle was compiled for.
+
+A video bundle has a static frame count F (`compile --video-frames F`): the graph's input is
+the F frames of one clip [F, 3, S, S], each preprocessed as a still image is
+(images.preprocess: short side resized, centre crop, normalised). A longer clip is sampled
+to F frames evenly over its length (frame round(i·(n - 1)/(F - 1)), the first and the last
+included), a shorter one is refused: repeating frames would show the model a still scene.
+
+The clip made here (`clip_made_here`): a still photograph with a small bright square moving
+across it, then a scene cut to another photograph with the square still moving: what temporal
+pruning should do is visible on it (the still background goes, the moving square and the cut stay).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.images import preprocess, read_rgb, real_image
+
+FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
+
+
+def sample_indices(available: int, frames: int) -> list[int]:
+    """F frame indices spread evenly over `available` frames, the first and the last included."""
+    if frames == 1:
+        return [0]
+    return [round(i * (available - 1) / (frames - 1)) for i in range(frames)]
+
+
+def read_frames(path: str | Path, frames: int) -> tuple[list[np.ndarray], str]:
+    """uint8 HxWx3 frames of a folder of images (in name order) or a video file (imageio), sampled to F, and a line
+    saying what was read."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in FRAME_SUFFIXES)
+        if not files:
+            raise InputError(f"--video {path}: a folder with no image files ({', '.join(FRAME_SUFFIXES)})")
+        chosen = sample_indices(len(files), frames) if len(files) >= frames else None
+        if chosen is None:
+            raise InputError(f"--video {path}: {len(files)} frames, and this bundle takes {frames}")
+        return [read_rgb(str(files[i]))[0] for i in chosen], f"{path}: {len(files)} frames, sampled to {frames}"
+    if not path.is_file():
+        raise InputError(f"--video {path}: no such file or folder")
+    try:
+        import imageio.v3 as iio
+
+        clip = iio.imread(path, index=None)
+    except Exception as exc:
+        raise InputError(f"--video {path}: cannot read the video ({type(exc).__name__}: {exc})") from None
+    clip = np.asarray(clip)
+    if clip.ndim == 3:  # one frame, or grey frames
+        clip = clip[None] if clip.shape[-1] in (3, 4) else clip[..., None].repeat(3, -1)
+    if clip.ndim != 4 or len(clip) < frames:
+        raise InputError(f"--video {path}: {len(clip) if clip.ndim == 4 else 1} frames, and this bundle takes {frames}")
+    rgb = [np.repeat(f, 3, -1) if f.shape[-1] == 1 else f[..., :3] for f in clip]
+    return [rgb[i] for i in sample_indices(len(rgb), frames)], f"{path}: {len(rgb)} frames, sampled to {frames}"
+
+
+def load_clip(path: str | Path, frames: int, size: int, mean, std) -> tuple[np.ndarray, str]:
+    """[F, 3, S, S] float32: the clip's F sampled frames preprocessed as still images are."""
+    rgb, described = read_frames(path, frames)
+    return np.stack([preprocess(f, size, mean, std) for f in rgb]), described
+
+
+def clip_made_here(frames: int, size: int = 224, cut: int | None = None, square: int | None = None) -> np.ndarray:
+    """uint8 [F, size, size, 3]: a still photograph with a bright square moving left to right, and from frame `cut`
+    (default F // 2) another photograph: a still scene, a small moving object, and a scene cut."""
+    import torch
+    import torch.nn.functional as F
+
+    cut = frames // 2 if cut is None else cut
+    square = max(4, size // 8) if square is None else square
+    scenes = []
+    for name, fallback in (("astronaut", 0), ("coffee", 1)):
+        image = real_image(name)
+        if image is None:  # no scikit-image: a seeded texture stands in
+            image = (np.random.default_rng(fallback).random((size, size, 3)) * 255).astype(np.uint8)
+        x = torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1)[None].float()
+        scenes.append(F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+                      .permute(1, 2, 0).clamp(0, 255).round().byte().numpy())
+    out = []
+    for i in range(frames):
+        frame = scenes[0 if i < cut else 1].copy()
+        x = round(i * (size - square) / max(1, frames - 1))
+        y = size // 2 - square // 2
+        frame[y:y + square, x:x + square] = (255, 220, 0)
+        out.append(frame)
+    return np.stack(out)
+
+
+def write_frames(clip: np.ndarray, folder: str | Path) -> Path:
+    """The frames of a uint8 clip as PNG files frame_000.png, ... in folder (a `--video` folder)."""
+    from PIL import Image
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, frame in enumerate(clip):
+        Image.fromarray(frame).save(folder / f"frame_{i:03d}.png")
+    return folder
