@@ -229,10 +229,13 @@ def from_pretrained(model_class, checkpoint, what: str, **kwargs):
 
     For families whose checkpoints transformers renames on load (ViT and DINOv2 are saved in
     their legacy key layout), transformers' own loader is the one that knows the mapping.
-    Nothing is unpickled (use_safetensors), nothing is downloaded (local_files_only).
+    Nothing is unpickled (use_safetensors), nothing is downloaded (local_files_only). The model computes in
+    float32 whatever the checkpoint stores (published VLMs are bfloat16 or float16, and transformers would keep
+    config.json's dtype): the PyTorch reference every stage is held to is float32, as the exported graphs are.
     """
     from safetensors import SafetensorError
 
+    kwargs.setdefault("dtype", torch.float32)
     try:
         model = model_class.from_pretrained(str(checkpoint.path), config=checkpoint.config, local_files_only=True,
                                             use_safetensors=True, attn_implementation="sdpa", **kwargs).eval()

@@ -112,8 +112,8 @@ def test_listings_are_data_and_the_cli_prints_their_lines():
 
 
 @pytest.mark.parametrize("call,args,message,keywords", [
-    ("run", [], "give the input either as --image (one or more) or as --load-inputs FILE.npz",
-     "give the input either as images (one or more) or as inputs"),
+    ("run", [], "give the input either as --image (one or more), as --video PATH or as --load-inputs FILE.npz",
+     "give the input either as images (one or more), as video or as inputs"),
     ("run", ["--image", "PHOTO", "--warmup", "2"], "--warmup and --iterations only apply with --benchmark",
      "warmup and iterations only apply with benchmark=True"),
     ("inspect", [], None, None),

@@ -57,9 +57,12 @@ def test_one_table_gives_families_and_adapters():
 def test_family_options_replace_the_fixed_fields():
     fields = {f.name for f in dataclasses.fields(CompileOptions)}
     assert "family_options" in fields and not fields & {"image_size", "grid", "crop_budget"}
-    declared = {name: f.id for f in FAMILIES for name in f.options}
-    assert declared == {"grid": "llava_next", "crop_budget": "llava_next", "image_size": "qwen2_vl",
-                        "video_frames": "qwen2_vl"}
+    declared = {}
+    for family in FAMILIES:
+        for name in family.options:
+            declared.setdefault(name, set()).add(family.id)
+    assert declared == {"grid": {"llava_next"}, "crop_budget": {"llava_next"}, "image_size": {"qwen2_vl", "qwen3_vl"},
+                        "video_frames": {"qwen2_vl"}}
 
 
 def test_cli_flags_come_from_the_family_declarations():
@@ -75,7 +78,7 @@ def test_an_option_of_another_family_is_refused_in_its_words(tiny_clip_dir, tmp_
     one_line_error(result, "--crop-budget applies to anyres models (llava_next), not to this clip_vision_model model")
     assert not (tmp_path / "b").exists()
     with pytest.raises(InputError, match=r"--image-size applies to Hugging Face directories of a dynamic-resolution "
-                                         r"family \(qwen2_vl, qwen2_5_vl\); preset demo has a fixed image size"):
+                                         r"family \(qwen2_vl, qwen2_5_vl, qwen3_vl\); preset demo has a fixed image size"):
         compile_model("demo", tmp_path / "c", CompileOptions(family_options={"image_size": 112}))
     with pytest.raises(InputError, match="--image-size must be >= 1, got 0"):
         compile_model("demo", tmp_path / "c", CompileOptions(family_options={"image_size": 0}))
@@ -111,9 +114,9 @@ def test_methods_declare_needs_and_the_cli_joins_them_with_the_families():
     assert lines["cls"] == (f"towers with a [CLS] token ({with_cls}); "
                             "LLaVA-NeXT's crops under one budget; SigLIP towers with their attention-pooling head, "
                             "with --score probe; "
-                            "Qwen2-VL / Qwen2.5-VL merged tokens, with --score attention")
+                            "Qwen2-VL / Qwen2.5-VL, Qwen3-VL merged tokens, with --score attention")
     every = ", ".join(f.has[PATCH_TOKENS] for f in FAMILIES)
-    assert "LLaVA, LLaVA-NeXT, CLIP, SigLIP, ViT, DINOv2, Qwen2-VL / Qwen2.5-VL, .onnx towers" in every
+    assert "LLaVA, LLaVA-NeXT, CLIP, SigLIP, ViT, DINOv2, Qwen2-VL / Qwen2.5-VL, Qwen3-VL, .onnx towers" in every
     assert lines["divprune"] == f"every family (no [CLS] needed: {every})"
 
 

@@ -232,7 +232,7 @@ def test_a_declaration_is_all_it_takes(monkeypatch):
                                   "with TensorRT Edge-LLM")
     with pytest.raises(InputError, match="FastV is not part of TensorRT Edge-LLM's language-model graph"):
         check_llm_options(SimpleNamespace(**{**vars(options), "fastv_layer": 1, "image_start": 3}))
-    assert [line.split()[0] for line in exporter_lines()] == ["ort", "ort", "orin", "xavier", "rk3588", "qnn"]
+    assert [line.split()[0] for line in exporter_lines()] == ["ort", "ort", "orin", "xavier", "rk3588", "qnn", "openvino"]
     assert next(line for line in exporter_lines() if line.split()[0] == "xavier").startswith(
         "  xavier   TensorRT Edge-LLM 0.11.0 exporter: ")
 

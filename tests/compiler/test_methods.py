@@ -188,4 +188,4 @@ def test_methods_command_lists_needs_and_targets():
     cls_fused = "fused into TokenPrune with --score cls; standard ops with --score probe or attention"
     targets = text.split("cls: ", 1)[1].split("\n  targets:  ", 1)[1].splitlines()[0]
     assert targets == (f"ort ({cls_fused}), orin ({cls_fused}), xavier ({cls_fused}), rk3588 (standard ops), "
-                       "qnn (standard ops)")
+                       "qnn (standard ops), openvino (standard ops)")

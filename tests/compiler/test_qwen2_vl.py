@@ -412,5 +412,5 @@ def test_score_attention_is_refused_on_clip_and_by_visionzip(tiny_clip_dir, qwen
                                                                                  family_options={"image_size": 112},
                                                                                  method_options={"score": "attention"}))
     result = CliRunner().invoke(main, ["methods"])
-    assert result.exit_code == 0 and "Qwen2-VL / Qwen2.5-VL merged tokens, with --score attention" in result.output
+    assert result.exit_code == 0 and "Qwen2-VL / Qwen2.5-VL, Qwen3-VL merged tokens, with --score attention" in result.output
     assert "or attention (the attention each merged token receives" in result.output
