@@ -367,6 +367,9 @@ def report_of(model, model_hash, dataset, samples, plans, settings, bundles, res
             groups.setdefault(s.type or UNTYPED, []).append(i)
         groups = dict(sorted(groups.items()))
     correct_of = [[result.cells[st.key][s.digest]["correct"] for s in samples] for st in settings]
+    agree_of = [stats.agreement([result.cells[st.key][s.digest]["answer"] for s in samples],
+                                [result.cells[settings[0].key][s.digest]["answer"] for s in samples])
+                for st in settings]
     partners = random_partners(plans)
     dense = correct_of[0]
     rows = []
@@ -377,6 +380,7 @@ def report_of(model, model_hash, dataset, samples, plans, settings, bundles, res
         rows.append({"method": plan.label, "name": plan.method, "options": plan.method_options, "keep": plan.keep,
                      "layer": plan.layer, "where": plan.where, "baseline": plan.method in BASELINES,
                      **scores(correct_of[i], dense, random),
+                     "agreement": agreement_scores(agree_of[i], agree_of[partners[i]] if i in partners else None),
                      "by_type": {t: scores(pick(correct_of[i], idx), pick(dense, idx), pick(random, idx))
                                  for t, idx in groups.items()},
                      "bundle": str(bundles[setting.key][0]), "parity_passed": bundles[setting.key][1],
@@ -397,6 +401,16 @@ def report_of(model, model_hash, dataset, samples, plans, settings, bundles, res
             "rows": rows}
 
 
+def agreement_scores(agree: list[int], random: list[int] | None) -> dict:
+    """Agreement with dense's answers, its 95 % interval, and the paired difference to random keep's agreement."""
+    value, lo, hi = stats.accuracy_interval(agree)
+    out = {"value": value, "ci": [lo, hi], "vs_random": None}
+    if random is not None:
+        d, dlo, dhi = stats.difference_interval(agree, random)
+        out["vs_random"] = {"difference": d, "ci": [dlo, dhi], "counts": bool(dlo > 0 or dhi < 0)}
+    return out
+
+
 def interval_text(ci) -> str:
     if ci is None or not all(v is not None and math.isfinite(v) for v in ci):
         return "-"
@@ -413,19 +427,22 @@ def versus_text(vs: dict | None) -> str:
 def table(report: dict) -> list[str]:
     """The accuracy table, one line per bundle; then, for a typed dataset, accuracy per question type."""
     lines = [f"{'method':<10} {'K':>4} {'where':<14} {'accuracy':>8} {'95% CI':>15} {'retained':>8} {'95% CI':>15} "
-             f"{'vs random (95% CI)':>26}"]
+             f"{'vs random (95% CI)':>26} {'agrees':>6} {'agreement vs random':>26}"]
     for r in report["rows"]:
         keep = "" if r["keep"] is None else str(r["keep"])
         retained = "-" if r["retained"] is None else f"{r['retained']:.3f}"
         lines.append(f"{r['method']:<10} {keep:>4} {r['where']:<14} {r['accuracy']:>8.3f} "
                      f"{interval_text(r['accuracy_ci']):>15} {retained:>8} {interval_text(r['retained_ci']):>15} "
-                     f"{versus_text(r['vs_random']):>26}" + ("" if r["parity_passed"] else "  (bundle parity FAILED)"))
+                     f"{versus_text(r['vs_random']):>26} {r['agreement']['value']:>6.3f} "
+                     f"{versus_text(r['agreement']['vs_random']):>26}"
+                     + ("" if r["parity_passed"] else "  (bundle parity FAILED)"))
     lines.append(f"({report['samples']} samples, exact match of {report['max_new_tokens']} greedy tokens at most; "
                  f"majority answer {report['majority_answer']!r}: {report['majority_accuracy']:.3f}; "
                  f"{report['target']} bundles; {report['computed']} cells computed, {report['reused']} reused "
                  f"from {report['store']})")
     lines.append("(vs random: accuracy minus random keep's at the same K and place, paired 95% interval; "
-                 "* where it excludes 0)")
+                 "* where it excludes 0. agrees: the share of answers equal to dense's own, right or wrong; "
+                 "agreement vs random: minus random keep's, paired as above)")
     if report.get("retained_null"):
         lines.append(f"(retained -: {report['retained_null']})")
     types = report.get("types") or {}

@@ -651,7 +651,8 @@ def quality_html(data: dict) -> str:
         out.append(f"<dt>latency</dt><dd>{e(data['latency']['summary'])}</dd>")
     out += ["</dl>", "<h2>Accuracy</h2>"]
     latency = any(r.get("tower_ms") is not None for r in rows)
-    columns = ["method", "K", "where", "accuracy", "95% CI", "retained", "95% CI", "vs random (95% CI)"]
+    columns = ["method", "K", "where", "accuracy", "95% CI", "retained", "95% CI", "vs random (95% CI)",
+               "agrees with dense", "agreement vs random"]
     if latency:
         columns += ["tower ms", "speedup"]
     table_rows = []
@@ -659,13 +660,18 @@ def quality_html(data: dict) -> str:
         row = [r["method"], "" if r["keep"] is None else r["keep"], r["where"], f"{r['accuracy']:.3f}",
                _ci(r["accuracy_ci"]), "—" if r["retained"] is None else f"{r['retained']:.3f}", _ci(r["retained_ci"]),
                _versus(r.get("vs_random"))]
+        agreement = r.get("agreement")  # reports written before agreement was measured have none
+        row += ["—", "—"] if agreement is None else [f"{agreement['value']:.3f} {_ci(agreement['ci'])}",
+                                                      _versus(agreement["vs_random"])]
         if latency:
             row += ["—" if r.get("tower_ms") is None else f"{r['tower_ms']:.1f}",
                     "—" if r.get("tower_speedup") is None else f"{r['tower_speedup']:.2f}x"]
         table_rows.append(row + ["pass" if r["parity_passed"] else "FAIL"])
     out.append(_html_table((*columns, "bundle parity"), table_rows))
     out.append('<p class="key">vs random: accuracy minus random keep\'s at the same K and place, with the paired 95 % '
-               "bootstrap interval; * where the interval excludes 0 (only there does the difference count).</p>")
+               "bootstrap interval; * where the interval excludes 0 (only there does the difference count). Agrees with dense: "
+               "the share of answers equal to the dense bundle's own, right or wrong (it sees what pruning changed "
+               "where the model is at chance); agreement vs random: minus random keep's, paired the same way.</p>")
     if data.get("retained_null"):
         out.append(f'<p class="info">Retained — : {e(data["retained_null"])}.</p>')
     if types:

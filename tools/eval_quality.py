@@ -272,7 +272,7 @@ def versus(vs) -> str:
 def markdown(report: dict, out_rows: list[dict], extras: bool, latency: bool) -> list[str]:
     """The overall table, then accuracy per question type (with each type's majority baseline) where typed."""
     head = ["method", "K", "patches kept (mean)", "pruned", "accuracy (95% CI)", "retained (95% CI)",
-            "vs random (95% CI)"]
+            "vs random (95% CI)", "agrees with dense (95% CI)", "agreement vs random (95% CI)"]
     if latency:
         head += ["tower ms", "tower speedup", "TTFT ms", "KV per image"]
     if extras:
@@ -283,7 +283,8 @@ def markdown(report: dict, out_rows: list[dict], extras: bool, latency: bool) ->
         cells = [r["method"] + (" (baseline)" if r["baseline"] else ""), keep, f"{r['mean_kept']:.1f}", r["where"],
                  f"{r['accuracy']:.3f} {ci(r['accuracy_ci'])}",
                  "—" if r["retained"] is None else f"{r['retained']:.3f} {ci(r['retained_ci'])}",
-                 versus(r["vs_random"])]
+                 versus(r["vs_random"]), f"{r['agreement']['value']:.3f} {ci(r['agreement']['ci'])}",
+                 versus(r["agreement"]["vs_random"])]
         if latency:
             cells += ["—" if r.get("tower_ms") is None else f"{r['tower_ms']:.1f}",
                       "—" if r.get("tower_speedup") is None else f"{r['tower_speedup']:.2f}x",
@@ -294,7 +295,10 @@ def markdown(report: dict, out_rows: list[dict], extras: bool, latency: bool) ->
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("vs random: accuracy minus random keep's at the same K and place, paired 95 % bootstrap interval; "
-                 "**bold** where the interval excludes 0 (only there does the difference count).")
+                 "**bold** where the interval excludes 0 (only there does the difference count). Agrees with "
+                 "dense: the share of answers equal to the dense bundle's own, right or wrong, which sees what "
+                 "pruning changed where the model answers at chance; agreement vs random: minus random keep's, "
+                 "paired the same way.")
     if report.get("retained_null"):
         lines.append(f"retained —: {report['retained_null']}.")
     types = report.get("types") or {}
@@ -412,7 +416,7 @@ def run(a, log) -> int:
                 cos = np.sum(emb * dense_cls, 1) / (np.linalg.norm(emb, axis=1) * np.linalg.norm(dense_cls, axis=1))
             extra = {"saliency_held": float(np.nanmean(held)), "cls_cosine": float(np.mean(cos))}
         out_rows.append({**{k: row.get(k) for k in ("method", "keep", "layer", "where", "baseline", "accuracy",
-                                                     "accuracy_ci", "retained", "retained_ci", "vs_random",
+                                                     "accuracy_ci", "retained", "retained_ci", "vs_random", "agreement",
                                                      "by_type", "parity_passed", "tower_ms", "tower_speedup",
                                                      "ttft_ms", "ttft_speedup", "kv_bytes")},
                          **extra, "mean_kept": float(np.mean(tokens))})

@@ -8,6 +8,11 @@ samples together (a paired ratio), as a paired comparison has to; so does the di
 two rows' accuracies (difference_interval: a row against random keep at the same K and place),
 which counts only where its interval excludes 0.
 
+Agreement with dense (agreement): the share of samples whose answer is the dense bundle's own answer, after the
+same normalisation. It does not need the answer to be right, so it measures what pruning changed even on question
+types where the model sits at chance, where accuracy cannot tell methods apart; its paired difference to random
+keep's agreement is the benchmark's second ranking.
+
 The majority baseline is the accuracy of always giving the most frequent answer: ties go to the
 answer that sorts first, so the baseline is the same whatever order the samples come in.
 """
@@ -31,6 +36,14 @@ def normalize(text: str) -> str:
 def exact_match(answer: str, accepted) -> bool:
     got = normalize(answer)
     return got != "" and any(got == normalize(a) for a in accepted)
+
+
+def agreement(answers, reference) -> list[int]:
+    """1 where an answer is the reference's (the dense bundle's), normalised as exact_match normalises, else 0."""
+    answers, reference = list(answers), list(reference)
+    if len(answers) != len(reference):
+        raise ValueError("agreement needs the answers of both rows on the same samples")
+    return [int(normalize(a) == normalize(r)) for a, r in zip(answers, reference)]
 
 
 def _indices(n: int, resamples: int, seed: int) -> np.ndarray:

@@ -101,6 +101,30 @@ def test_every_cell_is_the_bundles_generate_answer(setup, tmp_path):
     assert report["computed"] == len(rows) * 6 and report["reused"] == 0
 
 
+def test_agreement_is_each_rows_answers_against_dense_and_paired_with_random(setup):
+    """Agreement with dense is recomputed here from the stored answers; only rows with a random partner at their K
+    and place get a paired difference, and random's own row has none."""
+    _model, _data, _store, report = setup
+    rows, digests = report["rows"], report["sample_digests"]
+    dense = [rows[0]["answers"][d]["answer"] for d in digests]
+    assert rows[0]["agreement"]["value"] == 1.0 and rows[0]["agreement"]["vs_random"] is None
+    for row in rows[1:]:
+        agree = [stats.normalize(row["answers"][d]["answer"]) == stats.normalize(a) for d, a in zip(digests, dense)]
+        assert row["agreement"]["value"] == pytest.approx(np.mean(agree))
+        lo, hi = row["agreement"]["ci"]
+        assert lo <= row["agreement"]["value"] <= hi
+        partner = next((r for r in rows if r["method"] == "random" and (r["keep"], r["layer"]) ==
+                        (row["keep"], row["layer"])), None)
+        if row["method"] == "random" or partner is None:
+            assert row["agreement"]["vs_random"] is None
+        else:
+            mine = np.mean(agree)
+            theirs = np.mean([stats.normalize(partner["answers"][d]["answer"]) == stats.normalize(a)
+                              for d, a in zip(digests, dense)])
+            assert row["agreement"]["vs_random"]["difference"] == pytest.approx(mine - theirs)
+    assert any(r["agreement"]["value"] < 1 for r in rows)  # pruning changed some answer: the figure can move
+
+
 def test_a_rerun_reuses_every_cell_and_bundle(setup):
     model, data, store, report = setup
     again = evaluate_dataset(str(model), data, ["cls", "divprune"], [8, 16], ["1", "end"], store=store,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from vlmprune.compiler.quality.stats import (RESAMPLES, SEED, accuracy_interval, difference_interval,
+from vlmprune.compiler.quality.stats import (RESAMPLES, SEED, accuracy_interval, agreement, difference_interval,
                                              exact_match, majority, normalize, retained_interval)
 
 
@@ -161,3 +161,10 @@ def test_majority_breaks_ties_by_answer_text_whatever_the_order():
     for order in (sets, sets[::-1], sets[2:] + sets[:2]):
         assert majority(order) == ("no", 2 / 5)
     assert majority([("y",), ("x", "y")]) == ("x", 0.5)  # scored by exact match against every accepted answer
+
+
+def test_agreement_is_the_dense_answer_after_normalisation_right_or_wrong():
+    """Agreement counts the same answer as dense's, whether either is right: 'The Cat.' agrees with 'cat'."""
+    assert agreement(["The Cat.", "dog", "", "red"], ["cat", "cat", "", "blue"]) == [1, 0, 1, 0]
+    with pytest.raises(ValueError):
+        agreement(["a"], ["a", "b"])
