@@ -61,3 +61,22 @@ def test_the_readme_command_line_lists_every_method():
     text = (Path(__file__).parents[1] / "README.md").read_text()
     listed = re.search(r"--method \{([^}]*)\}", text).group(1).split(",")
     assert sorted(listed) == sorted(METHODS)
+
+
+def test_the_readme_says_what_its_first_command_says_when_run_again(tmp_path, monkeypatch):
+    """Issue 31: the README's first command, run twice, stopped with `build already exists` and the README said
+    nothing of it. The README quotes the line the second run prints (a bundle at build/ already)."""
+    from click.testing import CliRunner
+
+    from vlmprune.compiler.cli import main
+
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"&& vlmprune (compile demo [^\n]*-o build/)", readme)[1].split()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "manifest.json").write_text("{}")  # a bundle's marker: the first run's output
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().removeprefix("error: ")
+    assert line == "build already exists (use --force to replace it)", result.output
+    assert f"`{line}`" in " ".join(readme.split()) and "add `--force`" in readme
