@@ -80,3 +80,18 @@ def test_the_readme_says_what_its_first_command_says_when_run_again(tmp_path, mo
     line = result.output.strip().removeprefix("error: ")
     assert line == "build already exists (use --force to replace it)", result.output
     assert f"`{line}`" in " ".join(readme.split()) and "add `--force`" in readme
+
+
+def test_the_readme_states_the_opset_ranges_the_targets_enforce():
+    """Issue 31 item 3: the README's opsets per target were not those the code held to."""
+    from vlmprune.targets import get_target
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"`--opset` \(what each target declares, refused before any work outside it: ([^`]*)`vlmprune "
+                     r"targets` lists them\)", text)[1]
+    ranges = {}
+    for part in filter(str.strip, said.split(";")):
+        names, low, high = re.match(r"\s*([a-z0-9 ]+?) (\d+)–(\d+)", part).groups()
+        for name in names.split(" and "):
+            ranges[name] = (int(low), int(high))
+    assert ranges == {t: get_target(t).opsets for t in ("ort", "qnn", "orin", "xavier", "rk3588")}, said
