@@ -168,9 +168,9 @@ class CompileResult(pipeline.CompileResult):
                 where = ("progressive, " + ", ".join(f"{s['keep']} after block {s['layer']}" for s in steps)
                          + f" of {method.num_blocks}" + ("" if method.layer == method.num_blocks else
                                                          "; " + _later(method)))
-            out.append(f"tokens: {_tokens_in(method, 'patch tokens')} -> {method.summary.split(' (')[0]} ({where})")
+            out.append(f"tokens: {_tokens_in(method, 'patch tokens')} -> {_own_summary(method)} ({where})")
         else:
-            out.append(f"tokens: {_tokens_in(method, 'tokens')} -> {method.summary.split(' (')[0]} "
+            out.append(f"tokens: {_tokens_in(method, 'tokens')} -> {_own_summary(method)} "
                        "(on the projector output)")
         out += [_stage_line(name, stage) for name, stage in manifest.parity.stages.items()]
         if manifest.llm_graphs:
@@ -218,6 +218,12 @@ def _later(method: MethodSection) -> str:
     n = method.num_blocks - method.layer
     return (f"the {n} later blocks run on {method.tokens_out} tokens" if n > 1 else
             f"the last block runs on {method.tokens_out} tokens")
+
+
+def _own_summary(method: MethodSection) -> str:
+    """The method's own line, without the " (where, N patch tokens)" the pipeline appends to it: the last
+    parenthesis only, as the method's line may hold its own ("random keep (baseline): 32 patches ...")."""
+    return method.summary.rsplit(" (", 1)[0]
 
 
 def _tokens_in(method: MethodSection, noun: str) -> str:

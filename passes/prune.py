@@ -44,8 +44,11 @@ def prune_record(model: ir.Model) -> dict | None:
     return None if text is None else json.loads(text)
 
 
-def summary(method: Method, params: dict) -> str:
-    """The record's one line: the method's own, and what --coverage adds to any method that takes it."""
+def summary(method: Method, params: dict, num_patches: int | None = None) -> str:
+    """The record's one line: the method's own, and what --coverage adds to any method that takes it. Given the
+    site's patch count, a count the method derives from N and K (holov's P) is said as its number."""
+    if num_patches is not None and hasattr(method, "partitions"):
+        params = {**params, "partitions": method.partitions(params, num_patches)}
     return method.describe(params) + coverage.describe(params)
 
 
@@ -167,7 +170,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
                   "num_blocks": spec.num_blocks, "tokens_in": tokens_in, "tokens_out": tokens_out,
                   "num_patches": spec.num_patches, "has_cls": spec.has_cls, "prefix": spec.prefix,
                   "kept": KEPT_INDICES,
-                  "kept_count": self.params["keep"], "summary": summary(self.method, self.params)}
+                  "kept_count": self.params["keep"], "summary": summary(self.method, self.params, spec.num_patches)}
         if text is not None:  # the graph input the prompt-aware method added (compiler.prompt feeds it)
             record["text"] = {"name": TEXT, "dim": text}
         if forced is not None:  # the ROI inputs (compiler.roi feeds them)

@@ -61,3 +61,37 @@ def test_the_readme_command_line_lists_every_method():
     text = (Path(__file__).parents[1] / "README.md").read_text()
     listed = re.search(r"--method \{([^}]*)\}", text).group(1).split(",")
     assert sorted(listed) == sorted(METHODS)
+
+
+def test_the_readme_says_what_its_first_command_says_when_run_again(tmp_path, monkeypatch):
+    """Issue 31: the README's first command, run twice, stopped with `build already exists` and the README said
+    nothing of it. The README quotes the line the second run prints (a bundle at build/ already)."""
+    from click.testing import CliRunner
+
+    from vlmprune.compiler.cli import main
+
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"&& vlmprune (compile demo [^\n]*-o build/)", readme)[1].split()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "manifest.json").write_text("{}")  # a bundle's marker: the first run's output
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().removeprefix("error: ")
+    assert line == "build already exists (use --force to replace it)", result.output
+    assert f"`{line}`" in " ".join(readme.split()) and "add `--force`" in readme
+
+
+def test_the_readme_states_the_opset_ranges_the_targets_enforce():
+    """Issue 31 item 3: the README's opsets per target were not those the code held to."""
+    from vlmprune.targets import get_target
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"`--opset` \(what each target declares, refused before any work outside it: ([^`]*)`vlmprune "
+                     r"targets` lists them\)", text)[1]
+    ranges = {}
+    for part in filter(str.strip, said.split(";")):
+        names, low, high = re.match(r"\s*([a-z0-9 ]+?) (\d+)–(\d+)", part).groups()
+        for name in names.split(" and "):
+            ranges[name] = (int(low), int(high))
+    assert ranges == {t: get_target(t).opsets for t in ("ort", "qnn", "orin", "xavier", "rk3588")}, said

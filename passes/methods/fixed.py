@@ -72,9 +72,6 @@ class FixedMethod(Method):
         # projector output's tokens as its keys (--site features).
         return bool(params.get("merge")) and params["site"] == FEATURES
 
-    def where(self, params: dict) -> str:
-        return "after block L" if params["site"] == BLOCK else "on the projector output"
-
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         prefix, patches = split_prefix(inputs.hidden, inputs.prefix)
         index = torch.from_numpy(self.indices(params, patches.shape[1])).to(patches.device)

@@ -41,7 +41,7 @@ class GridMethod(FixedMethod):
     options = {"site": (str, SITE_HELP)}
 
     def describe(self, params: dict) -> str:
-        return f"uniform grid (baseline): {params['keep']} patches, {self.where(params)}"
+        return f"uniform grid (baseline): {params['keep']} patches"
 
     def indices(self, params: dict, n: int) -> np.ndarray:
         return grid_indices(n, params["keep"])

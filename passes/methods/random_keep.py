@@ -37,7 +37,7 @@ class RandomKeepMethod(FixedMethod):
         return params
 
     def describe(self, params: dict) -> str:
-        return f"random keep (baseline): {params['keep']} patches drawn at seed {params['seed']}, {self.where(params)}"
+        return f"random keep (baseline): {params['keep']} patches drawn at seed {params['seed']}"
 
     def indices(self, params: dict, n: int) -> np.ndarray:
         return random_indices(n, params["keep"], params["seed"])

@@ -158,3 +158,18 @@ def test_latency_curve_picture_draws_points_budget_and_choice():
     assert {pictures.BUDGET_RGB, pictures.CURVE_RGB, pictures.CHOSEN_RGB} <= colors
     one_point = np.asarray(pictures.latency_curve({"budget_ms": 5.0, "chosen": 4, "curve": [[4, 3.0]]}))
     assert pictures.CHOSEN_RGB in {tuple(c) for c in one_point.reshape(-1, 3)}
+
+
+def test_a_compile_on_a_flat_curve_warns_and_records_it(tiny_llava_dir, tmp_path, monkeypatch):
+    """Issue 31: `--keep auto` on the demo's flat curve picked K from noise without a word; the compile says so in
+    a warning line and in manifest["keep_auto"]["flat"]. (The timings are the demo's, given: this machine's
+    noise would make the test's outcome noise.)"""
+    demo = {1: 36.5, 8: 38.2, 32: 39.1, 63: 40.7}
+    monkeypatch.setattr(auto_keep, "search", lambda measure, first, last, budget, progress: (
+        63, {k: auto_keep.Timing(k, _runs(ms, 3.0)) for k, ms in demo.items()}))
+    out = tmp_path / "b"
+    result = run_cli("compile", tiny_llava_dir, "--keep", "auto", "--latency-ms", 10000, "--layer", 1, "-o", out)
+    assert result.exit_code == 0, result.output
+    flat = json.loads((out / "manifest.json").read_text())["keep_auto"]["flat"]
+    assert flat and flat.startswith("K does not change the latency here")
+    assert any(line.endswith(f"] warning: keep auto: {flat}") for line in result.stderr.splitlines()), result.stderr

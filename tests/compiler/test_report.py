@@ -270,3 +270,29 @@ def test_check_quiet_failure_names_its_figure_and_bound(checked):
     line = next(s for s in bad.stdout.splitlines() if s.startswith("rewritten"))
     assert re.fullmatch(r"rewritten  FAIL  cosine_min \S+, max_abs \S+ \(≤ 0\), index_agreement 1"
                         r"  \(failing: image_features\)", line), bad.stdout
+
+
+@pytest.mark.parametrize("own", ["random keep (baseline): 32 patches drawn at seed 0",
+                                 "uniform grid (baseline): 32 patches",
+                                 "probe attention (pooling head): top 32 + 1 summary"])
+def test_the_compile_summary_keeps_a_methods_own_parenthesis_and_its_k(own):
+    """Issue 31: random, grid and SigLIP's probe said no K (`576 patch tokens -> random keep (at the tower's end,
+    after block 5/5)`): the line was cut at the method's own first parenthesis, not at the one the pipeline adds."""
+    from vlmprune.compiler.api import CompileResult
+    from vlmprune.compiler.bundle.manifest import Manifest
+
+    method = {"name": "random", "summary": f"{own} (after block 5/5, 576 patch tokens)", "site": "block",
+              "layer": 5, "num_blocks": 5, "num_patches": 576, "params": {"keep": 32}}
+    manifest = Manifest({"model": {}, "method": method, "target": {}, "parity": {"stages": {}}})
+    lines = CompileResult("b", manifest, None, 1.0).lines()
+    assert lines[0] == f"tokens: 576 patch tokens -> {own} (at the tower's end, after block 5/5)", lines
+
+
+@pytest.mark.parametrize("name", ["random", "grid"])
+def test_the_baselines_say_their_k_and_leave_where_to_the_pipeline(name):
+    """Their line said `after block L`, a letter, beside the pipeline's own `(after block 5/5, ...)`."""
+    from vlmprune.passes.methods import get_method
+
+    method = get_method(name)
+    said = method.describe(method.parse(32, {}))
+    assert "32 patches" in said and "block L" not in said, said

@@ -209,3 +209,14 @@ def test_refusals():
         method.check(method.parse(64, {}), SiteSpec(64, False, tower_cls=True))
     with pytest.raises(InputError, match="--pivots is not an option of method holov"):
         method.parse(16, {"pivots": 3})
+
+
+def test_the_summary_says_the_number_of_crops_not_its_formula():
+    """Issue 31: the compile summary printed `max(1, int((1024/576)·N/K)) raster crops` instead of the number."""
+    from vlmprune.passes.prune import summary
+
+    method = get_method("holov")
+    params = method.parse(64, {})
+    said = summary(method, params, 576)
+    assert f"over {default_partitions(576, 64)} raster crops, 64 kept" in said and "max(1" not in said, said
+    assert "over 8 raster crops" in summary(method, method.parse(64, {"partitions": 8}), 576)
