@@ -290,3 +290,27 @@ def test_with_llm_on_ort_and_generate_cli(llm_bundle, llm_dir, cat):
                      "--prompt", "what is in the image?", "--max-new-tokens", "3")
     assert result.exit_code == 0, result.output
     assert "pruned: 8 image tokens" in result.output and "the bundle's LLM graphs" in result.output
+
+
+def test_eval_reference_and_bundle(llm_bundle, llm_dir, tmp_path):
+    """eval's harness holds (its dense splice is HF's forward), and the bundle's rows give its reference's figures."""
+    from skimage import data
+
+    from cli_helpers import eval_inputs
+    from vlmprune.compiler.evaluate import evaluate
+
+    images, prompts = eval_inputs(tmp_path, {"cat.png": data.chelsea(), "coffee.png": data.coffee()},
+                                  ["what is in the image?", "describe it."])
+    report = evaluate(str(llm_dir), images, prompts, ["divprune"], [8], max_new_tokens=2,
+                      bundles=[llm_bundle.bundle])
+    assert report["harness_kl_max"] < 1e-8 and report["dense_image_tokens"] == TOKENS
+    reference, compiled = report["results"]
+    assert reference["from"] == "reference" and compiled["from"].startswith("bundle")
+    for a, b in zip(reference["samples"], compiled["samples"]):
+        assert np.isfinite(a["kl"]) and a["kl"] > 0
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]
+
+
+def test_edgellm_refuses_internvl_in_one_line(llm_dir, tmp_path):
+    one_line_error(run_cli("compile", llm_dir, "-o", tmp_path / "b", "--target", "orin", "--method", "divprune",
+                           "--keep", "6", "--with-llm"), "is model type 'internvl'")
