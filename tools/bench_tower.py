@@ -5,12 +5,14 @@
         [--method cls|visionzip|divprune|dart] [--score cls|probe] [--ort-only] [--no-openvino] [--no-bf16]
         [--no-peers]
 
---model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448`, `qwen3-vl-2b-512` where present, `demo`)
+--model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448`, `qwen3-vl-2b-512`,
+`internvl3-1b-448` where present, `demo`)
 or a Hugging Face directory. --method defaults to one the model serves: cls for towers with a
-[CLS] token, cls --score probe for towers with an attention-pooling head (SigLIP), else
-divprune. A method that prunes the projector output (divprune, dart) has one pruned row: the
-tower runs dense and the saving is the LLM's. --ort-only times the ONNX Runtime rows only (the
-torch eager output is still computed once, as the reference they are checked against).
+[CLS] token whose features are not merged after the tower (InternVL's are: divprune), cls --score
+probe for towers with an attention-pooling head (SigLIP), else divprune. A method that prunes the
+projector output (divprune, dart) has one pruned row: the tower runs dense and the saving is the
+LLM's. --ort-only times the ONNX Runtime rows only (the torch eager output is still computed once,
+as the reference they are checked against).
 
 After the latency table, every ONNX Runtime row gets its FLOP-limit ratio: the measured
 speedup over the dense ORT row divided by the speedup the FLOPs allow, FLOPs(dense) /
@@ -136,7 +138,8 @@ def _method_for(source, name: str | None, score: str | None) -> tuple[Method, di
     """(method, its options): the one asked for, else one the model serves (cls, cls --score probe, divprune)."""
     head = source.head
     if name is None:
-        name = "cls" if source.has_cls else "cls" if head is not None else "divprune"
+        merged = source.spatial_merge > 1  # tokens merged after the tower (InternVL's [CLS] tower too): its features
+        name = "divprune" if merged else "cls" if source.has_cls or head is not None else "divprune"
         if not source.has_cls and head is not None and score is None:
             score = "probe"
     options = {"score": score} if score is not None else {}

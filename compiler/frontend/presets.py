@@ -9,7 +9,9 @@
 - `qwen2.5-vl-3b-448`: the shapes of Qwen2.5-VL-3B's vision tower and merger at 448x448 (32 blocks,
   1280 wide, window attention but in blocks 7, 15, 23, 31; 1024 patches -> 256 tokens of 2048);
 - `qwen3-vl-2b-512`: the shapes of Qwen3-VL-2B's vision tower, merger and DeepStack mergers at 512x512 (24 blocks,
-  1024 wide, patch 16, DeepStack after blocks 5, 11, 17; 1024 patches -> 256 tokens of 4 x 2048).
+  1024 wide, patch 16, DeepStack after blocks 5, 11, 17; 1024 patches -> 256 tokens of 4 x 2048);
+- `internvl3-1b-448`: the shapes of InternVL3-1B's InternViT-300M tower and connector at 448x448 (24 blocks,
+  1024 wide, [CLS], layer scales; pixel shuffle 2x2 + MLP projector 4096 -> 896; 1024 patches -> 256 tokens).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ PRESETS = {"demo": "a small LLaVA model (CLIP tower, 576 patches), seeded", "cli
            "qwen2.5-vl-3b-448": "Qwen2.5-VL-3B's vision tower and merger shapes at 448x448 (1024 patches, 256 "
                                 "merged tokens), seeded",
            "qwen3-vl-2b-512": "Qwen3-VL-2B's vision tower, merger and DeepStack mergers at 512x512 (1024 patches, 256 "
-                              "merged tokens, each with its 3 DeepStack rows), seeded"}
+                              "merged tokens, each with its 3 DeepStack rows), seeded",
+           "internvl3-1b-448": "InternVL3-1B's InternViT-300M tower, pixel shuffle and projector shapes at 448x448 "
+                               "(1024 patches, 256 merged tokens of 896), seeded"}
 
 
 def load_preset(name: str) -> Source:
@@ -42,6 +46,8 @@ def load_preset(name: str) -> Source:
         return _qwen2_5_vl_3b_448()
     if name == "qwen3-vl-2b-512":
         return _qwen3_vl_2b_512()
+    if name == "internvl3-1b-448":
+        return _internvl3_1b_448()
     return _demo() if name == "demo" else _clip_l_336()
 
 
@@ -137,3 +143,27 @@ def _qwen3_vl_2b_512() -> Source:
     visual = build_visual(vision)
     seeded_init(visual, seed=0)  # its norms are LayerNorms: unit scales
     return qwen3_source("qwen3-vl-2b-512", "preset", visual, 512, sha256_state(visual))
+
+
+def _internvl3_1b_448() -> Source:
+    """InternVL3-1B's vision side (its config.json): InternViT-300M, 24 blocks 1024 wide (MLP 4096, gelu, 16 heads,
+    LayerNorm, layer scales, no q/k norm, mean pooling: no final norm), 448 px at patch 14 ([CLS] + 1024 patches),
+    pixel shuffle 0.5 into 256 tokens of 4096, projector LayerNorm -> 4096 -> 896 (Qwen2.5-0.5B's width)."""
+    from transformers import InternVLConfig
+
+    from vlmprune.compiler.frontend.internvl import build_projector, build_tower, internvl_source
+
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                  image_size=[448, 448], patch_size=[14, 14], norm_type="layer_norm", use_qk_norm=False,
+                  use_mean_pooling=True, layer_scale_init_value=0.1, hidden_act="gelu")
+    text = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2, vocab_size=151674)
+    config = InternVLConfig(vision_config=vision, text_config=text, downsample_ratio=0.5, vision_feature_layer=-1,
+                            vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    tower, projector = build_tower(config.vision_config), build_projector(config)
+    seeded_init(nn.ModuleList([tower, projector]), seed=0)
+    with torch.no_grad():  # seeded_init draws every non-norm parameter N(0, 0.02): layer scales at their 0.1
+        for layer in tower.encoder.layer:
+            layer.lambda_1.fill_(0.1)
+            layer.lambda_2.fill_(0.1)
+    return internvl_source("internvl3-1b-448", "preset", config, tower, projector, None)

@@ -103,3 +103,27 @@ def tiny_qwen3_vl(path: Path, seed: int = 0, ids: dict | None = None, **text) ->
     spread(model, ("visual.", "model.visual."))
     model.eval().save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def tiny_internvl(path: Path, seed: int = 0, image_token_id: int = 120, **text) -> Path:
+    """A seeded tiny InternVL3 (InternVLForConditionalGeneration) saved (safetensors) at path, its tower and projector
+    spread: 3 vision blocks 32 wide (2 heads, layer scales 0.5), 112 px at patch 14 ([CLS] + 8x8 patches, pixel-
+    shuffled 2x2 into 4x4 = 16 tokens), a Qwen2 LLM (text: overrides; default 1 layer, 48 wide, vocab 128,
+    image_token_id 120 by default)."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    config = dict(model_type="qwen2", hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, vocab_size=128)
+    config.update(text)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                  image_size=[112, 112], patch_size=[14, 14], layer_scale_init_value=0.5)
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(InternVLConfig(vision_config=vision, text_config=config,
+                                                            image_token_id=image_token_id))
+    spread(model, ("model.vision_tower.", "model.multi_modal_projector."))
+    with torch.no_grad():  # the [CLS] token and position table start at zero: spread them too
+        embeddings = model.model.vision_tower.embeddings
+        embeddings.cls_token.normal_(0.0, 0.2)
+        embeddings.position_embeddings.normal_(0.0, 0.2)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return Path(path)

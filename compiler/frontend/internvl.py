@@ -1,0 +1,206 @@
+"""Family `internvl`: InternVL3 (InternVLForConditionalGeneration, transformers' native `internvl` model_type).
+
+Its vision tower (InternVisionModel: a [CLS] token, learned absolute positions, pre-norm blocks with
+layer scales lambda_1 / lambda_2, optional q/k RMS norms) runs through VisionPipeline, as CLIP's does;
+the connector is a pixel shuffle at downsample_ratio 0.5 followed by the projector (LayerNorm ->
+Linear -> GELU -> Linear into the Qwen2 LLM's width). At InternVL3-1B's 448 px, patch 14: [CLS] +
+32x32 = 1024 patches; the select strategy `default` drops [CLS]; the shuffle concatenates each 2x2
+group of patches (channels ordered (row, column, width)) into one of 16x16 = 256 tokens, raster order.
+
+What the graph computes, image by image equal to the model's own get_image_features (tested against
+transformers, fp32): the tower (hidden_states[vision_feature_layer], the final layernorm only for -1
+and only where use_mean_pooling is off), the shuffle as transformers writes it (4-D views and permutes
+only), the projector. A bundle takes one 448 tile per image: InternVL's processor tiling (crop_to_patches
+into up to 12 tiles plus a thumbnail) is not compiled; each tile is an image of the batch.
+
+Where pruning goes: after the connector, on the merged tokens (the features site; Source.spatial_merge
+2): divprune, dart, and random / grid with --site features. Refused in one line before any work:
+block-site methods (cls, visionzip, tome, ...), since the shuffle needs whole 2x2 groups of the full
+grid and a method there keeps single patches; and methods that score by the tower's attention (holov,
+cls --score attention, cdpruner's feature layer), since that attention runs over [CLS] + single
+patches, not over the merged tokens. The patch Conv is spelled as one MatMul (as Qwen2-VL's is), so the
+site finder counts the merged tokens at the features site. Kept tokens carry their index in the 16x16
+merged grid (`positions` "indices"): the Qwen2 LLM's 1-D positions, original-positions rule.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family
+from vlmprune.compiler.frontend.source import (Source, feature_blocks, load_state, no_init_weights,
+                                               read_safetensors, sha256_files, sha256_state)
+from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+MODEL_TYPES = ("internvl",)
+WHY_NOT_BLOCK = ("InternVL's connector pixel-shuffles each 2x2 group of the full patch grid into one token after "
+                 "the tower, so pruning single patches inside it breaks the shuffle: prune the merged tokens "
+                 "(divprune, dart, random or grid with --site features)")
+
+
+def square(value, what: str) -> int:
+    """An int from a config's size (InternVL's are [h, w] pairs); non-square ones are refused in one line."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise InputError(f"InternVL {what} {list(value)} is not square; vlmprune compiles square tiles")
+        value = value[0]
+    return int(value)
+
+
+def build_tower(vision_config) -> nn.Module:
+    """The InternVisionModel of the config, its weights left to the caller (transformers' slow init skipped)."""
+    from transformers.models.internvl.modeling_internvl import InternVLVisionModel
+
+    vision_config._attn_implementation = "sdpa"
+    with no_init_weights():
+        return InternVLVisionModel(vision_config).eval()
+
+
+def build_projector(config) -> nn.Module:
+    from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
+
+    with no_init_weights():
+        return InternVLMultiModalProjector(config).eval()
+
+
+def tower_parts(model) -> TowerParts:
+    """How VisionPipeline runs an InternVisionModel: layernorm_before/after, q/k norms, layer scales."""
+    def parts(layer) -> BlockParts:
+        a = layer.attention
+        q = a.q_proj if isinstance(a.q_norm, nn.Identity) else (lambda x: a.q_norm(a.q_proj(x)))
+        k = a.k_proj if isinstance(a.k_norm, nn.Identity) else (lambda x: a.k_norm(a.k_proj(x)))
+        return BlockParts(layer.layernorm_before, q, k, a.v_proj, a.projection_layer, a.num_heads, a.scale,
+                          layer.layernorm_after, layer.mlp, lambda x: layer.lambda_1 * x, lambda x: layer.lambda_2 * x)
+
+    final = None if isinstance(model.layernorm, nn.Identity) else model.layernorm
+    return TowerParts(model, lambda pixel_values: embed(model.embeddings, pixel_values), list(model.encoder.layer),
+                      parts, final)
+
+
+def embed(embeddings, pixel_values: torch.Tensor) -> torch.Tensor:
+    """[B, 3, S, S] -> [CLS] + patch embeddings + positions [B, 1 + N, D], as InternVLVisionEmbeddings at its own size.
+
+    The patch Conv is spelled as one MatMul over the flattened patches (Qwen2-VL's tower does the same): the site
+    finder then reads the token count at the features site as the merged tokens', not the Conv's patch grid.
+    """
+    conv = embeddings.patch_embeddings.projection
+    p = conv.kernel_size[0]
+    b, c, s, _ = pixel_values.shape
+    g = s // p
+    x = pixel_values.reshape(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
+    h = x @ conv.weight.reshape(conv.weight.shape[0], -1).t() + conv.bias
+    h = torch.cat([embeddings.cls_token.expand(b, -1, -1), h], dim=1)
+    return h if embeddings.position_embeddings is None else h + embeddings.position_embeddings
+
+
+class PixelShuffleProjector(nn.Module):
+    """[B, N, D] patch tokens (raster order, no [CLS]) -> pixel shuffle -> projector: [B, N·r², out].
+
+    The shuffle is transformers' InternVLModel.pixel_shuffle (views and permutes of 4-D tensors), so merged
+    token (i, j) of the (side·r)² grid holds patches (2i + a, 2j + c) for (a, c) in raster order.
+    """
+
+    def __init__(self, projector: nn.Module, side: int, ratio: float):
+        super().__init__()
+        self.projector = projector
+        self.side = side
+        self.ratio = ratio
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, _, d = h.shape
+        s, r = self.side, self.ratio
+        x = h.reshape(b, s, s, d)
+        x = x.reshape(b, s, int(s * r), int(d / r)).permute(0, 2, 1, 3)
+        x = x.reshape(b, int(s * r), int(s * r), int(d / (r * r))).permute(0, 2, 1, 3)
+        return self.projector(x.reshape(b, -1, x.shape[-1]))
+
+
+def internvl_source(spec: str, kind: str, config, tower: nn.Module, projector: nn.Module, content_hash: str | None,
+                    feature_layer: int | None = None, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Source:
+    """The Source of a loaded InternVL tower and connector (checkpoints and presets alike)."""
+    vcfg = config.vision_config
+    image_size, patch = square(vcfg.image_size, "image_size"), square(vcfg.patch_size, "patch_size")
+    ratio = float(config.downsample_ratio)
+    merge = round(1 / ratio)
+    side = image_size // patch
+    if abs(merge * ratio - 1) > 1e-6 or side % merge:
+        raise InputError(f"InternVL downsample_ratio {ratio:g} must be 1/n with n dividing the {side}-patch grid")
+    strategy = config.vision_feature_select_strategy
+    if strategy != "default":
+        raise InputError(f"vision_feature_select_strategy {strategy!r}: InternVL's pixel shuffle needs the square "
+                         "patch grid, [CLS] dropped ('default')")
+    fl = config.vision_feature_layer if feature_layer is None else feature_layer
+    if not isinstance(fl, int):
+        raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
+    blocks = feature_blocks(fl, vcfg.num_hidden_layers)
+    connector = PixelShuffleProjector(projector, side, ratio)
+    pipeline = VisionPipeline(tower_parts(tower), connector, blocks, True, True, patch, final_norm=fl == -1).eval()
+    merged = side // merge
+    tokens = {"image_size": image_size, "patch_grid": [side, side], "patches": side * side,
+              "spatial_merge": merge, "merged_grid_thw": [1, merged, merged], "tokens": merged * merged}
+    details = {"model_type": "internvl", "feature_layer": fl, "select_strategy": strategy,
+               "vision_layers": vcfg.num_hidden_layers, "projector": True, "token_counts": tokens,
+               "connector": f"pixel shuffle {merge}x{merge} (downsample_ratio {ratio:g}) + MLP projector",
+               "input": "one tile per image (InternVL's processor tiling is not compiled: each tile is an image)"}
+    return Source(spec, kind, InternVLAdapter.family, content_hash or sha256_state(pipeline), image_size, patch,
+                  True, tuple(mean), tuple(std), pipeline=pipeline, spatial_merge=merge, details=details)
+
+
+class InternVLAdapter(ModelAdapter):
+    family = "internvl"
+    model_types = MODEL_TYPES
+    summary = "InternVL3 (InternVLForConditionalGeneration): InternViT tower + 2x2 pixel shuffle + MLP projector"
+
+    def load(self, checkpoint: Checkpoint, feature_layer: int | None) -> Source:
+        config = checkpoint.config
+        tower = build_tower(config.vision_config)
+        state = read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower."))
+        if not state:
+            raise InputError(f"{checkpoint.path}: no vision weights (model.vision_tower.* or vision_tower.*) in the "
+                             "safetensors")
+        load_state(tower, state, "vision tower")
+        projector = build_projector(config)
+        pstate = read_safetensors(checkpoint.weights, ("model.multi_modal_projector.", "multi_modal_projector."))
+        load_state(projector, pstate, "projector")
+        mean, std = checkpoint.preprocessing(IMAGENET_MEAN, IMAGENET_STD)
+        return internvl_source(str(checkpoint.path.resolve()), "hf", config, tower, projector,
+                               sha256_files(checkpoint.files()), feature_layer, mean, std)
+
+
+class InternVLFamily(Family):
+    """A [CLS] tower whose connector merges 2x2 patch groups: pruned on the merged tokens, after the connector."""
+
+    id = "internvl"
+    adapter = InternVLAdapter
+    has = {PATCH_TOKENS: "InternVL3"}
+    language_model = {"internvl": "InternVLForConditionalGeneration"}
+
+    def check_method(self, source: Source, config, site_spec: type) -> None:
+        """Before the export: only methods that read the merged tokens alone serve this family."""
+        name, needs = config.method.name, config.method.needs(config.params)
+        if needs.site == BLOCK:
+            raise InputError(f"method {name} prunes inside the tower, and {WHY_NOT_BLOCK}")
+        if needs.cls or needs.attention or needs.head or needs.tower_features or \
+                config.params.get("score") == "attention":
+            raise InputError(f"method {name} with these options scores the merged tokens by the tower's attention "
+                             f"or patches, and InternVL's attention runs over [CLS] + single patches, not over the "
+                             "merged tokens: prune them with divprune, dart, or random / grid --site features")
+        super().check_method(source, config, site_spec)
+
+    def readme_section(self, manifest: dict) -> str:
+        counts = manifest["model"].get("token_counts") or {}
+        if not counts:
+            return ""
+        m = counts["merged_grid_thw"][1:]
+        return ("\n## InternVL tokens\n\n"
+                f"`image_features` rows are tokens of the {m[0]}x{m[1]} merged grid (each a pixel-shuffled 2x2 group "
+                f"of the {counts['patch_grid'][0]}x{counts['patch_grid'][1]} patches), raster order; kept_indices "
+                "index that grid. One tile per image: InternVL's processor tiles large images into 448 px tiles "
+                "plus a thumbnail; run each tile as an image of the batch.\n")
