@@ -145,8 +145,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
         tokens_in = static_dim(hidden, 1)
         tokens_out = spec.prefix + self.method.output_tokens(self.params)
         batch = hidden.shape[0] if hidden.shape is not None else None
-        if hasattr(self.method, "output_batch"):  # the crops of one image become one row (methods.crops)
-            batch = self.method.output_batch(self.params, batch)
+        batch = self.method.output_batch(self.params, batch)
         tokens.shape = ir.Shape([batch, tokens_out, hidden.shape[2]]) if hidden.shape is not None else None
         tokens.type = hidden.type
         tokens.metadata_props[TOKENS_META] = f"{tokens_in},{tokens_out}"

@@ -87,6 +87,9 @@ class Target(abc.ABC):
     # What `run --benchmark` times where this target's runner here is an emulator, not the device (its time is
     # no latency the device will show): named so wherever the figures are printed; "" where it is the runtime.
     emulated_time: ClassVar[str] = ""
+    # Why `--keep auto` cannot time this target's candidates here (compiler.pipeline.auto_keep); "" where its
+    # runner times them on this machine.
+    no_timing_why: ClassVar[str] = ""
     # --with-llm: the LLM exporter ids (compiler.llm.export.EXPORTERS) this target takes, the first its default;
     # named as strings, since targets sit below the LLM side. None taken: why, in the refusal's words.
     # The --opset values this target compiles (inclusive; the exporter writes 17..23), and why not the others: the

@@ -73,6 +73,8 @@ class QnnTarget(Target):
                "soc": "qnn: the Snapdragon SoC to compile for (default SM8650; see `vlmprune targets`)"}
     control_flow = False  # HTP compiles no control flow
     emulated_time = "onnxruntime-qnn's HTP emulator on this host's CPU, not the HTP's latency"  # ~1.6 s per image
+    no_timing_why = ("onnxruntime-qnn's HTP emulator reports emulated cycles per op, not time, and no clock here "
+                     "turns them into ms: compile with --keep K and time the bundles on the phone")
     no_prompt_input = "QNN HTP compiles static input shapes only, while the prompt's length varies per request"
 
     def __init__(self, selection: str = "gather"):

@@ -107,6 +107,9 @@ def _file_sha(path: Path) -> str:
 class Rk3588Target(Target):
     name = "rk3588"
     summary = "Rockchip RK3588 NPU: rknn-toolkit2 2.5.0 .rknn (fp16, hybrid int8), simulator parity"
+    no_timing_why = ("rknn-toolkit2's simulator gives no latency without a board (eval_perf: \"Not support in "
+                     "simulator environment\"), only the build's per-layer cycle estimates, which no clock here "
+                     "turns into ms: compile with --keep K and time the bundles on the board")
     no_llm_why = "RKLLM's converter, rkllm-toolkit, is not on the package index"
     options = {"precision": "rk3588: fp16, int8 (hybrid) or fp16,int8 (default)"}
     opsets = (17, RKNN_MAX_OPSET)

@@ -119,6 +119,8 @@ class TensorRTTarget(Target):
     method's int8_loss does not apply here; what reads the projector output is refused."""
 
     platform: JetsonPlatform
+    no_timing_why = ("its candidates are timed by building each K's engine on the device (`vlmprune build-engine`), "
+                     "and there is no device here: compile with --keep K and time the bundles on the Jetson")
     spellings = {"TokenPrune": PLUGIN_OP, "ClsAttentionScore": SCORER_OP}
     control_flow = False  # the parser's Loop import: see the class docstring
     # text_embeds (prompt-aware methods): the profile's T range (_profile) and the device runner feed it.

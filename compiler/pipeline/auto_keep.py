@@ -48,7 +48,7 @@ of cycles per layer (the "Cycles(DDR/NPU/Total)" column of its layer table), and
 onnxruntime-qnn's HTP emulator reports emulated cycles per op (QNN profiling "detailed",
 targets.qnn_tools.op_trace). Both are cycles, with no clock or memory model to turn them
 into milliseconds, and the budget is in milliseconds: a cost model fitted to them would
-answer in a unit the budget is not, so both are refused in one line saying so (NO_TIMING).
+answer in a unit the budget is not, so both are refused in one line saying so (Target.no_timing_why).
 """
 
 from __future__ import annotations
@@ -80,20 +80,6 @@ ROUND_TO = 1
 FLAT_SPREADS = 2.0
 ROUND_MEASUREMENT = "no tile size made the rounded K faster beyond the timings' spread (ORT CPU, demo tower)"
 
-# Why a target's candidates cannot be timed here, by target name (targets without a line are timed by their
-# runner on this machine).
-_TRT = ("its candidates are timed by building each K's engine on the device (`vlmprune build-engine`), and "
-        "there is no device here: compile with --keep K and time the bundles on the Jetson")
-NO_TIMING = {
-    "orin": _TRT,
-    "xavier": _TRT,
-    "rk3588": ("rknn-toolkit2's simulator gives no latency without a board (eval_perf: \"Not support in simulator "
-               "environment\"), only the build's per-layer cycle estimates, which no clock here turns into ms: "
-               "compile with --keep K and time the bundles on the board"),
-    "qnn": ("onnxruntime-qnn's HTP emulator reports emulated cycles per op, not time, and no clock here turns them "
-            "into ms: compile with --keep K and time the bundles on the phone"),
-}
-
 Curve = list[tuple[int, float]]
 
 
@@ -114,7 +100,10 @@ def requested(options) -> bool:
         raise InputError(f"--latency-ms must be a positive number of milliseconds, got {budget!r}")
     if not options.prune:
         raise InputError("--no-prune compiles the dense tower: --keep auto does not apply to it")
-    why = NO_TIMING.get(options.target)
+    from vlmprune.targets import TARGETS  # the target declares why its candidates cannot be timed here
+
+    target = TARGETS.get(options.target)
+    why = target.no_timing_why if target is not None else ""
     if why:
         raise InputError(f"--keep auto cannot time candidates for target {options.target} here: {why}")
     return True

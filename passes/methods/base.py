@@ -287,6 +287,11 @@ class Method(abc.ABC):
         (every method under --merge local: the summary of the pruned tokens with no kept neighbour)."""
         return params["keep"] + (1 if params.get("merge") else 0)
 
+    def output_batch(self, params: dict, batch):
+        """The output's batch for the site's batch `batch` (an int, or a symbolic dim kept as it is): the same,
+        unless the method folds rows together (methods.crops: the crops of one image become one row)."""
+        return batch
+
     def min_text_rows(self, params: dict) -> int:
         """The fewest text_embeds rows (prompt tokens) the method runs on with these parameters (Needs.text)."""
         return 0
