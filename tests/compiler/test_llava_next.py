@@ -321,4 +321,5 @@ def test_with_llm_exports_llava_next_language_model(llava_next_dir, tmp_path):
     assert graphs["family"] == "llama" and graphs["parity"]["passed"] and graphs["fastv"] is None
     # The summary counts the image's tokens over all its crops (the manifest's num_patches is per crop).
     assert result.stdout.splitlines()[0] == ("tokens: 80 patch tokens (5 crops x 16) -> [CLS] attention: top 30 + 1 "
-                                             "summary, over 5 crops (at the tower's end, after block 2/2)")
+                                             "summary, over 5 crops (base + 2x2 grid; proportional budget) (at the tower's end, "
+                                             "after block 2/2)")
