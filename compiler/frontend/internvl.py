@@ -33,7 +33,7 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family
-from vlmprune.compiler.frontend.source import (Source, feature_blocks, load_state, no_init_weights,
+from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, load_state, no_init_weights,
                                                read_safetensors, sha256_files, sha256_state)
 from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
 
@@ -136,9 +136,7 @@ def internvl_source(spec: str, kind: str, config, tower: nn.Module, projector: n
     if strategy != "default":
         raise InputError(f"vision_feature_select_strategy {strategy!r}: InternVL's pixel shuffle needs the square "
                          "patch grid, [CLS] dropped ('default')")
-    fl = config.vision_feature_layer if feature_layer is None else feature_layer
-    if not isinstance(fl, int):
-        raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
+    fl = feature_layer_of(config, feature_layer)
     blocks = feature_blocks(fl, vcfg.num_hidden_layers)
     connector = PixelShuffleProjector(projector, side, ratio)
     pipeline = VisionPipeline(tower_parts(tower), connector, blocks, True, True, patch, final_norm=fl == -1).eval()

@@ -12,8 +12,9 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import SIGLIP_MEAN, SIGLIP_STD, build_tower, tower_parts
 from vlmprune.compiler.frontend.family import CLS_TOKEN, FEATURE_LAYER, PATCH_TOKENS, Family
-from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, inner_tower, load_state,
-                                               read_safetensors, sha256_files, sha256_state, strip_prefix)
+from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, feature_blocks, feature_layer_of,
+                                               inner_tower, load_state, read_safetensors, sha256_files, sha256_state,
+                                               strip_prefix)
 from vlmprune.compiler.frontend.tower import Projector, VisionPipeline
 
 TOWERS = ("clip_vision_model", "siglip_vision_model")
@@ -62,9 +63,7 @@ def tower_normalization(checkpoint: Checkpoint) -> tuple:
 
 def pipeline_for(config, tower, projector, feature_layer: int | None) -> tuple[VisionPipeline, int, str]:
     vcfg = config.vision_config
-    fl = config.vision_feature_layer if feature_layer is None else feature_layer
-    if not isinstance(fl, int):
-        raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
+    fl = feature_layer_of(config, feature_layer)
     strategy = config.vision_feature_select_strategy
     has_cls = vcfg.model_type == "clip_vision_model"
     if strategy == "default" and not has_cls:

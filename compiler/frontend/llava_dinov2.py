@@ -10,12 +10,12 @@ transformers' get_image_features.
 
 from __future__ import annotations
 
-from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.dinov2 import IMAGENET_MEAN, IMAGENET_STD, tower_parts
 from vlmprune.compiler.frontend.family import CLS_TOKEN, FEATURE_LAYER, PATCH_TOKENS, Family
 from vlmprune.compiler.frontend.llava import projector_for, tower_state
-from vlmprune.compiler.frontend.source import Source, feature_blocks, load_state, read_safetensors, sha256_files
+from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, load_state,
+                                               read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import VisionPipeline
 
 
@@ -50,9 +50,7 @@ class LlavaDinov2Adapter(ModelAdapter):
 
         config = checkpoint.config
         vcfg = config.vision_config
-        fl = config.vision_feature_layer if feature_layer is None else feature_layer
-        if not isinstance(fl, int):
-            raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
+        fl = feature_layer_of(config, feature_layer)
         vcfg._attn_implementation = "sdpa"
         tower = Dinov2Model(vcfg).eval()
         load_state(tower, _renamed(tower_state(checkpoint)), "vision tower")

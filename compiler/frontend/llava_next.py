@@ -41,7 +41,8 @@ from vlmprune.compiler.frontend.clip import tower_parts
 from vlmprune.compiler.frontend.family import CROPS, PATCH_TOKENS, Family, IndicesPositions
 from vlmprune.compiler.frontend.images import anyres_crops, load_image_crops, parity_crops, read_rgb
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
-from vlmprune.compiler.frontend.source import Source, check_floating, feature_blocks, read_safetensors, sha256_files
+from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of,
+                                               read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import VisionPipeline
 
 
@@ -138,9 +139,7 @@ class LlavaNextAdapter(ModelAdapter):
         if strategy != "default":
             raise InputError(f"vision_feature_select_strategy {strategy!r} is not supported for LLaVA-NeXT: its "
                              "crops are packed as patch grids, which needs `default` ([CLS] dropped)")
-        fl = config.vision_feature_layer if feature_layer is None else feature_layer
-        if not isinstance(fl, int):
-            raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
+        fl = feature_layer_of(config, feature_layer)
         tower, projector = load_vision(checkpoint, tower_state(checkpoint))
         tensors = read_safetensors(checkpoint.weights, ("model.image_newline", "image_newline"))
         newline = tensors.get("")

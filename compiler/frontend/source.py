@@ -193,6 +193,15 @@ def inner_tower(tower: nn.Module) -> nn.Module:
     return getattr(tower, "vision_model", tower)
 
 
+def feature_layer_of(config, feature_layer: int | None) -> int:
+    """The one block whose hidden states feed the projector: --feature-layer, else config.json's
+    vision_feature_layer; a list of layers (concatenated features) has no single block to prune after."""
+    fl = config.vision_feature_layer if feature_layer is None else feature_layer
+    if not isinstance(fl, int):
+        raise InputError(f"multi-layer vision_feature_layer {fl} is not supported; pass --feature-layer")
+    return fl
+
+
 def feature_blocks(feature_layer: int, n_layers: int) -> int:
     """LLaVA's vision_feature_layer indexes hidden_states (0 = embeddings) -> blocks to run."""
     blocks = feature_layer if feature_layer >= 0 else n_layers + 1 + feature_layer

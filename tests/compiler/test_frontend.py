@@ -109,3 +109,17 @@ def test_demo_parity_inside_and_end(batch, layer, tmp_path):
         assert feats["cosine_min"] >= 0.99999 and feats["max_abs"] <= 1e-4
     assert result.manifest["method"]["layer"] == (layer or 5)
     assert np.all(np.array(result.manifest["inputs"][0]["shape"]) == [batch, 3, 336, 336])
+
+
+def test_one_feature_layer_is_taken_and_a_list_is_refused_in_one_line():
+    """The projector reads one block's hidden states; concatenated layers have no single block to prune after."""
+    from types import SimpleNamespace
+
+    from vlmprune.compiler.errors import InputError
+    from vlmprune.compiler.frontend.source import feature_layer_of
+
+    config = SimpleNamespace(vision_feature_layer=-2)
+    assert feature_layer_of(config, None) == -2 and feature_layer_of(config, -1) == -1
+    with pytest.raises(InputError, match=r"multi-layer vision_feature_layer \[-2, -5\] is not supported; pass "
+                                         r"--feature-layer"):
+        feature_layer_of(SimpleNamespace(vision_feature_layer=[-2, -5]), None)
