@@ -348,13 +348,18 @@ def scores(correct: list[bool], dense: list[bool], random: list[bool] | None) ->
     difference to random keep (None without a random row to pair with), each with its 95 % interval."""
     acc, lo, hi = stats.accuracy_interval(correct)
     ret, rlo, rhi = stats.retained_interval(correct, dense)
-    out = {"samples": len(correct), "accuracy": acc, "accuracy_ci": [lo, hi],
-           "retained": None if math.isnan(ret) else ret,
-           "retained_ci": None if math.isnan(ret) else [rlo, rhi], "vs_random": None}
-    if random is not None:
-        d, dlo, dhi = stats.difference_interval(correct, random)
-        out["vs_random"] = {"difference": d, "ci": [dlo, dhi], "counts": bool(dlo > 0 or dhi < 0)}
-    return out
+    return {"samples": len(correct), "accuracy": acc, "accuracy_ci": [lo, hi],
+            "retained": None if math.isnan(ret) else ret,
+            "retained_ci": None if math.isnan(ret) else [rlo, rhi], "vs_random": versus_random(correct, random)}
+
+
+def versus_random(values: list, random: list | None) -> dict | None:
+    """The paired difference of a row's 0/1 values to random keep's on the same samples, with its 95 % interval;
+    it counts where the interval excludes 0. None without a random row to pair with."""
+    if random is None:
+        return None
+    d, dlo, dhi = stats.difference_interval(values, random)
+    return {"difference": d, "ci": [dlo, dhi], "counts": bool(dlo > 0 or dhi < 0)}
 
 
 def report_of(model, model_hash, dataset, samples, plans, settings, bundles, result, target, max_new_tokens,
@@ -367,9 +372,8 @@ def report_of(model, model_hash, dataset, samples, plans, settings, bundles, res
             groups.setdefault(s.type or UNTYPED, []).append(i)
         groups = dict(sorted(groups.items()))
     correct_of = [[result.cells[st.key][s.digest]["correct"] for s in samples] for st in settings]
-    agree_of = [stats.agreement([result.cells[st.key][s.digest]["answer"] for s in samples],
-                                [result.cells[settings[0].key][s.digest]["answer"] for s in samples])
-                for st in settings]
+    answers_of = [[result.cells[st.key][s.digest]["answer"] for s in samples] for st in settings]
+    agree_of = [stats.agreement(answers, answers_of[0]) for answers in answers_of]
     partners = random_partners(plans)
     dense = correct_of[0]
     rows = []
@@ -404,11 +408,7 @@ def report_of(model, model_hash, dataset, samples, plans, settings, bundles, res
 def agreement_scores(agree: list[int], random: list[int] | None) -> dict:
     """Agreement with dense's answers, its 95 % interval, and the paired difference to random keep's agreement."""
     value, lo, hi = stats.accuracy_interval(agree)
-    out = {"value": value, "ci": [lo, hi], "vs_random": None}
-    if random is not None:
-        d, dlo, dhi = stats.difference_interval(agree, random)
-        out["vs_random"] = {"difference": d, "ci": [dlo, dhi], "counts": bool(dlo > 0 or dhi < 0)}
-    return out
+    return {"value": value, "ci": [lo, hi], "vs_random": versus_random(agree, random)}
 
 
 def interval_text(ci) -> str:
