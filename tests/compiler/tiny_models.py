@@ -127,3 +127,27 @@ def tiny_internvl(path: Path, seed: int = 0, image_token_id: int = 120, **text) 
         embeddings.position_embeddings.normal_(0.0, 0.2)
     model.eval().save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def tiny_gemma3(path: Path, seed: int = 0, image_token_id: int = 120, boi: int = 121, eoi: int = 122, **text) -> Path:
+    """A seeded tiny Gemma 3 (Gemma3ForConditionalGeneration) saved (safetensors) at path, its tower and projector
+    spread: 3 SigLIP blocks 32 wide (2 heads, no pooling head), 128 px at patch 8 (16x16 patches, average-pooled 4x4
+    into 4x4 = 16 tokens), a Gemma 3 LLM (text: overrides; default 2 layers 48 wide, one sliding-window layer of 8
+    then one global, vocab 128; image, boi and eoi tokens 120, 121, 122 by default)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=24, vocab_size=128, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"])
+    config.update(text)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=128,
+                  patch_size=8, vision_use_head=False)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(vision_config=vision, text_config=config,
+                                                        mm_tokens_per_image=16, image_token_index=image_token_id,
+                                                        boi_token_index=boi, eoi_token_index=eoi))
+    spread(model, ("model.vision_tower.", "model.multi_modal_projector."))
+    with torch.no_grad():  # the connector's RMSNorm scale starts at zero (1 + w): spread it too
+        model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0.0, 0.2)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return Path(path)

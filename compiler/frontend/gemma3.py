@@ -1,0 +1,178 @@
+"""Family `gemma3`: Gemma 3 (Gemma3ForConditionalGeneration, transformers' native `gemma3` model_type).
+
+Its vision tower is SigLIP (SiglipVisionModel without its attention-pooling head: no [CLS], learned absolute
+positions, pre-norm blocks, post_layernorm), run through VisionPipeline as CLIP's is; the connector is
+Gemma3MultiModalProjector: 4x4 average pooling of the patch grid, an RMSNorm, and one matrix into the Gemma 3
+LLM's width. At Gemma 3 4B's 896 px, patch 14: 64x64 = 4096 patches pooled into 16x16 = 256 tokens, raster order.
+
+What the graph computes, image by image equal to the model's own get_image_features (tested against
+transformers, fp32): the tower's last_hidden_state (post_layernorm included; Gemma 3 has no feature-layer
+choice), the connector as transformers' own module (its weights, its AvgPool2d). A bundle takes one image at the
+tower's size: Gemma 3's pan-and-scan crops (off by default in its processor) are not compiled; each crop is an image
+of the batch.
+
+Where pruning goes: after the connector, on the pooled tokens (the features site; Source.spatial_merge 4):
+divprune, dart, and random / grid with --site features. Refused in one line before any work: block-site methods
+(cls, visionzip, tome, ...), since the 4x4 pooling needs the full patch grid and a method there keeps single
+patches (keeping whole 4x4 groups inside the tower would need a group-wise selection and a pooling over the kept
+groups, which the methods do not have); and methods that score by the tower's attention or its feature layer
+(holov, cls --score attention, cdpruner), since that runs over single patches (and the received-attention score
+pools consecutive patches, Qwen's group order, not a raster grid's 4x4 squares). The patch Conv is spelled as one
+MatMul (as InternVL's and Qwen2-VL's are), so the site finder counts the pooled tokens at the features site.
+Kept tokens carry their index in the 16x16 pooled grid (`positions` "indices"): the Gemma 3 LLM's 1-D positions,
+original-positions rule.
+
+The LLM side: Gemma 3's LLM attends bidirectionally among the tokens of one image (transformers builds that mask
+from token_type_ids, 1 at the image tokens) and causally elsewhere; its chat template writes the image as its
+boi token, which the processor expands to "\\n\\n<boi>" + the image tokens + "<eoi>\\n\\n". `generate` and `eval`
+run it so (llm_forward_args, prompt_image): the K kept rows are the one image block, at their original positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family
+from vlmprune.compiler.frontend.source import (Source, inner_tower, load_state, no_init_weights, read_safetensors,
+                                               sha256_files, sha256_state)
+from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
+
+SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)  # Gemma3ImageProcessor's defaults
+MODEL_TYPES = ("gemma3",)
+TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.",
+                  "vision_tower.")
+PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+WHY_NOT_BLOCK = ("Gemma 3's connector average-pools each 4x4 group of the full patch grid into one token after the "
+                 "tower, so pruning single patches inside it breaks the pooling: prune the pooled tokens (divprune, "
+                 "dart, random or grid with --site features)")
+
+
+def build_tower(vision_config) -> nn.Module:
+    """The SiglipVisionModel of the config, its weights left to the caller (transformers' slow init skipped)."""
+    from transformers import SiglipVisionModel
+
+    vision_config._attn_implementation = "sdpa"
+    with no_init_weights():
+        return SiglipVisionModel(vision_config).eval()
+
+
+def build_projector(config) -> nn.Module:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+    with no_init_weights():
+        return Gemma3MultiModalProjector(config).eval()
+
+
+def tower_parts(tower) -> TowerParts:
+    """How VisionPipeline runs Gemma 3's SigLIP: CLIP's block layout, post_layernorm last, the Conv as a MatMul."""
+    vm = inner_tower(tower)
+
+    def parts(layer) -> BlockParts:
+        a = layer.self_attn
+        return BlockParts(layer.layer_norm1, a.q_proj, a.k_proj, a.v_proj, a.out_proj, a.num_heads, a.scale,
+                          layer.layer_norm2, layer.mlp)
+
+    return TowerParts(vm, lambda pixel_values: embed(vm.embeddings, pixel_values), list(vm.encoder.layers), parts,
+                      vm.post_layernorm)
+
+
+def embed(embeddings, pixel_values: torch.Tensor) -> torch.Tensor:
+    """[B, 3, S, S] -> patch embeddings + positions [B, N, D], as SiglipVisionEmbeddings at its own size.
+
+    The patch Conv is spelled as one MatMul over the flattened patches: the site finder then reads the token count
+    at the features site as the pooled tokens', not the Conv's patch grid.
+    """
+    conv = embeddings.patch_embedding
+    p = conv.kernel_size[0]
+    b, c, s, _ = pixel_values.shape
+    g = s // p
+    x = pixel_values.reshape(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
+    h = x @ conv.weight.reshape(conv.weight.shape[0], -1).t() + conv.bias
+    return h + embeddings.position_embedding.weight
+
+
+def gemma3_source(spec: str, kind: str, config, tower: nn.Module, projector: nn.Module, content_hash: str | None,
+                  mean=SIGLIP_MEAN, std=SIGLIP_STD) -> Source:
+    """The Source of a loaded Gemma 3 tower and connector (checkpoints and presets alike)."""
+    vcfg = config.vision_config
+    image_size, patch = int(vcfg.image_size), int(vcfg.patch_size)
+    side = image_size // patch
+    tokens = int(config.mm_tokens_per_image)
+    per_side = round(tokens ** 0.5)
+    if per_side * per_side != tokens or side % per_side:
+        raise InputError(f"Gemma 3 mm_tokens_per_image {tokens} must be a square whose side divides the {side}-patch "
+                         "grid")
+    pool = side // per_side
+    pipeline = VisionPipeline(tower_parts(tower), projector, vcfg.num_hidden_layers, True, False, patch,
+                              final_norm=True).eval()
+    counts = {"image_size": image_size, "patch_grid": [side, side], "patches": side * side, "spatial_merge": pool,
+              "merged_grid_thw": [1, per_side, per_side], "tokens": tokens}
+    details = {"model_type": "gemma3", "feature_layer": -1, "select_strategy": "full (no [CLS])",
+               "vision_layers": vcfg.num_hidden_layers, "projector": True, "token_counts": counts,
+               "connector": f"average pooling {pool}x{pool} + RMSNorm + linear (Gemma3MultiModalProjector)",
+               "input": "one image at the tower's size (Gemma 3's pan-and-scan crops are not compiled: each crop is "
+                        "an image)"}
+    return Source(spec, kind, Gemma3Adapter.family, content_hash or sha256_state(pipeline), image_size, patch,
+                  False, tuple(mean), tuple(std), pipeline=pipeline, spatial_merge=pool, details=details)
+
+
+class Gemma3Adapter(ModelAdapter):
+    family = "gemma3"
+    model_types = MODEL_TYPES
+    summary = "Gemma 3 (Gemma3ForConditionalGeneration): SigLIP tower + 4x4 average pooling + RMSNorm + linear"
+
+    def load(self, checkpoint: Checkpoint, feature_layer: int | None) -> Source:
+        if feature_layer is not None:
+            raise InputError("--feature-layer does not apply to gemma3: its image features are the SigLIP tower's "
+                             "last_hidden_state, pooled by its connector")
+        config = checkpoint.config
+        if getattr(config.vision_config, "model_type", None) != "siglip_vision_model":
+            raise InputError(f"Gemma 3 vision tower type {config.vision_config.model_type!r} is not supported "
+                             "(SigLIP)")
+        tower = build_tower(config.vision_config)
+        state = read_safetensors(checkpoint.weights, TOWER_PREFIXES)
+        if not state:
+            raise InputError(f"{checkpoint.path}: no vision weights (model.vision_tower.* or vision_tower.*) in the "
+                             "safetensors")
+        load_state(inner_tower(tower), state, "vision tower")
+        projector = build_projector(config)
+        load_state(projector, read_safetensors(checkpoint.weights, PROJECTOR_PREFIXES), "projector")
+        mean, std = checkpoint.preprocessing(SIGLIP_MEAN, SIGLIP_STD)
+        return gemma3_source(str(checkpoint.path.resolve()), "hf", config, tower, projector,
+                             sha256_files(checkpoint.files()), mean, std)
+
+
+class Gemma3Family(Family):
+    """A SigLIP tower whose connector pools 4x4 patch groups: pruned on the pooled tokens, after the connector."""
+
+    id = "gemma3"
+    adapter = Gemma3Adapter
+    has = {PATCH_TOKENS: "Gemma 3"}
+    language_model = {"gemma3": "Gemma3ForConditionalGeneration"}
+
+    def check_method(self, source: Source, config, site_spec: type) -> None:
+        """Before the export: only methods that read the pooled tokens alone serve this family."""
+        name, needs = config.method.name, config.method.needs(config.params)
+        if needs.site == BLOCK:
+            raise InputError(f"method {name} prunes inside the tower, and {WHY_NOT_BLOCK}")
+        if needs.cls or needs.attention or needs.head or needs.tower_features or \
+                config.params.get("score") == "attention":
+            raise InputError(f"method {name} with these options scores the pooled tokens by the tower's attention "
+                             "or patches, and Gemma 3's SigLIP attention runs over single patches, not over the "
+                             "pooled tokens: prune them with divprune, dart, or random / grid --site features")
+        super().check_method(source, config, site_spec)
+
+    def readme_section(self, manifest: dict) -> str:
+        counts = manifest["model"].get("token_counts") or {}
+        if not counts:
+            return ""
+        m, p = counts["merged_grid_thw"][1:], counts["patch_grid"]
+        return ("\n## Gemma 3 tokens\n\n"
+                f"`image_features` rows are tokens of the {m[0]}x{m[1]} pooled grid (each the average of a "
+                f"{counts['spatial_merge']}x{counts['spatial_merge']} group of the {p[0]}x{p[1]} patches, then "
+                "RMSNorm and the projection), raster order; kept_indices index that grid. Gemma 3's LLM attends "
+                "bidirectionally among one image's tokens: give the K kept rows as one image block (token type 1) "
+                "at their original positions, between the boi and eoi tokens.\n")
