@@ -11,7 +11,9 @@
 - `qwen3-vl-2b-512`: the shapes of Qwen3-VL-2B's vision tower, merger and DeepStack mergers at 512x512 (24 blocks,
   1024 wide, patch 16, DeepStack after blocks 5, 11, 17; 1024 patches -> 256 tokens of 4 x 2048);
 - `internvl3-1b-448`: the shapes of InternVL3-1B's InternViT-300M tower and connector at 448x448 (24 blocks,
-  1024 wide, [CLS], layer scales; pixel shuffle 2x2 + MLP projector 4096 -> 896; 1024 patches -> 256 tokens).
+  1024 wide, [CLS], layer scales; pixel shuffle 2x2 + MLP projector 4096 -> 896; 1024 patches -> 256 tokens);
+- `gemma3-4b-896`: the shapes of Gemma 3 4B's SigLIP-So400m tower and connector at 896x896 (27 blocks, 1152 wide,
+  patch 14, no pooling head; 4x4 average pooling + RMSNorm + 1152 -> 2560; 4096 patches -> 256 tokens).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ PRESETS = {"demo": "a small LLaVA model (CLIP tower, 576 patches), seeded", "cli
            "qwen3-vl-2b-512": "Qwen3-VL-2B's vision tower, merger and DeepStack mergers at 512x512 (1024 patches, 256 "
                               "merged tokens, each with its 3 DeepStack rows), seeded",
            "internvl3-1b-448": "InternVL3-1B's InternViT-300M tower, pixel shuffle and projector shapes at 448x448 "
-                               "(1024 patches, 256 merged tokens of 896), seeded"}
+                               "(1024 patches, 256 merged tokens of 896), seeded",
+           "gemma3-4b-896": "Gemma 3 4B's SigLIP-So400m tower and connector shapes at 896x896 (4096 patches average-"
+                            "pooled 4x4 into 256 tokens of 2560), seeded"}
 
 
 def load_preset(name: str) -> Source:
@@ -48,6 +52,8 @@ def load_preset(name: str) -> Source:
         return _qwen3_vl_2b_512()
     if name == "internvl3-1b-448":
         return _internvl3_1b_448()
+    if name == "gemma3-4b-896":
+        return _gemma3_4b_896()
     return _demo() if name == "demo" else _clip_l_336()
 
 
@@ -167,3 +173,22 @@ def _internvl3_1b_448() -> Source:
             layer.lambda_1.fill_(0.1)
             layer.lambda_2.fill_(0.1)
     return internvl_source("internvl3-1b-448", "preset", config, tower, projector, None)
+
+
+def _gemma3_4b_896() -> Source:
+    """Gemma 3 4B's vision side (its config.json): SigLIP-So400m, 27 blocks 1152 wide (MLP 4304, 16 heads,
+    gelu_pytorch_tanh, LayerNorm eps 1e-6, no pooling head), 896 px at patch 14 (4096 patches), the connector's 4x4
+    average pooling into 256 tokens, RMSNorm, and the projection 1152 -> 2560 (Gemma 3 4B's LLM width)."""
+    from transformers import Gemma3Config
+
+    from vlmprune.compiler.frontend.gemma3 import build_projector, build_tower, gemma3_source
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                  num_attention_heads=16, image_size=896, patch_size=14, layer_norm_eps=1e-6, vision_use_head=False,
+                  hidden_act="gelu_pytorch_tanh")
+    text = dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208)
+    config = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=256)
+    tower, projector = build_tower(config.vision_config), build_projector(config)
+    seeded_init(nn.ModuleList([tower, projector]), seed=0)  # the connector's RMSNorm scale (1 + w) near 1
+    return gemma3_source("gemma3-4b-896", "preset", config, tower, projector, None)
