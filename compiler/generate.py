@@ -231,10 +231,11 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     """The prompt's token ids before and after the image placeholder (see the module docstring)."""
     require_prompt(prompt)
     qwen = vlm.rules.vision_span is not None  # Qwen's convention: the image between vision_start/vision_end
+    wrap = vlm.rules.image_prompt  # the family's processor writes text around the image rows (Gemma 3)
     image_token = image_token_id(vlm)
-    default_mark = QWEN_MARK if qwen else IMAGE_MARK
+    default_mark = wrap.mark if wrap is not None else QWEN_MARK if qwen else IMAGE_MARK
     mark = default_mark
-    if vlm.tokenizer is not None:
+    if vlm.tokenizer is not None and wrap is None:
         try:
             mark = vlm.tokenizer.convert_ids_to_tokens(image_token) or default_mark
         except (IndexError, KeyError, TypeError):  # an id the tokenizer does not know: the processor's mark
@@ -252,6 +253,9 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
                 break
         if not isinstance(text, str):
             raise InputError(f"{vlm.spec}: its chat template cannot render an image and a prompt")
+    elif wrap is not None:
+        text = wrap.convention.format(mark=mark, prompt=prompt)
+        how = f"{vlm.rules.has[PATCH_TOKENS]}'s chat convention"
     elif qwen:
         text, how = QWEN_PROMPT.format(prompt=prompt).replace(QWEN_MARK, mark), "Qwen2-VL's chat convention"
     else:
@@ -264,6 +268,12 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
             raise InputError(f"{vlm.spec} has no tokenizer, and its vocabulary ({vocab}) is too small to take the "
                              "prompt as UTF-8 bytes; add a tokenizer to the checkpoint")
         specials = {}
+        if wrap is not None:  # the processor's text around the image rows, its markers by their ids
+            config = vlm.model.config
+            head, tail = text.split(mark)
+            specials = {m: getattr(config, key) for m, key in wrap.specials}
+            return Prompt(_bytes(head + wrap.before, specials), _bytes(wrap.after + tail, specials), text,
+                          how + "; no tokenizer: UTF-8 bytes as token ids")
         if qwen:
             config = vlm.model.config
             specials = {mark: getattr(config, key) for mark, key in zip((QWEN_START, QWEN_END), vlm.rules.vision_span)}
@@ -271,6 +281,10 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
         return Prompt(before, after, text, how + "; no tokenizer: UTF-8 bytes as token ids")
     # A template that writes the BOS token itself must not get a second one from the tokenizer.
     special = not (vlm.tokenizer.bos_token and text.startswith(vlm.tokenizer.bos_token))
+    if wrap is not None:  # split at the template's mark, the processor's expansion of it on either side
+        head, tail = text.split(mark)
+        return Prompt(vlm.tokenizer(head + wrap.before, add_special_tokens=special)["input_ids"],
+                      vlm.tokenizer(wrap.after + tail, add_special_tokens=False)["input_ids"], text, how)
     ids = vlm.tokenizer(text, add_special_tokens=special)["input_ids"]
     if ids.count(image_token) == 1:  # the tokenizer knows the placeholder: split exactly where the processor would
         at = ids.index(image_token)
@@ -322,6 +336,8 @@ def hf_forward_ids(vlm: Vlm, prompt: Prompt, tokens: int) -> dict:
     out = {"input_ids": ids}
     if vlm.rules.vision_span is not None:  # Qwen's forward marks the image (1) and video (2) tokens
         out["mm_token_type_ids"] = (ids == token).int() * (2 if video else 1)
+    at = len(prompt.before)
+    out.update(vlm.rules.llm_forward_args(ids.shape[1], slice(at, at + tokens)))
     return out
 
 
@@ -352,6 +368,9 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
     embeds = torch.cat([embed(ids(prompt.before)), rows[None].to(embed.weight.dtype), embed(ids(prompt.after))],
                        dim=1)
     offset = len(prompt.before)
+    if graphs is None:  # what the family's model takes beside the rows (Gemma 3: its image mask's token types)
+        span = slice(offset, offset + len(features))
+        first_call = {**first_call, **vlm.rules.llm_forward_args(embeds.shape[1], span)}
     image_positions = np.asarray(image_positions, dtype=np.int64)
     if image_positions.size and image_positions.min() < offset:
         raise ValueError("image positions must start at the placeholder's position")
@@ -405,7 +424,8 @@ def dense_features(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None
     packed with image_newline, as pack_image_features does; Qwen: the merger's output on the processor's patches)."""
     config = vlm.model.config
     kwargs = hf_image_inputs(vlm, pixel)
-    if vlm.rules.vision_span is None:  # LLaVA's get_image_features takes the feature layer (Qwen's merger: none)
+    if vlm.rules.vision_span is None and hasattr(config, "vision_feature_layer"):  # LLaVA's takes the feature layer
+        # (Qwen's merger and Gemma 3's pooling: none)
         kwargs["vision_feature_layer"] = config.vision_feature_layer if feature_layer is None else feature_layer
         kwargs["vision_feature_select_strategy"] = config.vision_feature_select_strategy
     with torch.inference_mode():

@@ -63,6 +63,18 @@ def image_positions(offset: int, dense_tokens: int, prefix: int, kept: np.ndarra
     return np.concatenate(rows).astype(np.int64), offset + dense_tokens + extra
 
 
+@dataclasses.dataclass(frozen=True)
+class ImagePrompt:
+    """How a family's processor writes one image into the prompt where the image token alone is not it (Gemma 3:
+    its chat template writes a boi token, which the processor expands to text around the image tokens)."""
+
+    mark: str  # what its chat template writes for an image
+    before: str  # what the processor puts in place of the mark before the image rows
+    after: str  # ... and after them
+    convention: str  # the chat convention where the checkpoint has no template ({mark} and {prompt})
+    specials: tuple[tuple[str, str], ...] = ()  # (marker text, config key of its id), for prompts as UTF-8 bytes
+
+
 Place = Callable[[int], tuple[np.ndarray, int]]  # the placeholder's offset -> (row positions, text start)
 
 
@@ -140,6 +152,7 @@ class Family:
     positions: ClassVar[IndicesPositions] = IndicesPositions()  # the LLM positions rule of its bundles
     language_model: ClassVar[dict[str, str]] = {}  # model_type -> transformers class of the full VLM
     vision_span: ClassVar[tuple[str, str] | None] = None  # config keys of the ids around its image (Qwen's)
+    image_prompt: ClassVar[ImagePrompt | None] = None  # where its processor writes more than the image tokens
     torch_reference: ClassVar[bool] = True  # parity's reference is its torch pipeline (False: the graph itself)
     # Its bundles name the checkpoint they came from (content hash, family), so generate and eval can hold a
     # checkpoint to it; False: a graph exported elsewhere (.onnx), which any checkpoint with that tower may run.
@@ -252,6 +265,12 @@ class Family:
         of the model's first forward): the features themselves and nothing, unless the family's LLM takes more of
         each image row than one embedding (Qwen3-VL's DeepStack planes)."""
         return features, {}
+
+    def llm_forward_args(self, length: int, image: slice) -> dict:
+        """The further arguments of the transformers model's first forward over a prompt of `length` rows whose image
+        rows are `image` (generate's splice and the model's own forward alike): {} for most families (Gemma 3: the
+        token types of its bidirectional image mask)."""
+        return {}
 
     def llm_graph_image_rows(self, model, features) -> tuple[object, dict]:
         """(the rows of an exported LLM graph's inputs_embeds for an image's rows `features` [T, D], the graph's

@@ -35,7 +35,7 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family, ImagePrompt
 from vlmprune.compiler.frontend.source import (Source, inner_tower, load_state, no_init_weights, read_safetensors,
                                                sha256_files, sha256_state)
 from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
@@ -45,6 +45,12 @@ MODEL_TYPES = ("gemma3",)
 TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.",
                   "vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+# Gemma 3's processor: its chat template's boi token becomes "\n\n<boi>" + the image tokens + "<eoi>\n\n"; without a
+# template, its chat turns (the tokenizer's chat template's, with the tokenizer's <bos> left to the tokenizer).
+BOI, EOI = "<start_of_image>", "<end_of_image>"
+IMAGE_PROMPT = ImagePrompt(BOI, f"\n\n{BOI}", f"{EOI}\n\n",
+                           "<start_of_turn>user\n{mark}{prompt}<end_of_turn>\n<start_of_turn>model\n",
+                           ((BOI, "boi_token_index"), (EOI, "eoi_token_index")))
 WHY_NOT_BLOCK = ("Gemma 3's connector average-pools each 4x4 group of the full patch grid into one token after the "
                  "tower, so pruning single patches inside it breaks the pooling: prune the pooled tokens (divprune, "
                  "dart, random or grid with --site features)")
@@ -152,6 +158,16 @@ class Gemma3Family(Family):
     adapter = Gemma3Adapter
     has = {PATCH_TOKENS: "Gemma 3"}
     language_model = {"gemma3": "Gemma3ForConditionalGeneration"}
+    image_prompt = IMAGE_PROMPT
+
+    def llm_forward_args(self, length: int, image: slice) -> dict:
+        """token_type_ids (1 at the image rows): transformers' Gemma 3 then lets the image rows attend to each other
+        both ways (its bidirectional image block), the rest causally. And an attention mask of ones: without one, its
+        mask builder (run before any cache exists) reads position ids that jump (the pruned tokens' gaps) as packed
+        sequences and cuts the attention there."""
+        types = torch.zeros(1, length, dtype=torch.long)
+        types[0, image] = 1
+        return {"token_type_ids": types, "attention_mask": torch.ones(1, length, dtype=torch.long)}
 
     def check_method(self, source: Source, config, site_spec: type) -> None:
         """Before the export: only methods that read the pooled tokens alone serve this family."""

@@ -47,6 +47,8 @@ class LlmExporter(abc.ABC):
         """MODEL's config alone (no weights) against the export, before the tower's export (seconds to minutes):
         it holds a language model, and FastV's layer is one of its layers. The default reads the LM source."""
         config = lm_source.text_config(spec)
+        if config is not None:  # a decoder no exporter here knows (Gemma 3's): one line before the tower's export
+            lm_source.check_family(config)
         if config is not None and fastv is not None:
             fastv.check(config.num_hidden_layers)
 
