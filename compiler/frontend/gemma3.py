@@ -164,7 +164,7 @@ class Gemma3Family(Family):
         """token_type_ids (1 at the image rows): transformers' Gemma 3 then lets the image rows attend to each other
         both ways (its bidirectional image block), the rest causally. And an attention mask of ones: without one, its
         mask builder (run before any cache exists) reads position ids that jump (the pruned tokens' gaps) as packed
-        sequences and cuts the attention there."""
+        sequences (transformers 5.25 then fails on the gaps)."""
         types = torch.zeros(1, length, dtype=torch.long)
         types[0, image] = 1
         return {"token_type_ids": types, "attention_mask": torch.ones(1, length, dtype=torch.long)}

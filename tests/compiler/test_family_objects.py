@@ -116,7 +116,8 @@ def test_methods_declare_needs_and_the_cli_joins_them_with_the_families():
                             "with --score probe; "
                             "Qwen2-VL / Qwen2.5-VL, Qwen3-VL merged tokens, with --score attention")
     every = ", ".join(f.has[PATCH_TOKENS] for f in FAMILIES)
-    assert "LLaVA, LLaVA-NeXT, CLIP, SigLIP, ViT, DINOv2, Qwen2-VL / Qwen2.5-VL, Qwen3-VL, InternVL3, .onnx towers" \
+    assert "LLaVA, LLaVA-NeXT, CLIP, SigLIP, ViT, DINOv2, Qwen2-VL / Qwen2.5-VL, Qwen3-VL, InternVL3, Gemma 3, " \
+        ".onnx towers" \
         in every
     assert lines["divprune"] == f"every family (no [CLS] needed: {every})"
 

@@ -1,0 +1,353 @@
+"""Family `gemma3`: Gemma 3's SigLIP tower and 4x4-pooling connector, pruned after the connector, against transformers.
+
+A tiny Gemma 3 built offline from a config (tiny_models.tiny_gemma3: 3 SigLIP blocks 32 wide, 128 px at patch 8:
+16x16 patches average-pooled 4x4 into 4x4 = 16 tokens; a 2-layer Gemma 3 LLM, one sliding-window layer). What is
+checked against Hugging Face itself:
+- the dense pipeline's rows are get_image_features' (tower with post_layernorm, pooling, RMSNorm, projection);
+- a pruned bundle's rows are HF's rows at kept_indices, on ort (both graphs, the ONNX checker, standard ops);
+- parity on orin, xavier (host), openvino (CPU), rk3588 (simulator) and qnn (HTP emulator), each gated on its
+  toolchain as the other families' tests are;
+- block-site and attention-scored methods are refused in one line, as is --with-llm (no exporter knows Gemma 3's
+  decoder), before any work; `vlmprune methods` lists Gemma 3;
+- the gemma3-4b-896 preset has Gemma 3 4B's tower shapes;
+- the LLM side: generate's dense splice gives HF's own forward's logits (image tokens bidirectional, as Gemma 3's
+  processor marks them), a pruned bundle's rows spliced by generate give the logits of HF's forward given its own
+  tower's rows of the same kept tokens at their original 1-D positions, one bidirectional image block between boi
+  and eoi; `generate` and eval run through it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from cli_helpers import one_line_error, run_cli
+from tiny_models import tiny_gemma3
+from vlmprune.compiler.frontend import load_source
+from vlmprune.compiler.frontend.images import parity_inputs
+from vlmprune.compiler.parity.reference import torch_reference
+from vlmprune.compiler.pipeline import CompileOptions, compile_model
+from vlmprune.targets import qnn_tools
+from vlmprune.targets.runtime import ort_session, run_session
+
+SIZE, TOKENS, WIDTH = 128, 16, 48
+VOCAB, IMAGE, BOI, EOI = 320, 300, 301, 302  # the LLM-side model: a vocabulary wide enough for UTF-8 bytes as ids
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3"), 3)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gemma3_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(gemma3_dir).eval()
+
+
+def _hf_rows(model, pixel: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.model.get_image_features(pixel_values=pixel).pooler_output
+
+
+def _assert_close(got, expected) -> None:
+    torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(expected), rtol=1e-5,
+                               atol=1e-5 * float(torch.as_tensor(expected).abs().max()))
+
+
+def test_dense_path_is_hf_image_features(gemma3_dir, hf_model):
+    source = load_source(str(gemma3_dir))
+    assert source.family == "gemma3" and not source.has_cls and source.num_patches == TOKENS
+    assert source.spatial_merge == 4 and source.num_blocks == 3 and source.image_size == SIZE
+    assert source.details["token_counts"]["merged_grid_thw"] == [1, 4, 4]
+    assert source.mean == (0.5, 0.5, 0.5)
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(batch))
+        with torch.inference_mode():
+            got = source.pipeline(x)
+        assert got.shape == (batch, TOKENS, WIDTH)
+        _assert_close(got, _hf_rows(hf_model, x))
+
+
+def test_the_check_has_teeth(gemma3_dir, hf_model):
+    """Without the post_layernorm, or with the pooled groups taken from a transposed grid, it is not Gemma 3."""
+    x = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(7))
+    expected = _hf_rows(hf_model, x)
+    source = load_source(str(gemma3_dir))
+    connector = source.pipeline.projector
+    with torch.inference_mode():
+        h = torch.randn(2, 256, 32, generator=torch.Generator().manual_seed(8))
+        transposed = h.reshape(2, 16, 16, 32).transpose(1, 2).reshape(2, 256, 32)
+        assert (connector(h) - connector(transposed)).abs().max() > 1e-3
+        source.pipeline.final_norm = False
+        wrong = source.pipeline(x)
+    assert (wrong - expected).abs().max() > 100 * 1e-5 * expected.abs().max()
+
+
+@pytest.fixture(scope="module")
+def divprune_bundle(gemma3_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma3_bundles") / "divprune"
+    return compile_model(str(gemma3_dir), out, CompileOptions(method="divprune", keep=8))
+
+
+def test_divprune_on_ort_rows_are_hf_rows_at_the_kept_indices(divprune_bundle, gemma3_dir, hf_model):
+    result = divprune_bundle
+    assert result.report.passed, result.manifest["parity"]
+    manifest = result.manifest
+    outputs = {o["name"]: o["shape"] for o in manifest["outputs"]}
+    assert outputs == {"image_features": ["batch", 8, WIDTH], "kept_indices": ["batch", 8]}
+    assert manifest["method"]["site"] == "features" and manifest["method"]["num_patches"] == TOKENS
+    assert manifest["model"]["family"] == "gemma3"
+    assert "Gemma 3 tokens" in (result.bundle / "README.md").read_text()
+    source = load_source(str(gemma3_dir))
+    record = {k: manifest["method"][k] for k in ("params", "site", "layer", "has_cls", "num_patches", "prefix")}
+    record["method"] = "divprune"
+    library = (result.bundle / manifest["target"]["custom_op_library"],)
+    decomposed = onnx.load(str(result.bundle / "model.decomposed.onnx"), load_external_data=False)
+    assert {n.domain for n in decomposed.graph.node} <= {"", "ai.onnx"}  # standard ops only
+    assert "Conv" not in {n.op_type for n in decomposed.graph.node}  # the patch embedding is one MatMul
+    for graph in ("model.decomposed.onnx", "model.onnx"):
+        onnx.checker.check_model(str(result.bundle / graph), full_check=True)
+        for batch in (1, 3):
+            pixel, _ = parity_inputs(batch, SIZE, source.mean, source.std)
+            _, expected = torch_reference(source, record, pixel)
+            got = run_session(ort_session(result.bundle / graph, library), pixel)
+            np.testing.assert_array_equal(got["kept_indices"], expected.outputs["kept_indices"])
+            np.testing.assert_allclose(got["image_features"], expected.outputs["image_features"], rtol=1e-4, atol=1e-5)
+            hf = _hf_rows(hf_model, torch.from_numpy(pixel)).numpy()
+            _assert_close(got["image_features"], np.take_along_axis(hf, got["kept_indices"][..., None], axis=1))
+
+
+@pytest.mark.parametrize("method, options", [("dart", {"pivots": 2}), ("random", {"site": "features"}),
+                                             ("grid", {"site": "features"})])
+def test_other_methods_on_ort(gemma3_dir, tmp_path, method, options):
+    result = compile_model(str(gemma3_dir), tmp_path / "b", CompileOptions(method=method, keep=6,
+                                                                            method_options=options))
+    assert result.report.passed, result.manifest["parity"]
+    outputs = {o["name"]: o["shape"] for o in result.manifest["outputs"]}
+    assert outputs["kept_indices"][-1] == 6 and outputs["image_features"][-1] == WIDTH
+
+
+@pytest.mark.parametrize("target, method, batch, options", [("orin", "divprune", 3, {}),
+                                                            ("xavier", "dart", 1, {"pivots": 2})])
+def test_tensorrt_targets(gemma3_dir, tmp_path, target, method, batch, options):
+    result = compile_model(str(gemma3_dir), tmp_path / "b", CompileOptions(
+        target=target, method=method, keep=6, batch=batch, method_options=options))
+    assert result.report.passed, result.manifest["parity"]
+    stages = json.loads((result.bundle / "parity.json").read_text())["stages"]
+    assert len(stages) >= 3 and all(s["passed"] for s in stages)
+
+
+def test_openvino(gemma3_dir, tmp_path):
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install 'vlmprune[openvino]')")
+    result = compile_model(str(gemma3_dir), tmp_path / "b", CompileOptions(target="openvino", method="divprune",
+                                                                            keep=6))
+    assert result.report.passed, result.manifest["parity"]
+    stages = json.loads((result.bundle / "parity.json").read_text())["stages"]
+    assert any("openvino" in s["stage"] for s in stages), [s["stage"] for s in stages]
+
+
+@pytest.mark.toolchain
+@pytest.mark.parametrize("target, method", [("qnn", "divprune"), ("rk3588", "divprune")])
+def test_qnn_and_rk3588(request, gemma3_dir, tmp_path, target, method):
+    """The whole Gemma 3 graph, the 4x4 pooling too, on the HTP emulator (int16) and the RKNN simulator (fp16)."""
+    if target == "rk3588":
+        request.getfixturevalue("rknn_ready")
+    elif not qnn_tools.available()[0]:
+        pytest.skip(f"QNN toolchain unavailable: {qnn_tools.available()[1]}")
+    result = compile_model(str(gemma3_dir), tmp_path / "b", CompileOptions(target=target, method=method, keep=6,
+                                                                            batch=1))
+    assert result.report.passed, result.manifest["parity"]
+    stages = json.loads((result.bundle / "parity.json").read_text())["stages"]
+    assert len(stages) >= 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "cls"], "average-pools each 4x4 group"),
+    (["--method", "visionzip"], "average-pools each 4x4 group"),
+    (["--method", "tome"], "average-pools each 4x4 group"),
+    (["--method", "random"], "average-pools each 4x4 group"),
+    (["--method", "cls", "--score", "attention"], "not over the pooled tokens"),
+    (["--method", "holov"], "not over the pooled tokens"),
+    (["--method", "cdpruner"], "not over the pooled tokens"),
+    (["--image-size", "224"], "has a fixed image size"),
+    (["--feature-layer", "-2"], "--feature-layer does not apply to gemma3"),
+])
+def test_refusals_are_one_line(gemma3_dir, tmp_path, args, message):
+    one_line_error(run_cli("compile", gemma3_dir, "-o", tmp_path / "b", "--keep", "6", *args), message)
+    assert not (tmp_path / "b").exists()
+
+
+def test_methods_lists_gemma3_from_its_declarations():
+    result = run_cli("methods")
+    assert result.exit_code == 0
+    lines = {}
+    for line in result.output.splitlines():
+        if line and not line.startswith(" "):
+            name = line.split(":")[0]
+        elif line.strip().startswith("serves:"):
+            lines[name] = line
+    assert "Gemma 3" in lines["divprune"] and "Gemma 3" in lines["dart"]
+    assert "Gemma 3" not in lines["cls"] and "Gemma 3" not in lines["visionzip"]
+
+
+def test_preset_has_gemma3_4b_tower_shapes():
+    source = load_source("gemma3-4b-896")
+    pipe = source.pipeline
+    assert source.family == "gemma3" and source.image_size == 896 and source.patch_size == 14
+    assert source.num_patches == 256 and source.num_blocks == 27 and not source.has_cls
+    assert source.details["token_counts"] == {"image_size": 896, "patch_grid": [64, 64], "patches": 4096,
+                                              "spatial_merge": 4, "merged_grid_thw": [1, 16, 16], "tokens": 256}
+    tower = pipe.vision_model
+    assert tower.config.hidden_size == 1152 and tower.embeddings.position_embedding.weight.shape == (4096, 1152)
+    assert tower.config.intermediate_size == 4304 and tower.config.num_attention_heads == 16
+    assert pipe.projector.mm_input_projection_weight.shape == (1152, 2560)
+    assert pipe.projector.kernel_size == 4
+    params = sum(p.numel() for p in tower.parameters())
+    assert 410e6 < params < 420e6  # SigLIP-So400m without its pooling head, at 896 px's 4096 positions
+    # the connector on the tower's token count (a full forward at 896 px takes minutes on 2 cores)
+    with torch.inference_mode():
+        out = pipe.projector(torch.randn(1, 4096, 1152))
+    assert out.shape == (1, 256, 2560) and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------------------ the LLM side
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory):
+    return tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_llm"), 5, image_token_id=IMAGE, boi=BOI, eoi=EOI,
+                       vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def cat(tmp_path_factory):
+    from PIL import Image
+    from skimage import data
+
+    path = tmp_path_factory.mktemp("images") / "cat.png"
+    Image.fromarray(data.chelsea()).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm_bundle(llm_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma3_llm") / "divprune"
+    return compile_model(str(llm_dir), out, CompileOptions(method="divprune", keep=8))
+
+
+def test_prompt_is_gemma3s_image_sequence(llm_dir):
+    """The image sits where Gemma 3's processor puts it: "\\n\\n<boi>" before, "<eoi>\\n\\n" after."""
+    from vlmprune.compiler import generate as gen
+
+    vlm = gen.load_vlm(str(llm_dir))
+    prompt = gen.build_prompt(vlm, "what is in the image?")
+    assert prompt.before[-3:] == [10, 10, BOI] and prompt.after[:3] == [EOI, 10, 10]
+    assert "Gemma 3's chat convention" in prompt.how and prompt.text.startswith("<start_of_turn>user\n")
+
+
+def test_generate_dense_splice_is_the_hf_forward(llm_dir, cat):
+    """generate's dense splice is HF's forward with the image tokens marked (token_type_ids 1, as Gemma 3's processor
+    gives them): bidirectional among the image rows; the causal-only forward gives other logits."""
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.evaluate import hf_first_logits
+
+    vlm = gen.load_vlm(str(llm_dir))
+    pixel, _ = gen.load_pixels(vlm, cat)
+    prompt = gen.build_prompt(vlm, "what is in the image?")
+    image = gen.dense_image(vlm, pixel)
+    assert image.rows.shape == (TOKENS, WIDTH)
+    positions, text_start = image.place(len(prompt.before))
+    ours = gen.answer(vlm, prompt, image.rows, positions, text_start, 1)
+    hf = hf_first_logits(vlm, prompt, pixel, TOKENS)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    ids = gen.hf_forward_ids(vlm, prompt, TOKENS)
+    assert ids["token_type_ids"].sum() == TOKENS and ids["token_type_ids"][0, len(prompt.before)] == 1
+    with torch.inference_mode():
+        causal = vlm.model(input_ids=ids["input_ids"], pixel_values=torch.from_numpy(pixel),
+                           logits_to_keep=1).logits[0, -1]
+    assert (causal - hf).abs().max() > 1e-4  # the bidirectional image block counts
+
+
+def test_pruned_llm_input_is_hf_forward_on_the_same_kept_tokens(llm_bundle, llm_dir, cat):
+    """The bundle's 8 kept rows, spliced by generate at their original positions as one image block, give the logits
+    of HF's own forward given its own tower's rows of those 8 tokens, token types 1 there, at those positions; other
+    positions give others, and HF's forward without an attention mask does not give them (its mask builder then reads
+    the positions' gaps as packed sequences)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from vlmprune.compiler import generate as gen
+
+    assert llm_bundle.report.passed, llm_bundle.manifest["parity"]
+    vlm = gen.load_vlm(str(llm_dir))
+    pixel, _ = gen.load_pixels(vlm, cat)
+    prompt = gen.build_prompt(vlm, "what is in the image?")
+    tokens = gen.bundle_tokens(llm_bundle.bundle, llm_bundle.manifest, pixel, vlm)
+    kept = np.asarray(tokens.kept)
+    offset = len(prompt.before)
+    positions, text_start = gen.bundle_positions(tokens, offset)
+    np.testing.assert_array_equal(positions, offset + kept)  # original positions: the dense grid's
+    assert text_start == offset + TOKENS
+    ours = gen.answer(vlm, prompt, tokens.features, positions, text_start, 1)
+
+    model = vlm.model
+    hf_rows = _hf_rows(model, torch.from_numpy(pixel))[0, kept]
+    ids = torch.tensor([prompt.before + [IMAGE] * len(kept) + prompt.after])
+    types = (ids == IMAGE).long()
+
+    def logits(image_positions, mask=True):
+        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), image_positions,
+                                                        text_start + np.arange(len(prompt.after))]))[None]
+        with torch.inference_mode():
+            return model(input_ids=ids, position_ids=position_ids, token_type_ids=types, logits_to_keep=1,
+                         attention_mask=torch.ones_like(ids) if mask else None,
+                         mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=hf_rows[None])}
+                         ).logits[0, -1].float()
+
+    hf = logits(positions)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    assert (logits(offset + np.arange(len(kept))) - hf).abs().max() > 1e-4  # the positions count
+    try:  # why generate passes a mask of ones: without one, transformers 5.25's packed-sequence path raises here
+        unmasked = logits(positions, mask=False)
+    except IndexError:
+        unmasked = None
+    assert unmasked is None or (unmasked - hf).abs().max() > 1e-4
+
+
+def test_generate_cli_and_eval(llm_bundle, llm_dir, cat, tmp_path):
+    """`vlmprune generate` answers through Gemma 3's LLM (transformers); eval's harness holds (its dense splice is
+    HF's forward) and the bundle's rows give its reference's figures."""
+    from skimage import data
+
+    from cli_helpers import eval_inputs
+    from vlmprune.compiler.evaluate import evaluate
+
+    result = run_cli("generate", llm_bundle.bundle, "--model", llm_dir, "--image", cat,
+                     "--prompt", "what is in the image?", "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert "pruned: 8 image tokens" in result.output and "Gemma 3's chat convention" in result.output
+    images, prompts = eval_inputs(tmp_path, {"cat.png": data.chelsea(), "coffee.png": data.coffee()},
+                                  ["what is in the image?"])
+    report = evaluate(str(llm_dir), images, prompts, ["divprune"], [8], max_new_tokens=2,
+                      bundles=[llm_bundle.bundle])
+    assert report["harness_kl_max"] < 1e-8 and report["dense_image_tokens"] == TOKENS
+    reference, compiled = report["results"]
+    assert reference["from"] == "reference" and compiled["from"].startswith("bundle")
+    for a, b in zip(reference["samples"], compiled["samples"]):
+        assert np.isfinite(a["kl"]) and a["kl"] > 0
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]
+
+
+def test_with_llm_is_refused_in_one_line_before_any_work(llm_dir, tmp_path):
+    """No LLM exporter here knows Gemma 3's decoder (four norms a layer, q/k norms, sliding-window layers, the
+    bidirectional image block): refused before the tower's export, nothing written."""
+    result = run_cli("compile", llm_dir, "-o", tmp_path / "b", "--method", "divprune", "--keep", "6", "--with-llm")
+    one_line_error(result, "language model type 'gemma3_text' is not supported for export")
+    assert "export (torch.onnx" not in result.output and not (tmp_path / "b").exists()
+    one_line_error(run_cli("compile", llm_dir, "-o", tmp_path / "c", "--target", "orin", "--method", "divprune",
+                           "--keep", "6", "--with-llm"), "gemma3")
