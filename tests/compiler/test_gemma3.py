@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from tiny_models import tiny_gemma3
+from tiny_models import gemma3_processor, tiny_gemma3
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.images import parity_inputs
 from vlmprune.compiler.parity.reference import torch_reference
@@ -341,6 +341,47 @@ def test_generate_cli_and_eval(llm_bundle, llm_dir, cat, tmp_path):
     for a, b in zip(reference["samples"], compiled["samples"]):
         assert np.isfinite(a["kl"]) and a["kl"] > 0
         assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]
+
+
+@pytest.fixture(scope="module")
+def processor_dir(tmp_path_factory):
+    """The LLM-side model with a Gemma 3 processor: a byte-level tokenizer, its chat template, its image processor."""
+    path = tmp_path_factory.mktemp("tiny_gemma3_processor")
+    ids = gemma3_processor(path, SIZE, TOKENS)
+    return tiny_gemma3(path, 5, image_token_id=ids["image_token_id"], boi=ids["boi"], eoi=ids["eoi"],
+                       vocab_size=VOCAB)
+
+
+def test_generate_through_gemma3s_chat_template_and_processor(processor_dir, cat, tmp_path):
+    """generate's prompt is the processor's own: its chat template, the boi token expanded to "\n\n<boi>", the image
+    tokens and "<eoi>\n\n", the same token types; its dense splice gives HF's forward on the processor's own inputs;
+    `vlmprune generate` on a pruned bundle answers through it."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from vlmprune.compiler import generate as gen
+
+    vlm = gen.load_vlm(str(processor_dir))
+    prompt = gen.build_prompt(vlm, "what is in the image?")
+    assert prompt.how == "the checkpoint's chat template"
+    processor = AutoProcessor.from_pretrained(processor_dir)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in the image?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[Image.open(cat).convert("RGB")], return_tensors="pt")
+    ids = gen.hf_forward_ids(vlm, prompt, TOKENS)
+    assert ids["input_ids"].tolist() == inputs["input_ids"].tolist()
+    assert ids["token_type_ids"].tolist() == inputs["token_type_ids"].tolist()
+    image = gen.dense_image(vlm, inputs["pixel_values"].numpy())
+    ours = gen.answer(vlm, prompt, image.rows, *image.place(len(prompt.before)), 1)
+    with torch.inference_mode():
+        hf = vlm.model(**inputs, logits_to_keep=1).logits[0, -1].float()
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+
+    bundle = compile_model(str(processor_dir), tmp_path / "b", CompileOptions(method="divprune", keep=8))
+    result = run_cli("generate", bundle.bundle, "--image", cat, "--prompt", "what is in the image?",
+                     "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert "pruned: 8 image tokens" in result.output and "the checkpoint's chat template" in result.output
 
 
 def test_with_llm_is_refused_in_one_line_before_any_work(llm_dir, tmp_path):

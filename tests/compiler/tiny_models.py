@@ -151,3 +151,42 @@ def tiny_gemma3(path: Path, seed: int = 0, image_token_id: int = 120, boi: int =
         model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0.0, 0.2)
     model.eval().save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+# Gemma 3's chat template as its checkpoints ship it, less the system-turn folding: <bos>, turns, the image as its
+# boi token (which the processor expands).
+GEMMA3_TEMPLATE = ("{{ bos_token }}{%- for message in messages -%}"
+                   "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+                   "{{ '<start_of_turn>' + role + '\n' }}"
+                   "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+                   "{%- else -%}{%- for item in message['content'] -%}"
+                   "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+                   "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+                   "{%- endfor -%}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+                   "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+GEMMA3_SPECIALS = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                   "<image_soft_token>")
+
+
+def gemma3_processor(path: Path, image_size: int = 128, tokens: int = 16) -> dict[str, int]:
+    """A Gemma 3 processor (a byte-level tokenizer: the 256 bytes, then GEMMA3_SPECIALS as ids 256.., its chat template,
+    Gemma 3's PIL image processor) saved at path; returns the special tokens' ids (image, boi, eoi for tiny_gemma3)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(GEMMA3_SPECIALS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   extra_special_tokens={"boi_token": "<start_of_image>",
+                                                         "eoi_token": "<end_of_image>",
+                                                         "image_token": "<image_soft_token>"})
+    images = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    Gemma3Processor(image_processor=images, tokenizer=fast, chat_template=GEMMA3_TEMPLATE,
+                    image_seq_length=tokens).save_pretrained(path)
+    ids = {s: tok.token_to_id(s) for s in GEMMA3_SPECIALS}
+    return {"image_token_id": ids["<image_soft_token>"], "boi": ids["<start_of_image>"], "eoi": ids["<end_of_image>"],
+            "eos": ids["<eos>"], "bos": ids["<bos>"]}
