@@ -25,6 +25,10 @@ sees the pruned image where the dense one was, with gaps where the pruned tokens
   bundle grid's aspect and resized to its resolution (as parity feeds it), so that nothing
   is padded: the dense sequence is then the static one the manifest counts
   (dense_image_tokens), and transformers' own path selects the same grid for it.
+- Gemma 3 (Gemma3ForConditionalGeneration): 1-D positions from kept_indices, the rows one image block
+  that attends to itself both ways (Family.llm_forward_args: token_type_ids 1 there, as its processor
+  marks them), between the "\\n\\n<boi>" and "<eoi>\\n\\n" its processor writes for the template's boi
+  token (Family.image_prompt).
 
 `--dense` feeds the Hugging Face model's own image-feature path instead (get_image_features
 with image_sizes / image_grid_thw; consecutive positions, or the full mRoPE grid), which is
