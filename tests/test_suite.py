@@ -51,6 +51,14 @@ def test_the_readme_test_command_lists_the_slowest_tests():
     assert line.endswith("&& python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25")
 
 
+def test_one_python_floor_the_suite_runs_on():
+    """The suite reads pyproject.toml with tomllib, new in Python 3.11: pyproject's floor and the README's are 3.11."""
+    import tomllib
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"] == ">=3.11"
+    assert "On a fresh machine (Python 3.11+" in (ROOT / "README.md").read_text()
+
+
 def test_the_readme_command_line_lists_every_method():
     """README's "What it does" line listed 6 of the 9 methods."""
     import re

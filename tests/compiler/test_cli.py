@@ -336,7 +336,8 @@ AS_A_SHELL_STARTS_IT = ("import signal\nsignal.signal(signal.SIGINT, signal.defa
 
 
 def test_the_console_script_is_the_interrupt_boundary():
-    tomllib = pytest.importorskip("tomllib")
+    import tomllib
+
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"] == {"vlmprune": "vlmprune.compiler.__main__:main"}
 
