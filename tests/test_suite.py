@@ -97,7 +97,7 @@ def test_the_readme_describes_every_registered_method():
 
 
 def test_the_readme_says_what_its_first_command_says_when_run_again(tmp_path, monkeypatch):
-    """Issue 31: the README's first command, run twice, stopped with `build already exists` and the README said
+    """The README's first command, run twice, stopped with `build already exists` and the README said
     nothing of it. The README quotes the line the second run prints (a bundle at build/ already)."""
     from click.testing import CliRunner
 
@@ -116,7 +116,7 @@ def test_the_readme_says_what_its_first_command_says_when_run_again(tmp_path, mo
 
 
 def test_the_readme_states_the_opset_ranges_the_targets_enforce():
-    """Issue 31 item 3: the README's opsets per target were not those the code held to."""
+    """The README's opsets per target were not those the code held to."""
     from vlmprune.targets import get_target
 
     text = " ".join((ROOT / "README.md").read_text().split())
