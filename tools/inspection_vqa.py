@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Inspection-style VQA scenes: small parts on large backgrounds, questions about small regions (issue 32).
+"""Inspection-style VQA scenes: small parts on large backgrounds, questions about small regions.
 
     python tools/inspection_vqa.py --split {train,test} [--seed S] [--count N] -o DIR [--force]
 
-The benchmark at the pruning seeds' own scale: 448 x 448 images, which a DINOv2-S/14 tower at 448 px
+The benchmark at the pruning papers' own scale: 448 x 448 images, which a DINOv2-S/14 tower at 448 px
 sees as 32 x 32 = 1024 patches. Each scene is what an inspection camera sees: most of the image is
 background (plain, a gradient, a conveyor belt with slats, a shelf with boards, or a mottled surface),
 with 1-6 small parts (a circle, square, triangle or cross in one of five colours), each covering

@@ -28,7 +28,7 @@ scratch, with a word-level tokenizer over easy-vqa's vocabulary and LLaVA-1.5's 
 - DIR (default $VLMPRUNE_CACHE/models/easyvqa-llava-dinov2, or inspection-llava-dinov2) is written to a
   temporary folder and renamed into place, its marker last; a complete one is reused unless --force.
 
-Reproducibility (issue 32): on one machine, the same seed gives the same weights, byte for byte, with 1
+Reproducibility: on one machine, the same seed gives the same weights, byte for byte, with 1
 or 2 threads (tests/tools/test_train_easyvqa.py). The 0.738 / 0.773 / 0.808 spread of earlier retrains
 came from different machines, not from the script: this workplace's CPU varies between sessions
 (an AMX Xeon one day, an AMD EPYC the next), and PyTorch picks its vector kernels by the CPU

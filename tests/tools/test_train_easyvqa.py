@@ -101,7 +101,7 @@ def test_refusals(tmp_path, capsys):
 
 
 def test_weights_do_not_depend_on_the_thread_count(trained, tower, tmp_path):
-    """Issue 32: the same seed gives the same weights whatever the thread count (the fixture trained on 2)."""
+    """The same seed gives the same weights whatever the thread count (the fixture trained on 2)."""
     out, record = trained
     one = _train(tmp_path / "one", tower, threads=1)
     assert one["weights_sha256"] == record["weights_sha256"]
