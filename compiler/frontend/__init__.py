@@ -42,8 +42,8 @@ __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "DenseRequest", "Family", "Source"
 # Model types refused on purpose, with the reason (one line each).
 REFUSED = {t: "its connector pixel-shuffles each s x s patch neighbourhood into one token (and splits images into "
               "crops): pruning inside the tower breaks the shuffle, and no [CLS]-free method scores whole shuffle "
-              "groups; only its connector output could be pruned (divprune, dart, per shuffle group), which no "
-              "adapter does yet"
+              "groups; only its connector output could be pruned (divprune, dart, per shuffle group), which the "
+              "smolvlm family does for SmolVLM checkpoints, not yet for Idefics3"
            for t in ("idefics3",)}
 
 
