@@ -130,7 +130,8 @@ def test_divprune_on_ort_rows_are_hf_rows_at_the_kept_indices(divprune_bundle, s
             _assert_close(got["image_features"], np.take_along_axis(hf, got["kept_indices"][..., None], axis=1))
 
 
-@pytest.mark.parametrize("method, options, size", [("dart", {"pivots": 2}, None), ("random", {"site": "features"}, None),
+@pytest.mark.parametrize("method, options, size", [("dart", {"pivots": 2}, None),
+                                                   ("random", {"site": "features"}, None),
                                                    ("grid", {"site": "features"}, None), ("divprune", {}, 96)])
 def test_other_methods_and_sizes_on_ort(smolvlm_dir, tmp_path, method, options, size):
     keep = 6 if size is None else 4
