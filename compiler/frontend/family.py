@@ -244,6 +244,11 @@ class Family:
 
         return {"pixel_values": torch.from_numpy(pixel)}
 
+    def image_wrap(self, tokenizer) -> tuple[str, str]:
+        """(text before, text after) the image placeholder that the family's processor writes around its rows
+        (SmolVLM's <fake_token_around_image><global-img> ... <fake_token_around_image>); none by default."""
+        return "", ""
+
     def hf_image_features(self, out):
         """One image's rows, as this family's bundles give them, from the transformers model's get_image_features
         output (its pooler_output where it has one)."""

@@ -11,7 +11,9 @@
 - `qwen3-vl-2b-512`: the shapes of Qwen3-VL-2B's vision tower, merger and DeepStack mergers at 512x512 (24 blocks,
   1024 wide, patch 16, DeepStack after blocks 5, 11, 17; 1024 patches -> 256 tokens of 4 x 2048);
 - `internvl3-1b-448`: the shapes of InternVL3-1B's InternViT-300M tower and connector at 448x448 (24 blocks,
-  1024 wide, [CLS], layer scales; pixel shuffle 2x2 + MLP projector 4096 -> 896; 1024 patches -> 256 tokens).
+  1024 wide, [CLS], layer scales; pixel shuffle 2x2 + MLP projector 4096 -> 896; 1024 patches -> 256 tokens);
+- `smolvlm-256m-512`: the shapes of SmolVLM-256M's SigLIP base patch16 tower and connector at 512x512 (12 blocks,
+  768 wide, no [CLS]; pixel shuffle 4x4 + Linear 12288 -> 576; 1024 patches -> 64 tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ PRESETS = {"demo": "a small LLaVA model (CLIP tower, 576 patches), seeded", "cli
                               "merged tokens, each with its 3 DeepStack rows), seeded",
            "internvl3-1b-448": "InternVL3-1B's InternViT-300M tower, pixel shuffle and projector shapes at 448x448 "
                                "(1024 patches, 256 merged tokens of 896), seeded"}
+PRESETS["smolvlm-256m-512"] = ("SmolVLM-256M's SigLIP base patch16 tower, pixel shuffle and connector shapes at "
+                               "512x512 (1024 patches, 64 merged tokens of 576), seeded")
 
 
 def load_preset(name: str) -> Source:
@@ -48,6 +52,8 @@ def load_preset(name: str) -> Source:
         return _qwen3_vl_2b_512()
     if name == "internvl3-1b-448":
         return _internvl3_1b_448()
+    if name == "smolvlm-256m-512":
+        return _smolvlm_256m_512()
     return _demo() if name == "demo" else _clip_l_336()
 
 
@@ -167,3 +173,21 @@ def _internvl3_1b_448() -> Source:
             layer.lambda_1.fill_(0.1)
             layer.lambda_2.fill_(0.1)
     return internvl_source("internvl3-1b-448", "preset", config, tower, projector, None)
+
+
+def _smolvlm_256m_512() -> Source:
+    """SmolVLM-256M's vision side (its config.json): SigLIP base patch16, 12 blocks 768 wide (MLP 3072,
+    gelu_pytorch_tanh, 12 heads), 512 px (32x32 patches, no [CLS]), post_layernorm, pixel shuffle by scale_factor 4
+    into 64 tokens of 12288, a bias-free Linear into 576 (SmolLM2-135M's width)."""
+    from transformers import SmolVLMConfig
+
+    from vlmprune.compiler.frontend.smolvlm import build_connector, build_tower, smolvlm_source
+
+    vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                  image_size=512, patch_size=16)
+    text = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, vocab_size=49280)
+    config = SmolVLMConfig(vision_config=vision, text_config=text, scale_factor=4, image_token_id=49190)
+    tower, connector = build_tower(config.vision_config), build_connector(config)
+    seeded_init(nn.ModuleList([tower, connector]), seed=0)  # LayerNorms at unit scales
+    return smolvlm_source("smolvlm-256m-512", "preset", config, tower, connector, None)
