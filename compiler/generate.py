@@ -266,6 +266,8 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
         text, how = LLAVA_PROMPT.format(prompt=prompt), "LLaVA-1.5's USER/ASSISTANT convention"
     if text.count(mark) != 1:
         raise InputError(f"the prompt template gives {text.count(mark)} image placeholders ({mark}); one is needed")
+    head, tail = vlm.rules.image_wrap(vlm.tokenizer)  # what the family's processor writes around the image rows
+    text = text.replace(mark, head + mark + tail)
     if vlm.tokenizer is None:
         vocab = vlm.model.config.text_config.vocab_size
         if vocab < 256:
@@ -428,8 +430,9 @@ def dense_features(vlm: Vlm, pixel: np.ndarray, feature_layer: int | None = None
     packed with image_newline, as pack_image_features does; Qwen: the merger's output on the processor's patches)."""
     config = vlm.model.config
     kwargs = hf_image_inputs(vlm, pixel)
-    if vlm.rules.vision_span is None and hasattr(config, "vision_feature_layer"):  # LLaVA's takes the feature layer
-        # (Qwen's merger and Gemma 3's pooling: none)
+    # LLaVA's get_image_features takes the feature layer (Qwen's merger, SmolVLM's connector, Gemma 3's pooling:
+    # none)
+    if vlm.rules.vision_span is None and hasattr(config, "vision_feature_layer"):
         kwargs["vision_feature_layer"] = config.vision_feature_layer if feature_layer is None else feature_layer
         kwargs["vision_feature_select_strategy"] = config.vision_feature_select_strategy
     with torch.inference_mode():

@@ -4,7 +4,7 @@ Why: compiler.llm.torch_exporter spells a layer's attention as MatMul(q, Kᵀ), 
 the prefill graph a causal mask built per layer as Where(Greater(Unsqueeze(Range), Unsqueeze(Range)),
 -inf, scores) over [B, heads, S, S], Softmax, MatMul with V, and the heads merged by Transpose +
 Reshape. On a Qwen2-0.5B-shaped model that Where alone cost 216 ms and its Softmax 179 ms of a
-2,344 ms prefill (issue 35). ONNX Runtime's MultiHeadAttention takes the mask as an attribute
+2,344 ms prefill (tools/bench_e2e.py --profile). ONNX Runtime's MultiHeadAttention takes the mask as an attribute
 (unidirectional=1: key j is hidden from query i when j > i, which is the graph's mask when the
 keys are the queries, as in prefill) and runs scores, softmax and the weighted sum in one
 kernel, without materialising the mask.

@@ -1,11 +1,12 @@
-"""Calibration images for the quantized targets (rk3588 hybrid int8, qnn QDQ).
+"""Calibration images for the quantized precisions (ort and orin/xavier int8, rk3588 hybrid int8, qnn QDQ).
 
 Real photographs from scikit-image, preprocessed like the model's image processor, and
 disjoint from the parity images (compiler.frontend.images.REAL_IMAGES): a quantizer calibrated on
 the images it is then checked on would flatter its own parity figures. Without
 scikit-image, seeded synthetic images stand in (their names say so). How a model's images are
 preprocessed is the frontend's to say: the caller hands it over (`images`: the emit context's
-"images", compiler.frontend.images), so that the targets' contract reads no model.
+"images", compiler.frontend.images), so that this module reads no model. (rk3588's simulator
+stage, which rebuilds the .rknn from a bundle without an emit context, imports that module itself.)
 """
 
 from __future__ import annotations

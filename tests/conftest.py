@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import toolchain
 import torch
 
 import vlmprune.compiler  # noqa: F401
@@ -17,6 +18,13 @@ def _tiny_vision(kind: str, image_size: int = 112):
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                   image_size=image_size, patch_size=14)
     return CLIPVisionConfig(**common) if kind == "clip" else SiglipVisionConfig(**common)
+
+
+@pytest.fixture(scope="session")
+def ort_library() -> Path:
+    """The ONNX Runtime custom-op library every fused-op test runs on; without g++ or npm it skips, under CI it fails
+    (tests/toolchain.py)."""
+    return toolchain.ort_library()
 
 
 def _shared_root(tmp_path_factory) -> Path:

@@ -51,6 +51,14 @@ def test_the_readme_test_command_lists_the_slowest_tests():
     assert line.endswith("&& python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25")
 
 
+def test_one_python_floor_the_suite_runs_on():
+    """The suite reads pyproject.toml with tomllib, new in Python 3.11: pyproject's floor and the README's are 3.11."""
+    import tomllib
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"] == ">=3.11"
+    assert "On a fresh machine (Python 3.11+" in (ROOT / "README.md").read_text()
+
+
 def test_the_readme_command_line_lists_every_method():
     """README's "What it does" line listed 6 of the 9 methods."""
     import re
@@ -63,8 +71,33 @@ def test_the_readme_command_line_lists_every_method():
     assert sorted(listed) == sorted(METHODS)
 
 
+def _bullet_heads(text: str) -> set[str]:
+    """The backticked names that open each bullet of the README's Methods list (before the bullet's first colon)."""
+    section = text[text.index("2. **Methods**"):text.index("3. **Passes**")]
+    heads = (line.strip()[2:].split(":")[0] for line in section.splitlines() if line.strip().startswith("- "))
+    return {name for head in heads for name in re.findall(r"`([^`]+)`", head)}
+
+
+def _row_heads(text: str, header: str) -> set[str]:
+    """The backticked names that open each row of the README table under `header` (before the first cell's "(")."""
+    rows = text[text.index(header):].split("\n\n")[0].splitlines()[2:]
+    return {name for row in rows for name in re.findall(r"`([^`]+)`", row.split(" | ")[0].split("(")[0])}
+
+
+def test_the_readme_describes_every_registered_method():
+    """Each method in the registry has its bullet in "What it does", its row in the per-target table and its column
+    in the per-family table (they had 9, 10 and 6 of the 12)."""
+    from vlmprune.passes.methods import METHODS
+
+    text = (ROOT / "README.md").read_text()
+    family_header = text[text.index("| family | `cls`"):].splitlines()[0]
+    assert set(METHODS) - _bullet_heads(text) == set()
+    assert set(METHODS) - _row_heads(text, "| method | ort |") == set()
+    assert set(METHODS) - set(re.findall(r"`([^`]+)`", family_header)) == set()
+
+
 def test_the_readme_says_what_its_first_command_says_when_run_again(tmp_path, monkeypatch):
-    """Issue 31: the README's first command, run twice, stopped with `build already exists` and the README said
+    """The README's first command, run twice, stopped with `build already exists` and the README said
     nothing of it. The README quotes the line the second run prints (a bundle at build/ already)."""
     from click.testing import CliRunner
 
@@ -83,7 +116,7 @@ def test_the_readme_says_what_its_first_command_says_when_run_again(tmp_path, mo
 
 
 def test_the_readme_states_the_opset_ranges_the_targets_enforce():
-    """Issue 31 item 3: the README's opsets per target were not those the code held to."""
+    """The README's opsets per target were not those the code held to."""
     from vlmprune.targets import get_target
 
     text = " ".join((ROOT / "README.md").read_text().split())

@@ -6,7 +6,7 @@
         [--no-peers]
 
 --model is any preset (`clip-l-336`, `siglip-so400m-384`, `qwen2.5-vl-3b-448`, `qwen3-vl-2b-512`,
-`internvl3-1b-448`, `gemma3-4b-896` where present, `demo`)
+`internvl3-1b-448`, `smolvlm-256m-512`, `gemma3-4b-896` where present, `demo`)
 or a Hugging Face directory. --method defaults to one the model serves: cls for towers with a
 [CLS] token whose features are not merged after the tower (InternVL's and Gemma 3's are: divprune), cls --score
 probe for towers with an attention-pooling head (SigLIP), else divprune. A method that prunes the

@@ -13,7 +13,7 @@ graph's own final-LayerNorm output on real photos.
 `--image-size S` (a multiple of 14) converts the tower for S px instead: the graph's input is
 dynamic in its spatial size (its Resize takes the sizes from the input's shape), so the check runs
 the graph itself at S px, and the table baked is the one it interpolates to there. At 448 px the
-tower has 32x32 = 1024 patches, the token count of the pruning seeds' experiments (issue 32); its
+tower has 32x32 = 1024 patches, the token count of the pruning papers' experiments; its
 default directory is `dinov2-s14-imgfocus-448`.
 """
 

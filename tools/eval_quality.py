@@ -409,7 +409,7 @@ def run(a, log) -> int:
             held = [saliency_held(first[im], sal[im]) for im in images] if row["keep"] is not None else [1.0]
             if row["keep"] is not None and row["layer"] == "end":
                 # Pruned after the last block (or on the projector output): [CLS] passes through unchanged, so its
-                # cosine is 1 by construction (the tower bundles of issue 19's table measured exactly 1.0000).
+                # cosine is 1 by construction (docs/quality.md's easy-vqa table measured exactly 1.0000).
                 cos = np.ones(len(images))
             else:
                 emb = dense_cls if row["keep"] is None else cls_embeddings(tower_bundle(tower, row, folder), images)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Inspection-style VQA scenes: small parts on large backgrounds, questions about small regions (issue 32).
+"""Inspection-style VQA scenes: small parts on large backgrounds, questions about small regions.
 
     python tools/inspection_vqa.py --split {train,test} [--seed S] [--count N] -o DIR [--force]
 
-The benchmark at the pruning seeds' own scale: 448 x 448 images, which a DINOv2-S/14 tower at 448 px
+The benchmark at the pruning papers' own scale: 448 x 448 images, which a DINOv2-S/14 tower at 448 px
 sees as 32 x 32 = 1024 patches. Each scene is what an inspection camera sees: most of the image is
 background (plain, a gradient, a conveyor belt with slats, a shelf with boards, or a mottled surface),
 with 1-6 small parts (a circle, square, triangle or cross in one of five colours), each covering
@@ -299,17 +299,22 @@ def image_rng(seed: int, split: str, index: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, SPLITS[split], index])))
 
 
-def scene(seed: int, split: str, index: int) -> tuple[np.ndarray, list[dict]]:
-    """Image `index` of the split: its pixels and its questions (question, answer, type)."""
-    rng = image_rng(seed, split, index)
+def _planned(rng: np.random.Generator) -> tuple[list[str], dict, list[Part], dict]:
+    """The scene's draws before rendering: its two question types, their target answers, the parts, the refs."""
     kinds = _pick_types(rng)
     targets = {k: ANSWERS[k][rng.integers(len(ANSWERS[k]))] for k in kinds}
     while True:
         try:
             parts, refs = plan_scene(rng, targets)
-            break
+            return kinds, targets, parts, refs
         except _Redraw:
             continue
+
+
+def scene(seed: int, split: str, index: int) -> tuple[np.ndarray, list[dict]]:
+    """Image `index` of the split: its pixels and its questions (question, answer, type)."""
+    rng = image_rng(seed, split, index)
+    kinds, targets, parts, refs = _planned(rng)
     pixels = render(rng, parts)
     rows = []
     for k in kinds:
@@ -318,6 +323,49 @@ def scene(seed: int, split: str, index: int) -> tuple[np.ndarray, list[dict]]:
             raise AssertionError(f"{split} {index}: {k} answer {answer!r} != target {targets[k]!r}")
         rows.append({"question": text, "answers": [answer], "type": k})
     return pixels, rows
+
+
+def more_questions(seed: int, split: str, index: int, count: int) -> list[dict]:
+    """Up to `count` further questions about image `index` of the split, read from its scene, for training only.
+
+    A scene holds more answers than its two balanced questions: the region of every part, the presence of every
+    part and of absent ones, the count, the defect. Asking them costs no new image (the tower's features are the
+    expensive part of training at 1024 patches), so the training split can teach the language model to look at
+    every part. The types take turns in a drawn order, one question each, and `presence` alternates yes and no, so
+    no type and no presence answer dominates. The draws come from their own generator, so the
+    image and its two questions stay the bytes write_split wrote; the test split never gets them."""
+    kinds, _, parts, refs = _planned(image_rng(seed, split, index))
+    asked = {question(k, refs, parts)[0] for k in kinds}
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, SPLITS[split], index, 1])))
+    defect = question("defect", {}, parts)
+    candidates: dict[str, list[tuple[str, str]]] = {
+        # Most scenes hold a defect (every scene asked for a defect's colour or shape does): a "yes" is kept one
+        # time in four, which brings the extra defect questions near an even split of yes and no.
+        "defect": [defect] if defect[1] == "no" or rng.random() < 0.25 else [],
+        "count": [question("count", {}, parts)],
+        "region": [question("region", {"region": p}, parts) for p in parts],
+        "presence": [question("presence", {"presence": (c, s)}, parts) for c in COLORS for s in SHAPES]}
+    for kind, attr in (("defect_color", "defect"), ("defect_shape", "defect"), ("label", "label")):
+        if sum(1 for p in parts if getattr(p, attr)) == 1:
+            candidates[kind] = [question(kind, {}, parts)]
+    pools = {}
+    for kind in sorted(candidates):
+        pool = [q for q in candidates[kind] if q[0] not in asked]
+        pool = [pool[i] for i in rng.permutation(len(pool))]
+        if kind == "presence":  # yes and no alternate, as many of each (a scene has few parts and many absent pairs)
+            yes, no = [q for q in pool if q[1] == "yes"], [q for q in pool if q[1] == "no"]
+            pairs = list(zip(yes, no) if rng.integers(2) else zip(no, yes))
+            pool = [q for pair in pairs for q in pair]
+        if pool:
+            pools[kind] = pool
+    order = [sorted(pools)[i] for i in rng.permutation(len(pools))]
+    out: list[dict] = []
+    while len(out) < count and any(pools.values()):  # one question a type in turn, in a drawn order of types
+        for kind in order:
+            if pools[kind] and len(out) < count:
+                text, answer = pools[kind].pop(0)
+                out.append({"question": text, "answers": [answer], "type": kind})
+    return out
 
 
 def summary(rows: list[dict]) -> dict:

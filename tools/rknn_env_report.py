@@ -8,7 +8,7 @@
     python tools/rknn_env_report.py --json out.json # the same figures as data
 
 Creates the rknn venv if it is missing (VLMPRUNE_CACHE chooses where). The probe graph is
-vlmprune.targets.probe_graph's.
+tools/probe_graph.py's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CALIB_SEEDS = range(100, 116)
 
 
 def load_probe_lib():
-    from vlmprune.targets import probe_graph
+    import probe_graph  # tools/, beside this script
 
     return probe_graph
 

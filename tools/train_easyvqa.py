@@ -28,7 +28,7 @@ scratch, with a word-level tokenizer over easy-vqa's vocabulary and LLaVA-1.5's 
 - DIR (default $VLMPRUNE_CACHE/models/easyvqa-llava-dinov2, or inspection-llava-dinov2) is written to a
   temporary folder and renamed into place, its marker last; a complete one is reused unless --force.
 
-Reproducibility (issue 32): on one machine, the same seed gives the same weights, byte for byte, with 1
+Reproducibility: on one machine, the same seed gives the same weights, byte for byte, with 1
 or 2 threads (tests/tools/test_train_easyvqa.py). The 0.738 / 0.773 / 0.808 spread of earlier retrains
 came from different machines, not from the script: this workplace's CPU varies between sessions
 (an AMX Xeon one day, an AMD EPYC the next), and PyTorch picks its vector kernels by the CPU
@@ -81,6 +81,18 @@ def _inspection_split(split: str, seed: int, count: int | None = None) -> list[d
     return [{**r, "image": str((folder / r["image"]).resolve())} for r in rows]
 
 
+def _inspection_more(rows: list[dict], count: int) -> list[dict]:
+    """`count` further questions about each training image, read from its scene (ids `train-00012-0` name it)."""
+    import inspection_vqa
+
+    out = []
+    for image, row in {r["image"]: r for r in rows}.items():
+        split, index = row["id"].split("-")[:2]
+        out += [{**q, "id": f"{split}-{index}-m{k}", "image": image}
+                for k, q in enumerate(inspection_vqa.more_questions(0, split, int(index), count))]
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Dataset:
     """What the training reads for one dataset: its splits, default sizes and where its model and tower live."""
@@ -96,6 +108,8 @@ class Dataset:
     lr: float = 2e-3
     pack: bool = False  # one sequence per image holding all of its questions (see encode)
     lm: dict = dataclasses.field(default_factory=dict)  # overrides of LM
+    more: int = 0  # further training questions per image, read from its scene (tools/inspection_vqa.more_questions)
+    extra: Callable[[list[dict], int], list[dict]] | None = None  # the training rows, more -> the further rows
 
 
 DATASETS = {d.name: d for d in (
@@ -110,7 +124,8 @@ DATASETS = {d.name: d for d in (
     # overfits the answer priors. The 2-layer recipe stays the default, and the benchmark's model is its output.
     # The benchmark's data is the generator's seed 0, whatever the training seed: one test set for every model.
     Dataset("inspection", lambda: (_inspection_split("train", 0), _inspection_split("test", 0)),
-            "inspection-llava-dinov2", "dinov2-s14-imgfocus-448", train=4000, epochs=3, test=500, batch=8, lr=1e-3),
+            "inspection-llava-dinov2", "dinov2-s14-imgfocus-448", train=8000, epochs=3, test=500, batch=8, lr=1e-3,
+            pack=True, more=6, extra=_inspection_more),
 )}
 
 
@@ -226,48 +241,100 @@ def cached_features(model, processor, tower_dir: Path, paths: list[str], log=pri
     return out
 
 
-def encode(processor, samples: list[dict], image_tokens: int,
-           pack: bool = False) -> list[tuple[list[int], list[tuple[int, int]]]]:
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """One training sequence: its token ids, the spans its loss reads (answers and eos), and, where packed, the
+    token span of each question. A packed sequence is the prefix up to the image's last token, then the questions
+    one after another; each question sees the prefix and itself only (block_mask) at the positions it would have
+    alone (positions), so every question is trained exactly as eval asks it."""
+
+    ids: list[int]
+    spans: list[tuple[int, int]]
+    segments: tuple[tuple[int, int], ...] = ()
+
+
+def encode(processor, samples: list[dict], image_tokens: int, pack: bool = False) -> list[Encoded]:
     """Each sequence's token ids (the placeholder expanded, answer and eos appended) and the spans of its answers.
 
-    pack: one sequence per image, its questions as turns of one chat (`USER: <image>\\n{q1} ASSISTANT: {a1}</s>USER:
-    {q2} ASSISTANT: {a2}</s>`, LLaVA's multi-turn form), in the order of first appearance. The 1,024 image tokens
-    dominate a sequence's cost, so a second question costs a dozen tokens instead of a second sequence; the first
-    turn is exactly what eval asks, and every answer is a label."""
+    pack: one sequence per image (in the order of first appearance) holding all of its questions as segments
+    after one shared prefix (`<s> USER: <image>x1024`). The 1,024 image tokens dominate a sequence's cost, so a
+    further question about the same image costs a dozen tokens instead of a second sequence. Unlike a multi-turn
+    chat, no question sees another one (Encoded), so there is no mismatch with the single question eval asks."""
     tok = processor.tokenizer
     image_id = tok.convert_tokens_to_ids(IMAGE)
+
+    def single(s: dict) -> tuple[list[int], int]:
+        ids = tok(prompt_text(processor, s["question"]))["input_ids"]
+        at = ids.index(image_id)
+        ids = ids[:at] + [image_id] * image_tokens + ids[at + 1:]
+        return ids + tok(s["answers"][0], add_special_tokens=False)["input_ids"] + [tok.eos_token_id], len(ids)
+
+    if not pack:
+        return [Encoded(ids, [(start, len(ids))]) for ids, start in map(single, samples)]
     groups: dict[str, list[dict]] = {}
     for s in samples:
-        groups.setdefault(s["image"] if pack else str(len(groups)), []).append(s)
+        groups.setdefault(s["image"], []).append(s)
     out = []
     for turns in groups.values():
-        ids = tok(prompt_text(processor, turns[0]["question"]))["input_ids"]
-        at = ids.index(image_id)
-        ids, spans = ids[:at] + [image_id] * image_tokens + ids[at + 1:], []
-        for k, s in enumerate(turns):
-            if k:
-                ids += tok(processor.apply_chat_template([{"role": "user", "content": s["question"]}],
-                                                         add_generation_prompt=True, tokenize=False),
-                           add_special_tokens=False)["input_ids"]
-            answer = tok(s["answers"][0], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            spans.append((len(ids), len(ids) + len(answer)))
-            ids += answer
-        out.append((ids, spans))
+        alone = [single(s) for s in turns]
+        first = alone[0][0]
+        prefix = len(first) - first[::-1].index(image_id)  # up to and including the image's last token
+        if any(ids[:prefix] != first[:prefix] for ids, _ in alone):
+            raise ValueError("the questions of one image do not share the prompt up to the image; cannot pack them")
+        ids, spans, segments = first[:prefix], [], []
+        for seq, start in alone:
+            offset = len(ids) - prefix
+            spans.append((start + offset, len(seq) + offset))
+            segments.append((len(ids), len(ids) + len(seq) - prefix))
+            ids = ids + seq[prefix:]
+        out.append(Encoded(ids, spans, tuple(segments)))
     return out
 
 
-def batches(encoded: list[tuple[list[int], int]], batch: int, generator: torch.Generator) -> list[list[int]]:
+def block_mask(seq: Encoded, width: int) -> torch.Tensor:
+    """[width, width] bool, True where a query may attend: causal over the prefix, each question causal over itself
+    and the whole prefix, padding rows their own position only (a row that attends to nothing would be NaN)."""
+    mask = torch.zeros((width, width), dtype=torch.bool)
+    prefix = seq.segments[0][0]
+    mask[:prefix, :prefix] = torch.ones((prefix, prefix), dtype=torch.bool).tril()
+    for start, end in seq.segments:
+        mask[start:end, :prefix] = True
+        mask[start:end, start:end] = torch.ones((end - start, end - start), dtype=torch.bool).tril()
+    pad = torch.arange(len(seq.ids), width)
+    mask[pad, pad] = True
+    return mask
+
+
+def positions(seq: Encoded, width: int) -> torch.Tensor:
+    """Each token's position as if its question were alone after the prefix (padding at 0)."""
+    out = torch.zeros(width, dtype=torch.long)
+    prefix = seq.segments[0][0]
+    out[:prefix] = torch.arange(prefix)
+    for start, end in seq.segments:
+        out[start:end] = torch.arange(prefix, prefix + end - start)
+    return out
+
+
+def batches(encoded: list[Encoded], batch: int, generator: torch.Generator) -> list[list[int]]:
     """One epoch's batches: samples grouped by sequence length (a batch never pads), each group shuffled and cut
     into batches, the batches shuffled; all draws from the seeded generator, in a fixed order of lengths."""
     groups: dict[int, list[int]] = {}
-    for i, (seq, _) in enumerate(encoded):
-        groups.setdefault(len(seq), []).append(i)
+    for i, seq in enumerate(encoded):
+        groups.setdefault(len(seq.ids), []).append(i)
     out = []
     for length in sorted(groups):
         members = groups[length]
         order = [members[k] for k in torch.randperm(len(members), generator=generator).tolist()]
         out += [order[at: at + batch] for at in range(0, len(order), batch)]
     return [out[k] for k in torch.randperm(len(out), generator=generator).tolist()]
+
+
+def packed_batches(encoded: list[Encoded], batch: int, generator: torch.Generator) -> list[list[int]]:
+    """One epoch's batches of packed sequences: a seeded shuffle cut into batches. Packed lengths differ by a few
+    question tokens around 1,100, so padding to the batch's longest costs a few per cent; a block mask is
+    needed anyway."""
+    order = torch.randperm(len(encoded), generator=generator).tolist()
+    return [order[at: at + batch] for at in range(0, len(order), batch)]
 
 
 def train(model, processor, samples: list[dict], features: dict, epochs: int, seed: int, batch: int = 32,
@@ -278,9 +345,11 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
     encoded = encode(processor, samples, image_tokens, pack)
     images = list(dict.fromkeys(s["image"] for s in samples)) if pack else [s["image"] for s in samples]
     image_id = tok.convert_tokens_to_ids(IMAGE)
+    pad_id = tok.convert_tokens_to_ids(PAD)
+    cut = packed_batches if pack else batches
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    steps = epochs * len(batches(encoded, batch, torch.Generator()))  # the count does not depend on the draws
+    steps = epochs * len(cut(encoded, batch, torch.Generator()))  # the count does not depend on the draws
     warm = max(1, steps // 10)  # linear warm-up, then linear decay to zero
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min((k + 1) / warm, (steps - k) / max(1, steps - warm)))
     order_gen = torch.Generator().manual_seed(seed)
@@ -289,23 +358,31 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
     model.model.vision_tower.eval()
     losses = []
     for epoch in range(epochs):
-        for rows in batches(encoded, batch, order_gen):
-            width = len(encoded[rows[0]][0])  # one length a batch: no padding, so no mask and SDPA's flash kernel
-            ids = torch.tensor([encoded[r][0] for r in rows])
+        for rows in cut(encoded, batch, order_gen):
+            width = max(len(encoded[r].ids) for r in rows)  # unpacked: one length a batch, no padding
+            ids = torch.full((len(rows), width), pad_id)
             labels = torch.full((len(rows), width), -100)
             for j, r in enumerate(rows):
-                seq, spans = encoded[r]
-                for start, end in spans:
-                    labels[j, start:end] = torch.tensor(seq[start:end])
-            mask = torch.ones((len(rows), width), dtype=torch.long)
+                seq = encoded[r]
+                ids[j, :len(seq.ids)] = torch.tensor(seq.ids)
+                for start, end in seq.spans:
+                    labels[j, start:end] = torch.tensor(seq.ids[start:end])
+            extra = {}
+            if pack:  # a 4-D mask is taken as is by transformers' mask code
+                extra = {"attention_mask": torch.stack([block_mask(encoded[r], width) for r in rows])[:, None],
+                         "position_ids": torch.stack([positions(encoded[r], width) for r in rows])}
+            else:  # no padding, so an all-ones mask and SDPA's causal flash kernel
+                extra = {"attention_mask": torch.ones((len(rows), width), dtype=torch.long)}
             feats = projector(torch.stack([features[images[r]] for r in rows]).float())
             embeds = embed(ids).masked_scatter((ids == image_id)[..., None], feats.to(embed.weight.dtype))
-            loss = model(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss
+            loss = model(inputs_embeds=embeds, labels=labels, **extra).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
             losses.append(loss.item())
+            if len(losses) % 200 == 0:
+                log(f"step {len(losses)}/{steps}: mean loss of the last 200 {sum(losses[-200:]) / 200:.4f}")
         per_epoch = len(losses) // (epoch + 1)
         log(f"epoch {epoch + 1}/{epochs}: mean loss {sum(losses[-per_epoch:]) / per_epoch:.4f}")
     model.eval()
@@ -353,7 +430,9 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
     torch.manual_seed(seed)
     train_all, test_all = data.splits()
     train_rows, test_rows = train_all[:train_n], test_all[:test_n]
-    everything = train_all + test_all
+    if data.more and data.extra:
+        train_rows = train_rows + data.extra(train_rows, data.more)
+    everything = train_all + test_all + train_rows  # train_rows: with the further questions, if any
     tokenizer = build_tokenizer([r["question"] for r in everything] + [r["answers"][0] for r in everything])
     lm = {**LM, **data.lm, **(lm or {})}
     model = build_model(Path(tower), tokenizer, lm)

@@ -25,13 +25,14 @@ from vlmprune.compiler.frontend.onnx_tower import OnnxFamily, load_onnx_tower
 from vlmprune.compiler.frontend.presets import PRESETS, load_preset
 from vlmprune.compiler.frontend.qwen2_vl import Qwen2VLFamily
 from vlmprune.compiler.frontend.qwen3_vl import Qwen3VLFamily
+from vlmprune.compiler.frontend.smolvlm import SmolVLMFamily
 from vlmprune.compiler.frontend.source import Source
 from vlmprune.compiler.frontend.vit import VitFamily
 
 # The whole list of families, each with its adapter (None: loaded otherwise, an .onnx file); never discovered.
 FAMILIES: tuple[Family, ...] = (LlavaDinov2Family(), LlavaFamily(), LlavaNextFamily(), ClipFamily(), VitFamily(),
                                 Dinov2Family(), Qwen2VLFamily(), Qwen3VLFamily(), InternVLFamily(),
-                                Gemma3Family(), OnnxFamily())
+                                SmolVLMFamily(), Gemma3Family(), OnnxFamily())
 ADAPTERS: tuple[type[ModelAdapter], ...] = tuple(f.adapter for f in FAMILIES if f.adapter is not None)
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "DenseRequest", "Family", "Source", "adapter_for", "check_family_options",
@@ -41,9 +42,9 @@ __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "DenseRequest", "Family", "Source"
 # Model types refused on purpose, with the reason (one line each).
 REFUSED = {t: "its connector pixel-shuffles each s x s patch neighbourhood into one token (and splits images into "
               "crops): pruning inside the tower breaks the shuffle, and no [CLS]-free method scores whole shuffle "
-              "groups; only its connector output could be pruned (divprune, dart, per shuffle group), which no "
-              "adapter does yet"
-           for t in ("idefics3", "smolvlm")}
+              "groups; only its connector output could be pruned (divprune, dart, per shuffle group), which the "
+              "smolvlm family does for SmolVLM checkpoints, not yet for Idefics3"
+           for t in ("idefics3",)}
 
 
 def adapter_for(checkpoint: Checkpoint, where: str) -> ModelAdapter:

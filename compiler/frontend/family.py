@@ -4,15 +4,18 @@ The pipeline asks a loaded source's family, never tests the family itself: which
 takes (like Method.options), how they fix the source at load, whether a target can run its
 input, the dense model (export or load), the parity images, the token layout pruning runs
 over, its bundle README section, and, from a finished bundle's manifest, how `vlmprune run`
-feeds and draws it. The LLM side reads two declarations: `positions` (the kind of
-`llm.positions` its bundles hand over: "indices" the patch index of each kept token, "thw"
-Qwen2-VL's (t, h, w), "cyx" LLaVA-NeXT's (crop, row, col)) and `language_model` (the
-transformers class of its full VLM per model_type, whose language model `generate` runs;
-empty for a bare tower).
+feeds and draws it. The LLM side reads `positions` (the kind of `llm.positions` its
+bundles hand over: "indices" the patch index of each kept token, "thw" Qwen2-VL's (t, h, w),
+"cyx" LLaVA-NeXT's (crop, row, col)), `language_model` (the transformers class of its full
+VLM per model_type, whose language model `generate` runs; empty for a bare tower),
+`vision_span` and the llm_*/hf_* hooks below.
 
 A family says what it has (`has`: capabilities, below), a method what it needs; the CLI
 joins the two for `vlmprune methods`. Adding a family is one module (its adapter and its
-family object), its tests, and one line in frontend/__init__.py's FAMILIES.
+family object), its tests, and one line in frontend/__init__.py's FAMILIES, for `compile`,
+`check` and `run`. generate and eval still name families in places (the LLaVA and Qwen
+prompt conventions in generate.py, their `--image-size` and `--grid`, Edge-LLM's
+VLM_FAMILIES): a family for them may need a line there too.
 """
 
 from __future__ import annotations
@@ -253,6 +256,11 @@ class Family:
         import torch
 
         return {"pixel_values": torch.from_numpy(pixel)}
+
+    def image_wrap(self, tokenizer) -> tuple[str, str]:
+        """(text before, text after) the image placeholder that the family's processor writes around its rows
+        (SmolVLM's <fake_token_around_image><global-img> ... <fake_token_around_image>); none by default."""
+        return "", ""
 
     def hf_image_features(self, out):
         """One image's rows, as this family's bundles give them, from the transformers model's get_image_features

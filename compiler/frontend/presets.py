@@ -12,6 +12,8 @@
   1024 wide, patch 16, DeepStack after blocks 5, 11, 17; 1024 patches -> 256 tokens of 4 x 2048);
 - `internvl3-1b-448`: the shapes of InternVL3-1B's InternViT-300M tower and connector at 448x448 (24 blocks,
   1024 wide, [CLS], layer scales; pixel shuffle 2x2 + MLP projector 4096 -> 896; 1024 patches -> 256 tokens);
+- `smolvlm-256m-512`: the shapes of SmolVLM-256M's SigLIP base patch16 tower and connector at 512x512 (12 blocks,
+  768 wide, no [CLS]; pixel shuffle 4x4 + Linear 12288 -> 576; 1024 patches -> 64 tokens);
 - `gemma3-4b-896`: the shapes of Gemma 3 4B's SigLIP-So400m tower and connector at 896x896 (27 blocks, 1152 wide,
   patch 14, no pooling head; 4x4 average pooling + RMSNorm + 1152 -> 2560; 4096 patches -> 256 tokens).
 """
@@ -39,6 +41,8 @@ PRESETS = {"demo": "a small LLaVA model (CLIP tower, 576 patches), seeded", "cli
                                "(1024 patches, 256 merged tokens of 896), seeded",
            "gemma3-4b-896": "Gemma 3 4B's SigLIP-So400m tower and connector shapes at 896x896 (4096 patches average-"
                             "pooled 4x4 into 256 tokens of 2560), seeded"}
+PRESETS["smolvlm-256m-512"] = ("SmolVLM-256M's SigLIP base patch16 tower, pixel shuffle and connector shapes at "
+                               "512x512 (1024 patches, 64 merged tokens of 576), seeded")
 
 
 def load_preset(name: str) -> Source:
@@ -54,6 +58,8 @@ def load_preset(name: str) -> Source:
         return _internvl3_1b_448()
     if name == "gemma3-4b-896":
         return _gemma3_4b_896()
+    if name == "smolvlm-256m-512":
+        return _smolvlm_256m_512()
     return _demo() if name == "demo" else _clip_l_336()
 
 
@@ -192,3 +198,21 @@ def _gemma3_4b_896() -> Source:
     tower, projector = build_tower(config.vision_config), build_projector(config)
     seeded_init(nn.ModuleList([tower, projector]), seed=0)  # the connector's RMSNorm scale (1 + w) near 1
     return gemma3_source("gemma3-4b-896", "preset", config, tower, projector, None)
+
+
+def _smolvlm_256m_512() -> Source:
+    """SmolVLM-256M's vision side (its config.json): SigLIP base patch16, 12 blocks 768 wide (MLP 3072,
+    gelu_pytorch_tanh, 12 heads), 512 px (32x32 patches, no [CLS]), post_layernorm, pixel shuffle by scale_factor 4
+    into 64 tokens of 12288, a bias-free Linear into 576 (SmolLM2-135M's width)."""
+    from transformers import SmolVLMConfig
+
+    from vlmprune.compiler.frontend.smolvlm import build_connector, build_tower, smolvlm_source
+
+    vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                  image_size=512, patch_size=16)
+    text = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, vocab_size=49280)
+    config = SmolVLMConfig(vision_config=vision, text_config=text, scale_factor=4, image_token_id=49190)
+    tower, connector = build_tower(config.vision_config), build_connector(config)
+    seeded_init(nn.ModuleList([tower, connector]), seed=0)  # LayerNorms at unit scales
+    return smolvlm_source("smolvlm-256m-512", "preset", config, tower, connector, None)

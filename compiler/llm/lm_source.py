@@ -121,16 +121,18 @@ def language_model(spec: str):
         vlm = from_pretrained(getattr(transformers, vlm_classes()[checkpoint.model_type]), checkpoint, "checkpoint")
     text = vlm.config.text_config
     check_family(text)
+    # The VLM's decoder: language_model in most, text_model in SmolVLM's (get_decoder names either)
+    decoder = vlm.model.language_model if hasattr(vlm.model, "language_model") else vlm.model.get_decoder()
     if text.model_type in _CAUSAL_LM_TYPES:
         from transformers import AutoModelForCausalLM
 
         with no_init_weights():
             lm = AutoModelForCausalLM.from_config(text)
-        lm.model = vlm.model.language_model
+        lm.model = decoder
         lm.lm_head = vlm.lm_head
         return lm.eval()
     levels = len(getattr(vlm.config.vision_config, "deepstack_visual_indexes", None) or ())  # Qwen3-VL's
-    return CausalLM(vlm.model.language_model, vlm.lm_head, text, levels).eval()
+    return CausalLM(decoder, vlm.lm_head, text, levels).eval()
 
 
 def deepstack_levels(model) -> int:

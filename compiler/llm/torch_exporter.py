@@ -23,8 +23,8 @@ MLP, rotary embedding): attention as MatMul/Softmax with GQA heads expanded, so 
 on any ONNX runtime: that form is written as prefill.decomposed.onnx and decode.decomposed.onnx.
 prefill.onnx and decode.onnx, what target ort runs, are the same graphs with each layer's
 attention (and the prefill's per-layer causal mask) fused into ONNX Runtime's
-com.microsoft.MultiHeadAttention by passes.llm_attention_fusion (issue 35: the mask's Where and
-the Softmax were a sixth of the dense prefill). Both pairs are checked against the reference.
+com.microsoft.MultiHeadAttention by passes.llm_attention_fusion (the mask's Where and the Softmax
+were a sixth of the dense prefill). Both pairs are checked against the reference.
 The parity reference (compiler.llm.fastv) runs the Hugging Face decoder
 layers themselves.
 

@@ -5,7 +5,9 @@ The data flow, each step asked of the module that owns it: the frontend loads th
 builds its pass pipeline (insert the method, retarget, legalize, check support) and its
 fusion pipeline, the target emits its artifacts, and parity runs every stage against the
 reference. Nothing here branches on a model family, a method or a target: each is asked
-(the family through compiler.frontend.family, with its own options and the prune config).
+(the family through compiler.frontend.family, with its own options and the prune config);
+the defaults are the one place a name is spelled (CompileOptions: target "ort", the
+registry's default method).
 """
 
 from __future__ import annotations

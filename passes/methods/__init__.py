@@ -1,7 +1,10 @@
 """vlmprune.passes.methods: one module per pruning method, behind passes.methods.base.Method.
 
 The table below is the whole list: methods are named explicitly, never discovered.
-Adding a method is one module (a Method subclass) plus its tests, and one line here.
+Adding a method is one module (a Method subclass), its tests, one line here, and its
+README entries (tests/test_suite.py holds the README to this table); a method for
+LLaVA-NeXT's crops is also named in passes/methods/crops.py, and a baseline in
+compiler/accuracy.py, until those read declarations instead.
 """
 
 from __future__ import annotations

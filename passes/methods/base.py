@@ -5,9 +5,10 @@ model (a [CLS] token, block L's own Q and K, the pixels, the projector output), 
 what it cannot serve in one line, computes its plain-torch reference (the parity
 reference), emits itself into the graph in standard ONNX ops, and optionally brings
 the fusion rules that replace part of that emission by a custom op where one pays.
-Nothing else in vlmprune branches on a method's name: the insertion pass, the targets
-and parity read what a method declares here and what the insertion pass records in
-the IR (passes.methods.record).
+The insertion pass, the targets and parity read what a method declares here and what
+the insertion pass records in the IR (passes.prune.prune_record), not its name; a few
+shared places still name methods (the crop budgets in passes/methods/crops.py, the
+accuracy baselines in compiler/accuracy.py, the default `cls`).
 
 Where the official code of a method is batch-1 only or leaves a case undefined, the
 method's docstring lists the choice made; two rules hold for all of them: ties go to

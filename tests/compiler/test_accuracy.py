@@ -276,7 +276,7 @@ def _strict_json(text: str):
 
 
 def test_retained_is_null_and_explained_where_dense_answers_nothing_right(setup, tmp_path):
-    """Issue 31: with dense accuracy 0 (the tiny model never says "cat"), --json wrote `"retained": NaN` and NaN
+    """With dense accuracy 0 (the tiny model never says "cat"), --json wrote `"retained": NaN` and NaN
     bounds, which is not JSON, and the table said `retained nan` without a reason. Now null, and the table, the
     page and the JSON say why."""
     model, data, store, report = setup
@@ -348,7 +348,7 @@ def test_a_typed_dataset_is_scored_per_type_against_its_majority_and_random_keep
 
 
 def test_an_interrupt_says_how_many_cells_are_stored_and_that_a_rerun_resumes(setup, tmp_path):
-    """Issue 31: Ctrl-C during the sweep said `interrupted; nothing was written` while the store held the cells
+    """Ctrl-C during the sweep once said `interrupted; nothing was written` while the store held the cells
     the rerun then reused."""
     from vlmprune.compiler.bundle import interrupted_line, tracking
 
@@ -369,7 +369,7 @@ def test_an_interrupt_says_how_many_cells_are_stored_and_that_a_rerun_resumes(se
 
 
 def test_an_interrupt_during_the_compiles_summarises_the_bundles(setup, tmp_path, monkeypatch):
-    """Issue 31: the line listed seven bundle paths in one run-on line."""
+    """The interrupt line once listed seven bundle paths in one run-on line."""
     from vlmprune.compiler import accuracy
     from vlmprune.compiler.bundle import interrupted_line, record_complete, tracking
 

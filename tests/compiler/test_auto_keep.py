@@ -161,7 +161,7 @@ def test_latency_curve_picture_draws_points_budget_and_choice():
 
 
 def test_a_compile_on_a_flat_curve_warns_and_records_it(tiny_llava_dir, tmp_path, monkeypatch):
-    """Issue 31: `--keep auto` on the demo's flat curve picked K from noise without a word; the compile says so in
+    """`--keep auto` on the demo's flat curve once picked K from noise without a word; the compile says so in
     a warning line and in manifest["keep_auto"]["flat"]. (The timings are the demo's, given: this machine's
     noise would make the test's outcome noise.)"""
     demo = {1: 36.5, 8: 38.2, 32: 39.1, 63: 40.7}

@@ -246,7 +246,7 @@ def test_an_empty_read_only_mount_point_is_refused_before_any_work(mount_point):
 
 
 def test_summarised_outputs_and_resumable_results_make_one_short_interrupt_line():
-    """Issue 31: eval's interrupt listed every bundle it had compiled in one run-on line; a summarised block says
+    """Eval's interrupt once listed every bundle it had compiled in one run-on line; a summarised block says
     them in one phrase, and what a rerun resumes from comes after the outputs that are complete."""
     complete: list[str] = []
     with pytest.raises(KeyboardInterrupt):

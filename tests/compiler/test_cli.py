@@ -173,7 +173,7 @@ def test_corrupt_onnx(tmp_path):
 
 
 def test_tower_without_cls(tiny_siglip_dir, tmp_path):
-    """Issue 31: the refusal on SigLIP (an attention-pooling head) suggests the cls method's own way out."""
+    """The refusal on SigLIP (an attention-pooling head) suggests the cls method's own way out."""
     _assert_one_line_error(_run("compile", tiny_siglip_dir, "--keep", 8, "-o", tmp_path / "b"),
                            "needs a [CLS] token, and this tower has none: use --score probe")
 
@@ -336,7 +336,8 @@ AS_A_SHELL_STARTS_IT = ("import signal\nsignal.signal(signal.SIGINT, signal.defa
 
 
 def test_the_console_script_is_the_interrupt_boundary():
-    tomllib = pytest.importorskip("tomllib")
+    import tomllib
+
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"] == {"vlmprune": "vlmprune.compiler.__main__:main"}
 

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 NAMES = {value: name for name, value in vars(contract).items()
          if name.isupper() and isinstance(value, str) and value not in ("llm", *contract.ROLES)}
 STANDALONE = {"targets/trt_engine.py", "targets/rknn_worker.py"}  # no vlmprune import: tested to mirror below
-# compiler/frontend/export.py still defines FEATURES and PIXELS: its helper converts it (issue 18 §3).
+# Modules still allowed to define a bundle name of their own, until it moves into the contract: none left.
 PENDING: set[str] = set()
 
 

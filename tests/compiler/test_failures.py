@@ -263,7 +263,7 @@ def test_an_empty_output_path_is_refused_not_read_as_the_current_directory(tmp_p
 
 
 def test_run_prints_the_value_of_a_small_integer_output():
-    """Issue 31: `run` on a prumerge+ bundle printed `num_tokens: shape [1]`, not how many tokens the image kept."""
+    """`run` on a prumerge+ bundle once printed `num_tokens: shape [1]`, not how many tokens the image kept."""
     from vlmprune.compiler.api import RunResult
 
     result = RunResult(Path("b"), "onnxruntime", np.zeros((1, 3, 8, 8), np.float32),

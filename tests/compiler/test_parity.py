@@ -180,7 +180,7 @@ def test_a_stage_whose_kept_sets_all_differ_compares_the_tokens_both_kept():
 
 
 def test_the_stage_line_names_the_tie_resolved_images_in_number():
-    """Issue 31: "image 0, 1: it diverges ..." named two images as one."""
+    """The stage line once said "image 0, 1: it diverges ...", naming two images as one."""
     from vlmprune.compiler.api import _stage_line
 
     stage = {"passed": False, "precision": "int8", "index_agreement": 0.6, "tie_resolved_images": [0, 1],

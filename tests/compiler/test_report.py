@@ -276,8 +276,9 @@ def test_check_quiet_failure_names_its_figure_and_bound(checked):
                                  "uniform grid (baseline): 32 patches",
                                  "probe attention (pooling head): top 32 + 1 summary"])
 def test_the_compile_summary_keeps_a_methods_own_parenthesis_and_its_k(own):
-    """Issue 31: random, grid and SigLIP's probe said no K (`576 patch tokens -> random keep (at the tower's end,
-    after block 5/5)`): the line was cut at the method's own first parenthesis, not at the one the pipeline adds."""
+    """The summaries of random, grid and SigLIP's probe once said no K (`576 patch tokens -> random keep (at the
+    tower's end, after block 5/5)`): the line was cut at the method's own first parenthesis, not at the one the
+    pipeline adds."""
     from vlmprune.compiler.api import CompileResult
     from vlmprune.compiler.bundle.manifest import Manifest
 

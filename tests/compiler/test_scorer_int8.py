@@ -29,13 +29,6 @@ from vlmprune.targets.runtime import ort_session, run_session
 CLS = get_method("cls")
 
 
-@pytest.fixture(scope="module")
-def ort_library():
-    from vlmprune.targets.ort import library
-
-    return str(library())
-
-
 def _fused(tiny_dense_path, params, layer=2):
     model = ir.load(tiny_dense_path)
     InsertPruningPass(CLS, params, layer)(model)

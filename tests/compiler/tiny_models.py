@@ -190,3 +190,43 @@ def gemma3_processor(path: Path, image_size: int = 128, tokens: int = 16) -> dic
     ids = {s: tok.token_to_id(s) for s in GEMMA3_SPECIALS}
     return {"image_token_id": ids["<image_soft_token>"], "boi": ids["<start_of_image>"], "eoi": ids["<end_of_image>"],
             "eos": ids["<eos>"], "bos": ids["<bos>"]}
+
+
+def tiny_smolvlm(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer: bool = False, **text) -> Path:
+    """A seeded tiny SmolVLM (SmolVLMForConditionalGeneration) saved (safetensors) at path, its tower and connector
+    spread: 3 vision blocks 32 wide (2 heads), 128 px at patch 8 (16x16 patches, pixel-shuffled 4x4 into 4x4 = 16
+    tokens, as SmolVLM-256M's scale_factor 4), a Llama LLM (text: overrides; default 1 layer, 48 wide, vocab 128).
+    tokenizer: also a byte-level tokenizer (bytes 0-255, then <|im_start|>, <end_of_utterance>,
+    <fake_token_around_image>, <global-img>; <image> at image_token_id) with SmolVLM's chat template."""
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    config = dict(model_type="llama", hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, vocab_size=128)
+    config.update(text)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=128,
+                  patch_size=8)
+    torch.manual_seed(seed)
+    model = SmolVLMForConditionalGeneration(SmolVLMConfig(vision_config=vision, text_config=config, scale_factor=4,
+                                                          image_token_id=image_token_id))
+    spread(model, ("model.vision_model.", "model.connector."))
+    with torch.no_grad():  # the position table is an Embedding (1-D rows spread above, but keep it explicit)
+        model.model.vision_model.embeddings.position_embedding.weight.normal_(0.0, 0.2)
+    model.generation_config.eos_token_id = 257  # <end_of_utterance>
+    model.eval().save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
+
+        specials = ["<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<global-img>"]
+        vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+        vocab.update({s: 256 + i for i, s in enumerate(specials)})
+        vocab.update({f"<unused{i}>": i for i in range(len(vocab), image_token_id)})
+        vocab["<image>"] = image_token_id
+        tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(s, special=True) for s in [*specials, "<image>"]])
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<end_of_utterance>",
+                                chat_template=DEFAULT_CHAT_TEMPLATE).save_pretrained(path)
+    return Path(path)

@@ -1,21 +1,9 @@
-"""Fixtures of the kernel tests: the built custom-op library and its C functions."""
+"""Fixtures of the kernel tests: the custom-op library's C functions (the library itself: tests/conftest.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from kernel_helpers import CpuKernels
-
-from vlmprune.kernels import build
-
-
-@pytest.fixture(scope="session")
-def ort_library() -> Path:
-    try:
-        return build.build_ort_library()
-    except build.ToolNotFoundError as exc:  # a missing compiler is an environment gap, not a bug
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="session")

@@ -111,7 +111,7 @@ def test_precision_option():
 
 
 def test_int8_is_refused_in_one_line_before_any_work(tmp_path):
-    """Issue 31: --precision int8 compiled for half a minute, then failed parity (cosine 0.2065); it is refused with
+    """--precision int8 once compiled for half a minute, then failed parity (cosine 0.2065); it is refused with
     what was measured, before any work."""
     result = CliRunner().invoke(main, ["compile", "demo", "--target", "qnn", "--precision", "int8", "-k", "64",
                                        "-o", str(tmp_path / "q8")])
@@ -168,7 +168,7 @@ def test_run_on_the_emulator(early, tmp_path):
 @needs_qnn
 def test_native_chatter_stays_off_stdout(tmp_path):
     """QNN's libraries print ` # LIBNATIVE: ...` on file descriptor 1 as they load: it reaches neither stdout nor
-    stderr (issue 31: every qnn command printed it, -q too), and stdout holds only the summary (a compile in its own
+    stderr (every qnn command once printed it, -q too), and stdout holds only the summary (a compile in its own
     process: the native write is a real one)."""
     import subprocess
     import sys

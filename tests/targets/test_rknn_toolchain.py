@@ -1,4 +1,4 @@
-"""rknn-toolkit2 2.5.0 end to end on the probe graph (targets.probe_graph): .rknn build, simulator, placement.
+"""rknn-toolkit2 2.5.0 end to end on the probe graph (tools/probe_graph.py): .rknn build, simulator, placement.
 
 The rknn venv is created by the tests when missing (~45 s and ~600 MB, fresh, on a 2-core
 machine); set VLMPRUNE_RKNN_CREATE=0 to skip instead of creating it.
@@ -7,14 +7,18 @@ machine); set VLMPRUNE_RKNN_CREATE=0 to skip instead of creating it.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
 from vlmprune.targets import rknn_env, rknn_worker
-from vlmprune.targets.probe_graph import (SORTS, build_probe_model, kept_agreement, probe_input, reference_run,
-                                          token_cosines)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))  # the probe graph is a developer module
+from probe_graph import (SORTS, build_probe_model, kept_agreement, probe_input, reference_run,  # noqa: E402
+                         token_cosines)
 
 
 @pytest.fixture(scope="module")

@@ -57,16 +57,6 @@ SELECTION_OPS = {"TopK", "GatherND", "ScatterElements"}
 
 
 @pytest.fixture(scope="module")
-def ort_library():
-    from vlmprune.kernels import build
-
-    try:
-        return build.build_ort_library()
-    except build.ToolNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
 def bundles(tmp_path_factory, ort_library):
     """demo for orin (dynamic batch, defaults) and for xavier (static batch 2, block 3, lambda 0.3)."""
     from vlmprune.compiler.pipeline import CompileOptions, compile_model

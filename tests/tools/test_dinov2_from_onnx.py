@@ -68,8 +68,9 @@ def test_saliency_concentrates_on_the_object():
 
 
 @pytest.mark.slow
-def test_convert_at_448_px_has_the_seeds_1024_patches(tmp_path):
-    """Issue 32: the graph itself runs at 448 px (its Resize takes the input's size), and the baked table matches it."""
+def test_convert_at_448_px_has_1024_patches(tmp_path):
+    """At 448 px (1024 patches, the inspection benchmark's scale) the graph itself runs (its Resize takes the
+    input's size), and the baked table matches it."""
     report = dinov2_from_onnx.convert(imgfocus.onnx_path(), tmp_path / "d448", 448)
     assert report["tokens"] == 1 + 32 * 32
     assert max(report["max_abs"].values()) <= 1e-4

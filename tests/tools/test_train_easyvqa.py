@@ -101,7 +101,7 @@ def test_refusals(tmp_path, capsys):
 
 
 def test_weights_do_not_depend_on_the_thread_count(trained, tower, tmp_path):
-    """Issue 32: the same seed gives the same weights whatever the thread count (the fixture trained on 2)."""
+    """The same seed gives the same weights whatever the thread count (the fixture trained on 2)."""
     out, record = trained
     one = _train(tmp_path / "one", tower, threads=1)
     assert one["weights_sha256"] == record["weights_sha256"]
@@ -117,9 +117,11 @@ def test_inspection_scenes_train_with_per_type_accuracy(tower, tmp_path, monkeyp
     monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
     data = train_easyvqa.Dataset(
         "inspection", lambda: (train_easyvqa._inspection_split("train", 0, 12), train_easyvqa._inspection_split("test", 0, 6)),
-        "m", "t", train=24, epochs=1, test=12, pack=True, lm={**TINY_LM, "num_hidden_layers": 2})
+        "m", "t", train=24, epochs=1, test=12, pack=True, lm={**TINY_LM, "num_hidden_layers": 2},
+        more=3, extra=train_easyvqa._inspection_more)
     record = train_easyvqa.train_easyvqa(tmp_path / "model", tower, log=lambda line: None, dataset=data)
     assert record["dataset"] == "inspection" and record["test_questions"] == 12 and record["train_images"] == 12
+    assert record["train_questions"] == 24 + 12 * 3  # the split's two a image, and three more read from each scene
     assert record["packed"] and record["language_model"]["num_hidden_layers"] == 2  # the dataset's override
     types = record["per_type"]
     assert set(types) <= set(inspection_vqa.TYPES) and sum(t["questions"] for t in types.values()) == 12
@@ -133,9 +135,11 @@ def test_majority_ties_go_to_the_first_answer_in_sorted_order():
     assert train_easyvqa.majority(["b", "a", "b"]) == "b"
 
 
-def test_packing_puts_an_images_questions_in_one_chat_and_labels_only_the_answers(tower):
-    """pack=True: one sequence per image; its first turn is exactly the unpacked sample (what eval asks), and the
-    labelled spans are each answer and its eos, nothing of the prompts."""
+def test_a_packed_question_sees_the_image_and_itself_only(tower):
+    """pack=True: one sequence per image, its questions as segments after the image. Each segment's logits equal
+    those of the question run alone (what eval asks): the block mask hides the other questions and the positions
+    restart after the image. Without the mask the second question's logits change, so the check can fail."""
+    import torch
     from transformers import Dinov2Config
 
     rows = [{"image": "a.png", "question": "how many parts are there?", "answers": ["2"]},
@@ -146,13 +150,54 @@ def test_packing_puts_an_images_questions_in_one_chat_and_labels_only_the_answer
     plain = train_easyvqa.encode(processor, rows, 64)
     packed = train_easyvqa.encode(processor, rows, 64, pack=True)
     assert len(plain) == 3 and len(packed) == 2
-    (seq, spans), (first, (span,)) = packed[0], plain[0]
-    assert seq[:len(first)] == first and spans[0] == span  # the first turn is the unpacked sample
-    assert packed[1] == plain[2]  # an image with one question is not changed
-    words = [tok.convert_ids_to_tokens(seq[a:b]) for a, b in spans]
-    assert words == [["2", "</s>"], ["yes", "</s>"]]
-    follow = tok.convert_ids_to_tokens(seq[spans[0][1]:spans[1][0]])
-    assert follow[:2] == ["user", ":"] and follow[-2:] == ["assistant", ":"] and "<image>" not in follow
+    assert packed[1].ids == plain[2].ids and packed[1].spans == plain[2].spans  # one question: the same sequence
+    seq = packed[0]
+    assert [tok.convert_ids_to_tokens(seq.ids[a:b]) for a, b in seq.spans] == [["2", "</s>"], ["yes", "</s>"]]
+    assert seq.ids[:len(plain[0].ids)] == plain[0].ids and "<image>" not in tok.convert_ids_to_tokens(
+        seq.ids[seq.segments[1][0]:])
+
+    torch.manual_seed(0)
+    model = train_easyvqa.build_model(tower, tok, TINY_LM).eval()
+    feats = torch.randn(64, 32)
+    image_id = tok.convert_tokens_to_ids(train_easyvqa.IMAGE)
+
+    def logits(ids: list[int], **kw) -> torch.Tensor:
+        t = torch.tensor([ids])
+        embeds = model.get_input_embeddings()(t).masked_scatter((t == image_id)[..., None],
+                                                                model.model.multi_modal_projector(feats))
+        with torch.no_grad():
+            return model(inputs_embeds=embeds, **kw).logits[0]
+
+    width = len(seq.ids) + 3  # with padding, as a batch has it
+    padded = seq.ids + [tok.pad_token_id] * 3
+    masked = logits(padded, attention_mask=train_easyvqa.block_mask(seq, width)[None, None],
+                    position_ids=train_easyvqa.positions(seq, width)[None])
+    unmasked = logits(seq.ids)
+    prefix = seq.segments[0][0]
+    for (start, end), alone in zip(seq.segments, (plain[0], plain[1])):
+        want = logits(alone.ids)[prefix:]
+        torch.testing.assert_close(masked[start:end], want, atol=1e-5, rtol=1e-5)
+    second = seq.segments[1]
+    assert not torch.allclose(unmasked[second[0]:second[1]], logits(plain[1].ids)[prefix:], atol=1e-3)
+
+
+def test_further_questions_come_from_the_scene_and_leave_the_split_unchanged():
+    """more_questions: answers read from the scene (the same ones question() gives), never the split's own two,
+    presence yes and no alternating; deterministic; the image and its two questions are write_split's."""
+    import inspection_vqa
+
+    pixels, asked = inspection_vqa.scene(0, "train", 3)
+    more = inspection_vqa.more_questions(0, "train", 3, 6)
+    assert more == inspection_vqa.more_questions(0, "train", 3, 6)
+    assert len(more) == 6 and not {q["question"] for q in more} & {q["question"] for q in asked}
+    assert len({q["question"] for q in more}) == 6 and {q["type"] for q in more} <= set(inspection_vqa.TYPES)
+    for q in more:
+        assert q["answers"][0] in inspection_vqa.ANSWERS[q["type"]]
+    again, _ = inspection_vqa.scene(0, "train", 3)
+    assert (again == pixels).all()
+    presence = [q["answers"][0] for i in range(40) for q in inspection_vqa.more_questions(0, "train", i, 6)
+                if q["type"] == "presence"]
+    assert abs(presence.count("yes") - presence.count("no")) <= len(presence) // 4
 
 
 def test_features_are_cached_per_chunk_and_reused(tower, tmp_path, monkeypatch):

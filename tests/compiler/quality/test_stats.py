@@ -155,7 +155,7 @@ def test_difference_interval_is_paired():
 
 
 def test_majority_breaks_ties_by_answer_text_whatever_the_order():
-    """Issue 31: two answers as frequent as each other; the baseline must not change with the samples' order (or
+    """Two answers as frequent as each other; the baseline must not change with the samples' order (or
     with Python's string hashing, which `max(set(...))` depended on)."""
     sets = [("yes",), ("no",), ("no",), ("yes", "y"), ("red",)]
     for order in (sets, sets[::-1], sets[2:] + sets[:2]):

@@ -151,7 +151,7 @@ def test_setting_key():
 
 
 def test_without_a_bar_each_finished_setting_is_one_line(tmp_path, store):
-    """Issue 31: a sweep whose stderr is not a terminal (CI) printed nothing for its whole length; it says each
+    """A sweep whose stderr is not a terminal (CI) printed nothing for its whole length; it says each
     setting as it finishes, and nothing per chunk. With a bar (a terminal) the bar says it instead."""
     log, samples = tmp_path / "log", _samples()
     settings = [dataclasses.replace(_setting(log, k=8), label="reverse K=8"), _setting(log, k=16)]

@@ -212,7 +212,7 @@ def test_refusals():
 
 
 def test_the_summary_says_the_number_of_crops_not_its_formula():
-    """Issue 31: the compile summary printed `max(1, int((1024/576)·N/K)) raster crops` instead of the number."""
+    """The compile summary once printed `max(1, int((1024/576)·N/K)) raster crops` instead of the number."""
     from vlmprune.passes.prune import summary
 
     method = get_method("holov")

@@ -7,9 +7,11 @@ selection of the kept patches -> summary of the pruned ones -> Concat. Outputs: 
 each come in the forms a toolchain may treat differently (SELECTIONS, MASKS, SORTS), so a
 toolchain's placement and parity can be compared per form in seconds, without a tower.
 
-Used by tests/targets/test_rknn_toolchain.py, test_qnn_toolchain.py and
-tools/rknn_env_report.py; the metrics below compare a toolchain's outputs with ONNX
-Runtime's on the same graph.
+Written by hand, not taken from passes/methods/cls.py: the method emits one form (GatherND,
+ScatterElements) on a real tower's block, and these forms are the alternatives weighed
+against it. No library module uses it, so it lives here beside tools/rknn_env_report.py;
+tests/targets/test_rknn_toolchain.py and test_qnn_toolchain.py import it too. The metrics
+below compare a toolchain's outputs with ONNX Runtime's on the same graph.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class _Graph:
 
 def build_probe_model(select: str = "gather", mask: str = "scatter_elements", sort: str = "int",
                       n: int = N, d: int = D, k: int = K, seed: int = 0) -> onnx.ModelProto:
-    """The pruning subgraph as the project emits it, behind one small transformer block.
+    """The [CLS]-attention pruning subgraph in the chosen forms, behind one small transformer block.
 
     wk is wq plus noise, so the [CLS] query attends to patches that resemble it (as trained
     heads do); probe_input's salient patches then stand out in the scores.
