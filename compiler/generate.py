@@ -29,6 +29,9 @@ sees the pruned image where the dense one was, with gaps where the pruned tokens
   that attends to itself both ways (Family.llm_forward_args: token_type_ids 1 there, as its processor
   marks them), between the "\\n\\n<boi>" and "<eoi>\\n\\n" its processor writes for the template's boi
   token (Family.image_prompt).
+- SmolVLM (SmolVLMForConditionalGeneration): 1-D positions from kept_indices, the rows between the
+  <fake_token_around_image><global-img> and <fake_token_around_image> its processor writes around
+  one unsplit image (Family.image_prompt).
 
 `--dense` feeds the Hugging Face model's own image-feature path instead (get_image_features
 with image_sizes / image_grid_thw; consecutive positions, or the full mRoPE grid), which is
@@ -40,8 +43,10 @@ answer's positions; on every mRoPE axis alike, as Qwen's rope_deltas continue).
 
 The prompt: the checkpoint's processor chat template, else its tokenizer's, else the
 family's convention (LLaVA's `USER: <image>\\n{prompt} ASSISTANT:`; Qwen's im_start/im_end
-turns with `<|vision_start|><|image_pad|><|vision_end|>`). The placeholder is expanded to the
-image rows fed (for Qwen: as many <|image_pad|> as rows, between vision_start and vision_end).
+turns with `<|vision_start|><|image_pad|><|vision_end|>`; a family's own, Family.image_prompt). The
+placeholder is expanded to the image rows fed (for Qwen: as many <|image_pad|> as rows, between
+vision_start and vision_end), with the text the family's processor writes around them
+(Family.image_prompt: SmolVLM's fake-token and global-image markers, Gemma 3's boi and eoi).
 A checkpoint without a tokenizer (the demo, tiny test models) is given the prompt's UTF-8
 bytes as token ids (a vocabulary of at least 256 is needed; Qwen's vision_start/vision_end
 keep their own ids), and its answer is printed as token ids.
@@ -235,11 +240,12 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     """The prompt's token ids before and after the image placeholder (see the module docstring)."""
     require_prompt(prompt)
     qwen = vlm.rules.vision_span is not None  # Qwen's convention: the image between vision_start/vision_end
-    wrap = vlm.rules.image_prompt  # the family's processor writes text around the image rows (Gemma 3)
+    wrap = vlm.rules.image_prompt(vlm.tokenizer)  # the text its processor writes around the image rows, if any
     image_token = image_token_id(vlm)
-    default_mark = wrap.mark if wrap is not None else QWEN_MARK if qwen else IMAGE_MARK
+    own_mark = wrap is not None and wrap.mark is not None  # the template writes a mark other than the image token
+    default_mark = wrap.mark if own_mark else QWEN_MARK if qwen else IMAGE_MARK
     mark = default_mark
-    if vlm.tokenizer is not None and wrap is None:
+    if vlm.tokenizer is not None and not own_mark:
         try:
             mark = vlm.tokenizer.convert_ids_to_tokens(image_token) or default_mark
         except (IndexError, KeyError, TypeError):  # an id the tokenizer does not know: the processor's mark
@@ -257,7 +263,7 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
                 break
         if not isinstance(text, str):
             raise InputError(f"{vlm.spec}: its chat template cannot render an image and a prompt")
-    elif wrap is not None:
+    elif wrap is not None and wrap.convention is not None:
         text = wrap.convention.format(mark=mark, prompt=prompt)
         how = f"{vlm.rules.has[PATCH_TOKENS]}'s chat convention"
     elif qwen:
@@ -266,8 +272,6 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
         text, how = LLAVA_PROMPT.format(prompt=prompt), "LLaVA-1.5's USER/ASSISTANT convention"
     if text.count(mark) != 1:
         raise InputError(f"the prompt template gives {text.count(mark)} image placeholders ({mark}); one is needed")
-    head, tail = vlm.rules.image_wrap(vlm.tokenizer)  # what the family's processor writes around the image rows
-    text = text.replace(mark, head + mark + tail)
     if vlm.tokenizer is None:
         vocab = vlm.model.config.text_config.vocab_size
         if vocab < 256:

@@ -68,13 +68,17 @@ def image_positions(offset: int, dense_tokens: int, prefix: int, kept: np.ndarra
 
 @dataclasses.dataclass(frozen=True)
 class ImagePrompt:
-    """How a family's processor writes one image into the prompt where the image token alone is not it (Gemma 3:
-    its chat template writes a boi token, which the processor expands to text around the image tokens)."""
+    """The text a family's processor writes around one image's rows, in place of the image mark its chat template
+    writes, where the image tokens alone are not what the LLM reads (Gemma 3: its boi token becomes "\\n\\n<boi>" +
+    the image tokens + "<eoi>\\n\\n"; SmolVLM: <image> becomes <fake_token_around_image><global-img> + the image
+    tokens + <fake_token_around_image>). generate's build_prompt reproduces it around the kept rows."""
 
-    mark: str  # what its chat template writes for an image
     before: str  # what the processor puts in place of the mark before the image rows
     after: str  # ... and after them
-    convention: str  # the chat convention where the checkpoint has no template ({mark} and {prompt})
+    mark: str | None = None  # what its chat template writes for an image (None: the image token, as its tokenizer
+    # names it)
+    convention: str | None = None  # the chat convention where the checkpoint has no template ({mark} and
+    # {prompt}; None: LLaVA-1.5's)
     specials: tuple[tuple[str, str], ...] = ()  # (marker text, config key of its id), for prompts as UTF-8 bytes
 
 
@@ -155,7 +159,6 @@ class Family:
     positions: ClassVar[IndicesPositions] = IndicesPositions()  # the LLM positions rule of its bundles
     language_model: ClassVar[dict[str, str]] = {}  # model_type -> transformers class of the full VLM
     vision_span: ClassVar[tuple[str, str] | None] = None  # config keys of the ids around its image (Qwen's)
-    image_prompt: ClassVar[ImagePrompt | None] = None  # where its processor writes more than the image tokens
     torch_reference: ClassVar[bool] = True  # parity's reference is its torch pipeline (False: the graph itself)
     # Its bundles name the checkpoint they came from (content hash, family), so generate and eval can hold a
     # checkpoint to it; False: a graph exported elsewhere (.onnx), which any checkpoint with that tower may run.
@@ -257,10 +260,10 @@ class Family:
 
         return {"pixel_values": torch.from_numpy(pixel)}
 
-    def image_wrap(self, tokenizer) -> tuple[str, str]:
-        """(text before, text after) the image placeholder that the family's processor writes around its rows
-        (SmolVLM's <fake_token_around_image><global-img> ... <fake_token_around_image>); none by default."""
-        return "", ""
+    def image_prompt(self, tokenizer) -> ImagePrompt | None:
+        """The text its processor writes around one image's rows (`tokenizer`: the checkpoint's, or None, where the
+        processor reads its markers from it); None where the image tokens alone are the image (most families)."""
+        return None
 
     def hf_image_features(self, out):
         """One image's rows, as this family's bundles give them, from the transformers model's get_image_features

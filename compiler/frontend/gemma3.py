@@ -25,7 +25,7 @@ original-positions rule.
 The LLM side: Gemma 3's LLM attends bidirectionally among the tokens of one image (transformers builds that mask
 from token_type_ids, 1 at the image tokens) and causally elsewhere; its chat template writes the image as its
 boi token, which the processor expands to "\\n\\n<boi>" + the image tokens + "<eoi>\\n\\n". `generate` and `eval`
-run it so (llm_forward_args, prompt_image): the K kept rows are the one image block, at their original positions.
+run it so (llm_forward_args, image_prompt): the K kept rows are the one image block, at their original positions.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 # Gemma 3's processor: its chat template's boi token becomes "\n\n<boi>" + the image tokens + "<eoi>\n\n"; without a
 # template, its chat turns (the tokenizer's chat template's, with the tokenizer's <bos> left to the tokenizer).
 BOI, EOI = "<start_of_image>", "<end_of_image>"
-IMAGE_PROMPT = ImagePrompt(BOI, f"\n\n{BOI}", f"{EOI}\n\n",
-                           "<start_of_turn>user\n{mark}{prompt}<end_of_turn>\n<start_of_turn>model\n",
-                           ((BOI, "boi_token_index"), (EOI, "eoi_token_index")))
+IMAGE_PROMPT = ImagePrompt(f"\n\n{BOI}", f"{EOI}\n\n", mark=BOI,
+                           convention="<start_of_turn>user\n{mark}{prompt}<end_of_turn>\n<start_of_turn>model\n",
+                           specials=((BOI, "boi_token_index"), (EOI, "eoi_token_index")))
 WHY_NOT_BLOCK = ("Gemma 3's connector average-pools each 4x4 group of the full patch grid into one token after the "
                  "tower, so pruning single patches inside it breaks the pooling: prune the pooled tokens (divprune, "
                  "dart, random or grid with --site features)")
@@ -158,7 +158,10 @@ class Gemma3Family(Family):
     adapter = Gemma3Adapter
     has = {PATCH_TOKENS: "Gemma 3"}
     language_model = {"gemma3": "Gemma3ForConditionalGeneration"}
-    image_prompt = IMAGE_PROMPT
+
+    def image_prompt(self, tokenizer) -> ImagePrompt:
+        """The processor's expansion of its template's boi token (fixed text: nothing read from the tokenizer)."""
+        return IMAGE_PROMPT
 
     def llm_forward_args(self, length: int, image: slice) -> dict:
         """token_type_ids (1 at the image rows): transformers' Gemma 3 then lets the image rows attend to each other

@@ -34,7 +34,7 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family, ImagePrompt
 from vlmprune.compiler.frontend.source import (Source, load_state, no_init_weights, read_safetensors, sha256_files,
                                                sha256_state)
 from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
@@ -184,10 +184,11 @@ class SmolVLMFamily(Family):
         """SmolVLM's forward takes [batch, images, 3, S, S]: one image of one tile."""
         return {"pixel_values": torch.from_numpy(pixel)[None]}
 
-    def image_wrap(self, tokenizer) -> tuple[str, str]:
-        """What SmolVLM's processor writes around one unsplit image's rows (transformers' _prompt_single_image)."""
+    def image_prompt(self, tokenizer) -> ImagePrompt:
+        """What SmolVLM's processor writes around one unsplit image's rows in place of its <image> (transformers'
+        _prompt_single_image), the markers as its tokenizer names them."""
         fake = getattr(tokenizer, "fake_image_token", None) or FAKE
-        return fake + (getattr(tokenizer, "global_image_token", None) or GLOBAL), fake
+        return ImagePrompt(fake + (getattr(tokenizer, "global_image_token", None) or GLOBAL), fake)
 
     def readme_section(self, manifest: dict) -> str:
         counts = manifest["model"].get("token_counts") or {}

@@ -58,11 +58,13 @@ class FixedMethod(Method):
     def check(self, params: dict, spec: SiteSpec) -> None:
         if params["site"] == BLOCK and spec.merge is not None and spec.merge >= 2:
             raise InputError(f"method {self.name} keeps K of the tower's output tokens, and this tower merges "
-                             f"{spec.merge}x{spec.merge} patches into one after its blocks (Qwen2-VL): use --site features")
+                             f"{spec.merge}x{spec.merge} patches into one after its blocks: use --site features")
         super().check(params, spec)
 
     def serves(self):
-        return ((PATCH_TOKENS, " (--site features on Qwen2-VL / Qwen2.5-VL; not on LLaVA-NeXT's anyres crops)"),)
+        # check()'s condition in words: the families that meet it are theirs to say, not this module's.
+        return ((PATCH_TOKENS, " (--site features where the tower's tokens are merged after its blocks; not on "
+                               "crops under one budget)"),)
 
     def needs(self, params: dict) -> Needs:
         return Needs(site=params["site"])

@@ -54,7 +54,6 @@ def test_site_and_refusals():
 def test_a_merging_tower_is_pruned_at_its_end_only():
     """Qwen2-VL's blocks hold 2x2 patches per output token: a block-site baseline would keep patches, not tokens."""
     method = GridMethod()
-    with pytest.raises(InputError, match=r"merges 2x2 patches into one after its blocks \(Qwen2-VL\): use --site "
-                                         r"features$"):
+    with pytest.raises(InputError, match=r"merges 2x2 patches into one after its blocks: use --site features$"):
         method.check(method.parse(8, {}), SiteSpec(64, False, merge=2))
     method.check(method.parse(8, {"site": "features"}), SiteSpec(64, False, merge=2))
