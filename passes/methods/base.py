@@ -29,12 +29,15 @@ from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capabilit
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
 from vlmprune.passes.methods import coverage, merge, relevance, roi, schedule
 
-__all__ = ["BLOCK", "BY_SCORE", "FEATURES", "GREEDY", "Formulation", "FusedOp", "GraphInputs", "Method", "Needs",
-           "PromptSiteTensors", "SiteSpec", "SiteTensors", "TorchResult", "finite_option", "positive_int"]
+__all__ = ["BLOCK", "BY_SCORE", "CROPS_EACH", "CROPS_SCORED", "FEATURES", "GREEDY", "Formulation", "FusedOp",
+           "GraphInputs", "Method", "Needs", "PromptSiteTensors", "SiteSpec", "SiteTensors", "TorchResult", "finite_option",
+           "positive_int"]
 
 # Sites: BLOCK, after block L on the residual stream ([CLS] at index 0 when the tower has one);
 # FEATURES, on the tower's output after the projector (the tokens the LLM sees).
 BY_SCORE, GREEDY = "score", "greedy"  # how parity compares a method's kept indices
+# How a method serves anyres crops pruned under one global budget (Method.crop_form, passes.methods.crops).
+CROPS_SCORED, CROPS_EACH = "scored", "each"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +176,10 @@ class Method(abc.ABC):
     # Why the method's output is lost below float32, by measurement; "" where it is not. A target that runs the
     # graph in fp16 or quantised (Target.reduced_precision) refuses the method with it.
     float32_only: ClassVar[str] = ""
+    # Anyres crops under one global budget (passes.methods.crops): CROPS_SCORED, the method has a per-patch score
+    # (crop_scores / emit_crop_scores) that splits K by each crop's score mass and ranks the patches within a crop;
+    # CROPS_EACH, it runs on each crop's tokens with an equal share of K; "" (the default): crops are refused.
+    crop_form: ClassVar[str] = ""
 
     def roi_bound(self, params: dict) -> float:
         """With roi_keep: an upper bound of the scores the TopK ranks with these parameters."""
@@ -333,6 +340,15 @@ class Method(abc.ABC):
         asked about the site the parameters read (one [CLS] token where they need one, no prefix otherwise)."""
         record = {"params": params, "prefix": int(self.needs(params).cls)}
         return [op for op, spelling in spellings.items() if self.fusion_rules({op: spelling}, record)]
+
+    def crop_scores(self, params: dict, inputs: SiteTensors) -> torch.Tensor:
+        """With crop_form CROPS_SCORED: the per-patch score [B, N] of each crop (B crops), the one the method ranks
+        by, so that the crops' budget split and their selection rank by the method's own score."""
+        raise NotImplementedError(f"method {self.name} declares no per-patch score for anyres crops")
+
+    def emit_crop_scores(self, b, params: dict, inputs: GraphInputs) -> ir.Value:
+        """crop_scores in the graph, through builder b: [B, N] float (the same ops the method's own emission ranks)."""
+        raise NotImplementedError(f"method {self.name} declares no per-patch score for anyres crops")
 
     def scores_by_cls_kernel(self, params: dict) -> bool:
         """Whether the selection ranks by the recomputed [CLS] row (attention.cls_attention): the score that
