@@ -355,6 +355,12 @@ class Method(abc.ABC):
         kernels' ClsAttentionScore computes, and so the one --scorer int8 can run in INT8. False by default."""
         return False
 
+    def required_ops(self, params: dict) -> dict[str, str]:
+        """The fused ops these parameters run only in, each with the option that asks for it: a target that spells
+        one of them not refuses the compile before any work (--scorer int8: the INT8 decision exists only as the
+        ClsAttentionScore kernel, CLS_SCORE). None by default."""
+        return {CLS_SCORE: "--scorer int8"} if params.get("scorer") == "int8" else {}
+
     def check_formulation(self, formulation: str) -> str:
         if formulation not in self.formulations:
             raise InputError(f"method {self.name} has no {formulation!r} formulation "
@@ -395,6 +401,7 @@ def _merging_describe(own):
 
 
 SCORERS = ("fp32", "int8")
+CLS_SCORE = "ClsAttentionScore"  # the fused op --scorer int8 runs in (kernels' INT8 [CLS]-attention decision)
 # Options every method takes, parsed here (the CLI's --merge, --width, --scorer): name -> (type, help).
 GENERIC_OPTIONS: dict[str, tuple[type, str]] = {
     **merge.GENERIC,

@@ -38,13 +38,12 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CROPS
 from vlmprune.passes.graph.dataflow import const_array
 from vlmprune.passes.methods import attention, probe, received, relevance, roi
-from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, CROPS_SCORED, FEATURES, FusedOp, GraphInputs, Method, Needs,
-                                          SiteTensors, TorchResult, finite_option)
+from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, CLS_SCORE, CROPS_SCORED, FEATURES, FusedOp, GraphInputs,
+                                          Method, Needs, SiteTensors, TorchResult, finite_option)
 from vlmprune.passes.methods.builder import INT64_MAX, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk
 
 TOKEN_PRUNE = "TokenPrune"
-CLS_SCORE = "ClsAttentionScore"
 
 
 class ClsMethod(Method):
