@@ -870,9 +870,9 @@ def _generic_options(method, params: dict) -> dict[str, str]:
         taken.update({name: text for name, (_kind, text) in GENERIC_OPTIONS.items() if name in ("merge", "width")})
     if method.scores_by_cls_kernel(params):
         taken["scorer"] = GENERIC_OPTIONS["scorer"][1]
-    if getattr(method, "prompt_weight", False):  # passes.methods.relevance
+    if method.prompt_weight:  # passes.methods.relevance
         taken["prompt_weight"] = GENERIC_OPTIONS["prompt_weight"][1]
-    if getattr(method, "roi_keep", False):  # passes.methods.roi, and --coverage built on it
+    if method.roi_keep:  # passes.methods.roi, and --coverage built on it
         taken.update({name: GENERIC_OPTIONS[name][1] for name in ("roi", "roi_max", "coverage")})
     from vlmprune.passes.methods import schedule
 

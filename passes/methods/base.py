@@ -299,6 +299,12 @@ class Method(abc.ABC):
         unless the method folds rows together (methods.crops: the crops of one image become one row)."""
         return batch
 
+    def summary_params(self, params: dict, num_patches: int) -> dict:
+        """The parameters as the prune record's summary line says them at a site of num_patches tokens: a count the
+        method derives from N and K (holov's P) filled in as its number, so that the line names what the graph
+        runs; as given by default."""
+        return params
+
     def min_text_rows(self, params: dict) -> int:
         """The fewest text_embeds rows (prompt tokens) the method runs on with these parameters (Needs.text)."""
         return 0
