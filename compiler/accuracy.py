@@ -55,7 +55,6 @@ from vlmprune.compiler.quality.dataset import read_dataset
 from vlmprune.compiler.quality.store import Store
 from vlmprune.compiler.quality.sweep import Setting, run_sweep, setting_key, stored
 
-BASELINES = ("random", "grid")
 RANDOM = "random"  # the row every other one is compared with, at the same K and place
 END = "end"
 IN_BLOCKS = "blocks"  # the place of a method that merges inside the blocks (Method.in_blocks): its block range
@@ -160,7 +159,7 @@ def plans_for(methods: list[str], keeps: list[int], layers: list[int | str]) -> 
     """Dense, then every method (and the baselines) x K x layer, each checked as `compile` parses it.
 
     methods: names, or NAME:OPTION=VALUE specs (parse_method_spec)."""
-    from vlmprune.passes.methods import get_method
+    from vlmprune.passes.methods import BASELINES, get_method
     from vlmprune.passes.methods.base import FEATURES
 
     if not keeps:
@@ -336,6 +335,13 @@ def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[
                      max_new_tokens, executor.name, store.path)
 
 
+def _baseline(name: str | None) -> bool:
+    """Whether the row is a baseline (Method.baseline: random keep, a grid), as its method declares; dense is not."""
+    from vlmprune.passes.methods import get_method
+
+    return name is not None and get_method(name).baseline
+
+
 def random_partners(plans: list[Plan]) -> dict[int, int]:
     """Plan index -> the index of the plain random-keep plan at its K and place (none for dense and that plan)."""
     at = {(p.keep, p.layer): i for i, p in enumerate(plans) if p.method == RANDOM and p.label == RANDOM}
@@ -382,7 +388,7 @@ def report_of(model, model_hash, dataset, samples, plans, settings, bundles, res
         random = correct_of[partners[i]] if i in partners else None
         pick = lambda values, idx: None if values is None else [values[j] for j in idx]  # noqa: E731
         rows.append({"method": plan.label, "name": plan.method, "options": plan.method_options, "keep": plan.keep,
-                     "layer": plan.layer, "where": plan.where, "baseline": plan.method in BASELINES,
+                     "layer": plan.layer, "where": plan.where, "baseline": _baseline(plan.method),
                      **scores(correct_of[i], dense, random),
                      "agreement": agreement_scores(agree_of[i], agree_of[partners[i]] if i in partners else None),
                      "by_type": {t: scores(pick(correct_of[i], idx), pick(dense, idx), pick(random, idx))
