@@ -222,6 +222,7 @@ def bundle_for(model: str, plan: Plan, key: str, target: str, target_options: di
     (through the product cache). Returns the bundle and whether its parity passed."""
     from vlmprune.compiler.bundle import load_manifest
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
+    from vlmprune.passes.methods import DEFAULT_METHOD
 
     out = folder / key
     if (out / "manifest.json").is_file():
@@ -232,7 +233,7 @@ def bundle_for(model: str, plan: Plan, key: str, target: str, target_options: di
             shutil.rmtree(out)
     elif out.exists():
         shutil.rmtree(out)
-    options = CompileOptions(target=target, prune=plan.method is not None, method=plan.method or "cls",
+    options = CompileOptions(target=target, prune=plan.method is not None, method=plan.method or DEFAULT_METHOD,
                              keep=plan.keep or 1, layer=plan.layer if isinstance(plan.layer, int) else None,
                              method_options=dict(plan.method_options), target_options=dict(target_options))
     progress(f"compiling {plan.label}" + (f" K={plan.keep} ({plan.where})" if plan.method else "") + f" for {target}")
@@ -288,12 +289,17 @@ def default_store() -> Path:
 
 
 def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[int], layers=(), *, limit=None,
-                     target: str = "ort", target_options: dict | None = None, max_new_tokens: int = 4,
+                     target: str | None = None, target_options: dict | None = None, max_new_tokens: int = 4,
                      store: Path | None = None, executor=None, progress=lambda _m: None, bar: bool | None = None,
                      on_chunk=None) -> dict:
-    """The accuracy report: dense, then per method x K x layer (and the baselines) exact match, retained, intervals."""
+    """The accuracy report: dense, then per method x K x layer (and the baselines) exact match, retained, intervals.
+
+    target: None, the host runtime (targets.HOST_TARGET), whose runner runs every bundle here."""
     from vlmprune.compiler import generate as gen
     from vlmprune.compiler.quality.executors import InProcess
+    from vlmprune.targets import HOST_TARGET
+
+    target = target or HOST_TARGET
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
