@@ -362,8 +362,8 @@ class Method(abc.ABC):
         return False
 
     def required_ops(self, params: dict) -> dict[str, str]:
-        """The fused ops these parameters run only in, each with the option that asks for it: a target that spells
-        one of them not refuses the compile before any work (--scorer int8: the INT8 decision exists only as the
+        """The fused ops these parameters run only in, each with the option that asks for it: a target that does not
+        spell one of them refuses the compile before any work (--scorer int8: the INT8 decision exists only as the
         ClsAttentionScore kernel, CLS_SCORE). None by default."""
         return {CLS_SCORE: "--scorer int8"} if params.get("scorer") == "int8" else {}
 
