@@ -55,7 +55,6 @@ from vlmprune.compiler.quality.dataset import read_dataset
 from vlmprune.compiler.quality.store import Store
 from vlmprune.compiler.quality.sweep import Setting, run_sweep, setting_key, stored
 
-BASELINES = ("random", "grid")
 RANDOM = "random"  # the row every other one is compared with, at the same K and place
 END = "end"
 IN_BLOCKS = "blocks"  # the place of a method that merges inside the blocks (Method.in_blocks): its block range
@@ -160,7 +159,7 @@ def plans_for(methods: list[str], keeps: list[int], layers: list[int | str]) -> 
     """Dense, then every method (and the baselines) x K x layer, each checked as `compile` parses it.
 
     methods: names, or NAME:OPTION=VALUE specs (parse_method_spec)."""
-    from vlmprune.passes.methods import get_method
+    from vlmprune.passes.methods import BASELINES, get_method
     from vlmprune.passes.methods.base import FEATURES
 
     if not keeps:
@@ -223,6 +222,7 @@ def bundle_for(model: str, plan: Plan, key: str, target: str, target_options: di
     (through the product cache). Returns the bundle and whether its parity passed."""
     from vlmprune.compiler.bundle import load_manifest
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
+    from vlmprune.passes.methods import DEFAULT_METHOD
 
     out = folder / key
     if (out / "manifest.json").is_file():
@@ -233,7 +233,7 @@ def bundle_for(model: str, plan: Plan, key: str, target: str, target_options: di
             shutil.rmtree(out)
     elif out.exists():
         shutil.rmtree(out)
-    options = CompileOptions(target=target, prune=plan.method is not None, method=plan.method or "cls",
+    options = CompileOptions(target=target, prune=plan.method is not None, method=plan.method or DEFAULT_METHOD,
                              keep=plan.keep or 1, layer=plan.layer if isinstance(plan.layer, int) else None,
                              method_options=dict(plan.method_options), target_options=dict(target_options))
     progress(f"compiling {plan.label}" + (f" K={plan.keep} ({plan.where})" if plan.method else "") + f" for {target}")
@@ -289,12 +289,17 @@ def default_store() -> Path:
 
 
 def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[int], layers=(), *, limit=None,
-                     target: str = "ort", target_options: dict | None = None, max_new_tokens: int = 4,
+                     target: str | None = None, target_options: dict | None = None, max_new_tokens: int = 4,
                      store: Path | None = None, executor=None, progress=lambda _m: None, bar: bool | None = None,
                      on_chunk=None) -> dict:
-    """The accuracy report: dense, then per method x K x layer (and the baselines) exact match, retained, intervals."""
+    """The accuracy report: dense, then per method x K x layer (and the baselines) exact match, retained, intervals.
+
+    target: None, the host runtime (targets.HOST_TARGET), whose runner runs every bundle here."""
     from vlmprune.compiler import generate as gen
     from vlmprune.compiler.quality.executors import InProcess
+    from vlmprune.targets import HOST_TARGET
+
+    target = target or HOST_TARGET
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -334,6 +339,13 @@ def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[
         store.close()
     return report_of(model, source.content_hash, dataset, samples, plans, settings, bundles, result, target,
                      max_new_tokens, executor.name, store.path)
+
+
+def _baseline(name: str | None) -> bool:
+    """Whether the row is a baseline (Method.baseline: random keep, a grid), as its method declares; dense is not."""
+    from vlmprune.passes.methods import get_method
+
+    return name is not None and get_method(name).baseline
 
 
 def random_partners(plans: list[Plan]) -> dict[int, int]:
@@ -382,7 +394,7 @@ def report_of(model, model_hash, dataset, samples, plans, settings, bundles, res
         random = correct_of[partners[i]] if i in partners else None
         pick = lambda values, idx: None if values is None else [values[j] for j in idx]  # noqa: E731
         rows.append({"method": plan.label, "name": plan.method, "options": plan.method_options, "keep": plan.keep,
-                     "layer": plan.layer, "where": plan.where, "baseline": plan.method in BASELINES,
+                     "layer": plan.layer, "where": plan.where, "baseline": _baseline(plan.method),
                      **scores(correct_of[i], dense, random),
                      "agreement": agreement_scores(agree_of[i], agree_of[partners[i]] if i in partners else None),
                      "by_type": {t: scores(pick(correct_of[i], idx), pick(dense, idx), pick(random, idx))

@@ -45,16 +45,15 @@ from vlmprune.compiler.contract import TEXT
 from vlmprune.compiler.prompt import empty_prompt, feeding, prompt_embeds
 from vlmprune.compiler.pipeline import CompileOptions, check_bundle, compile_model
 from vlmprune.passes.methods.base import GENERIC_OPTIONS
-from vlmprune.passes.methods import METHODS, NEEDS_TRAINED_WEIGHTS
-from vlmprune.targets import DEFAULT_TARGET, PLANNED, TARGETS, get_target
+from vlmprune.passes.methods import DEFAULT_METHOD, METHODS, NEEDS_TRAINED_WEIGHTS
+from vlmprune.targets import DEFAULT_TARGET, HOST_TARGET, PLANNED, TARGETS, get_target
 from vlmprune.targets import placement
 
 Progress = Callable[[str], None] | None
-EVAL_TARGET = "ort"  # eval --dataset's default: the host runtime, whose runner runs everywhere
 
 __all__ = ["CompileResult", "InspectResult", "Manifest", "ParityReport", "RunResult", "EvalResult", "CompareResult",
            "MethodInfo", "TargetListing", "compile", "check", "run", "inspect", "eval", "compare", "generate",
-           "generate_json", "methods", "targets", "DEFAULT_TARGET"]
+           "generate_json", "methods", "targets", "DEFAULT_METHOD", "DEFAULT_TARGET"]
 
 
 def _say(progress: Progress) -> Callable[[str], None]:
@@ -186,8 +185,9 @@ class CompileResult(pipeline.CompileResult):
         return table(self.timings)
 
 
-def compile(model: str, output: str | Path = "build", *, target: str = DEFAULT_TARGET, method: str = "cls",
-            keep: int | str = 192, layer: int | None = None, prune: bool = True, batch: int | None = None, opset: int = 18,
+def compile(model: str, output: str | Path = "build", *, target: str = DEFAULT_TARGET,
+            method: str = DEFAULT_METHOD, keep: int | str = 192, layer: int | None = None, prune: bool = True,
+            batch: int | None = None, opset: int = 18,
             feature_layer: int | None = None, cls: str | None = None, with_llm: bool = False,
             llm_exporter: str | None = None, fastv_layer: int | None = None, fastv_keep: float | None = None,
             image_start: int | None = None, method_options: dict | None = None, target_options: dict | None = None,
@@ -768,7 +768,7 @@ def eval(model: str, *, images: str | Path | None = None, prompts: str | Path | 
                              f"{option('--images DIR', 'images')} and {option('--prompts FILE', 'prompts')}")
         bundles = [Path(b) for b in bundles]
         if not bundles:
-            methods, keeps = methods or ("cls",), keeps or (64,)
+            methods, keeps = methods or (DEFAULT_METHOD,), keeps or (64,)
         methods, keeps = _comma_list(methods or ()), _comma_list(keeps or (), int, option("--keep", "keeps"))
         data = evaluate(model, Path(images), Path(prompts), methods, keeps, max_new_tokens or 8, _say(progress),
                         bundles, image_size, grid, reference)
@@ -794,10 +794,10 @@ def _eval_dataset(model, dataset, methods, keeps, bundles, images, prompts, max_
                          f"{', '.join(clash)}")
     if ray_workers is not None and ray is None:
         raise InputError(f"{option('--ray-workers')} needs {option('--ray auto|ADDRESS', 'ray')}")
-    target = target or EVAL_TARGET
+    target = target or HOST_TARGET
     get_target(target)  # one line for an unknown target, before any work
     executor = RayExecutor(ray, ray_workers) if ray is not None else InProcess()
-    return evaluate_dataset(model, Path(dataset), _comma_list(methods or ("cls",)),
+    return evaluate_dataset(model, Path(dataset), _comma_list(methods or (DEFAULT_METHOD,)),
                             _comma_list(keeps or (64,), int, option("--keep", "keeps")), list(layers or ()), limit=limit,
                             target=target, target_options=target_options, max_new_tokens=max_new_tokens or 4,
                             store=Path(store) if store else None, executor=executor, progress=_say(progress), bar=bar)
@@ -870,9 +870,9 @@ def _generic_options(method, params: dict) -> dict[str, str]:
         taken.update({name: text for name, (_kind, text) in GENERIC_OPTIONS.items() if name in ("merge", "width")})
     if method.scores_by_cls_kernel(params):
         taken["scorer"] = GENERIC_OPTIONS["scorer"][1]
-    if getattr(method, "prompt_weight", False):  # passes.methods.relevance
+    if method.prompt_weight:  # passes.methods.relevance
         taken["prompt_weight"] = GENERIC_OPTIONS["prompt_weight"][1]
-    if getattr(method, "roi_keep", False):  # passes.methods.roi, and --coverage built on it
+    if method.roi_keep:  # passes.methods.roi, and --coverage built on it
         taken.update({name: GENERIC_OPTIONS[name][1] for name in ("roi", "roi_max", "coverage")})
     from vlmprune.passes.methods import schedule
 

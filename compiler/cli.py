@@ -210,7 +210,8 @@ def _family_options(fn):
 @click.argument("model")
 @click.option("--target", "-t", default=api.DEFAULT_TARGET, show_default=True,
               help="Deployment target (see `vlmprune targets`).")
-@click.option("--method", "-m", default="cls", show_default=True, help="Pruning method (see `vlmprune methods`).")
+@click.option("--method", "-m", default=api.DEFAULT_METHOD, show_default=True,
+              help="Pruning method (see `vlmprune methods`).")
 @click.option("--keep", "-k", type=_KEEP, default=192, show_default=True,
               help="Tokens to keep (K), or auto: the largest K whose latency on the target fits --latency-ms.")
 @click.option("--latency-ms", type=float, default=None,

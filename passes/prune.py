@@ -47,8 +47,8 @@ def prune_record(model: ir.Model) -> dict | None:
 def summary(method: Method, params: dict, num_patches: int | None = None) -> str:
     """The record's one line: the method's own, and what --coverage adds to any method that takes it. Given the
     site's patch count, a count the method derives from N and K (holov's P) is said as its number."""
-    if num_patches is not None and hasattr(method, "partitions"):
-        params = {**params, "partitions": method.partitions(params, num_patches)}
+    if num_patches is not None:
+        params = method.summary_params(params, num_patches)
     return method.describe(params) + coverage.describe(params)
 
 

@@ -17,6 +17,7 @@ TARGETS: dict[str, type[Target]] = {"ort": OrtTarget, "orin": OrinTarget, "xavie
                                   "rk3588": Rk3588Target, "qnn": QnnTarget,
                                   "openvino": OpenVinoTarget}
 DEFAULT_TARGET = "ort"  # `vlmprune compile` without --target
+HOST_TARGET = "ort"  # eval --dataset's default: the host runtime, whose runner runs everywhere
 # Named in the design, not built yet: listed so that users get a precise answer.
 PLANNED: dict[str, str] = {}
 

@@ -124,12 +124,14 @@ class Target(abc.ABC):
             from vlmprune.passes.methods import get_method
 
             method = get_method(options.method)
-            refused = self.refusal(method, method.parse(options.keep, options.method_options or {}))
+            params = method.parse(options.keep, options.method_options or {})
+            refused = self.refusal(method, params)
             if refused:
                 raise InputError(f"target {self.name} cannot run method {options.method}: {refused}")
-            if (options.method_options or {}).get("scorer") == "int8" and "ClsAttentionScore" not in self.spellings:
-                raise InputError(f"--scorer int8 runs in the fused ClsAttentionScore op, which target {self.name} "
-                                 "does not carry (it runs on ort, orin and xavier)")
+            for op, option in method.required_ops(params).items():  # what the method's options run only in
+                if op not in self.spellings:
+                    raise InputError(f"{option} runs in the fused {op} op, which target {self.name} does not carry "
+                                     "(it runs on ort, orin and xavier)")
         given = {k: v for k, v in (options.target_options or {}).items() if v is not None}
         foreign = sorted(set(given) - set(self.options))
         if foreign:

@@ -158,6 +158,10 @@ class Family:
     has: ClassVar[dict[Capability, str]] = {}  # capability -> how `vlmprune methods` names its models with it
     positions: ClassVar[IndicesPositions] = IndicesPositions()  # the LLM positions rule of its bundles
     language_model: ClassVar[dict[str, str]] = {}  # model_type -> transformers class of the full VLM
+    # model_types of its checkpoints whose language model an exporter takes from the whole VLM checkpoint, skipping the
+    # tower itself (TensorRT Edge-LLM's exporter knows Qwen2.5-VL so: --skip-visual), not as the causal LM vlmprune
+    # extracts (compiler.llm.lm_source); the exporter reads them here, so a new family declares its own.
+    whole_vlm_llm: ClassVar[tuple[str, ...]] = ()
     vision_span: ClassVar[tuple[str, str] | None] = None  # config keys of the ids around its image (Qwen's)
     torch_reference: ClassVar[bool] = True  # parity's reference is its torch pipeline (False: the graph itself)
     # Its bundles name the checkpoint they came from (content hash, family), so generate and eval can hold a

@@ -437,6 +437,7 @@ class Qwen2VLFamily(Family):
     positions = ThwPositions()
     language_model = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
                       "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    whole_vlm_llm = ("qwen2_5_vl",)  # Edge-LLM exports Qwen2.5-VL's language model from the whole checkpoint
 
     vision_span = ("vision_start_token_id", "vision_end_token_id")
 

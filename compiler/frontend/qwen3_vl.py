@@ -185,6 +185,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
     has = {PATCH_TOKENS: "Qwen3-VL", MERGED_TOKENS: "Qwen3-VL"}
     positions = ThwPositions()
     language_model = {"qwen3_vl": "Qwen3VLForConditionalGeneration"}
+    whole_vlm_llm = ()  # not Qwen2-VL's: no exporter here takes a Qwen3-VL checkpoint whole
 
     def hf_image_features(self, out):
         """The bundle's row layout from get_image_features: the merger's rows, then each DeepStack level's."""

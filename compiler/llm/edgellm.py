@@ -48,6 +48,7 @@ import torch
 
 from vlmprune.compiler.errors import InputError, failure_cause
 from vlmprune.compiler.contract import LLM_MODEL
+from vlmprune.compiler.frontend import FAMILIES
 from vlmprune.compiler.llm import edgellm_env
 from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter
 from vlmprune.compiler.llm.lm_source import check_family, check_width, language_model
@@ -57,7 +58,8 @@ ONNX_NAME = LLM_MODEL  # what tensorrt-edgellm-export writes and its runtime loa
 LOG_NAME = "edgellm_export.log"
 EXPORTER = f"TensorRT Edge-LLM {edgellm_env.EDGELLM_VERSION} (tensorrt-edgellm-export)"
 TEXT_FAMILIES = ("llama", "qwen2")  # language models of LLaVA checkpoints that go through Edge-LLM's default LLM path
-VLM_FAMILIES = ("qwen2_5_vl",)  # checkpoints Edge-LLM's exporter knows as VLMs: their LLM goes through --skip-visual
+# Checkpoints Edge-LLM's exporter knows as VLMs (their LLM goes through --skip-visual): what the families declare.
+VLM_FAMILIES = tuple(t for family in FAMILIES for t in family.whole_vlm_llm)
 PLUGIN_DOMAIN = "trt_edgellm"
 PARITY_ATOL = 2e-2  # fp16 graph vs fp32 math on fp16 weights (activations ~N(0, 1), hidden <= 4096)
 ORT_CHECK_MAX_BYTES = 3 << 29  # 1.5 GiB: the CPU check loads every weight into one ModelProto (< 2 GiB)

@@ -36,15 +36,14 @@ from vlmprune.compiler.frontend import DenseRequest, Family, Source, check_famil
 from vlmprune.compiler.llm import export as llm_export
 from vlmprune.compiler.llm import handoff
 from vlmprune.compiler.bundle.manifest import Manifest
-from vlmprune.passes.methods import DEFAULT as DEFAULT_METHOD
-from vlmprune.passes.methods import budget, get_method, schedule
+from vlmprune.passes.methods import DEFAULT_METHOD, budget, get_method, schedule
 from vlmprune.passes.methods.base import BLOCK, SiteSpec
 from vlmprune.passes.methods.crops import over_tokens
 from vlmprune.passes.methods.dense import Dense
 from vlmprune.passes.onnx_tower import OnnxTowerContractPass
 from vlmprune.passes.positions import with_positions
 from vlmprune.passes.prune import prune_record
-from vlmprune.targets import get_target
+from vlmprune.targets import DEFAULT_TARGET, get_target
 from vlmprune.targets.base import PruneConfig, Target
 from vlmprune.targets.runtime import ort_session, run_session
 
@@ -53,7 +52,7 @@ Progress = Callable[[str], None]
 
 @dataclasses.dataclass
 class CompileOptions:
-    target: str = "ort"
+    target: str = DEFAULT_TARGET
     method: str = DEFAULT_METHOD
     keep: int | str = 192  # "auto" (with latency_ms): the largest K whose latency fits (pipeline.auto_keep)
     latency_ms: float | None = None  # --keep auto's budget, ms per call on the target's runtime

@@ -27,7 +27,9 @@ from vlmprune.passes.methods.visionzip import VisionZipMethod
 METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMethod, DivPruneMethod, DartMethod,
                                                    RandomKeepMethod, GridMethod, PruMergePlusMethod,
                                                    CDPrunerMethod, HolovMethod, ToMeMethod, EvsMethod, DyCokeMethod)}
-DEFAULT = "cls"
+DEFAULT_METHOD = "cls"  # `vlmprune compile` and `eval` without --method
+# The reference rows of every accuracy table (Method.baseline: random keep, a uniform grid), in the table's order.
+BASELINES: tuple[str, ...] = tuple(name for name, method in METHODS.items() if method.baseline)
 
 # Parts of the pruning designs vlmprune started from (its seed designs) that are trained models, not
 # training-free rules: their weights exist nowhere here (no checkpoint was published with them, and vlmprune

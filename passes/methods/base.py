@@ -30,12 +30,15 @@ from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capabilit
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
 from vlmprune.passes.methods import coverage, merge, relevance, roi, schedule
 
-__all__ = ["BLOCK", "BY_SCORE", "FEATURES", "GREEDY", "Formulation", "FusedOp", "GraphInputs", "Method", "Needs",
-           "PromptSiteTensors", "SiteSpec", "SiteTensors", "TorchResult", "finite_option", "positive_int"]
+__all__ = ["BLOCK", "BY_SCORE", "CROPS_EACH", "CROPS_SCORED", "FEATURES", "GREEDY", "Formulation", "FusedOp",
+           "GraphInputs", "Method", "Needs", "PromptSiteTensors", "SiteSpec", "SiteTensors", "TorchResult", "finite_option",
+           "positive_int"]
 
 # Sites: BLOCK, after block L on the residual stream ([CLS] at index 0 when the tower has one);
 # FEATURES, on the tower's output after the projector (the tokens the LLM sees).
 BY_SCORE, GREEDY = "score", "greedy"  # how parity compares a method's kept indices
+# How a method serves anyres crops pruned under one global budget (Method.crop_form, passes.methods.crops).
+CROPS_SCORED, CROPS_EACH = "scored", "each"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +177,10 @@ class Method(abc.ABC):
     # Why the method's output is lost below float32, by measurement; "" where it is not. A target that runs the
     # graph in fp16 or quantised (Target.reduced_precision) refuses the method with it.
     float32_only: ClassVar[str] = ""
+    # Anyres crops under one global budget (passes.methods.crops): CROPS_SCORED, the method has a per-patch score
+    # (crop_scores / emit_crop_scores) that splits K by each crop's score mass and ranks the patches within a crop;
+    # CROPS_EACH, it runs on each crop's tokens with an equal share of K; "" (the default): crops are refused.
+    crop_form: ClassVar[str] = ""
 
     def roi_bound(self, params: dict) -> float:
         """With roi_keep: an upper bound of the scores the TopK ranks with these parameters."""
@@ -293,6 +300,12 @@ class Method(abc.ABC):
         unless the method folds rows together (methods.crops: the crops of one image become one row)."""
         return batch
 
+    def summary_params(self, params: dict, num_patches: int) -> dict:
+        """The parameters as the prune record's summary line says them at a site of num_patches tokens: a count the
+        method derives from N and K (holov's P) filled in as its number, so that the line names what the graph
+        runs; as given by default."""
+        return params
+
     def min_text_rows(self, params: dict) -> int:
         """The fewest text_embeds rows (prompt tokens) the method runs on with these parameters (Needs.text)."""
         return 0
@@ -335,10 +348,25 @@ class Method(abc.ABC):
         record = {"params": params, "prefix": int(self.needs(params).cls)}
         return [op for op, spelling in spellings.items() if self.fusion_rules({op: spelling}, record)]
 
+    def crop_scores(self, params: dict, inputs: SiteTensors) -> torch.Tensor:
+        """With crop_form CROPS_SCORED: the per-patch score [B, N] of each crop (B crops), the one the method ranks
+        by, so that the crops' budget split and their selection rank by the method's own score."""
+        raise NotImplementedError(f"method {self.name} declares no per-patch score for anyres crops")
+
+    def emit_crop_scores(self, b, params: dict, inputs: GraphInputs) -> ir.Value:
+        """crop_scores in the graph, through builder b: [B, N] float (the same ops the method's own emission ranks)."""
+        raise NotImplementedError(f"method {self.name} declares no per-patch score for anyres crops")
+
     def scores_by_cls_kernel(self, params: dict) -> bool:
         """Whether the selection ranks by the recomputed [CLS] row (attention.cls_attention): the score that
         kernels' ClsAttentionScore computes, and so the one --scorer int8 can run in INT8. False by default."""
         return False
+
+    def required_ops(self, params: dict) -> dict[str, str]:
+        """The fused ops these parameters run only in, each with the option that asks for it: a target that does not
+        spell one of them refuses the compile before any work (--scorer int8: the INT8 decision exists only as the
+        ClsAttentionScore kernel, CLS_SCORE). None by default."""
+        return {CLS_SCORE: "--scorer int8"} if params.get("scorer") == "int8" else {}
 
     def check_formulation(self, formulation: str) -> str:
         if formulation not in self.formulations:
@@ -380,6 +408,7 @@ def _merging_describe(own):
 
 
 SCORERS = ("fp32", "int8")
+CLS_SCORE = "ClsAttentionScore"  # the fused op --scorer int8 runs in (kernels' INT8 [CLS]-attention decision)
 # Options every method takes, parsed here (the CLI's --merge, --width, --scorer): name -> (type, help).
 GENERIC_OPTIONS: dict[str, tuple[type, str]] = {
     **merge.GENERIC,

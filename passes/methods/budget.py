@@ -75,7 +75,7 @@ def parse(method, params: dict) -> dict:
 
 def refusal(method, params: dict) -> str:
     """Why `method` with `params` has no single ranked score to cut per image, or ""."""
-    if getattr(method, "variable_k", False):
+    if method.variable_k:
         return "it sets its own K per image"
     if method.selection != BY_SCORE or method.baseline:
         return "it ranks no score (a greedy or constant selection)"

@@ -38,13 +38,12 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CROPS
 from vlmprune.passes.graph.dataflow import const_array
 from vlmprune.passes.methods import attention, probe, received, relevance, roi
-from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, FEATURES, FusedOp, GraphInputs, Method, Needs, SiteTensors,
-                                          TorchResult, finite_option)
+from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, CLS_SCORE, CROPS_SCORED, FEATURES, FusedOp, GraphInputs,
+                                          Method, Needs, SiteTensors, TorchResult, finite_option)
 from vlmprune.passes.methods.builder import INT64_MAX, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk
 
 TOKEN_PRUNE = "TokenPrune"
-CLS_SCORE = "ClsAttentionScore"
 
 
 class ClsMethod(Method):
@@ -57,6 +56,7 @@ class ClsMethod(Method):
     local_merge = True  # --merge local: merge's step replaces the kept rows + summary (base.Method)
     prompt_weight = True  # --prompt-weight at the features site (--score attention; passes.methods.relevance)
     roi_keep = True  # --roi: forced patches lifted above every score before the TopK (passes.methods.roi)
+    crop_form = CROPS_SCORED  # anyres crops: K split by each crop's [CLS]-attention mass (passes.methods.crops)
 
     def defaults(self, keep: int) -> dict:
         return {"lambda": 0.0}
@@ -125,7 +125,7 @@ class ClsMethod(Method):
         return f"{score}{int8}{pixel}: top {params['keep']} + 1 summary{roi.describe(params)}"
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
-        keep, lam = params["keep"], params["lambda"]
+        keep = params["keep"]
         if params.get("score") == "probe":
             attn = probe.probe_attention(inputs.hidden, inputs.head, inputs.prefix)
         elif params.get("score") == received.ATTENTION:
@@ -135,10 +135,7 @@ class ClsMethod(Method):
             attn = received.received_attention(inputs.q, inputs.k, inputs.scale, inputs.hidden.shape[1])
         else:
             attn = attention.cls_attention(inputs.q, inputs.k, inputs.scale, inputs.prefix)
-        scores = attention.normalise(attn)
-        if lam:
-            scores = scores + lam * attention.normalise(attention.patch_variance(inputs.pixel_values,
-                                                                                  inputs.patch_size))
+        scores = _pixel_term(params, inputs, attention.normalise(attn))
         scores = relevance.weighted(params, inputs, scores)  # --prompt-weight (features site only)
         forced = getattr(inputs, "forced", None)  # --roi: PromptSiteTensors.forced (plain SiteTensors have none)
         scores = roi.force_scores(scores, forced, self.roi_bound(params))
@@ -149,7 +146,7 @@ class ClsMethod(Method):
         return TorchResult(gather_summary(inputs.hidden, kept, inputs.prefix), kept, trace)
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
-        keep, lam = params["keep"], params["lambda"]
+        keep = params["keep"]
         if params.get("score") == "probe":
             attn = probe.emit_probe_attention(b, inputs.hidden, inputs.head, inputs.prefix)
         elif params.get("score") == received.ATTENTION:
@@ -158,15 +155,19 @@ class ClsMethod(Method):
             attn = emit_kernel_scores(b, inputs.block, inputs.prefix)
         else:
             attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
-        scores = attention.emit_normalise(b, attn, "attn_norm")
-        if lam > 0:
-            variance = attention.emit_patch_variance(b, inputs.structure, inputs.num_patches)
-            weighted = b.op("Mul", [attention.emit_normalise(b, variance, "var_norm"), b.scalar("lambda", lam)],
-                            "var_weighted")
-            scores = b.op("Add", [scores, weighted], "scores")
+        scores = _emit_pixel_term(b, params, inputs, attention.emit_normalise(b, attn, "attn_norm"))
         scores = relevance.emit_weighted(b, params, inputs, scores)  # --prompt-weight (features site only)
         scores = roi.emit_force_scores(b, scores, inputs.forced, self.roi_bound(params))  # --roi: forced first
         return emit_selection(b, inputs.hidden, scores, keep, inputs.num_patches, inputs.prefix)
+
+    def crop_scores(self, params: dict, inputs: SiteTensors) -> torch.Tensor:
+        """Each crop's [CLS] attention (+ λ · pixel variance): the score the crops' budget split weighs."""
+        return _pixel_term(params, inputs, attention.normalise(attention.cls_attention(inputs.q, inputs.k, inputs.scale,
+                                                                                       inputs.prefix)))
+
+    def emit_crop_scores(self, b, params: dict, inputs: GraphInputs) -> ir.Value:
+        attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
+        return _emit_pixel_term(b, params, inputs, attention.emit_normalise(b, attn, "attn_norm"))
 
     def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
         params = (record or {}).get("params", {})
@@ -181,6 +182,25 @@ class ClsMethod(Method):
         if spelling is not None and not params.get("merge"):  # a local merge is no TokenPrune summary
             rules += [TokenPruneFusion.rule(spelling), TokenPruneFusion.rule(spelling, sort_via_float=True)]
         return rules
+
+
+def _pixel_term(params: dict, inputs: SiteTensors, scores: torch.Tensor) -> torch.Tensor:
+    """scores + λ · the normalised pixel variance (λ = 0: scores as they are)."""
+    lam = params["lambda"]
+    if not lam:
+        return scores
+    return scores + lam * attention.normalise(attention.patch_variance(inputs.pixel_values, inputs.patch_size))
+
+
+def _emit_pixel_term(b, params: dict, inputs: GraphInputs, scores: ir.Value) -> ir.Value:
+    """_pixel_term in the graph."""
+    lam = params["lambda"]
+    if not lam > 0:
+        return scores
+    variance = attention.emit_patch_variance(b, inputs.structure, inputs.num_patches)
+    weighted = b.op("Mul", [attention.emit_normalise(b, variance, "var_norm"), b.scalar("lambda", lam)],
+                    "var_weighted")
+    return b.op("Add", [scores, weighted], "scores")
 
 
 def check_scorer_prefix(params: dict, spec) -> None:

@@ -4,12 +4,12 @@ An anyres model runs its tower on C crops of one image (the base image, then the
 tiles), as a batch. `CropBudget` wraps a method so that K is a budget for the whole image:
 
 1. Split K into per-crop budgets k_c (sum exactly K, each 0 <= k_c <= N):
-   - `proportional` (default for methods with a score: cls): k_c proportional to the crop's
-     saliency mass, the sum of the method's own per-patch score over the crop (cls: the
-     normalised [CLS] attention, + λ · variance); a crop whose share exceeds N keeps all N and
-     the rest is split again over the others (at most C rounds); the shares are rounded by
-     largest remainder, ties to the lower crop index;
-   - `equal` (the only split for methods without a score: divprune, dart): the same rule
+   - `proportional` (default for methods with a score, Method.crop_form CROPS_SCORED: cls):
+     k_c proportional to the crop's saliency mass, the sum of the method's own per-patch score
+     over the crop (Method.crop_scores; cls: the normalised [CLS] attention, + λ · variance);
+     a crop whose share exceeds N keeps all N and the rest is split again over the others (at
+     most C rounds); the shares are rounded by largest remainder, ties to the lower crop index;
+   - `equal` (the only split for methods run per crop, CROPS_EACH: divprune, dart): the same rule
      with equal masses (K = 192 over 5 crops: 39, 39, 38, 38, 38).
 2. Prune each crop by the method with its k_c: cls keeps the k_c best-scored patches of
    the crop (rank within the crop < k_c: a mask with exactly K ones); divprune and dart run
@@ -37,13 +37,12 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.llava_next import BUDGETS, EQUAL, PROPORTIONAL
-from vlmprune.passes.methods import attention, merge
-from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult
+from vlmprune.passes.methods import merge
+from vlmprune.passes.methods.base import (BLOCK, CROPS_EACH, CROPS_SCORED, GraphInputs, Method, Needs, SiteSpec,
+                                          SiteTensors, TorchResult)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, Builder
 from vlmprune.passes.methods.selection import SCORE_EPS, gather_rows
 
-SCORED = ("cls",)  # methods with a per-patch score to split the budget by, and to rank crops' patches with
-PER_CROP = ("divprune", "dart")  # methods run per crop with its (constant) budget
 
 
 def crop_params(params: dict, crops: dict, budget: str) -> dict:
@@ -53,7 +52,7 @@ def crop_params(params: dict, crops: dict, budget: str) -> dict:
 
 
 def default_budget(method: Method) -> str:
-    return PROPORTIONAL if method.name in SCORED else EQUAL
+    return PROPORTIONAL if method.crop_form == CROPS_SCORED else EQUAL
 
 
 def over_tokens(config, layout: dict | None):
@@ -111,6 +110,7 @@ class CropBudget(Method):
         self.options = inner.options
         self.formulations = inner.formulations
         self.official = inner.official
+        self.crop_form = inner.crop_form
 
     # ------------------------------------------------------------------ parameters
 
@@ -134,12 +134,12 @@ class CropBudget(Method):
     def check(self, params: dict, spec: SiteSpec) -> None:
         count, n, _, budget = self._spec(params)
         name, keep = self.name, params["keep"]
-        if getattr(self.inner, "baseline", False):
+        if self.inner.baseline:
             raise InputError(f"method {name} is a baseline of one fixed patch set per image; anyres crops have no "
-                             "defined form of it (use cls, divprune or dart)")
-        if name not in SCORED + PER_CROP:
+                             f"defined form of it (use {_served()})")
+        if self.crop_form not in (CROPS_SCORED, CROPS_EACH):
             raise InputError(f"method {name} is not available for anyres crops: it has no form of one budget "
-                             "split over the crops (use cls, divprune or dart)")
+                             f"split over the crops (use {_served()})")
         if params.get("merge"):
             merge.refuse_crops()
         if params.get("scorer") == "int8":  # the global selection over crops is not the fused kernel's form
@@ -150,7 +150,7 @@ class CropBudget(Method):
                              "(their towers score by [CLS])")
         if budget not in BUDGETS:
             raise InputError(f"--crop-budget is proportional or equal, got {budget!r}")
-        if budget == PROPORTIONAL and name not in SCORED:
+        if budget == PROPORTIONAL and self.crop_form != CROPS_SCORED:
             raise InputError(f"method {name} has no per-patch score to split the budget by saliency; "
                              "use --crop-budget equal")
         if spec.num_patches != n:
@@ -163,7 +163,7 @@ class CropBudget(Method):
             raise InputError(f"--keep must satisfy 1 <= keep < {count * n} (the {count} crops have {count * n} "
                              f"patch tokens), got {keep}")
         inner_spec = SiteSpec(n, spec.has_cls, spec.layer, spec.num_blocks, spec.has_pixels, spec.prefix)
-        if name in SCORED:  # what the method needs of a crop ([CLS], the pixels), at any per-crop budget
+        if self.crop_form == CROPS_SCORED:  # what the method needs of a crop ([CLS], the pixels), at any crop's budget
             self.inner.check(self._inner_params(params, 1), inner_spec)
         else:
             for k in equal_budgets(keep, count, n):
@@ -171,7 +171,7 @@ class CropBudget(Method):
                     self.inner.check(self._inner_params(params, k), inner_spec)
 
     def output_tokens(self, params: dict) -> int:
-        return params["keep"] + (1 if self.name in SCORED else 0)
+        return params["keep"] + (1 if self.crop_form == CROPS_SCORED else 0)
 
     def copied_rows(self, params: dict) -> int:
         return params["keep"]
@@ -189,27 +189,23 @@ class CropBudget(Method):
     def fusion_rules(self, spellings, record=None) -> list:
         # Per-crop methods are the method's own emission per crop: its fusions apply to each. The scored
         # selection is per-crop ranks, not the TopK the TokenPrune rule matches: standard ops.
-        return self.inner.fusion_rules(spellings, record) if self.name in PER_CROP else []
+        return self.inner.fusion_rules(spellings, record) if self.crop_form == CROPS_EACH else []
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str):
-        tokens, kept = (self._emit_scored(b, params, inputs) if self.name in SCORED
+        tokens, kept = (self._emit_scored(b, params, inputs) if self.crop_form == CROPS_SCORED
                         else self._emit_per_crop(b, params, inputs, formulation))
         return tokens, kept
 
     # ------------------------------------------------------------------ reference
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
-        if self.name in SCORED:
+        if self.crop_form == CROPS_SCORED:
             return self._reference_scored(params, inputs)
         return self._reference_per_crop(params, inputs)
 
     def scores(self, params: dict, inputs: SiteTensors) -> torch.Tensor:
-        """cls's per-patch score of every crop: [B·C, N]."""
-        scores = attention.normalise(attention.cls_attention(inputs.q, inputs.k, inputs.scale, inputs.prefix))
-        if params.get("lambda"):
-            variance = attention.patch_variance(inputs.pixel_values, inputs.patch_size)
-            scores = scores + params["lambda"] * attention.normalise(variance)
-        return scores
+        """The method's own per-patch score of every crop (Method.crop_scores): [B·C, N]."""
+        return self.inner.crop_scores(self._inner_params(params, params["keep"]), inputs)
 
     def _reference_scored(self, params: dict, inputs: SiteTensors) -> TorchResult:
         count, n, _, budget = self._spec(params)
@@ -247,14 +243,8 @@ class CropBudget(Method):
 
     def _emit_scored(self, b, params: dict, inputs: GraphInputs):
         count, n, _, budget = self._spec(params)
-        keep, prefix, lam = params["keep"], inputs.prefix, params.get("lambda", 0.0)
-        attn = attention.emit_cls_attention(b, inputs.block, prefix)
-        scores = attention.emit_normalise(b, attn, "attn_norm")
-        if lam > 0:
-            variance = attention.emit_patch_variance(b, inputs.structure, n)
-            weighted = b.op("Mul", [attention.emit_normalise(b, variance, "var_norm"), b.scalar("lambda", lam)],
-                            "var_weighted")
-            scores = b.op("Add", [scores, weighted], "scores")
+        keep, prefix = params["keep"], inputs.prefix
+        scores = self.inner.emit_crop_scores(b, self._inner_params(params, keep), inputs)
         with b.role(SCORE):
             per_crop = b.op("Reshape", [scores, b.ints("crops_shape", [-1, count, n])], "crop_scores")  # [B, C, N]
         with b.role(SELECT):
@@ -323,6 +313,14 @@ class CropBudget(Method):
         with b.role(SELECT):
             flat = b.op("Concat", kept, "kept", axis=1) if len(kept) > 1 else kept[0]
         return joined, flat
+
+
+def _served() -> str:
+    """The methods that serve anyres crops (a crop_form), in the registry's order, for the refusals."""
+    from vlmprune.passes.methods import METHODS  # the registry imports every method, this module among their users
+
+    names = [name for name, method in METHODS.items() if method.crop_form]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def emit_split(b, mass: ir.Value, keep: int, count: int, per_crop: int) -> ir.Value:

@@ -38,8 +38,8 @@ import onnx_ir as ir
 import torch
 
 from vlmprune.compiler.errors import InputError
-from vlmprune.passes.methods.base import (FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult,
-                                           positive_int)
+from vlmprune.passes.methods.base import (CROPS_EACH, FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors,
+                                           TorchResult, positive_int)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix, topk_lower_index
 
@@ -71,6 +71,7 @@ class DartMethod(Method):
                                     "(default 0; Edge-LLM's --dartPivotTextTokens)")}
     official = "https://github.com/ZichenWen1/DART (as TensorRT Edge-LLM runs it on embeddings)"
     local_merge = True  # --merge local: its output is the kept rows (base.Method.__init_subclass__)
+    crop_form = CROPS_EACH  # anyres crops: run on each crop with an equal share of K (passes.methods.crops)
 
     def defaults(self, keep: int) -> dict:
         return {"pivots": 4, "text_pivots": 0}

@@ -35,8 +35,8 @@ import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 from vlmprune.passes.graph.dataflow import const_array, const_ints
-from vlmprune.passes.methods.base import (FEATURES, GREEDY, Formulation, FusedOp, GraphInputs, Method, Needs,
-                                           SiteTensors, TorchResult)
+from vlmprune.passes.methods.base import (CROPS_EACH, FEATURES, GREEDY, Formulation, FusedOp, GraphInputs, Method,
+                                           Needs, SiteTensors, TorchResult)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, add_loop, loop_body
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix
 
@@ -78,6 +78,7 @@ class DivPruneMethod(Method):
     summary = "DivPrune: K tokens of maximal diversity (greedy max-min cosine distance) on the projector output"
     selection = GREEDY
     formulations = (Formulation("loop", control_flow=True), Formulation("unrolled"))
+    crop_form = CROPS_EACH  # anyres crops: run on each crop with an equal share of K (passes.methods.crops)
     official = "https://github.com/vbdi/divprune"
     local_merge = True  # --merge local: its output is the kept rows (base.Method.__init_subclass__)
 

@@ -132,6 +132,10 @@ class HolovMethod(Method):
     def partitions(self, params: dict, n: int) -> int:
         return params.get("partitions") or default_partitions(n, params["keep"])
 
+    def summary_params(self, params: dict, num_patches: int) -> dict:
+        """P as its number at this site (the default P follows N and K)."""
+        return {**params, "partitions": self.partitions(params, num_patches)}
+
     def describe(self, params: dict) -> str:
         p = params.get("partitions")
         crops = f"{p} raster crops" if p else "max(1, int((1024/576)·N/K)) raster crops"

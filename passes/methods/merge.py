@@ -91,9 +91,9 @@ def parse(method, params: dict) -> dict:
         return params
     if merge != LOCAL:
         raise InputError(f"--merge must be 'local', got {merge!r}")
-    if not getattr(method, "local_merge", False):
+    if not method.local_merge:
         raise InputError(f"method {method.name} does not take --merge local "
-                         f"({getattr(method, 'no_local_merge_why', '') or 'it has no post-selection merge step'})")
+                         f"({method.no_local_merge_why or 'it has no post-selection merge step'})")
     width = DEFAULT_WIDTH if width is None else width
     if isinstance(width, bool) or not isinstance(width, int) or width < 3 or width % 2 == 0:
         raise InputError(f"--width must be an odd integer >= 3 (a W x W window centred on the patch), got {width!r}")

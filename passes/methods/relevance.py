@@ -68,7 +68,7 @@ def refusal(method, params: dict) -> str:
     own = method.needs({k: v for k, v in params.items() if k != NAME})  # what it needs without the flag
     if method.baseline:
         return "a baseline ranks no score"
-    declared = getattr(method, "prompt_weight", False)
+    declared = method.prompt_weight
     if not declared and method.selection == GREEDY:
         what = " (it is prompt-aware already: the prompt weighs its kernel)" if own.text else ""
         return f"its selection is greedy, with no score to add the relevance to{what}"

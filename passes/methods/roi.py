@@ -79,7 +79,7 @@ def parse(method, params: dict) -> dict:
 
 def refusal(method, params: dict) -> str | None:
     """Why `method` with these parameters cannot keep forced patches inside K, or None."""
-    if getattr(method, "baseline", False):
+    if method.baseline:
         return "it is a baseline that keeps the same patches for every image"
     if method.selection != "score":
         return ("its selection is greedy or budgeted (each pick depends on the others), with no per-patch score "
@@ -88,7 +88,7 @@ def refusal(method, params: dict) -> str | None:
         return "--budget adaptive decides K from the scores that forcing would change"
     if params.get("score") == "attention":
         return "--score attention ranks Qwen2-VL's 2x2-merged tokens, which have no single patch grid"
-    if not getattr(method, "roi_keep", False):
+    if not method.roi_keep:
         return "it declares no bound of its scores to lift forced patches above (Method.roi_keep, roi_bound)"
     return None
 
