@@ -36,7 +36,7 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family, ImagePrompt
-from vlmprune.compiler.frontend.source import (Source, inner_tower, load_state, no_init_weights, read_safetensors,
+from vlmprune.compiler.frontend.source import (Source, inner_tower, built, load_state, read_safetensors,
                                                sha256_files, sha256_state)
 from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
 
@@ -60,16 +60,13 @@ def build_tower(vision_config) -> nn.Module:
     """The SiglipVisionModel of the config, its weights left to the caller (transformers' slow init skipped)."""
     from transformers import SiglipVisionModel
 
-    vision_config._attn_implementation = "sdpa"
-    with no_init_weights():
-        return SiglipVisionModel(vision_config).eval()
+    return built(SiglipVisionModel, vision_config, "sdpa")
 
 
 def build_projector(config) -> nn.Module:
     from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
-    with no_init_weights():
-        return Gemma3MultiModalProjector(config).eval()
+    return built(Gemma3MultiModalProjector, config)
 
 
 def tower_parts(tower) -> TowerParts:

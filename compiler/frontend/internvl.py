@@ -33,7 +33,7 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family
-from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, load_state, no_init_weights,
+from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, load_state, built,
                                                read_safetensors, sha256_files, sha256_state)
 from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
 
@@ -58,16 +58,13 @@ def build_tower(vision_config) -> nn.Module:
     """The InternVisionModel of the config, its weights left to the caller (transformers' slow init skipped)."""
     from transformers.models.internvl.modeling_internvl import InternVLVisionModel
 
-    vision_config._attn_implementation = "sdpa"
-    with no_init_weights():
-        return InternVLVisionModel(vision_config).eval()
+    return built(InternVLVisionModel, vision_config, "sdpa")
 
 
 def build_projector(config) -> nn.Module:
     from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
 
-    with no_init_weights():
-        return InternVLMultiModalProjector(config).eval()
+    return built(InternVLMultiModalProjector, config)
 
 
 def tower_parts(model) -> TowerParts:

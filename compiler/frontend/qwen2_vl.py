@@ -45,7 +45,7 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import MERGED_TOKENS, PATCH_TOKENS, VIDEO, Family, IndicesPositions, Place
-from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, no_init_weights,
+from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, built,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import FEATURES, Pruner, SiteTensors
 
@@ -66,9 +66,7 @@ def visual_class(model_type: str):
 
 def build_visual(model_type: str, vision_config) -> nn.Module:
     """The vision tower of the config, its weights left to the caller (transformers' slow init skipped)."""
-    vision_config._attn_implementation = "sdpa"
-    with no_init_weights():
-        return visual_class(model_type)(vision_config).eval()
+    return built(visual_class(model_type), vision_config, "sdpa")
 
 
 def check_image_size(image_size, unit: int) -> int:

@@ -38,7 +38,7 @@ from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import MERGED_TOKENS, PATCH_TOKENS
 from vlmprune.compiler.frontend.qwen2_vl import (QwenGrid, QwenVisionPipeline, Qwen2VLFamily, ThwPositions,
                                                  check_image_size, check_mrope)
-from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, no_init_weights,
+from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, built,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import Pruner, SiteTensors
 
@@ -51,9 +51,7 @@ def build_visual(vision_config) -> nn.Module:
     """The Qwen3-VL vision tower of the config, its weights left to the caller."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    vision_config._attn_implementation = "sdpa"
-    with no_init_weights():
-        return Qwen3VLVisionModel(vision_config).eval()
+    return built(Qwen3VLVisionModel, vision_config, "sdpa")
 
 
 class Qwen3Grid(QwenGrid):

@@ -35,7 +35,7 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family, ImagePrompt
-from vlmprune.compiler.frontend.source import (Source, load_state, no_init_weights, read_safetensors, sha256_files,
+from vlmprune.compiler.frontend.source import (Source, built, load_state, read_safetensors, sha256_files,
                                                sha256_state)
 from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
 
@@ -51,16 +51,13 @@ def build_tower(vision_config) -> nn.Module:
     """The SmolVLMVisionTransformer of the config, its weights left to the caller (transformers' slow init skipped)."""
     from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionTransformer
 
-    vision_config._attn_implementation = "sdpa"
-    with no_init_weights():
-        return SmolVLMVisionTransformer(vision_config).eval()
+    return built(SmolVLMVisionTransformer, vision_config, "sdpa")
 
 
 def build_connector(config) -> nn.Module:
     from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector
 
-    with no_init_weights():
-        return SmolVLMConnector(config).eval()
+    return built(SmolVLMConnector, config)
 
 
 def position_ids(side: int, table_side: int) -> torch.Tensor:

@@ -219,6 +219,16 @@ def no_init_weights():
     return context()
 
 
+def built(cls, config, attention: str | None = None) -> nn.Module:
+    """cls(config) in eval mode with transformers' slow per-module init skipped: every family's tower and connector
+    get their weights from the checkpoint or a seeded init right after. attention: the implementation the export
+    traces (sdpa), set on the config first."""
+    if attention is not None:
+        config._attn_implementation = attention
+    with no_init_weights():
+        return cls(config).eval()
+
+
 def seeded_init(module: nn.Module, seed: int, std: float = 0.02) -> None:
     """Seconds instead of minutes for 300M parameters: N(0, std) weights, unit norms, zero biases."""
     generator = torch.Generator().manual_seed(seed)
