@@ -372,7 +372,6 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
                 ids[j, :len(seq.ids)] = torch.tensor(seq.ids)
                 for start, end in seq.spans:
                     labels[j, start:end] = torch.tensor(seq.ids[start:end])
-            extra = {}
             if pack:  # a 4-D mask is taken as is by transformers' mask code
                 extra = {"attention_mask": torch.stack([block_mask(encoded[r], width) for r in rows])[:, None],
                          "position_ids": torch.stack([positions(encoded[r], width) for r in rows])}
