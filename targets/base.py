@@ -22,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from vlmprune.compiler.contract import PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
@@ -180,7 +181,7 @@ class Target(abc.ABC):
                    BatchDimNamePass(), SupportCheckPass(self.name, self.supports, self.check_model)]
         return TargetPipeline(self.name, *passes)
 
-    def fusion(self, config: PruneConfig | None, options, record: dict | None = None) -> TargetPipeline | None:
+    def fusion(self, config: PruneConfig | None, options, record: PruneRecord | None = None) -> TargetPipeline | None:
         """Decomposed graph -> model.onnx with the method's fused ops, or None where no rule applies here.
 
         record: what the insertion recorded in the decomposed graph (its site), for methods

@@ -179,10 +179,11 @@ class Rk3588Target(Target):
         precisions = parse_precisions(context["target_options"]["precision"])
         ir.save(model, out_dir / MODEL)
         pixel = context["parity_inputs"]  # the images parity will feed: simulated now, while the build is live
+        record = prune_record(model)
         fields: dict = {"runtime": "RKNN runtime (librknnrt / rknn-toolkit-lite2 2.5.0) on the RK3588 NPU",
                         "target_platform": PLATFORM, "selection": self.selection,
                         "artifacts": {}, "precisions": {}, "placement": {}, "placement_summary": {},
-                        "build_seconds": {}, "kept_outputs": [prune_record(model)["kept"]] if prune_record(model) else []}
+                        "build_seconds": {}, "kept_outputs": [record.kept] if record is not None else []}
         calib_names: list[str] = []
         with tempfile.TemporaryDirectory(prefix="vlmprune-rk3588-") as scratch:
             root = Path(scratch)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmprune.compiler.bundle import DIGEST_KEY, manifest_digest, sha256_file
-from vlmprune.compiler.contract import MANIFEST
+from vlmprune.compiler.contract import MANIFEST, NUM_TOKENS, TEXT, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.dense import Dense
@@ -97,6 +97,7 @@ class MethodSection(Section):
     has_cls = property(lambda self: self._data.get("has_cls"))
     kept_count = property(lambda self: self._data.get("kept_count"))
     steps = property(lambda self: self._data.get("steps", []))  # --schedule: each step's layer, keep, token counts
+    roi = property(lambda self: self._data.get("roi"))  # --roi: the layout of its inputs (passes.methods.roi)
 
     @property
     def prefix(self) -> int | None:
@@ -185,5 +186,15 @@ class Manifest(dict):
     llm = property(lambda self: self.get("llm"))  # the LLM handoff (compiler.llm.handoff.llm_section)
     llm_graphs = property(lambda self: self.get("llm_graphs"))  # the language model's graphs, with --with-llm
     parity = property(lambda self: ParitySection(self["parity"]) if "parity" in self else None)
+
+    @property
+    def record(self) -> PruneRecord | None:
+        """The prune record the bundle was compiled from (what its decomposed graph holds), None for a dense one."""
+        if not self.method.pruned:
+            return None
+        text = next((t for t in self.inputs if t.name == TEXT), None)
+        return PruneRecord.from_manifest(
+            self["method"], text=None if text is None else {"name": TEXT, "dim": text.shape[2]},
+            num_tokens=NUM_TOKENS if NUM_TOKENS in self.output_names else None)
     files = property(lambda self: self.get("files", {}))  # bundle-relative path -> sha256
     version = property(lambda self: self["vlmprune_version"])

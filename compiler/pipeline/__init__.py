@@ -30,7 +30,7 @@ from vlmprune.compiler.pipeline import auto_keep, cache
 from vlmprune.compiler.pipeline.timings import Span, StageTimer
 
 from vlmprune.compiler.parity import reference
-from vlmprune.compiler.contract import DECOMPOSED, DENSE, FEATURES, PARITY, README
+from vlmprune.compiler.contract import DECOMPOSED, DENSE, FEATURES, PARITY, README, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import DenseRequest, Family, Source, check_family_options, images, load_fixed
 from vlmprune.compiler.llm import export as llm_export
@@ -313,25 +313,10 @@ def _io(values) -> list[dict]:
     return out
 
 
-def _manifest(source: Source, family: Family, options: CompileOptions, plan: _Plan, record: dict | None,
+def _manifest(source: Source, family: Family, options: CompileOptions, plan: _Plan, record: PruneRecord | None,
               model: ir.Model, target_fields: dict) -> dict:
     target = plan.target
-    if record is None:
-        method = Dense().record()
-    else:
-        where = (f"after block {record['layer']}/{record['num_blocks']}" if record["site"] == BLOCK
-                 else "on the projector output")
-        if "steps" in record:  # --schedule
-            where = "progressive, after blocks " + "→".join(str(s["layer"]) for s in record["steps"]) + \
-                f"/{record['num_blocks']}"
-        method = {"name": record["method"], "params": record["params"], "keep": record["params"]["keep"],
-                  "site": record["site"], "layer": record["layer"], "num_blocks": record["num_blocks"],
-                  "formulation": record["formulation"], "tokens_in": record["tokens_in"],
-                  "tokens_out": record["tokens_out"], "num_patches": record["num_patches"],
-                  "has_cls": record["has_cls"], "prefix": record["prefix"], "kept_count": record["kept_count"],
-                  "summary": f"{record['summary']} ({where}, {record['num_patches']} patch tokens)",
-                  **({"roi": record["roi"]} if "roi" in record else {}),  # --roi: its inputs' layout (compiler.roi)
-                  **({"steps": record["steps"]} if "steps" in record else {})}  # --schedule: every step
+    method = Dense().record() if record is None else record.manifest_section()
     return {
         "vlmprune_version": __version__,
         "target": {"name": target.name, "summary": target.summary, "toolchain": target.toolchain(),
@@ -351,13 +336,13 @@ def _manifest(source: Source, family: Family, options: CompileOptions, plan: _Pl
     }
 
 
-def _features_keep_cls(model: ir.Model, record: dict | None) -> bool | None:
+def _features_keep_cls(model: ir.Model, record: PruneRecord | None) -> bool | None:
     """Whether image_features starts with the [CLS] token."""
     features = next((v for v in model.graph.outputs if v.name == FEATURES), None)
     if record is None or features is None or features.shape is None:
         return None
     tokens = features.shape[1]
-    return isinstance(tokens, int) and record["has_cls"] and tokens == record["tokens_out"]
+    return isinstance(tokens, int) and record.has_cls and tokens == record.tokens_out
 
 
 # ------------------------------------------------------------------------ parity
@@ -373,22 +358,12 @@ def in_chunks(run, chunk: int):
     return chunked
 
 
-def _record_of(manifest: Manifest) -> dict | None:
-    method = manifest.method
-    if not method.pruned:
-        return None
-    return {"method": method.name, "params": method.params, "site": method.site, "layer": method.layer,
-            "has_cls": method.has_cls, "num_patches": method.num_patches, "prefix": method.prefix,
-            **({"roi": manifest["method"]["roi"]} if "roi" in manifest["method"] else {}),  # --roi's layout
-            **({"steps": manifest["method"]["steps"]} if "steps" in manifest["method"] else {})}  # --schedule
-
-
 def _parity(source: Source, family: Family, dense_path: Path, bundle_dir: Path, manifest: Manifest, target: Target,
             batch: ParityBatch,
             progress: Progress, tolerances: dict[str, dict] | None = None) -> parity.ParityReport:
     pixel, described = family.parity_pixels(source, batch.images)
     described["chunk"] = batch.chunk
-    record = _record_of(manifest)
+    record = manifest.record
     stages: list[parity.StageResult] = []
 
     def ort_file(path: Path):

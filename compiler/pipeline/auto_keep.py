@@ -307,8 +307,8 @@ class _Candidates:
         """N: the tokens the method ranks (K < N), read off the graph inserted at keep."""
         with tempfile.TemporaryDirectory(dir=self.folder) as folder:
             _, _, _, record = self._graph(keep, Path(folder))
-        crops = (record["params"].get("crops") or {}).get("count", 1)
-        return record["num_patches"] * crops
+        crops = (record.params.get("crops") or {}).get("count", 1)
+        return record.num_patches * crops
 
     def time(self, keep: int) -> Timing | None:
         # Each candidate in a folder of its own: a runtime may hold the previous one's files (ONNX Runtime maps the

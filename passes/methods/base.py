@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
@@ -334,7 +335,7 @@ class Method(abc.ABC):
         """Append the method's nodes through builder b; return (tokens, kept_indices), or (tokens, kept_indices,
         num_tokens) for a variable_k method."""
 
-    def fusion_rules(self, spellings, record: dict | None = None) -> list:
+    def fusion_rules(self, spellings, record: PruneRecord | None = None) -> list:
         """onnxscript rewrite rules that fuse part of the emission into a custom op (none by default).
 
         record: what the insertion recorded (passes.prune.prune_record), so that a method can
@@ -345,7 +346,8 @@ class Method(abc.ABC):
     def fused_into(self, spellings: dict[str, FusedOp], params: dict) -> list[str]:
         """The ops of `spellings` this method fuses into with these parameters, for `vlmprune methods`: its rules
         asked about the site the parameters read (one [CLS] token where they need one, no prefix otherwise)."""
-        record = {"params": params, "prefix": int(self.needs(params).cls)}
+        needs = self.needs(params)
+        record = PruneRecord(self.name, params, needs.site, None, prefix=int(needs.cls))
         return [op for op, spelling in spellings.items() if self.fusion_rules({op: spelling}, record)]
 
     def crop_scores(self, params: dict, inputs: SiteTensors) -> torch.Tensor:

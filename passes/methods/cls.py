@@ -34,6 +34,7 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
+from vlmprune.compiler.contract import PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CROPS
 from vlmprune.passes.graph.dataflow import const_array
@@ -169,9 +170,9 @@ class ClsMethod(Method):
         attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
         return _emit_pixel_term(b, params, inputs, attention.emit_normalise(b, attn, "attn_norm"))
 
-    def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
-        params = (record or {}).get("params", {})
-        if record is not None and record.get("prefix", 1) != 1:
+    def fusion_rules(self, spellings: dict[str, FusedOp], record: PruneRecord | None = None) -> list:
+        params = record.params if record is not None else {}
+        if record is not None and record.prefix != 1:
             return []  # the kernels copy (and skip) one [CLS] token: register tokens stay in standard ops
         rules = []
         scorer = spellings.get(CLS_SCORE)

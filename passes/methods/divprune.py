@@ -34,6 +34,7 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
+from vlmprune.compiler.contract import PruneRecord
 from vlmprune.passes.graph.dataflow import const_array, const_ints
 from vlmprune.passes.methods.base import (CROPS_EACH, FEATURES, GREEDY, Formulation, FusedOp, GraphInputs, Method,
                                            Needs, SiteTensors, TorchResult)
@@ -111,7 +112,7 @@ class DivPruneMethod(Method):
             tokens = b.op("Concat", [*cls, gathered], "tokens", axis=1) if cls else gathered
         return tokens, kept
 
-    def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
+    def fusion_rules(self, spellings: dict[str, FusedOp], record: PruneRecord | None = None) -> list:
         spelling = spellings.get(DIVPRUNE_SELECT)
         return [DivPruneFusion.rule(spelling)] if spelling is not None else []
 

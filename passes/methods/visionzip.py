@@ -40,6 +40,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import attention, probe
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, FusedOp, GraphInputs, Method, Needs, SiteTensors, \
@@ -208,11 +209,11 @@ class VisionZipMethod(Method):
             kept_all = b.op("Concat", kept, "kept", axis=1) if len(kept) > 1 else dominant
         return tokens, kept_all
 
-    def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
+    def fusion_rules(self, spellings: dict[str, FusedOp], record: PruneRecord | None = None) -> list:
         """--scorer int8: the dominant score in cls's ClsAttentionScore kernel (its rules; one [CLS], no registers)."""
         scorer = spellings.get(CLS_SCORE)
-        params = (record or {}).get("params", {})
-        if scorer is None or params.get("scorer") != "int8" or record is not None and record.get("prefix", 1) != 1:
+        params = record.params if record is not None else {}
+        if scorer is None or params.get("scorer") != "int8" or record is not None and record.prefix != 1:
             return []
         return [ClsScoreFusion.rule(scorer, transposed, axes_input) for transposed in (True, False)
                 for axes_input in (True, False)]

@@ -133,12 +133,12 @@ def test_the_pruned_reference_from_the_dense_one_is_the_same(tiny_source, method
     import numpy as np
 
     from vlmprune.compiler.parity import reference
+    from vlmprune.compiler.contract import PruneRecord
     from vlmprune.compiler.frontend.images import parity_inputs
     from vlmprune.passes.methods import get_method
 
     params = get_method(method).parse(16, {})
-    record = {"method": method, "params": params, "site": get_method(method).needs(params).site,
-              "layer": tiny_source.num_blocks}
+    record = PruneRecord(method, params, get_method(method).needs(params).site, tiny_source.num_blocks)
     pixel, _ = parity_inputs(2, tiny_source.image_size, tiny_source.mean, tiny_source.std)
     dense = reference.dense_reference(tiny_source, pixel)
     _, alone = reference.torch_reference(tiny_source, record, pixel)
