@@ -44,7 +44,7 @@ from vlmprune.passes.onnx_tower import OnnxTowerContractPass
 from vlmprune.passes.positions import with_positions
 from vlmprune.passes.prune import prune_record
 from vlmprune.targets import DEFAULT_TARGET, get_target
-from vlmprune.targets.base import PruneConfig, Target
+from vlmprune.targets.base import EmitContext, PruneConfig, Target
 from vlmprune.targets.runtime import ort_session, run_session
 
 Progress = Callable[[str], None]
@@ -142,10 +142,8 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
         batch = _parity_batch(_io(decomposed.graph.inputs)[0]["shape"][0], options.batch)
         pixel, _ = family.parity_pixels(source, batch.images)
         timer.step(f"emit target {target.name}")
-        target_fields = target.emit(decomposed, tmp, {
-            "config": plan.config, "options": options, "target_options": plan.target_options, "source": source,
-            "images": images,  # the frontend's preprocessing, for the targets' calibration images
-            "parity_inputs": pixel, "debug": options.debug})
+        target_fields = target.emit(decomposed, tmp, emit_context(plan.config, options, plan.target_options, source,
+                                                                  pixel))
         manifest = Manifest(_manifest(source, family, options, plan, record, decomposed, target_fields))
         if keep_auto is not None:  # the K -> latency curve --keep auto chose K on
             manifest["keep_auto"] = keep_auto
@@ -303,6 +301,14 @@ def _dense_model(source: Source, family: Family, options: CompileOptions, folder
 
 
 # ---------------------------------------------------------------------- manifest
+
+
+def emit_context(config: PruneConfig | None, options: CompileOptions, target_options: dict, source: Source,
+                 pixel: np.ndarray) -> EmitContext:
+    """What a target's emit is handed: of the source, what calibration needs; the frontend's preprocessing for the
+    targets' calibration images (frontend.images)."""
+    return EmitContext(config, options, target_options, source.image_size, tuple(source.mean), tuple(source.std),
+                       images, pixel)
 
 
 def _io(values) -> list[dict]:
