@@ -466,7 +466,7 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
         pixel = bench.load_inputs(inputs, m)
         say(f"{inputs}: {m.inputs[0].name} {list(pixel.shape)} float32")
     text = _run_text(m, prompt, model, say)
-    region = roi.run_roi(roi.layout_of(m), roi_boxes, roi_mask)  # --roi bundles: the flags' region, or none
+    region = roi.run_roi(m.method.roi, roi_boxes, roi_mask)  # --roi bundles: the flags' region, or none
     with feeding(text), roi.feeding(region):
         outputs = runner(pixel)
         result = RunResult(bundle, runtime, pixel, outputs)
@@ -483,7 +483,7 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
             sels, note = pictures.video_selections(m, pixel, outputs[KEPT], bundle.resolve().name), None
         else:
             sels, note = pictures.selections_for_run(m, pixel, outputs[KEPT], bundle.resolve().name,
-                                                     roi.forced_for_run(roi.layout_of(m), region, len(pixel)))
+                                                     roi.forced_for_run(m.method.roi, region, len(pixel)))
         if note:
             say(f"warning: {note}")
         drawn = [pictures.picture(sel) for sel in sels]

@@ -147,14 +147,19 @@ class PruneRecord:
                 **({"roi": self.roi} if self.roi is not None else {}),
                 **({"steps": list(self.steps)} if self.steps is not None else {})}
 
+    @staticmethod
+    def prefix_of(section) -> int:
+        """A pruned bundle's prefix from its method section; bundles made before the field have the [CLS] token
+        or nothing before the patches."""
+        return section.get("prefix", int(bool(section.get("has_cls"))))
+
     @classmethod
     def from_manifest(cls, section, text: dict | None = None, num_tokens: str | None = None) -> PruneRecord:
         """The record back from a pruned bundle's method section. The section does not list the graph's extra
-        inputs and outputs: the manifest's input and output lists give them (text, num_tokens). Bundles made
-        before `prefix` have the [CLS] token or nothing before the patches."""
-        fields = {f.name for f in dataclasses.fields(cls)} - {"method", "kept", "text", "num_tokens", "summary"}
-        record = cls(method=section["name"], text=text, num_tokens=num_tokens,
-                     **{k: section[k] for k in fields if k in section and k != "prefix"},
-                     prefix=section.get("prefix", int(bool(section.get("has_cls")))))
+        inputs and outputs: the manifest's input and output lists give them (text, num_tokens)."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"method", "kept", "text", "num_tokens", "summary",
+                                                               "prefix"}
+        record = cls(method=section["name"], text=text, num_tokens=num_tokens, prefix=cls.prefix_of(section),
+                     **{k: section[k] for k in fields if k in section})
         summary, suffix = section.get("summary", ""), record._summary_suffix()
         return dataclasses.replace(record, summary=summary[:-len(suffix)] if summary.endswith(suffix) else summary)

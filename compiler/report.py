@@ -292,7 +292,7 @@ def html_report(report: dict, manifest: dict, bundle_name: str, images: np.ndarr
 
 def _keep_auto_section(manifest: dict) -> list[str]:
     """--keep auto: the K -> latency curve K was chosen on (manifest["keep_auto"]), as a picture and its figures."""
-    section = manifest.get("keep_auto")
+    section = manifest.keep_auto
     if not section:
         return []
     e = html.escape

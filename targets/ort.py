@@ -34,7 +34,7 @@ from vlmprune.compiler.contract import MODEL
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.attention_fusion import FUSED_ATTENTION, MS_DOMAIN, attention_rules
 from vlmprune.passes.gelu_fusion import FUSED_GELU, gelu_rules
-from vlmprune.passes.methods.base import FusedOp
+from vlmprune.passes.methods.base import FusedOp, int8_scorer
 from vlmprune.targets.base import EmitContext, StageSpec, Target
 
 LIBRARY = "libvlmprune_ort.so"
@@ -119,7 +119,7 @@ class OrtTarget(Target):
         fp32's agreement (parity's "int8-fp32-score": the score path is fp32 there)."""
         run, runtime = self.runner(bundle_dir, manifest, MODEL)
         # --scorer int8: the decision is INT8 (ClsAttentionScore), so kept indices are held to the 8-bit agreement.
-        int8 = manifest["method"].get("params", {}).get("scorer") == "int8"
+        int8 = int8_scorer(manifest.method.params)
         stages = [StageSpec("fused", runtime + (" (INT8 scorer)" if int8 else ""), "int8" if int8 else "fp32", run)]
         if manifest.target.get("int8"):
             from vlmprune.targets.ort_quant import INT8_MODEL

@@ -30,7 +30,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 from vlmprune.compiler.contract import DECOMPOSED, MODEL, QDQ_MODEL, QDQ_WEIGHTS, TEXT
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes import tensorrt as trt_passes
-from vlmprune.passes.methods.base import FusedOp
+from vlmprune.passes.methods.base import FusedOp, int8_scorer
 from vlmprune.passes.methods.builder import feeding_selection, role_of, selection_nodes
 from vlmprune.targets import ort as ort_target
 from vlmprune.targets import trt_engine as engine_lib
@@ -218,7 +218,7 @@ class TensorRTTarget(Target):
 
         what = "the plugin's host twin" if fused else "standard ops"
         # --scorer int8: the VlmpClsScore decision is INT8, so kept indices are held to the 8-bit agreement (as on ort).
-        int8 = manifest["method"].get("params", {}).get("scorer") == "int8"
+        int8 = int8_scorer(manifest.method.params)
         stages = [StageSpec("fused",  # model.onnx on the host twin or in standard ops, named as on ort
                             f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} ({MODEL}, {what}"
                             f"{', INT8 scorer' if int8 else ''})", "int8" if int8 else "fp32", on_cpu(MODEL))]

@@ -528,7 +528,7 @@ class TorchExporter(LlmExporter):
         spec = fastv
         lm = lm_source.language_model(model_spec)
         _inner, config = decoder_of(lm)
-        tokens = (manifest.llm or {}).get("image_tokens")
+        tokens = manifest.llm.image_tokens if manifest.llm is not None else None
         if spec is not None and deepstack_levels(lm):
             raise InputError("--fastv-layer with a DeepStack language model (Qwen3-VL) is not supported: FastV drops "
                              "image rows that the DeepStack levels still add to after its layer")
@@ -576,7 +576,7 @@ class TorchExporter(LlmExporter):
 
     def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
         llm = manifest.llm_graphs
-        tokens = (manifest.llm or {}).get("image_tokens")
+        tokens = manifest.llm.image_tokens if manifest.llm is not None else None
         got = llm_parity(lm_source.language_model(model_spec), spec_of(llm), bundle_dir / LLM_DIR,
                          tokens if isinstance(tokens, int) else 8)
         outputs = {

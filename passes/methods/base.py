@@ -368,7 +368,7 @@ class Method(abc.ABC):
         """The fused ops these parameters run only in, each with the option that asks for it: a target that does not
         spell one of them refuses the compile before any work (--scorer int8: the INT8 decision exists only as the
         ClsAttentionScore kernel, CLS_SCORE). None by default."""
-        return {CLS_SCORE: "--scorer int8"} if params.get("scorer") == "int8" else {}
+        return {CLS_SCORE: "--scorer int8"} if int8_scorer(params) else {}
 
     def check_formulation(self, formulation: str) -> str:
         if formulation not in self.formulations:
@@ -428,6 +428,12 @@ GENERIC_OPTIONS: dict[str, tuple[type, str]] = {
     "scorer": (str, "fp32 (default) or int8: the [CLS]-attention decision in INT8 inside the fused op (the "
                     "ClsAttentionScore kernel: ort; the VlmpClsScore plugin: orin, xavier), the model itself unchanged"),
 }
+
+
+def int8_scorer(params) -> bool:
+    """Whether the parameters run the [CLS]-attention decision in INT8 (--scorer int8): the one spelling of the test
+    that the methods' emission and fusion, and the targets' parity precision, each make."""
+    return params.get("scorer") == "int8"
 
 
 def parse_scorer(method: Method, params: dict) -> dict:

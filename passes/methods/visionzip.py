@@ -44,7 +44,7 @@ from vlmprune.compiler.contract import PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import attention, probe
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, FusedOp, GraphInputs, Method, Needs, SiteTensors, \
-    TorchResult
+    TorchResult, int8_scorer
 from vlmprune.passes.methods.cls import CLS_SCORE, ClsScoreFusion, check_scorer_prefix, emit_kernel_scores
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk, split_prefix
@@ -131,7 +131,7 @@ class VisionZipMethod(Method):
 
     def describe(self, params: dict) -> str:
         by = " (by probe attention)" if params.get("score") == "probe" else \
-            " (INT8 scorer)" if params.get("scorer") == "int8" else ""
+            " (INT8 scorer)" if int8_scorer(params) else ""
         return f"VisionZip: {params['dominant']} dominant{by} + {params['contextual']} contextual tokens"
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
@@ -170,7 +170,7 @@ class VisionZipMethod(Method):
         k_d, k_c, n = params["dominant"], params["contextual"], inputs.num_patches
         if params.get("score") == "probe":
             attn = probe.emit_probe_attention(b, inputs.hidden, inputs.head, inputs.prefix)
-        elif params.get("scorer") == "int8":  # the form ClsScoreFusion turns into the INT8 kernel (cls.py)
+        elif int8_scorer(params):  # the form ClsScoreFusion turns into the INT8 kernel (cls.py)
             attn = emit_kernel_scores(b, inputs.block, inputs.prefix)
         else:
             attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
@@ -213,7 +213,7 @@ class VisionZipMethod(Method):
         """--scorer int8: the dominant score in cls's ClsAttentionScore kernel (its rules; one [CLS], no registers)."""
         scorer = spellings.get(CLS_SCORE)
         params = record.params if record is not None else {}
-        if scorer is None or params.get("scorer") != "int8" or record is not None and record.prefix != 1:
+        if scorer is None or not int8_scorer(params) or record is not None and record.prefix != 1:
             return []
         return [ClsScoreFusion.rule(scorer, transposed, axes_input) for transposed in (True, False)
                 for axes_input in (True, False)]

@@ -42,6 +42,10 @@ def test_typed_fields_read_a_real_bundle_and_keep_its_json(demo_bundle):
     assert (m.preprocess.mean, m.preprocess.std, m.preprocess.size) == (
         raw["preprocess"]["mean"], raw["preprocess"]["std"], raw["preprocess"]["size"])
     assert m.compile_options == raw["compile_options"] and m.llm == raw["llm"] and m.llm_graphs is None
+    llm = raw["llm"]
+    assert (m.llm.image_tokens, m.llm.hidden_size, m.llm.rows, m.llm.dense_image_tokens) == (
+        llm["image_tokens"], llm["hidden_size"], llm["rows"], llm["dense_image_tokens"])
+    assert m.keep_auto is None and m.method.roi is None  # no --keep auto, no --roi
     assert m.parity.passed is True and m.parity.stages == raw["parity"]["stages"]
     assert m.files == raw["files"] and m.version == raw["vlmprune_version"]
     with pytest.raises(TypeError):
