@@ -59,6 +59,11 @@ SELECT = "select"  # computes the kept indices (discrete: stays in floating poin
 TOKENS = "tokens"  # builds the output tokens from the kept indices
 ROLES = (SCORE, SELECT, TOKENS)
 
+# --- numeric floors the methods share (their references and their graphs alike) ---------------
+NORM_EPS = 1e-12  # a row's L2 norm floor (torch.nn.functional.normalize's eps)
+SCORE_EPS = 1e-6  # a score maximum's floor: S / max(S) stays finite on an all-zero image
+COSINE_EPS = 1e-8  # a cosine's denominator floor (torch.nn.functional.cosine_similarity's eps)
+
 # --- pruning sites (where a method acts) ----------------------------------------------------
 SITE_BLOCK = "block"  # block L's output, the residual stream [B, (1)+N, D]
 SITE_FEATURES = "features"  # the graph's token output (after the projector)

@@ -35,13 +35,14 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import SCORE_EPS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.llava_next import BUDGETS, EQUAL, PROPORTIONAL
 from vlmprune.passes.methods import merge
 from vlmprune.passes.methods.base import (BLOCK, CROPS_EACH, CROPS_SCORED, GraphInputs, Method, Needs, SiteSpec,
                                           SiteTensors, TorchResult, int8_scorer)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, Builder
-from vlmprune.passes.methods.selection import SCORE_EPS, gather_rows
+from vlmprune.passes.methods.selection import gather_rows
 
 
 

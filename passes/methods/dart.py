@@ -37,13 +37,13 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import COSINE_EPS
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods.base import (CROPS_EACH, FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors,
                                            TorchResult, positive_int)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix, topk_lower_index
 
-COSINE_EPS = 1e-8
 # Retained tokens are excluded with a finite sentinel in the graph (cosines lie in [-1, 1]): quantizers
 # and fp16 toolchains calibrate every tensor, and an infinity breaks rknn-toolkit2's int8 calibration.
 SENTINEL = 1e4

@@ -34,7 +34,7 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from vlmprune.compiler.contract import PruneRecord
+from vlmprune.compiler.contract import NORM_EPS, PruneRecord
 from vlmprune.passes.graph.dataflow import const_array, const_ints
 from vlmprune.passes.methods.base import (CROPS_EACH, FEATURES, GREEDY, Formulation, FusedOp, GraphInputs, Method,
                                            Needs, SiteTensors, TorchResult)
@@ -42,7 +42,6 @@ from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, ad
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix
 
 DIVPRUNE_SELECT = "DivPruneSelect"
-NORM_EPS = 1e-12
 # The graph masks with a finite sentinel, not infinity: quantizers and fp16 toolchains calibrate every
 # tensor (an infinity breaks rknn-toolkit2's int8 calibration), and distances lie in [0, 2], so
 # +-1e4 orders exactly as +-inf does (fp16 holds it).

@@ -32,6 +32,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import COSINE_EPS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import VIDEO
 from vlmprune.passes.methods.base import (FEATURES, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult,
@@ -40,7 +41,6 @@ from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, split_prefix, topk_lower_index
 
 FIRST_FRAME = 255.0  # vLLM's score of every first-frame token: above any 1 - cosine
-COSINE_EPS = 1e-8  # torch.nn.functional.cosine_similarity's default eps
 
 
 def retained_tokens(tokens_per_frame: int, frames: int, rate: float) -> int:

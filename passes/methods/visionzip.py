@@ -40,7 +40,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import PruneRecord
+from vlmprune.compiler.contract import NORM_EPS, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import attention, probe
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, FusedOp, GraphInputs, Method, Needs, SiteTensors, \
@@ -78,7 +78,7 @@ def assignment_margins(similarity: torch.Tensor) -> torch.Tensor:
     b, _, k_c = similarity.shape
     if k_c == 1:
         return torch.full((b, 1), float("inf"), dtype=similarity.dtype)
-    margin = (top.values[..., 0] - top.values[..., 1]) / top.values[..., 0].abs().clamp_min(1e-12)
+    margin = (top.values[..., 0] - top.values[..., 1]) / top.values[..., 0].abs().clamp_min(NORM_EPS)
     rows = torch.full((b, k_c), float("inf"), dtype=similarity.dtype)
     for rank in range(2):
         rows = rows.scatter_reduce(1, top.indices[..., rank], margin, reduce="amin")
@@ -147,7 +147,7 @@ class VisionZipMethod(Method):
         kept = [dominant]
         if k_c:
             keys = inputs.k.mean(dim=1)[:, inputs.prefix:]  # [B, N, dh]
-            keys = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            keys = keys / keys.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
             # Remaining patches in ascending order: a stable sort of the mask keeps index order.
             remaining = torch.sort(pruned_mask(dominant, n), dim=-1, descending=True, stable=True).indices[:, : n - k_d]
             t_pos, o_pos = (torch.from_numpy(p) for p in target_positions(n - k_d, k_c))
