@@ -59,6 +59,11 @@ SELECT = "select"  # computes the kept indices (discrete: stays in floating poin
 TOKENS = "tokens"  # builds the output tokens from the kept indices
 ROLES = (SCORE, SELECT, TOKENS)
 
+# --- defaults ------------------------------------------------------------------------------
+DEFAULT_KEEP = 192  # compile's K (--keep)
+DEFAULT_OPSET = 18  # the ONNX opset of the exports, the tower's and the language model's (--opset)
+PROBE_KEEP = 64  # the K a method is parsed with where only its declarations are asked (needs, fused ops)
+
 # --- numeric floors the methods share (their references and their graphs alike) ---------------
 NORM_EPS = 1e-12  # a row's L2 norm floor (torch.nn.functional.normalize's eps)
 SCORE_EPS = 1e-6  # a score maximum's floor: S / max(S) stays finite on an all-zero image

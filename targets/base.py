@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmprune.compiler.contract import PruneRecord
+from vlmprune.compiler.contract import PROBE_KEEP, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
@@ -190,7 +190,7 @@ class Target(abc.ABC):
     def refusal(self, method: Method, params: dict | None = None) -> str | None:
         """Why this target cannot run method (with params; None: its defaults), from what the method declares, or
         None."""
-        if self.no_prompt_input and method.needs(params if params is not None else method.parse(64, {})).text:
+        if self.no_prompt_input and method.needs(params if params is not None else method.parse(PROBE_KEEP, {})).text:
             return f"it reads the prompt (the text_embeds input), and {self.no_prompt_input}"
         if self.reduced_precision and method.float32_only:
             return f"{method.float32_only}, and {self.reduced_precision}"

@@ -41,6 +41,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from vlmprune.compiler.contract import DEFAULT_OPSET
 from vlmprune.compiler import contract
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import torch_onnx
@@ -184,7 +185,7 @@ def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, 
                       output_names=output_names, dynamic_shapes=dynamic, opset_version=opset)
 
 
-def export_prefill(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
+def export_prefill(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> ir.Model:
     graph = PrefillGraph(model, spec)
     _inner, config = decoder_of(model)
     start = spec.image_end + 1 if spec is not None else 1
@@ -203,7 +204,7 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
     return _export(graph, args, names, outputs, dims, opset)
 
 
-def export_decode(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
+def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> ir.Model:
     graph = DecodeGraph(model)
     _inner, config = decoder_of(model)
     d = graph.head_dim
@@ -230,7 +231,7 @@ def fuse_attention(model: ir.Model, layers: int) -> ir.Model:
     return LlmAttentionFusionPass(layers)(model).model
 
 
-def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = 18) -> dict:
+def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = DEFAULT_OPSET) -> dict:
     """prefill.onnx and decode.onnx (attention fused) and their .decomposed.onnx forms in folder, the weights in one
     llm.weights.bin; returns what was written.
 

@@ -30,7 +30,8 @@ from vlmprune.compiler.pipeline import auto_keep, cache
 from vlmprune.compiler.pipeline.timings import Span, StageTimer
 
 from vlmprune.compiler.parity import reference
-from vlmprune.compiler.contract import DECOMPOSED, DENSE, FEATURES, PARITY, README, PruneRecord
+from vlmprune.compiler.contract import (DECOMPOSED, DEFAULT_KEEP, DEFAULT_OPSET, DENSE, FEATURES, PARITY, README,
+                                        PruneRecord)
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import DenseRequest, Family, Source, check_family_options, images, load_fixed
 from vlmprune.compiler.llm import export as llm_export
@@ -54,12 +55,12 @@ Progress = Callable[[str], None]
 class CompileOptions:
     target: str = DEFAULT_TARGET
     method: str = DEFAULT_METHOD
-    keep: int | str = 192  # "auto" (with latency_ms): the largest K whose latency fits (pipeline.auto_keep)
+    keep: int | str = DEFAULT_KEEP  # "auto" (with latency_ms): the largest K whose latency fits (pipeline.auto_keep)
     latency_ms: float | None = None  # --keep auto's budget, ms per call on the target's runtime
     layer: int | None = None  # BLOCK methods: prune after this block; None: the feature layer (tower's end)
     prune: bool = True
     batch: int | None = None  # None: dynamic batch
-    opset: int = 18
+    opset: int = DEFAULT_OPSET
     feature_layer: int | None = None
     cls: str | None = None  # "drop" | "keep" the [CLS] token in image_features; None: the model's select strategy
     with_llm: bool = False  # also export the language model (compiler.llm.export) into llm/

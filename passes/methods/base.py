@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import PruneRecord
+from vlmprune.compiler.contract import PROBE_KEEP, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
 from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
@@ -284,7 +284,7 @@ class Method(abc.ABC):
         """What the method needs of a model, for `vlmprune methods`: (capability, the options that use it) pairs,
         any one of which serves (compiler.frontend.family; the families say which have it). By default what
         needs() says: a [CLS] token, or patch tokens only."""
-        return ((CLS_TOKEN if self.needs(self.parse(64, {})).cls else PATCH_TOKENS, ""),)
+        return ((CLS_TOKEN if self.needs(self.parse(PROBE_KEEP, {})).cls else PATCH_TOKENS, ""),)
 
     def reads_projector_output(self, params: dict) -> bool:
         """Whether the selection reads the projector output (a FEATURES site): then the whole tower decides the
