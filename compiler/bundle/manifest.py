@@ -169,6 +169,11 @@ class Manifest(dict):
         manifest.check_sections(path)
         return manifest
 
+    def extended(self, **sections) -> Manifest:
+        """A new manifest with these sections added after the ones it has (the file keeps that order): how the
+        compile adds what it learns in turn (the hand-off, the LLM graphs, parity) without writing into a dict."""
+        return Manifest({**self, **sections})
+
     def verify(self, bundle_dir: Path) -> None:
         """Refuse (one line) a manifest that does not match its own digest, or a file that does not match its sha256."""
         if self.get(DIGEST_KEY) != manifest_digest(self):

@@ -147,14 +147,14 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
                                                                   pixel))
         manifest = Manifest(_manifest(source, family, options, plan, record, decomposed, target_fields))
         if keep_auto is not None:  # the K -> latency curve --keep auto chose K on
-            manifest["keep_auto"] = keep_auto
-        manifest["llm"] = handoff.llm_section(manifest)  # what an LLM runtime needs to splice the tokens
+            manifest = manifest.extended(keep_auto=keep_auto)
+        manifest = manifest.extended(llm=handoff.llm_section(manifest))  # what an LLM runtime needs to splice tokens
         if options.with_llm:  # the language model's graphs beside the tower's (hashed like every file)
-            manifest["llm_graphs"] = llm_export.emit_llm(model, manifest, options, tmp, timer.step)
+            manifest = manifest.extended(llm_graphs=llm_export.emit_llm(model, manifest, options, tmp, timer.step))
         timer.step("parity")
         report = _parity(source, family, dense_path, tmp, manifest, target, batch, progress=timer.step)
         dense_path.unlink()
-        manifest["parity"] = {"passed": report.passed, "stages": report.summary()}
+        manifest = manifest.extended(parity={"passed": report.passed, "stages": report.summary()})
         (tmp / PARITY).write_text(json.dumps(report.to_json(), indent=2) + "\n")
         (tmp / README).write_text(target.readme(manifest) + handoff.readme_section(manifest)
                                           + family.readme_section(manifest) + llm_export.readme_section(manifest))
