@@ -21,12 +21,12 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import FEATURES, KEPT, KEPT_POSITIONS, NUM_TOKENS, PruneRecord
+from vlmprune.compiler.contract import FEATURES, KEPT, KEPT_POSITIONS, NUM_TOKENS, SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import Source
 from vlmprune.compiler.frontend.prompt_input import PARITY, feeding, text_feed
 from vlmprune.compiler.frontend.roi_input import parity_roi
-from vlmprune.compiler.frontend.tower import BLOCK, FEATURES as FEATURES_SITE, SiteTensors
+from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
 from vlmprune.passes.graph.dataflow import consumers_downstream, producers_upstream
 from vlmprune.passes.methods import budget, coverage, get_method, relevance, schedule
 from vlmprune.passes.methods.base import Method, PromptSiteTensors
@@ -144,7 +144,7 @@ def torch_reference(source: Source, record: PruneRecord | None, pixel: np.ndarra
             feats, kept, pipeline.last_trace = prompt_site(source.pipeline, pruner, record, dense.outputs[FEATURES],
                                                             pixel)
         # The tower's end: run it once, unless the method reads the last block's attention, which only forward has.
-        elif pruner.site == FEATURES_SITE and hasattr(pipeline, "prune_features") and not pruner.attention:
+        elif pruner.site == SITE_FEATURES and hasattr(pipeline, "prune_features") and not pruner.attention:
             feats, kept = pipeline.prune_features(torch.from_numpy(dense.outputs[FEATURES]), x)
         else:
             feats, kept = pipeline(x)
@@ -187,7 +187,7 @@ def prompt_site(pipeline, pruner: MethodPruner, record: PruneRecord, dense: np.n
     (its margin), rather than comparing two fp32 roundings. The kept rows are copies: exact in fp32 again.
     """
     name, needs = pruner.method.name, pruner.method.needs(record.params)
-    if pruner.site != FEATURES_SITE or needs.tower_features and not hasattr(pipeline, "num_blocks"):
+    if pruner.site != SITE_FEATURES or needs.tower_features and not hasattr(pipeline, "num_blocks"):
         raise InputError(f"method {name} needs the feature layer's hidden states, which this model's pipeline does "
                          "not give (a ViT tower pipeline does: LLaVA, CLIP, SigLIP, DINOv2)")
     capture = _Capture(getattr(pipeline, "num_blocks", 0))

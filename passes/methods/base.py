@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import PROBE_KEEP, PruneRecord
+from vlmprune.compiler.contract import PROBE_KEEP, SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
-from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
+from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
 from vlmprune.passes.methods import coverage, merge, relevance, roi, schedule
 
 __all__ = ["BLOCK", "BY_SCORE", "CROPS_EACH", "CROPS_SCORED", "FEATURES", "GREEDY", "Formulation", "FusedOp",
@@ -263,7 +263,7 @@ class Method(abc.ABC):
         needs = self.needs(params)
         # A FEATURES site that reads the feature layer's attention needs the [CLS] row there, not in the features.
         tower_cls = spec.has_cls if spec.tower_cls is None else spec.tower_cls
-        if needs.cls and not (spec.has_cls or needs.site == FEATURES and needs.attention and tower_cls):
+        if needs.cls and not (spec.has_cls or needs.site == SITE_FEATURES and needs.attention and tower_cls):
             raise InputError(f"method {self.name} needs a [CLS] token, and this tower has none "
                              "(methods for towers without one: `vlmprune methods`)")
         if needs.head and not spec.head:
@@ -289,7 +289,7 @@ class Method(abc.ABC):
     def reads_projector_output(self, params: dict) -> bool:
         """Whether the selection reads the projector output (a FEATURES site): then the whole tower decides the
         kept set, so an int8 mode that keeps what feeds the selection in floating point would keep all of it so."""
-        return self.needs(params).site == FEATURES
+        return self.needs(params).site == SITE_FEATURES
 
     def output_tokens(self, params: dict) -> int:
         """Patch-derived tokens in the output (without [CLS]): K, plus a summary token where the method adds one

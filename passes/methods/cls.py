@@ -34,12 +34,12 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from vlmprune.compiler.contract import PruneRecord
+from vlmprune.compiler.contract import SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CROPS
 from vlmprune.passes.graph.dataflow import const_array
 from vlmprune.passes.methods import attention, probe, received, relevance, roi
-from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, CLS_SCORE, CROPS_SCORED, FEATURES, FusedOp, GraphInputs,
+from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, CLS_SCORE, CROPS_SCORED, FusedOp, GraphInputs,
                                           Method, Needs, SiteTensors, TorchResult, finite_option,
                                           int8_scorer)
 from vlmprune.passes.methods.builder import INT64_MAX, SELECT, TOKENS
@@ -74,7 +74,7 @@ class ClsMethod(Method):
 
     def needs(self, params: dict) -> Needs:
         if params.get("score") == received.ATTENTION:  # --score attention: the merged tokens (received.py)
-            return Needs(site=FEATURES)
+            return Needs(site=SITE_FEATURES)
         by_cls = params.get("score", "cls") == "cls"
         return Needs(site=BLOCK, cls=by_cls, attention=by_cls, pixels=params["lambda"] > 0, head=not by_cls)
 

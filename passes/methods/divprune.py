@@ -34,9 +34,9 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from vlmprune.compiler.contract import NORM_EPS, PruneRecord
+from vlmprune.compiler.contract import NORM_EPS, SITE_FEATURES, PruneRecord
 from vlmprune.passes.graph.dataflow import const_array, const_ints
-from vlmprune.passes.methods.base import (CROPS_EACH, FEATURES, GREEDY, Formulation, FusedOp, GraphInputs, Method,
+from vlmprune.passes.methods.base import (CROPS_EACH, GREEDY, Formulation, FusedOp, GraphInputs, Method,
                                            Needs, SiteTensors, TorchResult)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, add_loop, loop_body
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix
@@ -83,7 +83,7 @@ class DivPruneMethod(Method):
     local_merge = True  # --merge local: its output is the kept rows (base.Method.__init_subclass__)
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=FEATURES)
+        return Needs(site=SITE_FEATURES)
 
     def describe(self, params: dict) -> str:
         return f"DivPrune: {params['keep']} most diverse tokens of the projector output"

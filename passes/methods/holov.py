@@ -62,10 +62,10 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import SCORE_EPS
+from vlmprune.compiler.contract import SCORE_EPS, SITE_FEATURES
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes.methods import attention, relevance
-from vlmprune.passes.methods.base import (FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult,
+from vlmprune.passes.methods.base import (GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult,
                                           positive_int)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT
 from vlmprune.passes.methods.cls import emit_selection, gather_summary
@@ -125,7 +125,7 @@ class HolovMethod(Method):
         return params
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=FEATURES, cls=True, attention=True)
+        return Needs(site=SITE_FEATURES, cls=True, attention=True)
 
     def output_tokens(self, params: dict) -> int:
         return params["keep"] + 1
