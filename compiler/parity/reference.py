@@ -141,8 +141,7 @@ def torch_reference(source: Source, record: PruneRecord | None, pixel: np.ndarra
         if relevance.weight(record.params) > 0:  # --prompt-weight: the method's own path, and the prompt
             pruner.text = torch.from_numpy(text_feed(pixel, dense.outputs[FEATURES].shape[-1]))
         if needs.tower_features or needs.text and pruner.text is None:  # the feature layer and text_embeds too
-            feats, kept, pipeline.last_trace = prompt_site(source.pipeline, pruner, record, dense.outputs[FEATURES],
-                                                            pixel)
+            feats, kept, pipeline.last_trace = prompt_site(source.pipeline, pruner, dense.outputs[FEATURES], pixel)
         # The tower's end: run it once, unless the method reads the last block's attention, which only forward has.
         elif pruner.site == SITE_FEATURES and hasattr(pipeline, "prune_features") and not pruner.attention:
             feats, kept = pipeline.prune_features(torch.from_numpy(dense.outputs[FEATURES]), x)
@@ -180,13 +179,13 @@ class _Capture:
         return tensors.hidden, torch.zeros(tensors.hidden.shape[0], 0, dtype=torch.long), {}
 
 
-def prompt_site(pipeline, pruner: MethodPruner, record: PruneRecord, dense: np.ndarray, pixel: np.ndarray):
+def prompt_site(pipeline, pruner: MethodPruner, dense: np.ndarray, pixel: np.ndarray):
     """A FEATURES-site method that also reads the feature layer's hidden states and text_embeds, in fp64.
 
     fp64 so that parity names the greedy step where the fp32 graph parts from exact arithmetic
     (its margin), rather than comparing two fp32 roundings. The kept rows are copies: exact in fp32 again.
     """
-    name, needs = pruner.method.name, pruner.method.needs(record.params)
+    name, needs = pruner.method.name, pruner.method.needs(pruner.params)
     if pruner.site != SITE_FEATURES or needs.tower_features and not hasattr(pipeline, "num_blocks"):
         raise InputError(f"method {name} needs the feature layer's hidden states, which this model's pipeline does "
                          "not give (a ViT tower pipeline does: LLaVA, CLIP, SigLIP, DINOv2)")
@@ -200,7 +199,7 @@ def prompt_site(pipeline, pruner: MethodPruner, record: PruneRecord, dense: np.n
     tensors = PromptSiteTensors(torch.from_numpy(dense).double(), getattr(pipeline, "has_cls", False) and prefix > 0,
                                 prefix=prefix,
                                 features=None if capture.hidden is None else capture.hidden.double(), text=text)
-    result = pruner.method.reference(record.params, tensors)
+    result = pruner.method.reference(pruner.params, tensors)
     return result.tokens.to(torch.from_numpy(dense).dtype), result.kept, result.trace
 
 

@@ -43,7 +43,7 @@ def _reference_kept(model_dir, pixel: np.ndarray, rows: np.ndarray) -> np.ndarra
     pruner = MethodPruner(method, params, "features", None)
     with torch.inference_mode(), feeding(rows):
         dense = source.pipeline(torch.from_numpy(pixel)).numpy()
-        _, kept, _ = prompt_site(source.pipeline, pruner, {"params": params}, dense, pixel)
+        _, kept, _ = prompt_site(source.pipeline, pruner, dense, pixel)
     return kept.numpy()
 
 
