@@ -160,7 +160,7 @@ def plans_for(methods: list[str], keeps: list[int], layers: list[int | str]) -> 
 
     methods: names, or NAME:OPTION=VALUE specs (parse_method_spec)."""
     from vlmprune.passes.methods import BASELINES, get_method
-    from vlmprune.passes.methods.base import FEATURES
+    from vlmprune.compiler.contract import SITE_FEATURES
 
     if not keeps:
         raise InputError("eval --dataset needs at least one --keep")
@@ -174,7 +174,7 @@ def plans_for(methods: list[str], keeps: list[int], layers: list[int | str]) -> 
                 if method.baseline:
                     layer = last_block(layer) if progressive else layer  # beside it, after its last block
                     options = {**given, "site": "features" if layer == END else "block"}
-                elif method.needs(method.parse(keep, given)).site == FEATURES:
+                elif method.needs(method.parse(keep, given)).site == SITE_FEATURES:
                     layer, options = END, dict(given)
                 elif method.in_blocks:  # it spans the blocks (--blocks), whatever --layer: run once
                     layer, options = IN_BLOCKS, dict(given)

@@ -33,7 +33,7 @@ import numpy as np
 from vlmprune.compiler import benchmark as bench
 from vlmprune.compiler import pictures, roi
 from vlmprune.compiler.bundle import interrupted_line, tracking  # noqa: F401 (the CLI's error boundary)
-from vlmprune.compiler.contract import KEPT
+from vlmprune.compiler.contract import DEFAULT_KEEP, DEFAULT_OPSET, KEPT, PROBE_KEEP
 from vlmprune.compiler.errors import InputError, VlmpruneError, option
 from vlmprune.compiler.frontend import FAMILIES, family_of, family_option_names
 from vlmprune.compiler.frontend.images import require_image_files
@@ -50,6 +50,7 @@ from vlmprune.targets import DEFAULT_TARGET, HOST_TARGET, PLANNED, TARGETS, get_
 from vlmprune.targets import placement
 
 Progress = Callable[[str], None] | None
+EVAL_KEEP = 64  # eval's K where neither --keep nor --bundle gives one
 
 __all__ = ["CompileResult", "InspectResult", "Manifest", "ParityReport", "RunResult", "EvalResult", "CompareResult",
            "MethodInfo", "TargetListing", "compile", "check", "run", "inspect", "eval", "compare", "generate",
@@ -186,8 +187,8 @@ class CompileResult(pipeline.CompileResult):
 
 
 def compile(model: str, output: str | Path = "build", *, target: str = DEFAULT_TARGET,
-            method: str = DEFAULT_METHOD, keep: int | str = 192, layer: int | None = None, prune: bool = True,
-            batch: int | None = None, opset: int = 18,
+            method: str = DEFAULT_METHOD, keep: int | str = DEFAULT_KEEP, layer: int | None = None, prune: bool = True,
+            batch: int | None = None, opset: int = DEFAULT_OPSET,
             feature_layer: int | None = None, cls: str | None = None, with_llm: bool = False,
             llm_exporter: str | None = None, fastv_layer: int | None = None, fastv_keep: float | None = None,
             image_start: int | None = None, method_options: dict | None = None, target_options: dict | None = None,
@@ -336,10 +337,10 @@ def check(bundle: str | Path, *, batch: int | None = None, atol=(), rtol=(), cos
         if report and Path(report).suffix.lower() == ".json":
             write_file(report, (json.dumps(data, indent=2) + "\n").encode(), force)
         elif report:
-            write_file(report, reports.html_report(data, manifest, name, reports.parity_images(data, manifest)).encode(),
-                       force)
+            write_file(report, reports.html_report(result, manifest, name, reports.parity_images(result, manifest))
+                       .encode(), force)
         if junit:
-            write_file(junit, reports.junit_xml(data, manifest, name, seconds), force)
+            write_file(junit, reports.junit_xml(result, manifest, name, seconds), force)
     return result
 
 
@@ -466,7 +467,7 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
         pixel = bench.load_inputs(inputs, m)
         say(f"{inputs}: {m.inputs[0].name} {list(pixel.shape)} float32")
     text = _run_text(m, prompt, model, say)
-    region = roi.run_roi(roi.layout_of(m), roi_boxes, roi_mask)  # --roi bundles: the flags' region, or none
+    region = roi.run_roi(m.method.roi, roi_boxes, roi_mask)  # --roi bundles: the flags' region, or none
     with feeding(text), roi.feeding(region):
         outputs = runner(pixel)
         result = RunResult(bundle, runtime, pixel, outputs)
@@ -483,7 +484,7 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
             sels, note = pictures.video_selections(m, pixel, outputs[KEPT], bundle.resolve().name), None
         else:
             sels, note = pictures.selections_for_run(m, pixel, outputs[KEPT], bundle.resolve().name,
-                                                     roi.forced_for_run(roi.layout_of(m), region, len(pixel)))
+                                                     roi.forced_for_run(m.method.roi, region, len(pixel)))
         if note:
             say(f"warning: {note}")
         drawn = [pictures.picture(sel) for sel in sels]
@@ -768,7 +769,7 @@ def eval(model: str, *, images: str | Path | None = None, prompts: str | Path | 
                              f"{option('--images DIR', 'images')} and {option('--prompts FILE', 'prompts')}")
         bundles = [Path(b) for b in bundles]
         if not bundles:
-            methods, keeps = methods or (DEFAULT_METHOD,), keeps or (64,)
+            methods, keeps = methods or (DEFAULT_METHOD,), keeps or (EVAL_KEEP,)
         methods, keeps = _comma_list(methods or ()), _comma_list(keeps or (), int, option("--keep", "keeps"))
         data = evaluate(model, Path(images), Path(prompts), methods, keeps, max_new_tokens or 8, _say(progress),
                         bundles, image_size, grid, reference)
@@ -798,7 +799,7 @@ def _eval_dataset(model, dataset, methods, keeps, bundles, images, prompts, max_
     get_target(target)  # one line for an unknown target, before any work
     executor = RayExecutor(ray, ray_workers) if ray is not None else InProcess()
     return evaluate_dataset(model, Path(dataset), _comma_list(methods or (DEFAULT_METHOD,)),
-                            _comma_list(keeps or (64,), int, option("--keep", "keeps")), list(layers or ()), limit=limit,
+                            _comma_list(keeps or (EVAL_KEEP,), int, option("--keep", "keeps")), list(layers or ()), limit=limit,
                             target=target, target_options=target_options, max_new_tokens=max_new_tokens or 4,
                             store=Path(store) if store else None, executor=executor, progress=_say(progress), bar=bar)
 
@@ -845,7 +846,7 @@ def methods() -> list[MethodInfo]:
     out = []
     for name, cls in METHODS.items():
         method = cls()
-        params = method.parse(64, {})
+        params = method.parse(PROBE_KEEP, {})
         rows = []
         for target_name, target_cls in TARGETS.items():
             target = target_cls()
@@ -903,11 +904,11 @@ def _fusion_text(method, spellings) -> str:
     for option, values in method.choices.items():
         groups: dict[tuple[str, ...], list[str]] = {}
         for value in values:
-            groups.setdefault(tuple(method.fused_into(spellings, method.parse(64, {option: value}))), []).append(value)
+            groups.setdefault(tuple(method.fused_into(spellings, method.parse(PROBE_KEEP, {option: value}))), []).append(value)
         if len(groups) > 1:
             return "; ".join(f"{'fused into ' + ', '.join(ops) if ops else 'standard ops'} with --{option} "
                              f"{' or '.join(chosen)}" for ops, chosen in groups.items())
-    fused = method.fused_into(spellings, method.parse(64, {}))
+    fused = method.fused_into(spellings, method.parse(PROBE_KEEP, {}))
     return f"fused into {', '.join(fused)}" if fused else ""
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from vlmprune.compiler.contract import DEFAULT_KEEP, DEFAULT_OPSET
 from vlmprune.compiler import __version__, api
 from vlmprune.compiler.errors import VlmpruneError
 
@@ -212,7 +213,7 @@ def _family_options(fn):
               help="Deployment target (see `vlmprune targets`).")
 @click.option("--method", "-m", default=api.DEFAULT_METHOD, show_default=True,
               help="Pruning method (see `vlmprune methods`).")
-@click.option("--keep", "-k", type=_KEEP, default=192, show_default=True,
+@click.option("--keep", "-k", type=_KEEP, default=DEFAULT_KEEP, show_default=True,
               help="Tokens to keep (K), or auto: the largest K whose latency on the target fits --latency-ms.")
 @click.option("--latency-ms", type=float, default=None,
               help="--keep auto: the latency budget, ms per call of the tower on the target's runtime (timed here).")
@@ -220,7 +221,7 @@ def _family_options(fn):
               help="Prune after this block (from 1), for methods that prune inside the tower. Default: the feature layer.")
 @click.option("--no-prune", is_flag=True, help="Dense baseline in the same bundle format.")
 @click.option("--batch", type=int, default=None, help="Static batch size. Default: dynamic batch.")
-@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset of the export.")
+@click.option("--opset", type=int, default=DEFAULT_OPSET, show_default=True, help="ONNX opset of the export.")
 @click.option("--feature-layer", type=int, default=None, help="Override the model's vision_feature_layer.")
 @_family_options
 @click.option("-o", "--output", type=_NonEmptyPath(path_type=Path), default=Path("build"), show_default=True,

@@ -1,4 +1,5 @@
-"""The bundle's names, in one place: graph inputs and outputs, file names, IR metadata keys, node roles.
+"""The bundle's names, in one place: graph inputs and outputs, file names, IR metadata keys, node roles,
+pruning sites, and the prune record (the one type the insertion hands every later reader).
 
 Every layer may import this module (it imports nothing of vlmprune, like compiler.errors):
 the frontend names its export's outputs with it, the passes mark the IR with its keys, the
@@ -7,6 +8,11 @@ same. Two scripts run outside vlmprune's Python (targets/trt_engine.py on JetPac
 targets/rknn_worker.py in the rknn venv) spell the values they need themselves; a test
 holds them equal to these.
 """
+
+from __future__ import annotations
+
+import dataclasses
+import json
 
 # --- graph inputs and outputs -------------------------------------------------------------
 PIXELS = "pixel_values"  # the tower's image input [B, 3, S, S]
@@ -52,3 +58,118 @@ SCORE = "score"  # computes what the selection ranks (may be quantized)
 SELECT = "select"  # computes the kept indices (discrete: stays in floating point)
 TOKENS = "tokens"  # builds the output tokens from the kept indices
 ROLES = (SCORE, SELECT, TOKENS)
+
+# --- defaults ------------------------------------------------------------------------------
+DEFAULT_KEEP = 192  # compile's K (--keep)
+DEFAULT_OPSET = 18  # the ONNX opset of the exports, the tower's and the language model's (--opset)
+PROBE_KEEP = 64  # the K a method is parsed with where only its declarations are asked (needs, fused ops)
+
+# --- numeric floors the methods share (their references and their graphs alike) ---------------
+NORM_EPS = 1e-12  # a row's L2 norm floor (torch.nn.functional.normalize's eps)
+SCORE_EPS = 1e-6  # a score maximum's floor: S / max(S) stays finite on an all-zero image
+COSINE_EPS = 1e-8  # a cosine's denominator floor (torch.nn.functional.cosine_similarity's eps)
+
+# --- pruning sites (where a method acts) ----------------------------------------------------
+SITE_BLOCK = "block"  # block L's output, the residual stream [B, (1)+N, D]
+SITE_FEATURES = "features"  # the graph's token output (after the projector)
+
+
+# --- the prune record -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PruneRecord:
+    """What the insertion pass (passes.prune) put into a graph: the method, its parameters and the site's counts.
+
+    One type from the pass to every reader (the later passes, the targets' fusion, parity's
+    reference, the manifest), so that a field has one spelling and a typo is an AttributeError
+    rather than a KeyError three layers away. It travels in two forms, each with one
+    reader and one writer here: the IR's `vlmprune.prune` metadata (to_json / from_json)
+    and the manifest's method section (manifest_section / from_manifest).
+
+    Only method, params, site and layer are required: what a reference needs to run a method.
+    The counts are always set by the insertion; None (or the defaults) only in records
+    read from a bundle made before the field, or built by hand for a reference.
+    """
+
+    method: str
+    params: dict
+    site: str
+    layer: int | None  # the 1-based block of a SITE_BLOCK site (the schedule's last); None at SITE_FEATURES
+    formulation: str | None = None  # the method's graph form (the target chose it)
+    num_blocks: int | None = None
+    tokens_in: int | None = None  # tokens at the site before the pruning, the prefix included
+    tokens_out: int | None = None  # and after it
+    num_patches: int | None = None  # N: the patch tokens at the site
+    has_cls: bool = False
+    prefix: int = 0  # tokens before the patches ([CLS], registers): never pruned
+    kept: str = KEPT  # the graph output of the kept indices
+    kept_count: int | None = None  # its K
+    summary: str = ""  # the method's one line (passes.prune.summary)
+    text: dict | None = None  # prompt-aware: the graph input added, {"name": TEXT, "dim": D}
+    roi: dict | None = None  # --roi: the layout of its inputs (passes.methods.roi)
+    num_tokens: str | None = None  # K varies per image: the graph output of the valid counts
+    steps: tuple[dict, ...] | None = None  # --schedule: each step's layer, keep, tokens_in, tokens_out
+
+    # The keys the IR record always holds; the others only where they apply (absent, not null).
+    _ALWAYS = ("method", "params", "formulation", "site", "layer", "num_blocks", "tokens_in", "tokens_out",
+               "num_patches", "has_cls", "prefix", "kept", "kept_count", "summary")
+    _OPTIONAL = ("text", "roi", "num_tokens", "steps")
+
+    def __post_init__(self):
+        if self.steps is not None and not isinstance(self.steps, tuple):
+            object.__setattr__(self, "steps", tuple(self.steps))
+
+    def as_dict(self) -> dict:
+        """The record as the IR's JSON holds it."""
+        out = {k: getattr(self, k) for k in self._ALWAYS}
+        out.update({k: getattr(self, k) for k in self._OPTIONAL if getattr(self, k) is not None})
+        if self.steps is not None:
+            out["steps"] = list(self.steps)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PruneRecord:
+        data = json.loads(text)
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+    @property
+    def where(self) -> str:
+        """Where it pruned, in words: the block (or the schedule's blocks) or the projector output."""
+        if self.steps is not None:
+            return "progressive, after blocks " + "→".join(str(s["layer"]) for s in self.steps) + \
+                f"/{self.num_blocks}"
+        if self.site == SITE_BLOCK:
+            return f"after block {self.layer}/{self.num_blocks}"
+        return "on the projector output"
+
+    def _summary_suffix(self) -> str:
+        return f" ({self.where}, {self.num_patches} patch tokens)"
+
+    def manifest_section(self) -> dict:
+        """The manifest's method section (its key order is the file's: the manifest is not written sorted)."""
+        return {"name": self.method, "params": self.params, "keep": self.params["keep"], "site": self.site,
+                "layer": self.layer, "num_blocks": self.num_blocks, "formulation": self.formulation,
+                "tokens_in": self.tokens_in, "tokens_out": self.tokens_out, "num_patches": self.num_patches,
+                "has_cls": self.has_cls, "prefix": self.prefix, "kept_count": self.kept_count,
+                "summary": self.summary + self._summary_suffix(),
+                **({"roi": self.roi} if self.roi is not None else {}),
+                **({"steps": list(self.steps)} if self.steps is not None else {})}
+
+    @staticmethod
+    def prefix_of(section) -> int:
+        """A pruned bundle's prefix from its method section; bundles made before the field have the [CLS] token
+        or nothing before the patches."""
+        return section.get("prefix", int(bool(section.get("has_cls"))))
+
+    @classmethod
+    def from_manifest(cls, section, text: dict | None = None, num_tokens: str | None = None) -> PruneRecord:
+        """The record back from a pruned bundle's method section. The section does not list the graph's extra
+        inputs and outputs: the manifest's input and output lists give them (text, num_tokens)."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"method", "kept", "text", "num_tokens", "summary",
+                                                               "prefix"}
+        record = cls(method=section["name"], text=text, num_tokens=num_tokens, prefix=cls.prefix_of(section),
+                     **{k: section[k] for k in fields if k in section})
+        summary, suffix = section.get("summary", ""), record._summary_suffix()
+        return dataclasses.replace(record, summary=summary[:-len(suffix)] if summary.endswith(suffix) else summary)

@@ -236,7 +236,7 @@ def _reference_rows(vlm, setting: Setting):
                 dim = vlm.model.config.text_config.hidden_size
                 with feeding(rows_for_ids(vlm, prompt.before + prompt.after, dim)):
                     dense = source.pipeline(torch.from_numpy(pixel)).numpy()
-                    features, kept, _ = prompt_site(source.pipeline, pruner, {"params": setting.params}, dense, pixel)
+                    features, kept, _ = prompt_site(source.pipeline, pruner, dense, pixel)
             else:
                 features, kept = pipeline(torch.from_numpy(pixel))
         prefix, extra = features.shape[1] - out_tokens, out_tokens - kept.shape[1]

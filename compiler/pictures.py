@@ -242,7 +242,7 @@ def reference_merges(manifest: dict, pixel: np.ndarray) -> tuple[Merges | None, 
     if copied >= method.kept_count:
         return None, None, None
     from vlmprune.compiler.errors import VlmpruneError
-    from vlmprune.compiler.pipeline import _load, _record_of, options_of
+    from vlmprune.compiler.pipeline import _load, options_of
     from vlmprune.compiler.parity.reference import pruner_for
 
     spec = manifest.model.source
@@ -254,7 +254,7 @@ def reference_merges(manifest: dict, pixel: np.ndarray) -> tuple[Merges | None, 
         return None, None, f"merges not shown: {spec} has changed since the bundle was compiled"
     if source.pipeline is None:
         return None, None, "merges not shown: an .onnx source has no torch reference to trace them from"
-    tracer = _MergeTracer(pruner_for(_record_of(manifest)), copied)
+    tracer = _MergeTracer(pruner_for(manifest.record), copied)
     import torch
 
     with torch.no_grad():

@@ -24,7 +24,7 @@ from xml.etree import ElementTree as ET
 import numpy as np
 
 from vlmprune.compiler import pictures
-from vlmprune.compiler.parity import figure_text
+from vlmprune.compiler.parity import ParityReport, StageResult, Tolerance, figure_text
 from vlmprune.compiler.parity.reference import KEPT
 
 EXTRA_RGB = (255, 0, 255)  # kept by the stage, not by the reference
@@ -46,35 +46,35 @@ def _limit(value: float) -> str:
     return f"{value:.15g}"
 
 
-def figure_rows(stage: dict) -> list[dict]:
+def figure_rows(stage: StageResult) -> list[dict]:
     """One row per figure of a stage: output, figure, value, the tolerance it is held to, and its verdict.
 
     bound: what the value is checked against (figure_text's at_least / at_most), so that it is shown
     with the digits that make a failing figure read as failing."""
-    tol = stage["tolerance"]
+    tol = stage.tolerance
     rows = []
-    if stage.get("error"):
-        rows.append({"output": "(stage)", "figure": "error", "value": stage["error"], "tolerance": "runs",
+    if stage.error:
+        rows.append({"output": "(stage)", "figure": "error", "value": stage.error, "tolerance": "runs",
                      "passed": False})
-    idx = stage.get("indices")
+    idx = stage.indices
     if idx:
         agree = idx.get("agreement")
         rows.append({"output": KEPT, "figure": "kept-index agreement", "value": agree,
-                     "tolerance": f"≥ {_limit(tol['index_agreement_min'])} (tie-resolved images excepted)",
-                     "passed": idx.get("passed", False), "bound": {"at_least": tol["index_agreement_min"]}})
+                     "tolerance": f"≥ {_limit(tol.index_agreement_min)} (tie-resolved images excepted)",
+                     "passed": idx.get("passed", False), "bound": {"at_least": tol.index_agreement_min}})
         if idx.get("boundary_ties") is not None:
             rows.append({"output": KEPT, "figure": "near-ties at the K-th boundary", "value": idx["boundary_ties"],
-                         "tolerance": f"scores within {tol['tie_rel_tol']:g} (relative)", "passed": None})
+                         "tolerance": f"scores within {tol.tie_rel_tol:g} (relative)", "passed": None})
         if any(step is not None for step in idx.get("first_divergent_step") or []):
             rows.append({"output": KEPT, "figure": "first divergent greedy step", "value": idx["first_divergent_step"],
-                         "tolerance": f"margin ≤ {tol['tie_rel_tol']:g} is a tie", "passed": None})
+                         "tolerance": f"margin ≤ {tol.tie_rel_tol:g} is a tie", "passed": None})
         if idx.get("tie_resolved_images"):
             rows.append({"output": KEPT, "figure": "images resolved differently by a tie",
                          "value": idx["tie_resolved_images"], "tolerance": "reported, passes", "passed": None})
         if idx.get("error"):
             rows.append({"output": KEPT, "figure": "error", "value": idx["error"], "tolerance": "", "passed": False})
-    for name, out in stage.get("outputs", {}).items():
-        t = out.get("tolerance", tol)
+    for name, out in stage.outputs.items():
+        t = Tolerance(**out["tolerance"]) if "tolerance" in out else tol  # an output check overrode
         if "error" in out:
             rows.append({"output": name, "figure": "error", "value": out["error"], "tolerance": "", "passed": False})
             continue
@@ -87,10 +87,10 @@ def figure_rows(stage: dict) -> list[dict]:
                          "value": out["rows_wrong"], "tolerance": "0 (exact)", "passed": out["passed"]})
             continue
         rows.append({"output": name, "figure": "min cosine over tokens", "value": out["cosine_min"],
-                     "tolerance": f"≥ {_limit(t['cosine_min'])}", "passed": out["cosine_min"] >= t["cosine_min"],
-                     "bound": {"at_least": t["cosine_min"]}})
-        if t.get("rtol") is None:
-            bound = out.get("max_abs_bound", t.get("max_abs"))  # a parity.json of before the scale term: max_abs
+                     "tolerance": f"≥ {_limit(t.cosine_min)}", "passed": out["cosine_min"] >= t.cosine_min,
+                     "bound": {"at_least": t.cosine_min}})
+        if t.rtol is None:
+            bound = out.get("max_abs_bound", t.max_abs)  # a parity.json of before the scale term: max_abs
             rows.append({"output": name, "figure": "max-abs", "value": out["max_abs"],
                          "tolerance": _max_abs_tolerance(t, out) if bound is not None else "not checked",
                          "passed": None if bound is None else out["max_abs"] <= bound,
@@ -98,7 +98,7 @@ def figure_rows(stage: dict) -> list[dict]:
         else:
             rows.append({"output": name, "figure": "elements outside atol + rtol·|ref|",
                          "value": out.get("allclose_violations"),
-                         "tolerance": f"0 (atol {_limit(t.get('max_abs') or 0)}, rtol {_limit(t['rtol'])})",
+                         "tolerance": f"0 (atol {_limit(t.max_abs or 0)}, rtol {_limit(t.rtol)})",
                          "passed": out.get("allclose_violations") == 0})
             rows.append({"output": name, "figure": "max-abs", "value": out["max_abs"], "tolerance": "", "passed": None})
         rows.append({"output": name, "figure": "mean-abs", "value": out["mean_abs"], "tolerance": "", "passed": None})
@@ -118,33 +118,33 @@ def figure_rows(stage: dict) -> list[dict]:
     return rows
 
 
-def _max_abs_tolerance(tol: dict, out: dict) -> str:
+def _max_abs_tolerance(tol: Tolerance, out: dict) -> str:
     """"≤ 0.0001 + 1e-05 × 108.2 (max|ref|) = 0.001182": the bound as computed for this output."""
-    if "max_abs_bound" not in out or not tol.get("scale_rel"):
-        return f"≤ {_limit(out.get('max_abs_bound', tol['max_abs']))}"
-    return (f"≤ {_limit(tol['max_abs'])} + {_limit(tol['scale_rel'])} × {out['reference_max_abs']:.4g} (max|ref|) "
+    if "max_abs_bound" not in out or not tol.scale_rel:
+        return f"≤ {_limit(out.get('max_abs_bound', tol.max_abs))}"
+    return (f"≤ {_limit(tol.max_abs)} + {_limit(tol.scale_rel)} × {out['reference_max_abs']:.4g} (max|ref|) "
             f"= {out['max_abs_bound']:.4g}")
 
 
-def mismatch_explanations(report: dict) -> list[str]:
+def mismatch_explanations(report: ParityReport) -> list[str]:
     """Why each image whose kept set differs from the reference's passed or failed, in sentences."""
-    ref = report.get("reference") or {}
+    ref = report.reference or {}
     lines = []
-    for stage in report["stages"]:
-        idx = stage.get("indices") or {}
-        tol = stage["tolerance"]
+    for stage in report.stages:
+        idx = stage.indices or {}
+        tol = stage.tolerance
         for i, agree in enumerate(idx.get("per_image", [])):
             if agree >= 1.0:
                 continue
-            where = f"stage {stage['stage']}, image {i}"
+            where = f"stage {stage.stage}, image {i}"
             if "first_divergent_step" in idx:
                 step, margin = idx["first_divergent_step"][i], idx["margin_at_divergence"][i]
                 tied = i in idx["tie_resolved_images"]
                 lines.append(f"{where}: agreement {_agreement(agree, tol)}; the greedy selection first diverged at "
                              f"step {step}, where the two best candidates were "
-                             f"{_plain(margin, {'at_most': tol['tie_rel_tol']})} apart (relative); "
-                             + (f"within the tie band ({tol['tie_rel_tol']:g}): a tie resolved differently, passes"
-                                if tied else f"outside the tie band ({tol['tie_rel_tol']:g}): a real divergence"))
+                             f"{_plain(margin, {'at_most': tol.tie_rel_tol})} apart (relative); "
+                             + (f"within the tie band ({tol.tie_rel_tol:g}): a tie resolved differently, passes"
+                                if tied else f"outside the tie band ({tol.tie_rel_tol:g}): a real divergence"))
                 continue
             scores = ref.get("scores")
             kept_ref, kept_c = ref.get("kept"), idx.get("kept")
@@ -159,7 +159,7 @@ def mismatch_explanations(report: dict) -> list[str]:
             cut = 0.5 * (ordered[boundary - 1] + ordered[boundary])
             from vlmprune.passes.methods.selection import tie_band
 
-            band = float(tie_band(s, tol["tie_rel_tol"], boundary, tol.get("tie_share_max", 1.0)))
+            band = float(tie_band(s, tol.tie_rel_tol, boundary, tol.tie_share_max))
             parts = []
             for label, idxs in (("kept only by the reference", np.setdiff1d(r, c)),
                                 ("kept only by this stage", np.setdiff1d(c, r))):
@@ -174,8 +174,8 @@ def mismatch_explanations(report: dict) -> list[str]:
     return lines
 
 
-def _agreement(agree: float, tol: dict) -> str:
-    return figure_text(agree, 4, at_least=tol["index_agreement_min"])
+def _agreement(agree: float, tol: Tolerance) -> str:
+    return figure_text(agree, 4, at_least=tol.index_agreement_min)
 
 
 # ------------------------------------------------------------------ pictures
@@ -251,11 +251,11 @@ figcaption { font-size: 12px; color: #57606a; max-width: 340px; }
 """
 
 
-def html_report(report: dict, manifest: dict, bundle_name: str, images: np.ndarray | None) -> str:
+def html_report(report: ParityReport, manifest: dict, bundle_name: str, images: np.ndarray | None) -> str:
     """The whole report as one HTML document (images: the parity inputs, [B, 3, S, S], or None to skip pictures)."""
     e = html.escape
     method = manifest.method
-    ok = report["passed"]
+    ok = report.passed
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            f"<title>vlmprune check: {e(bundle_name)} {'PASS' if ok else 'FAIL'}</title>",
            f"<style>{_STYLE}</style></head><body>",
@@ -264,16 +264,16 @@ def html_report(report: dict, manifest: dict, bundle_name: str, images: np.ndarr
            f"<dt>target</dt><dd>{e(manifest.target.name)}: {e(manifest.target.summary)}</dd>",
            f"<dt>method</dt><dd>{e(method.summary)}</dd>",
            f"<dt>model</dt><dd>{e(str(manifest.model.source))} ({e(manifest.model.kind)})</dd>",
-           f"<dt>parity images</dt><dd>{e(', '.join(report['inputs'].get('images', [])))}</dd>",
+           f"<dt>parity images</dt><dd>{e(', '.join(report.inputs.get('images', [])))}</dd>",
            f"<dt>vlmprune</dt><dd>{e(manifest.version)}, checked "
            f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</dd></dl>"]
     out.append("<h2>Figures against tolerances</h2>")
     out.append('<table class="figures"><thead><tr><th>stage</th><th>runtime</th><th>precision</th><th>output</th>'
                "<th>figure</th><th>value</th><th>tolerance</th><th>result</th></tr></thead><tbody>")
-    for stage in report["stages"]:
+    for stage in report.stages:
         for row in figure_rows(stage):
             verdict = {True: ('ok', 'PASS'), False: ('bad', 'FAIL'), None: ('info', '')}[row["passed"]]
-            out.append(f"<tr><td>{e(stage['stage'])}</td><td>{e(stage['runtime'])}</td><td>{e(stage['precision'])}</td>"
+            out.append(f"<tr><td>{e(stage.stage)}</td><td>{e(stage.runtime)}</td><td>{e(stage.precision)}</td>"
                        f"<td>{e(row['output'])}</td><td>{e(row['figure'])}</td>"
                        f"<td>{_fmt(row['value'], row.get('bound'))}</td>"
                        f"<td>{e(row['tolerance'])}</td><td class=\"{verdict[0]}\">{verdict[1]}</td></tr>")
@@ -292,7 +292,7 @@ def html_report(report: dict, manifest: dict, bundle_name: str, images: np.ndarr
 
 def _keep_auto_section(manifest: dict) -> list[str]:
     """--keep auto: the K -> latency curve K was chosen on (manifest["keep_auto"]), as a picture and its figures."""
-    section = manifest.get("keep_auto")
+    section = manifest.keep_auto
     if not section:
         return []
     e = html.escape
@@ -306,9 +306,9 @@ def _keep_auto_section(manifest: dict) -> list[str]:
             f'<table class="figures"><thead><tr><th>K</th><th>ms</th></tr></thead><tbody>{rows}</tbody></table>']
 
 
-def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -> list[str]:
+def _pictures_section(report: ParityReport, manifest: dict, images: np.ndarray | None) -> list[str]:
     e = html.escape
-    ref = report.get("reference")
+    ref = report.reference
     out = ["<h2>Kept patches per parity image</h2>"]
     if ref is None:
         return out + ['<p class="info">A dense bundle selects nothing: no kept sets to draw.</p>']
@@ -321,7 +321,7 @@ def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -
         grid = pictures.token_grid(manifest)
     except InputError as exc:
         return out + [f'<p class="info">Not drawn: {e(str(exc))}.</p>']
-    kept_all = [ref["kept"]] + [(s.get("indices") or {}).get("kept") or [] for s in report["stages"]]
+    kept_all = [ref["kept"]] + [(s.indices or {}).get("kept") or [] for s in report.stages]
     if any(max(row, default=0) >= grid * grid for k in kept_all for row in k) or len(images) != len(ref["kept"]):
         return out + ['<p class="info">The kept indices span more than one patch grid per image (several crops): '
                       "not drawn.</p>"]
@@ -329,7 +329,7 @@ def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -
                '</span>kept by the stage, not the reference; <span style="background: rgb(0,255,255)"></span>'
                "kept by the reference, not the stage.</p>")
     views = [pictures.model_view(p, pre.mean, pre.std) for p in images]
-    names = report["inputs"].get("images", [])
+    names = report.inputs.get("images", [])
     for i, view in enumerate(views):
         out.append(f"<h3>image {i}: {e(names[i] if i < len(names) else '')}</h3><div>")
         reference = ref["kept"][i]
@@ -338,15 +338,15 @@ def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -
 
         out.append(f'<figure><img alt="reference kept set, image {i}" src="{_data_uri(Image.fromarray(ref_pic))}">'
                    f"<figcaption>reference (PyTorch fp32): {len(reference)} kept</figcaption></figure>")
-        for stage in report["stages"]:
-            kept = (stage.get("indices") or {}).get("kept")
+        for stage in report.stages:
+            kept = (stage.indices or {}).get("kept")
             if kept is None or i >= len(kept):
                 continue
             differ = len(np.setdiff1d(kept[i], reference))
             caption = "same kept set as the reference" if not differ else f"{differ} patches differ from the reference"
-            out.append(f'<figure><img alt="{e(stage["stage"])} kept set, image {i}" '
+            out.append(f'<figure><img alt="{e(stage.stage)} kept set, image {i}" '
                        f'src="{_data_uri(diff_picture(view, grid, kept[i], reference))}">'
-                       f"<figcaption>{e(stage['stage'])} ({e(stage['runtime'])}): {caption}</figcaption></figure>")
+                       f"<figcaption>{e(stage.stage)} ({e(stage.runtime)}): {caption}</figcaption></figure>")
         out.append("</div>")
     out.append("<h2>Reference score heat map</h2>")
     if ref.get("scores") is None:
@@ -367,11 +367,11 @@ def _pictures_section(report: dict, manifest: dict, images: np.ndarray | None) -
     return out
 
 
-def parity_images(report: dict, manifest: dict) -> np.ndarray | None:
+def parity_images(report: ParityReport, manifest: dict) -> np.ndarray | None:
     """The parity inputs again (deterministic from what the report recorded), or None if they differ here."""
     from vlmprune.compiler.frontend.images import parity_inputs
 
-    inputs = report["inputs"]
+    inputs = report.inputs
     names = inputs.get("images", [])
     if not names:
         return None
@@ -382,16 +382,16 @@ def parity_images(report: dict, manifest: dict) -> np.ndarray | None:
 # ------------------------------------------------------------------ JUnit
 
 
-def junit_xml(report: dict, manifest: dict, bundle_name: str, seconds: float) -> bytes:
+def junit_xml(report: ParityReport, manifest: dict, bundle_name: str, seconds: float) -> bytes:
     """One <testcase> per stage and output; failures carry the failing figures, errors a stage that could not run."""
     cases = []
-    for stage in report["stages"]:
-        classname = f"vlmprune.parity.{stage['stage']}"
+    for stage in report.stages:
+        classname = f"vlmprune.parity.{stage.stage}"
         rows = figure_rows(stage)
-        names = [KEPT] if stage.get("indices") else []
-        names += list(stage.get("outputs", {}))
-        if stage.get("error") or not names:
-            cases.append((classname, "stage", "error", stage.get("error") or "no output was compared", rows))
+        names = [KEPT] if stage.indices else []
+        names += list(stage.outputs)
+        if stage.error or not names:
+            cases.append((classname, "stage", "error", stage.error or "no output was compared", rows))
             continue
         for name in names:
             mine = [r for r in rows if r["output"] == name]

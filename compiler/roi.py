@@ -36,7 +36,7 @@ import numpy as np
 from vlmprune.compiler.contract import ROI_BOXES, ROI_COUNT, ROI_MASK
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.roi_input import (NONE, PARITY, ROI_INPUTS, feeding, forced_check, forced_numpy,  # noqa: F401
-                                          kind_of, layout_of, no_roi, parity_roi, roi_feed)  # re-exported
+                                          kind_of, no_roi, parity_roi, roi_feed)  # re-exported
 
 # ---------------------------------------------------------------------------- run's flags
 

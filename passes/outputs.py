@@ -114,14 +114,14 @@ class ZeroPaddingPass(ir.passes.InPlacePass):
 
         record = prune_record(model)
         graph = model.graph
-        count = next((v for v in graph.outputs if record and v.name == record.get("num_tokens")), None)
+        count = next((v for v in graph.outputs if record and v.name == record.num_tokens), None)
         out = token_output(graph) if count is not None else None
         if out is None or out.metadata_props.get(_PADDED) == "1":
             return ir.passes.PassResult(model, modified=False)
         rows = out.shape[1] if out.shape is not None else None
         if not isinstance(rows, int):
             raise StructureError(f"{out.name} has no static token count to pad: {out.shape}")
-        lead = rows - (record["tokens_out"] - record["prefix"])  # the prefix the output keeps (0: [CLS] dropped)
+        lead = rows - (record.tokens_out - record.prefix)  # the prefix the output keeps (0: [CLS] dropped)
         init = lambda name, a: fresh_initializer(graph, f"vlmprune/pad_{name}", np.asarray(a))  # noqa: E731
         nodes = []
 

@@ -17,11 +17,9 @@ manifest lists.
 
 from __future__ import annotations
 
-import json
-
 import onnx_ir as ir
 
-from vlmprune.compiler.contract import KEPT, PRUNE_META, TOKENS_META
+from vlmprune.compiler.contract import KEPT, PRUNE_META, TOKENS_META, PruneRecord
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.graph.dataflow import consumers_downstream, opset
 from vlmprune.passes.graph.structure import find_tower_structure, static_dim
@@ -39,16 +37,16 @@ class InsertProgressivePruningPass(InsertPruningPass):
         """Each step's tokens hold the count recorded on them, the last the record's tokens_out; the kept output
         is [B, K] int64."""
         record = prune_record(model)
-        if record is None or "steps" not in record:
+        if record is None or record.steps is None:
             raise ir.passes.PostconditionError("the progressive insertion left no vlmprune.prune record with steps")
-        kept = next((v for v in model.graph.outputs if v.name == record["kept"]), None)
-        if kept is None or kept.shape is None or list(kept.shape)[1:] != [record["kept_count"]]:
-            raise ir.passes.PostconditionError(f"no graph output {record['kept']} [B, {record['kept_count']}]")
+        kept = next((v for v in model.graph.outputs if v.name == record.kept), None)
+        if kept is None or kept.shape is None or list(kept.shape)[1:] != [record.kept_count]:
+            raise ir.passes.PostconditionError(f"no graph output {record.kept} [B, {record.kept_count}]")
         values = [v for n in model.graph.all_nodes() for v in n.outputs if TOKENS_META in v.metadata_props]
         counts = [int(v.metadata_props[TOKENS_META].split(",")[1]) for v in values]
-        if sorted(counts, reverse=True) != [s["tokens_out"] for s in record["steps"]]:
+        if sorted(counts, reverse=True) != [s["tokens_out"] for s in record.steps]:
             raise ir.passes.PostconditionError(f"the steps' token values hold {counts}, the record "
-                                               f"{[s['tokens_out'] for s in record['steps']]}")
+                                               f"{[s['tokens_out'] for s in record.steps]}")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if prune_record(model) is not None:  # the same pruning, already in place
@@ -116,13 +114,11 @@ class InsertProgressivePruningPass(InsertPruningPass):
         kept_value.name, kept_value.type = KEPT, ir.TensorType(ir.DataType.INT64)
         kept_value.shape = ir.Shape([batch, params["keep"]])
         graph.outputs.append(kept_value)
-        record = {**self._wanted(), "site": BLOCK, "layer": final, "num_blocks": blocks, "tokens_in": prefix + n,
-                  "tokens_out": out_tokens, "num_patches": n, "has_cls": prefix > 0, "prefix": prefix, "kept": KEPT,
-                  "kept_count": params["keep"], "summary": summary(method, params),
-                  "steps": schedule.steps_record(steps, prefix, n, out_tokens)}
-        if found is not None:
-            record["roi"] = found[1]
-        model.metadata_props[PRUNE_META] = json.dumps(record, sort_keys=True)
+        record = PruneRecord(method.name, params, BLOCK, final, self.formulation, blocks, prefix + n, out_tokens, n,
+                             prefix > 0, prefix, KEPT, params["keep"], summary(method, params),
+                             roi=found[1] if found is not None else None,
+                             steps=tuple(schedule.steps_record(steps, prefix, n, out_tokens)))
+        model.metadata_props[PRUNE_META] = record.to_json()
         return ir.passes.PassResult(model, modified=True)
 
 

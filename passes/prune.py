@@ -11,8 +11,8 @@ recognise. The method decides what to compute (passes.methods); this pass finds 
 - a FEATURES site is the graph's token output `image_features` (after the projector).
 
 Results travel in the IR, not in pass attributes: the model's metadata_props hold
-`vlmprune.prune`, a JSON record of the method, its parameters and the site (what the
-manifest reports and what later passes read), every inserted node holds its role
+`vlmprune.prune`, the PruneRecord of the method, its parameters and the site (compiler.contract:
+what the manifest reports and what later passes read), every inserted node holds its role
 (passes.methods.builder), and the new token value holds `vlmprune.tokens` ("old,new").
 The graph gains the output `kept_indices` [B, K'] (int64): the patch position of every
 kept token. A method whose K varies per image (Method.variable_k) also gives `num_tokens`
@@ -23,13 +23,12 @@ ZeroPaddingPass (passes.outputs) zeroes the padded rows of the final token outpu
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from vlmprune.compiler.contract import KEPT as KEPT_INDICES  # the bundle's names: compiler.contract
-from vlmprune.compiler.contract import FRAMES_META, NUM_TOKENS, PRUNE_META, TEXT, TOKENS_META
+from vlmprune.compiler.contract import FRAMES_META, NUM_TOKENS, PRUNE_META, TEXT, TOKENS_META, PruneRecord
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.graph.dataflow import consumers_downstream, opset
 from vlmprune.passes.methods import coverage, roi
@@ -38,10 +37,10 @@ from vlmprune.passes.methods.builder import Builder
 from vlmprune.passes.graph.structure import TowerStructure, find_tower_structure, static_dim
 
 
-def prune_record(model: ir.Model) -> dict | None:
+def prune_record(model: ir.Model) -> PruneRecord | None:
     """What InsertPruningPass recorded in the model, or None for a graph it has not pruned."""
     text = model.metadata_props.get(PRUNE_META)
-    return None if text is None else json.loads(text)
+    return None if text is None else PruneRecord.from_json(text)
 
 
 def summary(method: Method, params: dict, num_patches: int | None = None) -> str:
@@ -75,15 +74,15 @@ class InsertPruningPass(ir.passes.InPlacePass):
         self.method, self.params, self.layer, self.head = method, dict(params), layer, head
         self.formulation = method.check_formulation(formulation or method.formulations[0])
 
-    def _wanted(self) -> dict:
-        return {"method": self.method.name, "params": self.params, "formulation": self.formulation}
+    def _wanted(self) -> tuple:
+        return self.method.name, self.params, self.formulation
 
     def requires(self, model: ir.Model) -> None:
         if opset(model) < 13:
             raise StructureError(f"opset {opset(model)} is too old: vlmprune needs opset >= 13")
         record = prune_record(model)
-        if record is not None and {k: record.get(k) for k in self._wanted()} != self._wanted():
-            raise StructureError(f"the graph is already pruned ({record['method']}); prune the dense graph")
+        if record is not None and (record.method, record.params, record.formulation) != self._wanted():
+            raise StructureError(f"the graph is already pruned ({record.method}); prune the dense graph")
 
     def ensures(self, model: ir.Model) -> None:
         """What the passes after it rely on: the record, the kept output [B, keep] int64, and the new tokens
@@ -92,18 +91,18 @@ class InsertPruningPass(ir.passes.InPlacePass):
         record = prune_record(model)
         if record is None:
             raise ir.passes.PostconditionError("the insertion left no vlmprune.prune record")
-        kept = next((v for v in model.graph.outputs if v.name == record["kept"]), None)
+        kept = next((v for v in model.graph.outputs if v.name == record.kept), None)
         if kept is None or kept.dtype != ir.DataType.INT64 or kept.shape is None \
-                or list(kept.shape)[1:] != [record["kept_count"]]:
-            raise ir.passes.PostconditionError(f"no graph output {record['kept']} [B, {record['kept_count']}] int64 "
+                or list(kept.shape)[1:] != [record.kept_count]:
+            raise ir.passes.PostconditionError(f"no graph output {record.kept} [B, {record.kept_count}] int64 "
                                                f"(outputs: {_outputs(model.graph)})")
         tokens = [v for n in model.graph.all_nodes() for v in n.outputs if TOKENS_META in v.metadata_props]
-        if record["site"] != BLOCK:
+        if record.site != BLOCK:
             tokens.append(_token_output(model.graph))
         for value in tokens:
             # A method acting inside earlier blocks (token merging) marks its intermediate counts there too.
             meta = value.metadata_props.get(TOKENS_META)
-            want = int(meta.split(",")[1]) if meta is not None else record["tokens_out"]
+            want = int(meta.split(",")[1]) if meta is not None else record.tokens_out
             if static_dim(value, 1) != want:
                 raise ir.passes.PostconditionError(f"{value.name} holds {static_dim(value, 1)} tokens, the record "
                                                    f"{want}")
@@ -165,18 +164,15 @@ class InsertPruningPass(ir.passes.InPlacePass):
                 if node not in own:  # the method set the shapes of its own token values
                     for out in node.outputs:
                         out.shape = None
-        record = {**self._wanted(), "site": self.method.needs(self.params).site, "layer": spec.layer,
-                  "num_blocks": spec.num_blocks, "tokens_in": tokens_in, "tokens_out": tokens_out,
-                  "num_patches": spec.num_patches, "has_cls": spec.has_cls, "prefix": spec.prefix,
-                  "kept": KEPT_INDICES,
-                  "kept_count": self.params["keep"], "summary": summary(self.method, self.params, spec.num_patches)}
-        if text is not None:  # the graph input the prompt-aware method added (compiler.prompt feeds it)
-            record["text"] = {"name": TEXT, "dim": text}
-        if forced is not None:  # the ROI inputs (compiler.roi feeds them)
-            record["roi"] = forced[1]
-        if count:
-            record["num_tokens"] = NUM_TOKENS
-        model.metadata_props[PRUNE_META] = json.dumps(record, sort_keys=True)
+        record = PruneRecord(
+            self.method.name, self.params, self.method.needs(self.params).site, spec.layer, self.formulation,
+            spec.num_blocks, tokens_in, tokens_out, spec.num_patches, spec.has_cls, spec.prefix, KEPT_INDICES,
+            self.params["keep"], summary(self.method, self.params, spec.num_patches),
+            # the graph input the prompt-aware method added (compiler.prompt feeds it)
+            text={"name": TEXT, "dim": text} if text is not None else None,
+            roi=forced[1] if forced is not None else None,  # the ROI inputs (compiler.roi feeds them)
+            num_tokens=NUM_TOKENS if count else None)
+        model.metadata_props[PRUNE_META] = record.to_json()
         return ir.passes.PassResult(model, modified=True)
 
     def _site(self, graph: ir.Graph, structure: TowerStructure | None):

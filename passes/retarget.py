@@ -50,13 +50,13 @@ class RetargetTokenCountPass(ir.passes.InPlacePass):
         record's tokens_out, or that less the [CLS]/register prefix a tower drops after the site. A count left
         unknown or old (a baked count this pass did not find) is a vlmprune bug, caught here and not on a device."""
         record = prune_record(model)
-        if record is None or record["site"] != BLOCK:
+        if record is None or record.site != BLOCK:
             return
         out = token_output(model.graph)
-        count, want = static_dim(out, 1), record["tokens_out"]
-        if count not in (want, want - record["prefix"]):
+        count, want = static_dim(out, 1), record.tokens_out
+        if count not in (want, want - record.prefix):
             raise ir.passes.PostconditionError(f"the token output {out.name} holds {count} tokens after block "
-                                               f"{record['layer']}, the insertion {want}")
+                                               f"{record.layer}, the insertion {want}")
 
     def _retarget_node(self, graph: ir.Graph, node: ir.Node, old: int, new: int) -> int:
         count = 0

@@ -16,12 +16,13 @@ import abc
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from vlmprune.compiler.contract import PROBE_KEEP, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
@@ -45,6 +46,42 @@ class PruneConfig:
     params: dict
     layer: int | None = None
     head: object = dataclasses.field(default=None, compare=False)
+
+
+class Preprocessing(Protocol):
+    """The frontend's image preprocessing (compiler.frontend.images), as the targets that calibrate call it."""
+
+    def preprocess(self, image: np.ndarray, size: int, mean, std) -> np.ndarray: ...
+
+    def parity_inputs(self, batch: int, size: int, mean, std, seed: int = 0) -> tuple[np.ndarray, dict]: ...
+
+    def read_rgb(self, path: str) -> tuple[np.ndarray, str]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EmitContext:
+    """What Target.emit is handed beside the graph: the compile's choices and what the quantizing targets calibrate on.
+
+    A type rather than a dict so that a target reads a field it can name (a typo fails at once, not on the one
+    target whose precision reaches the key), and so that a target reads no model: of the source it gets the
+    geometry and normalisation calibration images need, and the frontend's preprocessing as an object the
+    pipeline hands down (images), not a module the target would import against the data flow.
+    """
+
+    config: PruneConfig | None  # the method inserted (None: a dense bundle)
+    options: Any  # the compile's options (compiler.pipeline.CompileOptions, which sits below the targets)
+    target_options: dict  # this target's options as its check_options resolved them
+    image_size: int  # the tower's input: [B, 3, image_size, image_size]
+    mean: tuple  # the source's normalisation, per channel
+    std: tuple
+    images: Preprocessing
+    parity_inputs: np.ndarray  # the images parity will feed (a target that simulates runs them while it builds)
+
+    def calibration_inputs(self, count: int, size: int | None = None) -> tuple[np.ndarray, list[str]]:
+        """count preprocessed calibration images, disjoint from the parity images (targets.calibration)."""
+        from vlmprune.targets.calibration import calibration_inputs
+
+        return calibration_inputs(count, size or self.image_size, self.mean, self.std, self.images)
 
 
 def reads_projector_output(options) -> bool:
@@ -153,7 +190,7 @@ class Target(abc.ABC):
     def refusal(self, method: Method, params: dict | None = None) -> str | None:
         """Why this target cannot run method (with params; None: its defaults), from what the method declares, or
         None."""
-        if self.no_prompt_input and method.needs(params if params is not None else method.parse(64, {})).text:
+        if self.no_prompt_input and method.needs(params if params is not None else method.parse(PROBE_KEEP, {})).text:
             return f"it reads the prompt (the text_embeds input), and {self.no_prompt_input}"
         if self.reduced_precision and method.float32_only:
             return f"{method.float32_only}, and {self.reduced_precision}"
@@ -180,7 +217,7 @@ class Target(abc.ABC):
                    BatchDimNamePass(), SupportCheckPass(self.name, self.supports, self.check_model)]
         return TargetPipeline(self.name, *passes)
 
-    def fusion(self, config: PruneConfig | None, options, record: dict | None = None) -> TargetPipeline | None:
+    def fusion(self, config: PruneConfig | None, options, record: PruneRecord | None = None) -> TargetPipeline | None:
         """Decomposed graph -> model.onnx with the method's fused ops, or None where no rule applies here.
 
         record: what the insertion recorded in the decomposed graph (its site), for methods
@@ -217,7 +254,7 @@ class Target(abc.ABC):
     # ------------------------------------------------------------------ artifacts
 
     @abc.abstractmethod
-    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+    def emit(self, model: ir.Model, out_dir: Path, context: EmitContext) -> dict:
         """Write model.onnx (model: the fused graph, or the decomposed one) and the extras; return manifest fields."""
 
     @abc.abstractmethod

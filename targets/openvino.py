@@ -54,7 +54,7 @@ import onnx_ir as ir
 
 from vlmprune.compiler.contract import DECOMPOSED, MODEL, OPENVINO_INT8_IR, OPENVINO_IR
 from vlmprune.compiler.errors import InputError, ToolchainError
-from vlmprune.targets.base import StageSpec, Target
+from vlmprune.targets.base import EmitContext, StageSpec, Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,11 +188,11 @@ class OpenVinoTarget(Target):
 
     # ------------------------------------------------------------------ artifacts
 
-    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+    def emit(self, model: ir.Model, out_dir: Path, context: EmitContext) -> dict:
         """model.onnx (standard ops), model.xml + model.bin (OpenVINO IR, fp32); int8: model.int8.xml + .bin too."""
         ov = openvino()
 
-        chosen = context["target_options"]
+        chosen = context.target_options
         precision, device = chosen["precision"], chosen["device"]
         out_dir = Path(out_dir)
         ir.save(model, out_dir / MODEL)
@@ -280,13 +280,13 @@ def run_compiled(compiled, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------- int8 (NNCF)
 
 
-def emit_int8(out_dir: Path, context: dict) -> dict:
+def emit_int8(out_dir: Path, context: EmitContext) -> dict:
     """model.int8.xml + .bin: NNCF PTQ of the decomposed graph outside the score path; the manifest's int8 fields."""
     from vlmprune.targets import ort_quant
 
-    source, chosen = context["source"], context["target_options"]
-    pixels, names = ort_quant.calibration_pixels(chosen.get("calibration"), source.image_size, source.mean,
-                                                 source.std, context["images"])
+    chosen = context.target_options
+    pixels, names = ort_quant.calibration_pixels(chosen.get("calibration"), context.image_size, context.mean,
+                                                 context.std, context.images)
     fields = quantize(Path(out_dir) / DECOMPOSED, Path(out_dir) / OPENVINO_INT8_IR, pixels)
     return {**fields, "calibration_images": [Path(n).name for n in names],
             "calibration": "user folder (--calibration)" if chosen.get("calibration") else

@@ -34,8 +34,8 @@ from vlmprune.compiler.contract import MODEL
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.attention_fusion import FUSED_ATTENTION, MS_DOMAIN, attention_rules
 from vlmprune.passes.gelu_fusion import FUSED_GELU, gelu_rules
-from vlmprune.passes.methods.base import FusedOp
-from vlmprune.targets.base import StageSpec, Target
+from vlmprune.passes.methods.base import FusedOp, int8_scorer
+from vlmprune.targets.base import EmitContext, StageSpec, Target
 
 LIBRARY = "libvlmprune_ort.so"
 ORT_OPS = {name: FusedOp(name) for name in ("TokenPrune", "DivPruneSelect", "ClsAttentionScore")}
@@ -96,15 +96,15 @@ class OrtTarget(Target):
 
         return {"onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__}
 
-    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+    def emit(self, model: ir.Model, out_dir: Path, context: EmitContext) -> dict:
         """model.onnx, and the op library when the graph holds fused ops; --precision int8: model.int8.onnx too."""
         ir.save(model, out_dir / MODEL)
         int8 = {}
-        if (context.get("target_options") or {}).get("precision") == "int8":
+        if context.target_options.get("precision") == "int8":
             from vlmprune.passes.prune import prune_record
             from vlmprune.targets import ort_quant
 
-            fusion = self.fusion(context["config"], context["options"], prune_record(model))
+            fusion = self.fusion(context.config, context.options, prune_record(model))
             int8 = {"int8": ort_quant.emit_int8(out_dir, context, fusion)}
         if not fused_ops(model):  # fused: the vlmprune op library is needed; fused_ops: every non-standard op
             return {"runtime": "onnxruntime", "fused": False, "fused_ops": contrib_ops(model), **int8}
@@ -119,7 +119,7 @@ class OrtTarget(Target):
         fp32's agreement (parity's "int8-fp32-score": the score path is fp32 there)."""
         run, runtime = self.runner(bundle_dir, manifest, MODEL)
         # --scorer int8: the decision is INT8 (ClsAttentionScore), so kept indices are held to the 8-bit agreement.
-        int8 = manifest["method"].get("params", {}).get("scorer") == "int8"
+        int8 = int8_scorer(manifest.method.params)
         stages = [StageSpec("fused", runtime + (" (INT8 scorer)" if int8 else ""), "int8" if int8 else "fp32", run)]
         if manifest.target.get("int8"):
             from vlmprune.targets.ort_quant import INT8_MODEL

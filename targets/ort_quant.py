@@ -62,6 +62,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass, Top
 from vlmprune.compiler.contract import DECOMPOSED
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods.builder import feeding_selection, role_of
+from vlmprune.targets.base import EmitContext
 
 INT8_MODEL = "model.int8.onnx"  # beside the fp32 model.onnx, which stays the bundle's reference graph
 INT8_WEIGHTS = "weights.int8.bin"
@@ -295,13 +296,12 @@ def float_inputs_for(model: ir.Model, names: set[str]) -> int:
     return rewired
 
 
-def emit_int8(out_dir: Path, context: dict, fusion) -> dict:
+def emit_int8(out_dir: Path, context: EmitContext, fusion) -> dict:
     """model.int8.onnx from the bundle's model.decomposed.onnx (written before the emit), with the calibration
     the options name; returns the manifest's `int8` fields."""
-    source, chosen = context["source"], context["target_options"]
-    value_size = source.image_size
-    pixels, names = calibration_pixels(chosen.get("calibration"), value_size, source.mean, source.std,
-                                       context["images"])
+    chosen = context.target_options
+    pixels, names = calibration_pixels(chosen.get("calibration"), context.image_size, context.mean, context.std,
+                                       context.images)
     fields = quantize(Path(out_dir) / DECOMPOSED, Path(out_dir) / INT8_MODEL, pixels, DEFAULT, fusion)
     return {**fields, "calibration_images": [Path(n).name for n in names],
             "calibration": "user folder (--calibration)" if chosen.get("calibration") else

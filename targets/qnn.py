@@ -40,7 +40,7 @@ from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.methods.builder import selection_nodes
 from vlmprune.passes.qnn import TARGET, htp_legalization, htp_model_support, htp_support
 from vlmprune.targets import placement
-from vlmprune.targets.base import StageSpec, Target
+from vlmprune.targets.base import EmitContext, StageSpec, Target
 
 # precision -> (activation type, weight type)
 PRECISIONS = {"int16": ("uint16", "uint8"), "int8": ("uint8", "uint8")}
@@ -132,23 +132,22 @@ class QnnTarget(Target):
     def check_model(self, model: ir.Model) -> list[str]:
         return htp_model_support(model)
 
-    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+    def emit(self, model: ir.Model, out_dir: Path, context: EmitContext) -> dict:
         """model.onnx (the decomposed graph: HTP-legal already), QDQ model.qdq.onnx, model_ctx.onnx + .bin for the SoC."""
         import onnx
 
         from vlmprune.compiler.frontend import roi_input as roi
-        from vlmprune.targets import calibration, qnn_tools
+        from vlmprune.targets import qnn_tools
         from vlmprune.targets.runtime import optional_feed
 
-        options, source, chosen = context["options"], context["source"], context["target_options"]
+        options, chosen = context.options, context.target_options
         precision, soc, soc_model = chosen["precision"], chosen["soc"], chosen["soc_model"]
         act, weight = PRECISIONS[precision]
         batch = options.batch or 1
         ir.save(model, out_dir / MODEL)
         # The selection stays float (fp16 on HTP), found by the roles the insertion recorded.
         float_nodes = [n.name for n in selection_nodes(model.graph)]
-        calib, names = calibration.calibration_inputs(CALIBRATION_COUNT, source.image_size, source.mean, source.std,
-                                                      context["images"])
+        calib, names = context.calibration_inputs(CALIBRATION_COUNT)
         input_name = model.graph.inputs[0].name
         samples = [{input_name: calib[[(i * batch + j) % len(calib) for j in range(batch)]]}
                    for i in range(max(1, len(calib) // batch))]

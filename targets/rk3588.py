@@ -51,7 +51,7 @@ from vlmprune.passes.methods import get_method
 from vlmprune.passes.prune import prune_record
 from vlmprune.passes.rknn import RKNN_MAX_OPSET, TARGET, rknn_legalization, rknn_model_support, rknn_support
 from vlmprune.targets import placement
-from vlmprune.targets.base import StageSpec, Target, reads_projector_output
+from vlmprune.targets.base import EmitContext, StageSpec, Target, reads_projector_output
 
 # precision -> (worker mode, artifact, parity precision, what it is)
 PRECISIONS = {
@@ -171,26 +171,25 @@ class Rk3588Target(Target):
     def check_model(self, model: ir.Model) -> list[str]:
         return rknn_model_support(model)
 
-    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+    def emit(self, model: ir.Model, out_dir: Path, context: EmitContext) -> dict:
         """model.onnx (the decomposed graph: RKNN-legal already), then build, export and simulate each .rknn."""
-        from vlmprune.targets import calibration, rknn_env
+        from vlmprune.targets import rknn_env
 
-        source = context["source"]
-        precisions = parse_precisions(context["target_options"]["precision"])
+        precisions = parse_precisions(context.target_options["precision"])
         ir.save(model, out_dir / MODEL)
-        pixel = context["parity_inputs"]  # the images parity will feed: simulated now, while the build is live
+        pixel = context.parity_inputs  # the images parity will feed: simulated now, while the build is live
+        record = prune_record(model)
         fields: dict = {"runtime": "RKNN runtime (librknnrt / rknn-toolkit-lite2 2.5.0) on the RK3588 NPU",
                         "target_platform": PLATFORM, "selection": self.selection,
                         "artifacts": {}, "precisions": {}, "placement": {}, "placement_summary": {},
-                        "build_seconds": {}, "kept_outputs": [prune_record(model)["kept"]] if prune_record(model) else []}
+                        "build_seconds": {}, "kept_outputs": [record.kept] if record is not None else []}
         calib_names: list[str] = []
         with tempfile.TemporaryDirectory(prefix="vlmprune-rk3588-") as scratch:
             root = Path(scratch)
             samples = _save_samples(root / "image", pixel)
             dataset = None
             if "int8" in precisions:
-                calib, calib_names = calibration.calibration_inputs(CALIBRATION_COUNT, source.image_size,
-                                                                    source.mean, source.std, context["images"])
+                calib, calib_names = context.calibration_inputs(CALIBRATION_COUNT)
                 dataset = _save_samples(root / "calib", calib)
                 fields["calibration"] = {"images": calib_names, "float_scope": self.float_scope}
             for precision in precisions:

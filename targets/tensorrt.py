@@ -30,12 +30,12 @@ from onnx_ir.passes.common import ShapeInferencePass
 from vlmprune.compiler.contract import DECOMPOSED, MODEL, QDQ_MODEL, QDQ_WEIGHTS, TEXT
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes import tensorrt as trt_passes
-from vlmprune.passes.methods.base import FusedOp
+from vlmprune.passes.methods.base import FusedOp, int8_scorer
 from vlmprune.passes.methods.builder import feeding_selection, role_of, selection_nodes
 from vlmprune.targets import ort as ort_target
 from vlmprune.targets import trt_engine as engine_lib
 from vlmprune.targets.ort_quant import dequantized_nodes, static_qdq  # the same quantizer, the same rewiring
-from vlmprune.targets.base import StageSpec, Target, reads_projector_output
+from vlmprune.targets.base import EmitContext, StageSpec, Target, reads_projector_output
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 HOST_TWIN = ort_target.LIBRARY  # libvlmprune_ort.so: registers trt.plugins.VlmpTokenPrune too
@@ -170,10 +170,10 @@ class TensorRTTarget(Target):
     def check_model(self, model: ir.Model) -> list[str]:
         return trt_passes.model_support(model, self.platform.ops)
 
-    def emit(self, model: ir.Model, out_dir: Path, context: dict) -> dict:
+    def emit(self, model: ir.Model, out_dir: Path, context: EmitContext) -> dict:
         """model.onnx (the plugin node where the method fuses), plugin sources, engine script, commands."""
-        p, options = self.platform, context["options"]
-        precision = context["target_options"].get("precision", "fp16")
+        p, options = self.platform, context.options
+        precision = context.target_options.get("precision", "fp16")
         fused = any(trt_passes.is_plugin_node(n) for n in model.graph)
         fields = {"runtime": "tensorrt", "device": p.device, "precision": precision,
                   "profile": _profile(model, options.batch),
@@ -185,8 +185,7 @@ class TensorRTTarget(Target):
         shutil.copy2(engine_lib.__file__, out_dir / "vlmprune_engine.py")
         if precision == "int8":
             fields["qdq_model"] = QDQ_MODEL
-            fields["quantization"] = write_qdq_model(out_dir, self.fusion(context["config"], options), p.ops,
-                                                     context["source"], context["images"])
+            fields["quantization"] = write_qdq_model(out_dir, self.fusion(context.config, options), p.ops, context)
         if not fused:
             return {**fields, "fused": False}
         if any(n.op_type == SCORER_OP.op_type and trt_passes.is_plugin_node(n) for n in model.graph):
@@ -219,7 +218,7 @@ class TensorRTTarget(Target):
 
         what = "the plugin's host twin" if fused else "standard ops"
         # --scorer int8: the VlmpClsScore decision is INT8, so kept indices are held to the 8-bit agreement (as on ort).
-        int8 = manifest["method"].get("params", {}).get("scorer") == "int8"
+        int8 = int8_scorer(manifest.method.params)
         stages = [StageSpec("fused",  # model.onnx on the host twin or in standard ops, named as on ort
                             f"onnxruntime CPU{' + ' + HOST_TWIN if fused else ''} ({MODEL}, {what}"
                             f"{', INT8 scorer' if int8 else ''})", "int8" if int8 else "fp32", on_cpu(MODEL))]
@@ -311,7 +310,7 @@ class _LazyEngine:
         return self.runner(pixel_values)
 
 
-def write_qdq_model(out_dir: Path, fusion, ops, source, images) -> dict:
+def write_qdq_model(out_dir: Path, fusion, ops, context: EmitContext) -> dict:
     """model.qdq.onnx: the graph with explicit int8 Q/DQ (TensorRT's explicit quantization), fused like model.onnx.
 
     ONNX Runtime's quantize_static on model.decomposed.onnx (its calibration cannot load
@@ -327,15 +326,13 @@ def write_qdq_model(out_dir: Path, fusion, ops, source, images) -> dict:
 
     from onnxruntime.quantization import CalibrationMethod, QuantType
 
-    from vlmprune.targets.calibration import calibration_inputs
-
     decomposed = ir.load(out_dir / DECOMPOSED)
     exclude = sorted({n.name for n in feeding_selection(decomposed.graph)} |
                      {n.name for n in decomposed.graph if role_of(n) is not None})  # and the emitted gathers
     value = decomposed.graph.inputs[0]
     batch = value.shape[0] if isinstance(value.shape[0], int) else 1
     count = max(batch, CALIBRATION_IMAGES // batch * batch)
-    pixel, names = calibration_inputs(count, value.shape[-1], source.mean, source.std, images)
+    pixel, names = context.calibration_inputs(count, value.shape[-1])
 
     with tempfile.TemporaryDirectory(prefix=".qdq-", dir=out_dir) as tmp:
         model, rewired = static_qdq(

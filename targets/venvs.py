@@ -25,11 +25,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from vlmprune.kernels.build import cache_dir  # the one cache root ($VLMPRUNE_CACHE, else ~/.cache/vlmprune)
+
 MARKER = ".vlmprune-ready.json"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("VLMPRUNE_CACHE") or Path.home() / ".cache" / "vlmprune")
 
 
 def venv_python(venv: Path) -> Path:

@@ -95,9 +95,9 @@ def fusion_of(bundle: Path):
     from vlmprune.targets.ort import OrtTarget
 
     record = prune_record(ir.load(bundle / "model.decomposed.onnx"))
-    method = get_method(record["method"])
-    params = dict(record["params"])
-    config = PruneConfig(method, method.parse(params.pop("keep"), params), record["layer"])
+    method = get_method(record.method)
+    params = dict(record.params)
+    config = PruneConfig(method, method.parse(params.pop("keep"), params), record.layer)
     return OrtTarget().fusion(config, None, record)
 
 

@@ -36,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from vlmprune.compiler.bundle.manifest import Manifest
-    from vlmprune.compiler.frontend import images
+    from vlmprune.compiler import pipeline
     from vlmprune.compiler.pipeline import CompileOptions, auto_keep
     from vlmprune.targets import get_target
 
@@ -53,10 +53,8 @@ def main() -> None:
                 folder = scratch / f"k{keep}"
                 folder.mkdir()
                 model, plan, config, _ = bench._graph(keep, folder)
-                fields = target.emit(model, folder, {
-                    "config": config, "options": dataclasses.replace(options, keep=keep),
-                    "target_options": plan.target_options, "source": bench.source, "images": images,
-                    "parity_inputs": bench.pixel, "debug": False})
+                fields = target.emit(model, folder, pipeline.emit_context(
+                    config, dataclasses.replace(options, keep=keep), plan.target_options, bench.source, bench.pixel))
                 run, runtime = target.runner(folder, Manifest({"target": {"name": target.name, **fields}}))
                 runs[keep] = (lambda r: (lambda: r(bench.pixel)))(run)
         print(f"{len(runs)} candidate graphs built in {time.perf_counter() - t0:.1f}s; runtime: {runtime}, "

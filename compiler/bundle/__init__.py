@@ -340,9 +340,8 @@ def write_manifest(bundle_dir: Path, manifest: dict):
     files = {}
     for path in sorted(p for p in bundle_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, _LOCK)):
         files[str(path.relative_to(bundle_dir))] = sha256_file(path)
-    manifest = Manifest({k: v for k, v in manifest.items() if k != DIGEST_KEY})
-    manifest["files"] = files
-    manifest[DIGEST_KEY] = manifest_digest(manifest)
+    manifest = Manifest({k: v for k, v in manifest.items() if k != DIGEST_KEY}).extended(files=files)
+    manifest = manifest.extended(**{DIGEST_KEY: manifest_digest(manifest)})
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmprune.compiler.bundle import DIGEST_KEY, manifest_digest, sha256_file
-from vlmprune.compiler.contract import MANIFEST
+from vlmprune.compiler.contract import MANIFEST, NUM_TOKENS, TEXT, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.dense import Dense
@@ -97,13 +97,15 @@ class MethodSection(Section):
     has_cls = property(lambda self: self._data.get("has_cls"))
     kept_count = property(lambda self: self._data.get("kept_count"))
     steps = property(lambda self: self._data.get("steps", []))  # --schedule: each step's layer, keep, token counts
+    # --roi: its inputs' layout (passes.methods.roi.layout: kind, height, width, patch, grid, inputs, max_boxes)
+    roi = property(lambda self: self._data.get("roi"))
 
     @property
     def prefix(self) -> int | None:
-        """Tokens before the patch tokens; bundles made before the field: the [CLS] token or none."""
+        """Tokens before the patch tokens (PruneRecord.prefix_of: older bundles too); None for a dense bundle."""
         if not self.pruned:
             return None
-        return self._data.get("prefix", int(self._data["has_cls"]))
+        return PruneRecord.prefix_of(self._data)
 
     def method(self):
         """The method object (passes.methods), Dense for a dense bundle."""
@@ -122,6 +124,20 @@ class PreprocessSection(Section):
     mean = property(lambda self: self._data["mean"])
     std = property(lambda self: self._data["std"])
     size = property(lambda self: self._data["size"])
+
+
+class LlmSection(Section):
+    """The LLM hand-off (compiler.llm.handoff.llm_section): how the image rows splice into the language model."""
+
+    features_output = property(lambda self: self._data["features_output"])
+    image_tokens = property(lambda self: self._data.get("image_tokens"))  # an int, or a symbolic name (variable K)
+    dense_image_tokens = property(lambda self: self._data.get("dense_image_tokens"))
+    hidden_size = property(lambda self: self._data.get("hidden_size"))
+    dtype = property(lambda self: self._data.get("dtype"))
+    rows = property(lambda self: self._data["rows"])  # {"prefix", "kept", "extra"}
+    positions = property(lambda self: self._data["positions"])
+    text_resumes_at = property(lambda self: self._data.get("text_resumes_at"))
+    num_tokens = property(lambda self: self._data.get("num_tokens"))  # K varies per image: how to read the rows
 
 
 class ParitySection(Section):
@@ -153,6 +169,11 @@ class Manifest(dict):
         manifest.check_sections(path)
         return manifest
 
+    def extended(self, **sections) -> Manifest:
+        """A new manifest with these sections added after the ones it has (the file keeps that order): how the
+        compile adds what it learns in turn (the hand-off, the LLM graphs, parity) without writing into a dict."""
+        return Manifest({**self, **sections})
+
     def verify(self, bundle_dir: Path) -> None:
         """Refuse (one line) a manifest that does not match its own digest, or a file that does not match its sha256."""
         if self.get(DIGEST_KEY) != manifest_digest(self):
@@ -182,8 +203,19 @@ class Manifest(dict):
     preprocess = property(lambda self: PreprocessSection(self["preprocess"]))
     compile_options = property(lambda self: self["compile_options"])
     cls_section = property(lambda self: self.get("cls", {}))  # whether image_features starts with [CLS]
-    llm = property(lambda self: self.get("llm"))  # the LLM handoff (compiler.llm.handoff.llm_section)
+    llm = property(lambda self: LlmSection(self["llm"]) if self.get("llm") is not None else None)  # the handoff
+    keep_auto = property(lambda self: self.get("keep_auto"))  # --keep auto: the K -> latency curve K was chosen on
     llm_graphs = property(lambda self: self.get("llm_graphs"))  # the language model's graphs, with --with-llm
     parity = property(lambda self: ParitySection(self["parity"]) if "parity" in self else None)
+
+    @property
+    def record(self) -> PruneRecord | None:
+        """The prune record the bundle was compiled from (what its decomposed graph holds), None for a dense one."""
+        if not self.method.pruned:
+            return None
+        text = next((t for t in self.inputs if t.name == TEXT), None)
+        return PruneRecord.from_manifest(
+            self["method"], text=None if text is None else {"name": TEXT, "dim": text.shape[2]},
+            num_tokens=NUM_TOKENS if NUM_TOKENS in self.output_names else None)
     files = property(lambda self: self.get("files", {}))  # bundle-relative path -> sha256
     version = property(lambda self: self["vlmprune_version"])

@@ -26,12 +26,6 @@ _SALT = 0x524F4921  # "ROI!": the parity ROI's seeds apart from compiler.prompt'
 _given: contextvars.ContextVar[dict | str] = contextvars.ContextVar("vlmprune_roi", default=NONE)
 
 
-def layout_of(manifest) -> dict | None:
-    """The bundle's ROI layout (passes.methods.roi.layout: kind, height, width, patch, grid, inputs, max_boxes), or
-    None for a bundle without ROI inputs."""
-    return (manifest.get("method") or {}).get("roi")
-
-
 def kind_of(names) -> str | None:
     """Which ROI inputs a graph's input names hold: "mask", "boxes" or None."""
     names = set(names)

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-BLOCK, FEATURES = "block", "features"
+from vlmprune.compiler.contract import SITE_BLOCK as BLOCK, SITE_FEATURES as FEATURES  # the pruning sites
 
 
 @dataclasses.dataclass

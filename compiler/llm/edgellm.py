@@ -566,7 +566,7 @@ def export_edgellm(model, manifest: dict, options=None, folder: Path | str = "."
                           f"missing {len(parity['missing'])}; standard ops {ops.get('logits_max_abs', 'not run')})")
     runtime_config = json.loads((target / "config.json").read_text()) if (target / "config.json").is_file() else {}
     files = sorted(p.name for p in target.iterdir())
-    tokens = (manifest or {}).get("llm", {}).get("image_tokens")
+    tokens = manifest.llm.image_tokens if manifest is not None and manifest.llm is not None else None
     return {
         "exporter": EXPORTER,
         "runtime": "TensorRT Edge-LLM C++ runtime (llm_build / llm_inference) with its plugin library, on the device",

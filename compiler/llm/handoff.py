@@ -38,15 +38,15 @@ def llm_section(manifest) -> dict:
     shape = features.shape or [None, None, None]
     tokens, hidden = shape[1], shape[-1]
     method, model = manifest.method, manifest.model
-    patches = method.get("num_patches") or _patches(model)
+    patches = method.num_patches or _patches(model)
     if not method.pruned:
         kept, extra = patches, 0
         prefix = tokens - patches if isinstance(tokens, int) and patches else 0
     else:
-        kept = method.get("kept_count", method.get("keep"))
-        site_prefix = method.get("prefix", int(bool(method.get("has_cls"))))
+        kept = method.kept_count if "kept_count" in method else method.keep
+        site_prefix = method.prefix
         prefix = site_prefix if manifest.cls_section.get("in_features") else 0
-        out = tokens if isinstance(tokens, int) else method.get("tokens_out", 0) - site_prefix + prefix
+        out = tokens if isinstance(tokens, int) else (method.tokens_out or 0) - site_prefix + prefix
         extra = out - prefix - kept if isinstance(out, int) and isinstance(kept, int) else 0
     rule = family_of(manifest).positions
     dense = rule.dense_image_tokens(model, prefix + patches if patches else None)

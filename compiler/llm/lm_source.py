@@ -48,7 +48,7 @@ def check_family(config) -> None:
 
 def check_width(manifest: dict, config) -> None:
     """One line when the bundle's image features are not as wide as the language model's embeddings."""
-    hidden = (manifest or {}).get("llm", {}).get("hidden_size")
+    hidden = manifest.llm.hidden_size if manifest is not None and manifest.llm is not None else None
     if isinstance(hidden, int) and hidden != config.hidden_size:
         raise InputError(f"the bundle's image features are {hidden} wide, "
                          f"its language model takes {config.hidden_size}")

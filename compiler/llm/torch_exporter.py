@@ -41,6 +41,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from vlmprune.compiler.contract import DEFAULT_OPSET
 from vlmprune.compiler import contract
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import torch_onnx
@@ -184,7 +185,7 @@ def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, 
                       output_names=output_names, dynamic_shapes=dynamic, opset_version=opset)
 
 
-def export_prefill(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
+def export_prefill(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> ir.Model:
     graph = PrefillGraph(model, spec)
     _inner, config = decoder_of(model)
     start = spec.image_end + 1 if spec is not None else 1
@@ -203,7 +204,7 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
     return _export(graph, args, names, outputs, dims, opset)
 
 
-def export_decode(model, spec: FastVSpec | None, opset: int = 18) -> ir.Model:
+def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> ir.Model:
     graph = DecodeGraph(model)
     _inner, config = decoder_of(model)
     d = graph.head_dim
@@ -230,7 +231,7 @@ def fuse_attention(model: ir.Model, layers: int) -> ir.Model:
     return LlmAttentionFusionPass(layers)(model).model
 
 
-def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = 18) -> dict:
+def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = DEFAULT_OPSET) -> dict:
     """prefill.onnx and decode.onnx (attention fused) and their .decomposed.onnx forms in folder, the weights in one
     llm.weights.bin; returns what was written.
 
@@ -528,7 +529,7 @@ class TorchExporter(LlmExporter):
         spec = fastv
         lm = lm_source.language_model(model_spec)
         _inner, config = decoder_of(lm)
-        tokens = (manifest.llm or {}).get("image_tokens")
+        tokens = manifest.llm.image_tokens if manifest.llm is not None else None
         if spec is not None and deepstack_levels(lm):
             raise InputError("--fastv-layer with a DeepStack language model (Qwen3-VL) is not supported: FastV drops "
                              "image rows that the DeepStack levels still add to after its layer")
@@ -576,7 +577,7 @@ class TorchExporter(LlmExporter):
 
     def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
         llm = manifest.llm_graphs
-        tokens = (manifest.llm or {}).get("image_tokens")
+        tokens = manifest.llm.image_tokens if manifest.llm is not None else None
         got = llm_parity(lm_source.language_model(model_spec), spec_of(llm), bundle_dir / LLM_DIR,
                          tokens if isinstance(tokens, int) else 8)
         outputs = {

@@ -21,12 +21,12 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import FEATURES, KEPT, KEPT_POSITIONS, NUM_TOKENS
+from vlmprune.compiler.contract import FEATURES, KEPT, KEPT_POSITIONS, NUM_TOKENS, SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import Source
 from vlmprune.compiler.frontend.prompt_input import PARITY, feeding, text_feed
 from vlmprune.compiler.frontend.roi_input import parity_roi
-from vlmprune.compiler.frontend.tower import BLOCK, FEATURES as FEATURES_SITE, SiteTensors
+from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
 from vlmprune.passes.graph.dataflow import consumers_downstream, producers_upstream
 from vlmprune.passes.methods import budget, coverage, get_method, relevance, schedule
 from vlmprune.passes.methods.base import Method, PromptSiteTensors
@@ -90,14 +90,14 @@ class Reference:
     params: dict | None = None
 
 
-def forced_for(record: dict | None, pixel: np.ndarray) -> torch.Tensor | None:
+def forced_for(record: PruneRecord | None, pixel: np.ndarray) -> torch.Tensor | None:
     """--roi: F [B, N] bool from parity's fixed-seed ROI (compiler.roi.parity_roi, what the runners feed), or None."""
-    found = (record or {}).get("roi")
+    found = record.roi if record is not None else None
     forced = None if found is None else forced_reference(found, parity_roi(pixel, found["kind"],
                                                                            found.get("max_boxes")))
     if record is None:
         return forced
-    return coverage.forced_reference(record["params"], record.get("num_patches"), forced, len(pixel))  # --coverage
+    return coverage.forced_reference(record.params, record.num_patches, forced, len(pixel))  # --coverage
 
 
 def with_forced(tensors: SiteTensors, forced: torch.Tensor | None) -> SiteTensors:
@@ -108,13 +108,13 @@ def with_forced(tensors: SiteTensors, forced: torch.Tensor | None) -> SiteTensor
     return PromptSiteTensors(**{**fields, "forced": forced})
 
 
-def pruner_for(record: dict) -> MethodPruner:
-    method = budget.wrap(get_method(record["method"]), record["params"])  # --budget adaptive
-    if "crops" in record["params"]:  # an anyres model's crops under one global budget
+def pruner_for(record: PruneRecord) -> MethodPruner:
+    method = budget.wrap(get_method(record.method), record.params)  # --budget adaptive
+    if "crops" in record.params:  # an anyres model's crops under one global budget
         method = CropBudget(method)
-    method = schedule.wrap(method, record["params"], record.get("num_patches"))  # --schedule: in steps
-    steps = tuple(s["layer"] for s in record["steps"]) if "steps" in record else None
-    return MethodPruner(method, record["params"], record["site"], record["layer"], layers=steps)
+    method = schedule.wrap(method, record.params, record.num_patches)  # --schedule: in steps
+    steps = tuple(s["layer"] for s in record.steps) if record.steps is not None else None
+    return MethodPruner(method, record.params, record.site, record.layer, layers=steps)
 
 
 def dense_reference(source: Source, pixel: np.ndarray) -> Reference:
@@ -123,7 +123,7 @@ def dense_reference(source: Source, pixel: np.ndarray) -> Reference:
         return Reference({FEATURES: source.pipeline(torch.from_numpy(pixel)).numpy()})
 
 
-def torch_reference(source: Source, record: dict | None, pixel: np.ndarray,
+def torch_reference(source: Source, record: PruneRecord | None, pixel: np.ndarray,
                     dense: Reference | None = None) -> tuple[Reference, Reference | None]:
     """(dense reference, pruned reference or None for a dense bundle) from the torch model.
 
@@ -137,24 +137,23 @@ def torch_reference(source: Source, record: dict | None, pixel: np.ndarray,
         pruner = pruner_for(record)
         pruner.forced = forced_for(record, pixel)
         pipeline = source.pipeline.with_pruner(pruner)
-        needs = pruner.method.needs(record["params"])
-        if relevance.weight(record["params"]) > 0:  # --prompt-weight: the method's own path, and the prompt
+        needs = pruner.method.needs(record.params)
+        if relevance.weight(record.params) > 0:  # --prompt-weight: the method's own path, and the prompt
             pruner.text = torch.from_numpy(text_feed(pixel, dense.outputs[FEATURES].shape[-1]))
         if needs.tower_features or needs.text and pruner.text is None:  # the feature layer and text_embeds too
-            feats, kept, pipeline.last_trace = prompt_site(source.pipeline, pruner, record, dense.outputs[FEATURES],
-                                                            pixel)
+            feats, kept, pipeline.last_trace = prompt_site(source.pipeline, pruner, dense.outputs[FEATURES], pixel)
         # The tower's end: run it once, unless the method reads the last block's attention, which only forward has.
-        elif pruner.site == FEATURES_SITE and hasattr(pipeline, "prune_features") and not pruner.attention:
+        elif pruner.site == SITE_FEATURES and hasattr(pipeline, "prune_features") and not pruner.attention:
             feats, kept = pipeline.prune_features(torch.from_numpy(dense.outputs[FEATURES]), x)
         else:
             feats, kept = pipeline(x)
         outputs = {FEATURES: feats.numpy(), KEPT: kept.numpy()}
         if "num_tokens" in (pipeline.last_trace or {}):  # K varies per image: the padded rows are zero
-            outputs.update(padded_outputs(outputs[FEATURES], pruner.method.output_tokens(record["params"]),
+            outputs.update(padded_outputs(outputs[FEATURES], pruner.method.output_tokens(record.params),
                                           pipeline.last_trace["num_tokens"]))
         if source.position_table is not None:  # the LLM positions of the reference's kept tokens
             outputs[KEPT_POSITIONS] = np.asarray(source.position_table)[kept.numpy()]
-        return dense, Reference(outputs, _numpy(pipeline.last_trace), pruner.method, record["params"])
+        return dense, Reference(outputs, _numpy(pipeline.last_trace), pruner.method, record.params)
 
 
 def padded_outputs(features: np.ndarray, slots: int, count) -> dict[str, np.ndarray]:
@@ -180,14 +179,14 @@ class _Capture:
         return tensors.hidden, torch.zeros(tensors.hidden.shape[0], 0, dtype=torch.long), {}
 
 
-def prompt_site(pipeline, pruner: MethodPruner, record: dict, dense: np.ndarray, pixel: np.ndarray):
+def prompt_site(pipeline, pruner: MethodPruner, dense: np.ndarray, pixel: np.ndarray):
     """A FEATURES-site method that also reads the feature layer's hidden states and text_embeds, in fp64.
 
     fp64 so that parity names the greedy step where the fp32 graph parts from exact arithmetic
     (its margin), rather than comparing two fp32 roundings. The kept rows are copies: exact in fp32 again.
     """
-    name, needs = pruner.method.name, pruner.method.needs(record["params"])
-    if pruner.site != FEATURES_SITE or needs.tower_features and not hasattr(pipeline, "num_blocks"):
+    name, needs = pruner.method.name, pruner.method.needs(pruner.params)
+    if pruner.site != SITE_FEATURES or needs.tower_features and not hasattr(pipeline, "num_blocks"):
         raise InputError(f"method {name} needs the feature layer's hidden states, which this model's pipeline does "
                          "not give (a ViT tower pipeline does: LLaVA, CLIP, SigLIP, DINOv2)")
     capture = _Capture(getattr(pipeline, "num_blocks", 0))
@@ -200,11 +199,11 @@ def prompt_site(pipeline, pruner: MethodPruner, record: dict, dense: np.ndarray,
     tensors = PromptSiteTensors(torch.from_numpy(dense).double(), getattr(pipeline, "has_cls", False) and prefix > 0,
                                 prefix=prefix,
                                 features=None if capture.hidden is None else capture.hidden.double(), text=text)
-    result = pruner.method.reference(record["params"], tensors)
+    result = pruner.method.reference(pruner.params, tensors)
     return result.tokens.to(torch.from_numpy(dense).dtype), result.kept, result.trace
 
 
-def onnx_reference(dense_path: Path, record: dict | None, pixel: np.ndarray, run_chunked) -> Reference:
+def onnx_reference(dense_path: Path, record: PruneRecord | None, pixel: np.ndarray, run_chunked) -> Reference:
     """The reference of an .onnx source, from its own (dense, output-normalised) graph; see the module docstring."""
     model = ir.load(dense_path)
     features = model.graph.outputs[0]
@@ -214,14 +213,14 @@ def onnx_reference(dense_path: Path, record: dict | None, pixel: np.ndarray, run
     structure = find_tower_structure(model.graph)
     exposed = [features]
     block = None
-    if record["site"] == BLOCK:
-        block = structure.blocks[record["layer"] - 1]
+    if record.site == BLOCK:
+        block = structure.blocks[record.layer - 1]
         exposed += [block.output, block.q, block.k]
-    last = structure.blocks[-1].output if pruner.method.needs(record["params"]).tower_features else None
+    last = structure.blocks[-1].output if pruner.method.needs(record.params).tower_features else None
     if last is not None:
         exposed.append(last)
     # A FEATURES method that reads attention (holov): the last block's Q and K, the feature layer's.
-    qk_block = structure.blocks[-1] if block is None and pruner.method.needs(record["params"]).attention else None
+    qk_block = structure.blocks[-1] if block is None and pruner.method.needs(record.params).attention else None
     if qk_block is not None:
         exposed += [qk_block.q, qk_block.k]
     model.graph.outputs.extend(v for v in exposed if not v.is_graph_output())
@@ -233,53 +232,54 @@ def onnx_reference(dense_path: Path, record: dict | None, pixel: np.ndarray, run
         probe.unlink()
     dense = out[features.name]
     double = lambda name: torch.from_numpy(out[name]).double()  # noqa: E731
-    needs_text = pruner.method.needs(record["params"]).text
+    needs_text = pruner.method.needs(record.params).text
     if block is None and (last is not None or needs_text):  # a prompt-aware method (see prompt_site)
         with feeding(PARITY):
             text = torch.from_numpy(text_feed(pixel, dense.shape[-1])).double() if needs_text else None
-        tensors = PromptSiteTensors(double(features.name), record["has_cls"], prefix=record["prefix"],
+        tensors = PromptSiteTensors(double(features.name), record.has_cls, prefix=record.prefix,
                                     features=None if last is None else double(last.name), text=text)
     elif block is None:
         qk = () if qk_block is None else (double(qk_block.q.name), double(qk_block.k.name), qk_block.scale)
         if qk and qk_block.k_transposed:
             qk = (qk[0], qk[1].transpose(-1, -2), qk[2])
-        tensors = SiteTensors(double(features.name), record["has_cls"], *qk, prefix=record["prefix"])
+        tensors = SiteTensors(double(features.name), record.has_cls, *qk, prefix=record.prefix)
     else:
         k = double(block.k.name)
-        tensors = SiteTensors(double(block.output.name), record["has_cls"], double(block.q.name),
+        tensors = SiteTensors(double(block.output.name), record.has_cls, double(block.q.name),
                               k.transpose(-1, -2) if block.k_transposed else k, block.scale,
-                              torch.from_numpy(pixel).double(), structure.patch_size, record["prefix"])
+                              torch.from_numpy(pixel).double(), structure.patch_size, record.prefix)
     with torch.inference_mode():
-        result = pruner.method.reference(record["params"], with_forced(tensors, forced_for(record, pixel)))
+        result = pruner.method.reference(record.params, with_forced(tensors, forced_for(record, pixel)))
     outputs = {KEPT: result.kept.numpy()}
     if "num_tokens" in result.trace:  # the rows of image_features: the prefix the dense output keeps counts in them
-        lead = dense.shape[1] - record["num_patches"] if dense.shape[1] > record["num_patches"] else 0
+        lead = dense.shape[1] - record.num_patches if dense.shape[1] > record.num_patches else 0
         outputs[NUM_TOKENS] = (result.trace["num_tokens"].numpy() + lead).astype(np.int64)
     if block is None:
         outputs[FEATURES] = result.tokens.numpy().astype(dense.dtype)
-    elif record["layer"] == len(structure.blocks) and ("num_tokens" not in result.trace
+    elif record.layer == len(structure.blocks) and ("num_tokens" not in result.trace
                                                        or token_path(block.output, features) == "slice"):
         # A variable K's rows sit at per-image places: copied rows from the dense output define none of them.
         values = _end_of_tower(model, block, features, dense, result, pruner, record)
         if values is not None:
             outputs[FEATURES] = values
-    return Reference(outputs, _numpy(result.trace), pruner.method, record["params"])
+    return Reference(outputs, _numpy(result.trace), pruner.method, record.params)
 
 
-def _end_of_tower(model, block, features, dense, result, pruner: MethodPruner, record) -> np.ndarray | None:
+def _end_of_tower(model, block, features, dense, result, pruner: MethodPruner,
+                  record: PruneRecord) -> np.ndarray | None:
     """Value reference for a BLOCK site after the last block (see the module docstring)."""
     path = token_path(block.output, features)
     if path is None:
         return None
-    prefix = record["prefix"]
-    kept_prefix = dense.shape[1] == record["num_patches"] + prefix and prefix > 0
+    prefix = record.prefix
+    kept_prefix = dense.shape[1] == record.num_patches + prefix and prefix > 0
     if path == "slice":  # image_features is the block output, its prefix perhaps sliced off
         tokens = result.tokens.numpy().astype(dense.dtype)
         return tokens if kept_prefix or not prefix else tokens[:, prefix:]
-    copies = pruner.method.copied_rows(record["params"])
+    copies = pruner.method.copied_rows(record.params)
     patches = dense[:, prefix:] if kept_prefix else dense
     rows = np.take_along_axis(patches, result.kept.numpy()[:, :copies, None], axis=1)
-    merged = pruner.method.output_tokens(record["params"]) - copies
+    merged = pruner.method.output_tokens(record.params) - copies
     undefined = np.full((dense.shape[0], merged, dense.shape[2]), np.nan, dtype=dense.dtype)
     return np.concatenate(([dense[:, :prefix]] if kept_prefix else []) + [rows, undefined], axis=1)
 

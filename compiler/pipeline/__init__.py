@@ -30,7 +30,8 @@ from vlmprune.compiler.pipeline import auto_keep, cache
 from vlmprune.compiler.pipeline.timings import Span, StageTimer
 
 from vlmprune.compiler.parity import reference
-from vlmprune.compiler.contract import DECOMPOSED, DENSE, FEATURES, PARITY, README
+from vlmprune.compiler.contract import (DECOMPOSED, DEFAULT_KEEP, DEFAULT_OPSET, DENSE, FEATURES, PARITY, README,
+                                        PruneRecord)
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import DenseRequest, Family, Source, check_family_options, images, load_fixed
 from vlmprune.compiler.llm import export as llm_export
@@ -44,7 +45,7 @@ from vlmprune.passes.onnx_tower import OnnxTowerContractPass
 from vlmprune.passes.positions import with_positions
 from vlmprune.passes.prune import prune_record
 from vlmprune.targets import DEFAULT_TARGET, get_target
-from vlmprune.targets.base import PruneConfig, Target
+from vlmprune.targets.base import EmitContext, PruneConfig, Target
 from vlmprune.targets.runtime import ort_session, run_session
 
 Progress = Callable[[str], None]
@@ -54,12 +55,12 @@ Progress = Callable[[str], None]
 class CompileOptions:
     target: str = DEFAULT_TARGET
     method: str = DEFAULT_METHOD
-    keep: int | str = 192  # "auto" (with latency_ms): the largest K whose latency fits (pipeline.auto_keep)
+    keep: int | str = DEFAULT_KEEP  # "auto" (with latency_ms): the largest K whose latency fits (pipeline.auto_keep)
     latency_ms: float | None = None  # --keep auto's budget, ms per call on the target's runtime
     layer: int | None = None  # BLOCK methods: prune after this block; None: the feature layer (tower's end)
     prune: bool = True
     batch: int | None = None  # None: dynamic batch
-    opset: int = 18
+    opset: int = DEFAULT_OPSET
     feature_layer: int | None = None
     cls: str | None = None  # "drop" | "keep" the [CLS] token in image_features; None: the model's select strategy
     with_llm: bool = False  # also export the language model (compiler.llm.export) into llm/
@@ -142,20 +143,18 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
         batch = _parity_batch(_io(decomposed.graph.inputs)[0]["shape"][0], options.batch)
         pixel, _ = family.parity_pixels(source, batch.images)
         timer.step(f"emit target {target.name}")
-        target_fields = target.emit(decomposed, tmp, {
-            "config": plan.config, "options": options, "target_options": plan.target_options, "source": source,
-            "images": images,  # the frontend's preprocessing, for the targets' calibration images
-            "parity_inputs": pixel, "debug": options.debug})
+        target_fields = target.emit(decomposed, tmp, emit_context(plan.config, options, plan.target_options, source,
+                                                                  pixel))
         manifest = Manifest(_manifest(source, family, options, plan, record, decomposed, target_fields))
         if keep_auto is not None:  # the K -> latency curve --keep auto chose K on
-            manifest["keep_auto"] = keep_auto
-        manifest["llm"] = handoff.llm_section(manifest)  # what an LLM runtime needs to splice the tokens
+            manifest = manifest.extended(keep_auto=keep_auto)
+        manifest = manifest.extended(llm=handoff.llm_section(manifest))  # what an LLM runtime needs to splice tokens
         if options.with_llm:  # the language model's graphs beside the tower's (hashed like every file)
-            manifest["llm_graphs"] = llm_export.emit_llm(model, manifest, options, tmp, timer.step)
+            manifest = manifest.extended(llm_graphs=llm_export.emit_llm(model, manifest, options, tmp, timer.step))
         timer.step("parity")
         report = _parity(source, family, dense_path, tmp, manifest, target, batch, progress=timer.step)
         dense_path.unlink()
-        manifest["parity"] = {"passed": report.passed, "stages": report.summary()}
+        manifest = manifest.extended(parity={"passed": report.passed, "stages": report.summary()})
         (tmp / PARITY).write_text(json.dumps(report.to_json(), indent=2) + "\n")
         (tmp / README).write_text(target.readme(manifest) + handoff.readme_section(manifest)
                                           + family.readme_section(manifest) + llm_export.readme_section(manifest))
@@ -305,6 +304,14 @@ def _dense_model(source: Source, family: Family, options: CompileOptions, folder
 # ---------------------------------------------------------------------- manifest
 
 
+def emit_context(config: PruneConfig | None, options: CompileOptions, target_options: dict, source: Source,
+                 pixel: np.ndarray) -> EmitContext:
+    """What a target's emit is handed: of the source, what calibration needs; the frontend's preprocessing for the
+    targets' calibration images (frontend.images)."""
+    return EmitContext(config, options, target_options, source.image_size, tuple(source.mean), tuple(source.std),
+                       images, pixel)
+
+
 def _io(values) -> list[dict]:
     out = []
     for v in values:
@@ -313,25 +320,10 @@ def _io(values) -> list[dict]:
     return out
 
 
-def _manifest(source: Source, family: Family, options: CompileOptions, plan: _Plan, record: dict | None,
+def _manifest(source: Source, family: Family, options: CompileOptions, plan: _Plan, record: PruneRecord | None,
               model: ir.Model, target_fields: dict) -> dict:
     target = plan.target
-    if record is None:
-        method = Dense().record()
-    else:
-        where = (f"after block {record['layer']}/{record['num_blocks']}" if record["site"] == BLOCK
-                 else "on the projector output")
-        if "steps" in record:  # --schedule
-            where = "progressive, after blocks " + "→".join(str(s["layer"]) for s in record["steps"]) + \
-                f"/{record['num_blocks']}"
-        method = {"name": record["method"], "params": record["params"], "keep": record["params"]["keep"],
-                  "site": record["site"], "layer": record["layer"], "num_blocks": record["num_blocks"],
-                  "formulation": record["formulation"], "tokens_in": record["tokens_in"],
-                  "tokens_out": record["tokens_out"], "num_patches": record["num_patches"],
-                  "has_cls": record["has_cls"], "prefix": record["prefix"], "kept_count": record["kept_count"],
-                  "summary": f"{record['summary']} ({where}, {record['num_patches']} patch tokens)",
-                  **({"roi": record["roi"]} if "roi" in record else {}),  # --roi: its inputs' layout (compiler.roi)
-                  **({"steps": record["steps"]} if "steps" in record else {})}  # --schedule: every step
+    method = Dense().record() if record is None else record.manifest_section()
     return {
         "vlmprune_version": __version__,
         "target": {"name": target.name, "summary": target.summary, "toolchain": target.toolchain(),
@@ -351,13 +343,13 @@ def _manifest(source: Source, family: Family, options: CompileOptions, plan: _Pl
     }
 
 
-def _features_keep_cls(model: ir.Model, record: dict | None) -> bool | None:
+def _features_keep_cls(model: ir.Model, record: PruneRecord | None) -> bool | None:
     """Whether image_features starts with the [CLS] token."""
     features = next((v for v in model.graph.outputs if v.name == FEATURES), None)
     if record is None or features is None or features.shape is None:
         return None
     tokens = features.shape[1]
-    return isinstance(tokens, int) and record["has_cls"] and tokens == record["tokens_out"]
+    return isinstance(tokens, int) and record.has_cls and tokens == record.tokens_out
 
 
 # ------------------------------------------------------------------------ parity
@@ -373,22 +365,12 @@ def in_chunks(run, chunk: int):
     return chunked
 
 
-def _record_of(manifest: Manifest) -> dict | None:
-    method = manifest.method
-    if not method.pruned:
-        return None
-    return {"method": method.name, "params": method.params, "site": method.site, "layer": method.layer,
-            "has_cls": method.has_cls, "num_patches": method.num_patches, "prefix": method.prefix,
-            **({"roi": manifest["method"]["roi"]} if "roi" in manifest["method"] else {}),  # --roi's layout
-            **({"steps": manifest["method"]["steps"]} if "steps" in manifest["method"] else {})}  # --schedule
-
-
 def _parity(source: Source, family: Family, dense_path: Path, bundle_dir: Path, manifest: Manifest, target: Target,
             batch: ParityBatch,
             progress: Progress, tolerances: dict[str, dict] | None = None) -> parity.ParityReport:
     pixel, described = family.parity_pixels(source, batch.images)
     described["chunk"] = batch.chunk
-    record = _record_of(manifest)
+    record = manifest.record
     stages: list[parity.StageResult] = []
 
     def ort_file(path: Path):

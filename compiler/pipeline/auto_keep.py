@@ -307,8 +307,8 @@ class _Candidates:
         """N: the tokens the method ranks (K < N), read off the graph inserted at keep."""
         with tempfile.TemporaryDirectory(dir=self.folder) as folder:
             _, _, _, record = self._graph(keep, Path(folder))
-        crops = (record["params"].get("crops") or {}).get("count", 1)
-        return record["num_patches"] * crops
+        crops = (record.params.get("crops") or {}).get("count", 1)
+        return record.num_patches * crops
 
     def time(self, keep: int) -> Timing | None:
         # Each candidate in a folder of its own: a runtime may hold the previous one's files (ONNX Runtime maps the
@@ -317,17 +317,15 @@ class _Candidates:
             return self._time(keep, Path(folder))
 
     def _time(self, keep: int, folder: Path) -> Timing | None:
+        from vlmprune.compiler import pipeline
         from vlmprune.compiler.bundle.manifest import Manifest
-        from vlmprune.compiler.frontend import images
 
         try:
             model, plan, config, _ = self._graph(keep, folder)
         except InputError:
             return None
-        fields = self.target.emit(model, folder, {
-            "config": config, "options": dataclasses.replace(self.options, keep=keep),
-            "target_options": plan.target_options, "source": self.source, "images": images,
-            "parity_inputs": self.pixel, "debug": False})
+        fields = self.target.emit(model, folder, pipeline.emit_context(
+            config, dataclasses.replace(self.options, keep=keep), plan.target_options, self.source, self.pixel))
         run, self.runtime = self.target.runner(folder, Manifest({"target": {"name": self.target.name, **fields}}))
         for _ in range(WARMUP):
             run(self.pixel)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import SCORE_EPS
 from vlmprune.compiler.errors import StructureError
 from vlmprune.passes.methods.builder import INT64_MAX
-from vlmprune.passes.methods.selection import SCORE_EPS
 from vlmprune.passes.graph.structure import scale_operand, static_dim
 
 

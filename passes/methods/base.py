@@ -25,9 +25,10 @@ from typing import Any, ClassVar
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import PROBE_KEEP, SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
-from vlmprune.compiler.frontend.tower import BLOCK, FEATURES, SiteTensors
+from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
 from vlmprune.passes.methods import coverage, merge, relevance, roi, schedule
 
 __all__ = ["BLOCK", "BY_SCORE", "CROPS_EACH", "CROPS_SCORED", "FEATURES", "GREEDY", "Formulation", "FusedOp",
@@ -262,7 +263,7 @@ class Method(abc.ABC):
         needs = self.needs(params)
         # A FEATURES site that reads the feature layer's attention needs the [CLS] row there, not in the features.
         tower_cls = spec.has_cls if spec.tower_cls is None else spec.tower_cls
-        if needs.cls and not (spec.has_cls or needs.site == FEATURES and needs.attention and tower_cls):
+        if needs.cls and not (spec.has_cls or needs.site == SITE_FEATURES and needs.attention and tower_cls):
             raise InputError(f"method {self.name} needs a [CLS] token, and this tower has none "
                              "(methods for towers without one: `vlmprune methods`)")
         if needs.head and not spec.head:
@@ -283,12 +284,12 @@ class Method(abc.ABC):
         """What the method needs of a model, for `vlmprune methods`: (capability, the options that use it) pairs,
         any one of which serves (compiler.frontend.family; the families say which have it). By default what
         needs() says: a [CLS] token, or patch tokens only."""
-        return ((CLS_TOKEN if self.needs(self.parse(64, {})).cls else PATCH_TOKENS, ""),)
+        return ((CLS_TOKEN if self.needs(self.parse(PROBE_KEEP, {})).cls else PATCH_TOKENS, ""),)
 
     def reads_projector_output(self, params: dict) -> bool:
         """Whether the selection reads the projector output (a FEATURES site): then the whole tower decides the
         kept set, so an int8 mode that keeps what feeds the selection in floating point would keep all of it so."""
-        return self.needs(params).site == FEATURES
+        return self.needs(params).site == SITE_FEATURES
 
     def output_tokens(self, params: dict) -> int:
         """Patch-derived tokens in the output (without [CLS]): K, plus a summary token where the method adds one
@@ -334,7 +335,7 @@ class Method(abc.ABC):
         """Append the method's nodes through builder b; return (tokens, kept_indices), or (tokens, kept_indices,
         num_tokens) for a variable_k method."""
 
-    def fusion_rules(self, spellings, record: dict | None = None) -> list:
+    def fusion_rules(self, spellings, record: PruneRecord | None = None) -> list:
         """onnxscript rewrite rules that fuse part of the emission into a custom op (none by default).
 
         record: what the insertion recorded (passes.prune.prune_record), so that a method can
@@ -345,7 +346,8 @@ class Method(abc.ABC):
     def fused_into(self, spellings: dict[str, FusedOp], params: dict) -> list[str]:
         """The ops of `spellings` this method fuses into with these parameters, for `vlmprune methods`: its rules
         asked about the site the parameters read (one [CLS] token where they need one, no prefix otherwise)."""
-        record = {"params": params, "prefix": int(self.needs(params).cls)}
+        needs = self.needs(params)
+        record = PruneRecord(self.name, params, needs.site, None, prefix=int(needs.cls))
         return [op for op, spelling in spellings.items() if self.fusion_rules({op: spelling}, record)]
 
     def crop_scores(self, params: dict, inputs: SiteTensors) -> torch.Tensor:
@@ -366,7 +368,7 @@ class Method(abc.ABC):
         """The fused ops these parameters run only in, each with the option that asks for it: a target that does not
         spell one of them refuses the compile before any work (--scorer int8: the INT8 decision exists only as the
         ClsAttentionScore kernel, CLS_SCORE). None by default."""
-        return {CLS_SCORE: "--scorer int8"} if params.get("scorer") == "int8" else {}
+        return {CLS_SCORE: "--scorer int8"} if int8_scorer(params) else {}
 
     def check_formulation(self, formulation: str) -> str:
         if formulation not in self.formulations:
@@ -426,6 +428,12 @@ GENERIC_OPTIONS: dict[str, tuple[type, str]] = {
     "scorer": (str, "fp32 (default) or int8: the [CLS]-attention decision in INT8 inside the fused op (the "
                     "ClsAttentionScore kernel: ort; the VlmpClsScore plugin: orin, xavier), the model itself unchanged"),
 }
+
+
+def int8_scorer(params) -> bool:
+    """Whether the parameters run the [CLS]-attention decision in INT8 (--scorer int8): the one spelling of the test
+    that the methods' emission and fusion, and the targets' parity precision, each make."""
+    return params.get("scorer") == "int8"
 
 
 def parse_scorer(method: Method, params: dict) -> dict:

@@ -16,7 +16,7 @@ import contextlib
 import numpy as np
 import onnx_ir as ir
 
-from vlmprune.compiler.contract import ROLE, ROLES, SCORE, SELECT, TOKENS  # noqa: F401  (their home)
+from vlmprune.compiler.contract import NORM_EPS, ROLE, ROLES, SCORE, SELECT, TOKENS  # noqa: F401  (their home)
 from vlmprune.passes.graph.dataflow import fresh_initializer, producers_upstream
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -127,7 +127,7 @@ class Builder:
         """tokens [B, N, D], indices [B, k] -> [B, k, D]: a per-image row gather (GatherND, batch_dims=1)."""
         return self.op("GatherND", [tokens, self.unsqueeze(indices, [-1], f"{name}_nd")], name, batch_dims=1)
 
-    def l2_normalize(self, x: ir.Value, name: str, eps: float = 1e-12) -> ir.Value:
+    def l2_normalize(self, x: ir.Value, name: str, eps: float = NORM_EPS) -> ir.Value:
         """x / max(||x||_2, eps) over the last axis."""
         norm = self.reduce("ReduceL2", x, [-1], 1, f"{name}_norm")
         return self.op("Div", [x, self.op("Max", [norm, self.scalar(f"{name}_eps", eps)], f"{name}_den")], name)

@@ -52,12 +52,12 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import NORM_EPS, SITE_FEATURES
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import FEATURE_LAYER
-from vlmprune.passes.methods.base import (FEATURES, GREEDY, Formulation, GraphInputs, Method, Needs, SiteTensors,
+from vlmprune.passes.methods.base import (GREEDY, Formulation, GraphInputs, Method, Needs, SiteTensors,
                                            TorchResult, finite_option)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, add_loop, loop_body
-from vlmprune.passes.methods.relevance import NORM_EPS
 from vlmprune.passes.methods.relevance import emit_relevance as emit_prompt_relevance
 from vlmprune.passes.methods.relevance import relevance as prompt_relevance
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix
@@ -135,7 +135,7 @@ class CDPrunerMethod(Method):
         return params
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=FEATURES, tower_features=True, text=True)
+        return Needs(site=SITE_FEATURES, tower_features=True, text=True)
 
     def serves(self) -> tuple:
         """Not Qwen2-VL's merged tokens nor LLaVA-NeXT's crops (check refuses both): the families whose feature layer

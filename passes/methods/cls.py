@@ -34,12 +34,14 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
+from vlmprune.compiler.contract import SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CROPS
 from vlmprune.passes.graph.dataflow import const_array
 from vlmprune.passes.methods import attention, probe, received, relevance, roi
-from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, CLS_SCORE, CROPS_SCORED, FEATURES, FusedOp, GraphInputs,
-                                          Method, Needs, SiteTensors, TorchResult, finite_option)
+from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, CLS_SCORE, CROPS_SCORED, FusedOp, GraphInputs,
+                                          Method, Needs, SiteTensors, TorchResult, finite_option,
+                                          int8_scorer)
 from vlmprune.passes.methods.builder import INT64_MAX, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk
 
@@ -72,7 +74,7 @@ class ClsMethod(Method):
 
     def needs(self, params: dict) -> Needs:
         if params.get("score") == received.ATTENTION:  # --score attention: the merged tokens (received.py)
-            return Needs(site=FEATURES)
+            return Needs(site=SITE_FEATURES)
         by_cls = params.get("score", "cls") == "cls"
         return Needs(site=BLOCK, cls=by_cls, attention=by_cls, pixels=params["lambda"] > 0, head=not by_cls)
 
@@ -120,7 +122,7 @@ class ClsMethod(Method):
         score = {"probe": "probe attention (pooling head)",
                  received.ATTENTION: "attention received at the last full-attention block"}.get(
             params.get("score"), "[CLS] attention")
-        int8 = " (INT8 scorer)" if params.get("scorer") == "int8" else ""
+        int8 = " (INT8 scorer)" if int8_scorer(params) else ""
         pixel = f" + {lam:g} · pixel variance" if lam else ""
         return f"{score}{int8}{pixel}: top {params['keep']} + 1 summary{roi.describe(params)}"
 
@@ -151,7 +153,7 @@ class ClsMethod(Method):
             attn = probe.emit_probe_attention(b, inputs.hidden, inputs.head, inputs.prefix)
         elif params.get("score") == received.ATTENTION:
             attn = received.emit_received_attention(b, b.graph, inputs.structure, inputs.hidden)
-        elif params.get("scorer") == "int8":  # the form ClsScoreFusion turns into the INT8 kernel
+        elif int8_scorer(params):  # the form ClsScoreFusion turns into the INT8 kernel
             attn = emit_kernel_scores(b, inputs.block, inputs.prefix)
         else:
             attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
@@ -169,13 +171,13 @@ class ClsMethod(Method):
         attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
         return _emit_pixel_term(b, params, inputs, attention.emit_normalise(b, attn, "attn_norm"))
 
-    def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
-        params = (record or {}).get("params", {})
-        if record is not None and record.get("prefix", 1) != 1:
+    def fusion_rules(self, spellings: dict[str, FusedOp], record: PruneRecord | None = None) -> list:
+        params = record.params if record is not None else {}
+        if record is not None and record.prefix != 1:
             return []  # the kernels copy (and skip) one [CLS] token: register tokens stay in standard ops
         rules = []
         scorer = spellings.get(CLS_SCORE)
-        if scorer is not None and params.get("scorer") == "int8":
+        if scorer is not None and int8_scorer(params):
             rules += [ClsScoreFusion.rule(scorer, transposed, axes_input) for transposed in (True, False)
                       for axes_input in (True, False)]
         spelling = spellings.get(TOKEN_PRUNE)
@@ -205,7 +207,7 @@ def _emit_pixel_term(b, params: dict, inputs: GraphInputs, scores: ir.Value) -> 
 
 def check_scorer_prefix(params: dict, spec) -> None:
     """The INT8 kernel skips exactly one [CLS] key: register tokens (DINOv2's) would leave the decision fp32."""
-    if params.get("scorer") == "int8" and spec.prefix != 1:
+    if int8_scorer(params) and spec.prefix != 1:
         raise InputError(f"--scorer int8 runs the ClsAttentionScore kernel, which reads one [CLS] token, and "
                          f"this tower has {spec.prefix} leading tokens ([CLS] and registers)")
 

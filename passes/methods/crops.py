@@ -35,13 +35,14 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import SCORE_EPS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.llava_next import BUDGETS, EQUAL, PROPORTIONAL
 from vlmprune.passes.methods import merge
 from vlmprune.passes.methods.base import (BLOCK, CROPS_EACH, CROPS_SCORED, GraphInputs, Method, Needs, SiteSpec,
-                                          SiteTensors, TorchResult)
+                                          SiteTensors, TorchResult, int8_scorer)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, Builder
-from vlmprune.passes.methods.selection import SCORE_EPS, gather_rows
+from vlmprune.passes.methods.selection import gather_rows
 
 
 
@@ -142,7 +143,7 @@ class CropBudget(Method):
                              f"split over the crops (use {_served()})")
         if params.get("merge"):
             merge.refuse_crops()
-        if params.get("scorer") == "int8":  # the global selection over crops is not the fused kernel's form
+        if int8_scorer(params):  # the global selection over crops is not the fused kernel's form
             raise InputError("--scorer int8 is not available for anyres crops (their global budget is scored in "
                              "standard ops)")
         if params.get("score", "cls") != "cls":

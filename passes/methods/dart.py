@@ -37,13 +37,13 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import COSINE_EPS, SITE_FEATURES
 from vlmprune.compiler.errors import InputError
-from vlmprune.passes.methods.base import (CROPS_EACH, FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors,
+from vlmprune.passes.methods.base import (CROPS_EACH, GREEDY, GraphInputs, Method, Needs, SiteTensors,
                                            TorchResult, positive_int)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix, topk_lower_index
 
-COSINE_EPS = 1e-8
 # Retained tokens are excluded with a finite sentinel in the graph (cosines lie in [-1, 1]): quantizers
 # and fp16 toolchains calibrate every tensor, and an infinity breaks rknn-toolkit2's int8 calibration.
 SENTINEL = 1e4
@@ -86,7 +86,7 @@ class DartMethod(Method):
         return params
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=FEATURES, text=params.get("text_pivots", 0) > 0)
+        return Needs(site=SITE_FEATURES, text=params.get("text_pivots", 0) > 0)
 
     def min_text_rows(self, params: dict) -> int:
         return params.get("text_pivots", 0)

@@ -34,14 +34,14 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
+from vlmprune.compiler.contract import NORM_EPS, SITE_FEATURES, PruneRecord
 from vlmprune.passes.graph.dataflow import const_array, const_ints
-from vlmprune.passes.methods.base import (CROPS_EACH, FEATURES, GREEDY, Formulation, FusedOp, GraphInputs, Method,
+from vlmprune.passes.methods.base import (CROPS_EACH, GREEDY, Formulation, FusedOp, GraphInputs, Method,
                                            Needs, SiteTensors, TorchResult)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, add_loop, loop_body
 from vlmprune.passes.methods.selection import gather_rows, relative_margin, split_prefix
 
 DIVPRUNE_SELECT = "DivPruneSelect"
-NORM_EPS = 1e-12
 # The graph masks with a finite sentinel, not infinity: quantizers and fp16 toolchains calibrate every
 # tensor (an infinity breaks rknn-toolkit2's int8 calibration), and distances lie in [0, 2], so
 # +-1e4 orders exactly as +-inf does (fp16 holds it).
@@ -83,7 +83,7 @@ class DivPruneMethod(Method):
     local_merge = True  # --merge local: its output is the kept rows (base.Method.__init_subclass__)
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=FEATURES)
+        return Needs(site=SITE_FEATURES)
 
     def describe(self, params: dict) -> str:
         return f"DivPrune: {params['keep']} most diverse tokens of the projector output"
@@ -111,7 +111,7 @@ class DivPruneMethod(Method):
             tokens = b.op("Concat", [*cls, gathered], "tokens", axis=1) if cls else gathered
         return tokens, kept
 
-    def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
+    def fusion_rules(self, spellings: dict[str, FusedOp], record: PruneRecord | None = None) -> list:
         spelling = spellings.get(DIVPRUNE_SELECT)
         return [DivPruneFusion.rule(spelling)] if spelling is not None else []
 

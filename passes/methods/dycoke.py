@@ -33,12 +33,12 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import COSINE_EPS, SITE_FEATURES
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import VIDEO
-from vlmprune.passes.methods.base import (FEATURES, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult,
+from vlmprune.passes.methods.base import (GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult,
                                            finite_option)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
-from vlmprune.passes.methods.evs import COSINE_EPS
 from vlmprune.passes.methods.selection import gather_rows, split_prefix, topk_lower_index
 
 DEFAULT_RATIO = 0.7  # the official merging_ratio
@@ -90,7 +90,7 @@ class DyCokeMethod(Method):
         return params
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=FEATURES)
+        return Needs(site=SITE_FEATURES)
 
     def serves(self) -> tuple:
         return ((VIDEO, ""),)

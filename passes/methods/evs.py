@@ -32,15 +32,15 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import COSINE_EPS, SITE_FEATURES
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import VIDEO
-from vlmprune.passes.methods.base import (FEATURES, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult,
+from vlmprune.passes.methods.base import (GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult,
                                            finite_option)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, split_prefix, topk_lower_index
 
 FIRST_FRAME = 255.0  # vLLM's score of every first-frame token: above any 1 - cosine
-COSINE_EPS = 1e-8  # torch.nn.functional.cosine_similarity's default eps
 
 
 def retained_tokens(tokens_per_frame: int, frames: int, rate: float) -> int:
@@ -79,7 +79,7 @@ class EvsMethod(Method):
         return params
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=FEATURES)
+        return Needs(site=SITE_FEATURES)
 
     def serves(self) -> tuple:
         return ((VIDEO, ""),)

@@ -22,14 +22,15 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import SITE_FEATURES
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import PATCH_TOKENS
-from vlmprune.passes.methods.base import BLOCK, BY_SCORE, FEATURES, GraphInputs, Method, Needs, SiteSpec, SiteTensors, \
+from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteSpec, SiteTensors, \
     TorchResult
 from vlmprune.passes.methods.builder import INT64_MAX, TOKENS
 from vlmprune.passes.methods.selection import split_prefix
 
-SITES = (BLOCK, FEATURES)
+SITES = (BLOCK, SITE_FEATURES)
 SITE_HELP = ("random, grid: where the baseline prunes: block (after block L, --layer; default) or features "
              "(the projector output, the tower's end)")
 
@@ -72,7 +73,7 @@ class FixedMethod(Method):
     def reads_projector_output(self, params: dict) -> bool:
         # The kept set is a constant: no output of the tower decides it, unless --merge local's assignment reads the
         # projector output's tokens as its keys (--site features).
-        return bool(params.get("merge")) and params["site"] == FEATURES
+        return bool(params.get("merge")) and params["site"] == SITE_FEATURES
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
         prefix, patches = split_prefix(inputs.hidden, inputs.prefix)

@@ -62,13 +62,14 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import SCORE_EPS, SITE_FEATURES
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes.methods import attention, relevance
-from vlmprune.passes.methods.base import (FEATURES, GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult,
+from vlmprune.passes.methods.base import (GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult,
                                           positive_int)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT
 from vlmprune.passes.methods.cls import emit_selection, gather_summary
-from vlmprune.passes.methods.selection import SCORE_EPS, select_topk
+from vlmprune.passes.methods.selection import select_topk
 from vlmprune.passes.graph.structure import static_dim
 
 EPS = 1e-6  # the official code's `esp`: norms, the variance rescale and the weights
@@ -124,7 +125,7 @@ class HolovMethod(Method):
         return params
 
     def needs(self, params: dict) -> Needs:
-        return Needs(site=FEATURES, cls=True, attention=True)
+        return Needs(site=SITE_FEATURES, cls=True, attention=True)
 
     def output_tokens(self, params: dict) -> int:
         return params["keep"] + 1

@@ -60,6 +60,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import NORM_EPS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import BLOCK
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
@@ -168,7 +169,7 @@ def reference_keys(inputs, site_is_block: bool) -> torch.Tensor:
         keys = inputs.k.mean(dim=1)[:, inputs.prefix:]
     else:
         keys = inputs.hidden[:, inputs.prefix:]
-    return keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return keys / keys.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
 
 
 def local_merge(params: dict, inputs, kept: torch.Tensor, site_is_block: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +210,7 @@ def merge_margins(similarity: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
         return torch.full((b, 1), float("inf"), dtype=similarity.dtype)
     top = torch.topk(similarity, 2, dim=-1)
     two = valid.sum(dim=-1) >= 2
-    gap = (top.values[..., 0] - top.values[..., 1]) / top.values[..., 0].abs().clamp_min(1e-12)
+    gap = (top.values[..., 0] - top.values[..., 1]) / top.values[..., 0].abs().clamp_min(NORM_EPS)
     gap = torch.where(two, gap, torch.full_like(gap, float("inf")))
     rows = torch.full((b, k), float("inf"), dtype=similarity.dtype)
     for rank in range(2):  # two ranks, not the batch

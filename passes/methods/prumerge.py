@@ -63,6 +63,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import NORM_EPS
 from vlmprune.passes.methods import attention
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteTensors, TorchResult, \
     positive_int
@@ -153,7 +154,7 @@ class PruMergePlusMethod(Method):
         safe = kept.clamp_min(0)
         b, h, t, dh = inputs.k.shape
         keys = inputs.k.transpose(1, 2).reshape(b, t, h * dh)[:, inputs.prefix:]
-        keys = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        keys = keys / keys.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
         similarity = gather_rows(keys, safe) @ keys.transpose(1, 2)  # [B, K_max, N]
         self_hit = torch.arange(patches.shape[1]) == safe.unsqueeze(-1)
         similarity = similarity.masked_fill(self_hit, -3.0)  # below any cosine: never its own neighbour

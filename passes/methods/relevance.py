@@ -41,13 +41,12 @@ import math
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import NORM_EPS, SCORE_EPS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import BLOCK
 
 NAME = "prompt_weight"
-NORM_EPS = 1e-12  # row norms' floor (cdpruner's too: it computes its relevance here)
 RANGE_EPS = 1e-6  # min-max normalisation's floor (OpenVINO GenAI's cdpruner)
-SCORE_EPS = 1e-6  # the score maximum's floor (attention.normalise's)
 
 GENERIC = {
     NAME: (float, "W >= 0 (default 0): a score-based method at the projector output ranks by score/max(score) + "

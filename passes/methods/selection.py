@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Floor for per-image maxima that normalise scores: a constant image has zero pixel variance everywhere.
-SCORE_EPS = 1e-6
+from vlmprune.compiler.contract import SCORE_EPS  # floors the per-image maxima that normalise scores
 
 
 def topk_lower_index(scores: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:

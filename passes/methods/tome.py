@@ -63,7 +63,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import TOKENS_META
+from vlmprune.compiler.contract import NORM_EPS, TOKENS_META
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.compiler.frontend.family import FEATURE_LAYER
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteTensors, TorchResult
@@ -159,7 +159,7 @@ def _merge(state: _Tokens, r: int, prefix: int, h: torch.Tensor, k: torch.Tensor
     """One block's bipartite soft matching and size-weighted merge of r tokens (module docstring, steps 2-4)."""
     t = h.shape[1]
     metric = k.mean(dim=1)
-    metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
     scores = metric[:, ::2] @ metric[:, 1::2].transpose(1, 2)
     if prefix:
         scores = scores.masked_fill(torch.from_numpy(protected_mask(t, prefix)), PROTECTED)

@@ -40,10 +40,11 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import NORM_EPS, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import attention, probe
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, FusedOp, GraphInputs, Method, Needs, SiteTensors, \
-    TorchResult
+    TorchResult, int8_scorer
 from vlmprune.passes.methods.cls import CLS_SCORE, ClsScoreFusion, check_scorer_prefix, emit_kernel_scores
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask, select_topk, split_prefix
@@ -77,7 +78,7 @@ def assignment_margins(similarity: torch.Tensor) -> torch.Tensor:
     b, _, k_c = similarity.shape
     if k_c == 1:
         return torch.full((b, 1), float("inf"), dtype=similarity.dtype)
-    margin = (top.values[..., 0] - top.values[..., 1]) / top.values[..., 0].abs().clamp_min(1e-12)
+    margin = (top.values[..., 0] - top.values[..., 1]) / top.values[..., 0].abs().clamp_min(NORM_EPS)
     rows = torch.full((b, k_c), float("inf"), dtype=similarity.dtype)
     for rank in range(2):
         rows = rows.scatter_reduce(1, top.indices[..., rank], margin, reduce="amin")
@@ -130,7 +131,7 @@ class VisionZipMethod(Method):
 
     def describe(self, params: dict) -> str:
         by = " (by probe attention)" if params.get("score") == "probe" else \
-            " (INT8 scorer)" if params.get("scorer") == "int8" else ""
+            " (INT8 scorer)" if int8_scorer(params) else ""
         return f"VisionZip: {params['dominant']} dominant{by} + {params['contextual']} contextual tokens"
 
     def reference(self, params: dict, inputs: SiteTensors) -> TorchResult:
@@ -146,7 +147,7 @@ class VisionZipMethod(Method):
         kept = [dominant]
         if k_c:
             keys = inputs.k.mean(dim=1)[:, inputs.prefix:]  # [B, N, dh]
-            keys = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            keys = keys / keys.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
             # Remaining patches in ascending order: a stable sort of the mask keeps index order.
             remaining = torch.sort(pruned_mask(dominant, n), dim=-1, descending=True, stable=True).indices[:, : n - k_d]
             t_pos, o_pos = (torch.from_numpy(p) for p in target_positions(n - k_d, k_c))
@@ -169,7 +170,7 @@ class VisionZipMethod(Method):
         k_d, k_c, n = params["dominant"], params["contextual"], inputs.num_patches
         if params.get("score") == "probe":
             attn = probe.emit_probe_attention(b, inputs.hidden, inputs.head, inputs.prefix)
-        elif params.get("scorer") == "int8":  # the form ClsScoreFusion turns into the INT8 kernel (cls.py)
+        elif int8_scorer(params):  # the form ClsScoreFusion turns into the INT8 kernel (cls.py)
             attn = emit_kernel_scores(b, inputs.block, inputs.prefix)
         else:
             attn = attention.emit_cls_attention(b, inputs.block, inputs.prefix)
@@ -208,11 +209,11 @@ class VisionZipMethod(Method):
             kept_all = b.op("Concat", kept, "kept", axis=1) if len(kept) > 1 else dominant
         return tokens, kept_all
 
-    def fusion_rules(self, spellings: dict[str, FusedOp], record: dict | None = None) -> list:
+    def fusion_rules(self, spellings: dict[str, FusedOp], record: PruneRecord | None = None) -> list:
         """--scorer int8: the dominant score in cls's ClsAttentionScore kernel (its rules; one [CLS], no registers)."""
         scorer = spellings.get(CLS_SCORE)
-        params = (record or {}).get("params", {})
-        if scorer is None or params.get("scorer") != "int8" or record is not None and record.get("prefix", 1) != 1:
+        params = record.params if record is not None else {}
+        if scorer is None or not int8_scorer(params) or record is not None and record.prefix != 1:
             return []
         return [ClsScoreFusion.rule(scorer, transposed, axes_input) for transposed in (True, False)
                 for axes_input in (True, False)]

@@ -7,6 +7,7 @@ VLMPRUNE_CACHE then builds no op library.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -133,12 +134,12 @@ def test_the_pruned_reference_from_the_dense_one_is_the_same(tiny_source, method
     import numpy as np
 
     from vlmprune.compiler.parity import reference
+    from vlmprune.compiler.contract import PruneRecord
     from vlmprune.compiler.frontend.images import parity_inputs
     from vlmprune.passes.methods import get_method
 
     params = get_method(method).parse(16, {})
-    record = {"method": method, "params": params, "site": get_method(method).needs(params).site,
-              "layer": tiny_source.num_blocks}
+    record = PruneRecord(method, params, get_method(method).needs(params).site, tiny_source.num_blocks)
     pixel, _ = parity_inputs(2, tiny_source.image_size, tiny_source.mean, tiny_source.std)
     dense = reference.dense_reference(tiny_source, pixel)
     _, alone = reference.torch_reference(tiny_source, record, pixel)
@@ -161,6 +162,17 @@ def test_the_products_folder_moves_alone(monkeypatch, tmp_path):
     monkeypatch.setenv("VLMPRUNE_PRODUCTS", str(tmp_path / "products"))
     assert cache.products_dir() == tmp_path / "products"
     assert cache_dir() == tmp_path / "cache"  # the kernels and venvs stay where they are
+
+
+def test_one_cache_root_for_kernels_and_toolchain_venvs(monkeypatch, tmp_path):
+    """The kernel builds and the toolchains' venvs resolve $VLMPRUNE_CACHE in one place (kernels.build.cache_dir):
+    two copies had already drifted (one expanded ~, the other did not)."""
+    from vlmprune.kernels.build import cache_dir
+    from vlmprune.targets import rknn_env, venvs
+
+    assert venvs.cache_dir is cache_dir
+    monkeypatch.setenv("VLMPRUNE_CACHE", "~/elsewhere")
+    assert rknn_env.ENV.venv_dir().parent == cache_dir() == Path.home() / "elsewhere"
 
 
 def test_the_least_recently_used_entries_go_when_the_folder_is_over_its_limit(tmp_path, monkeypatch):

@@ -58,3 +58,20 @@ def test_the_standalone_scripts_spell_the_contract_s_values():
 def test_the_contract_s_values_are_distinct_where_they_name_different_things():
     values = [v for k, v in vars(contract).items() if k.isupper() and isinstance(v, str) and k != "LLM_MODEL"]
     assert len(values) == len(set(values))  # LLM_MODEL is model.onnx inside llm/, by the runtimes' choice
+
+
+EPSILONS = {name: value for name, value in vars(contract).items() if name.endswith("_EPS")}
+
+
+@pytest.mark.parametrize("rel", [rel for rel in _modules() if not rel.startswith("tools/")])
+def test_the_shared_epsilons_have_one_home(rel):
+    """NORM_EPS, SCORE_EPS and COSINE_EPS are the contract's: a library module that defines one of those names again,
+    or writes the norm floor 1e-12 as a literal, would let a reference and its graph drift apart by one edit. (tools/
+    holds independent peers of the methods, which spell the official code's constants themselves.)"""
+    twins = []
+    for node in ast.walk(ast.parse((REPO / rel).read_text(), rel)):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in EPSILONS for t in node.targets):
+            twins.append(f"{rel}:{node.lineno} defines {node.targets[0].id}")
+        if isinstance(node, ast.Constant) and node.value == EPSILONS["NORM_EPS"] and type(node.value) is float:
+            twins.append(f"{rel}:{node.lineno} writes {node.value!r}: import contract.NORM_EPS")
+    assert not twins, "\n".join(twins)

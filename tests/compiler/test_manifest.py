@@ -3,6 +3,7 @@ when a section is missing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -41,6 +42,10 @@ def test_typed_fields_read_a_real_bundle_and_keep_its_json(demo_bundle):
     assert (m.preprocess.mean, m.preprocess.std, m.preprocess.size) == (
         raw["preprocess"]["mean"], raw["preprocess"]["std"], raw["preprocess"]["size"])
     assert m.compile_options == raw["compile_options"] and m.llm == raw["llm"] and m.llm_graphs is None
+    llm = raw["llm"]
+    assert (m.llm.image_tokens, m.llm.hidden_size, m.llm.rows, m.llm.dense_image_tokens) == (
+        llm["image_tokens"], llm["hidden_size"], llm["rows"], llm["dense_image_tokens"])
+    assert m.keep_auto is None and m.method.roi is None  # no --keep auto, no --roi
     assert m.parity.passed is True and m.parity.stages == raw["parity"]["stages"]
     assert m.files == raw["files"] and m.version == raw["vlmprune_version"]
     with pytest.raises(TypeError):
@@ -55,6 +60,46 @@ def test_a_dense_bundle_records_the_dense_method(compiled, tiny_llava_dir):
     dense = m.method.method()
     assert isinstance(dense, Dense) and not dense.prunes and dense.summary == m.method.summary
     assert all(cls.prunes for cls in METHODS.values())
+
+
+def test_the_manifest_s_record_is_the_graph_s_and_its_section_round_trips(demo_bundle):
+    """The prune record has one writer and one reader per form: the record rebuilt from manifest.json equals the one
+    the insertion left in model.decomposed.onnx (so parity's reference, which reads the manifest, runs the method
+    the graph runs), and writing it back gives the manifest's method section key for key, in the file's order."""
+    import onnx_ir as ir
+
+    from vlmprune.compiler.contract import DECOMPOSED, PruneRecord
+    from vlmprune.passes.prune import prune_record
+
+    m = Manifest.load(demo_bundle.bundle)
+    graph = prune_record(ir.load(demo_bundle.bundle / DECOMPOSED))
+    assert isinstance(graph, PruneRecord) and m.record == graph
+    assert json.dumps(graph.manifest_section()) == json.dumps(dict(m.method))  # same keys, same order
+    assert PruneRecord.from_json(graph.to_json()) == graph
+    assert graph.summary and not graph.summary.endswith("patch tokens)")  # the method's line, not the manifest's
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        graph.layer = 3  # one record for every reader: none edits it under another
+
+
+def test_a_schedule_s_steps_and_a_variable_k_s_output_round_trip(compiled):
+    """The record's optional fields (absent from the IR's JSON where they do not apply) survive the manifest: a
+    --schedule's steps, an adaptive budget's num_tokens output (which the manifest lists among the outputs)."""
+    import onnx_ir as ir
+
+    from vlmprune.compiler.contract import DECOMPOSED, NUM_TOKENS
+    from vlmprune.passes.prune import prune_record
+
+    for options in ({"keep": 32, "method_options": {"schedule": "2,4"}},
+                    {"keep": 64, "method_options": {"budget": "adaptive"}}):
+        result = compiled("demo", **options)
+        graph = prune_record(ir.load(result.bundle / DECOMPOSED))
+        assert result.manifest.record == graph
+        assert (graph.steps is not None) == ("schedule" in options["method_options"])
+        assert (graph.num_tokens == NUM_TOKENS) == ("budget" in options["method_options"])
+
+
+def test_a_dense_bundle_has_no_record(compiled, tiny_llava_dir):
+    assert bundle.load_manifest(compiled(tiny_llava_dir, prune=False).bundle).record is None
 
 
 @pytest.mark.parametrize("section", ["method", "inputs"])

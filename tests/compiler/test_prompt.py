@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -42,7 +43,7 @@ def _reference_kept(model_dir, pixel: np.ndarray, rows: np.ndarray) -> np.ndarra
     pruner = MethodPruner(method, params, "features", None)
     with torch.inference_mode(), feeding(rows):
         dense = source.pipeline(torch.from_numpy(pixel)).numpy()
-        _, kept, _ = prompt_site(source.pipeline, pruner, {"params": params}, dense, pixel)
+        _, kept, _ = prompt_site(source.pipeline, pruner, dense, pixel)
     return kept.numpy()
 
 
@@ -71,7 +72,7 @@ def test_the_bundle_takes_text_embeds(result, bundle):
     batch = manifest["inputs"][0]["shape"][0]
     assert manifest["inputs"][1]["shape"] == [batch, "text_tokens", 48]  # the LLM's width, the prompt's length free
     model = ir.load(bundle / "model.decomposed.onnx")
-    assert prune_record(model)["text"] == {"name": "text_embeds", "dim": 48}
+    assert prune_record(model).text == {"name": "text_embeds", "dim": 48}
 
 
 def test_run_with_a_prompt_embeds_it_with_the_checkpoints_table(bundle, tiny_llava_dir, tmp_path):
@@ -255,9 +256,8 @@ def test_prompt_weight_on_cls_score_attention_qwen2_vl(tmp_path, batch):
     got = dict(zip([o.name for o in session.get_outputs()],
                    session.run(None, {"pixel_values": pixel, "text_embeds": text})))
     manifest = result.manifest
-    record = {k: manifest["method"][k] for k in ("params", "site", "layer", "has_cls", "num_patches", "prefix")}
-    record["method"] = "cls"
-    plain_record = {**record, "params": {k: v for k, v in record["params"].items() if k != "prompt_weight"}}
+    record = result.manifest.record
+    plain_record = dataclasses.replace(record, params={k: v for k, v in record.params.items() if k != "prompt_weight"})
     dense, plain = torch_reference(source, plain_record, pixel)  # (the weighted reference: parity's, passed above)
     # The plain formula over the unweighted reference's own scores and the dense features, with these rows.
     scores = plain.trace["scores"].astype(np.float64)

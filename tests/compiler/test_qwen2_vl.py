@@ -133,8 +133,8 @@ def test_divprune_on_ort_batch_1_and_3_with_hf_positions(divprune_bundle, qwen_d
     assert manifest["method"]["num_patches"] == 25
     assert [s.stage for s in result.report.stages] == ["export", "rewritten", "fused"]
     source = load_source(str(qwen_dirs["qwen2_5_vl"]), image_size=140)
-    record = {k: manifest["method"][k] for k in ("params", "site", "layer", "has_cls", "num_patches", "prefix")}
-    record["method"] = "divprune"
+    record = manifest.record
+    assert record.method == "divprune"
     offset = 4
     hf_positions = _rope_positions(hf_models["qwen2_5_vl"], source, offset)
     for graph in ("model.decomposed.onnx", "model.onnx"):
@@ -337,6 +337,7 @@ def _hf_received(model, pixel: torch.Tensor, block: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("family, size, block", [("qwen2_vl", 112, 1), ("qwen2_5_vl", 112, 1), ("qwen2_5_vl", 140, 1)])
 def test_received_attention_is_hf_attention_weights(qwen_dirs, hf_models, family, size, block):
+    from vlmprune.compiler.contract import PruneRecord
     from vlmprune.compiler.parity.reference import pruner_for
 
     source = load_source(str(qwen_dirs[family]), image_size=size)
@@ -344,9 +345,8 @@ def test_received_attention_is_hf_attention_weights(qwen_dirs, hf_models, family
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(7))
     expected = _hf_received(hf_models[family], x, block)
     expected = expected / expected.amax(dim=-1, keepdim=True)
-    pipeline = source.pipeline.with_pruner(pruner_for({"method": "cls", "params": {"keep": 5, "lambda": 0.0,
-                                                                                     "score": "attention"},
-                                                       "site": "features", "layer": None}))
+    record = PruneRecord("cls", {"keep": 5, "lambda": 0.0, "score": "attention"}, "features", None)
+    pipeline = source.pipeline.with_pruner(pruner_for(record))
     with torch.inference_mode():
         tokens, kept = pipeline(x)
     torch.testing.assert_close(pipeline.last_trace["scores"], expected, rtol=1e-5, atol=1e-6)
@@ -375,8 +375,8 @@ def test_cls_score_attention_on_ort_batch_1_and_3(qwen_dirs, hf_models, tmp_path
     source = load_source(str(qwen_dirs[family]), image_size=size)
     block = source.pipeline.score_block()
     assert block == (2 if size == 56 else 1)  # a single window is the whole image: the last block spans it too
-    record = {k: manifest["method"][k] for k in ("params", "site", "layer", "has_cls", "num_patches", "prefix")}
-    record["method"] = "cls"
+    record = manifest.record
+    assert record.method == "cls"
     offset = 4
     hf_positions = _rope_positions(hf_models[family], source, offset)
     for batch in (1, 3):

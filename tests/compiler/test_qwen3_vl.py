@@ -128,8 +128,8 @@ def test_divprune_on_ort_every_deepstack_level_at_the_kept_indices(divprune_bund
                                                       (1, 1, [2 * WIDTH, 3 * WIDTH], "kept_indices")]
     assert "DeepStack" in (result.bundle / "README.md").read_text()
     source = load_source(str(qwen3_dir), image_size=128)
-    record = {k: manifest["method"][k] for k in ("params", "site", "layer", "has_cls", "num_patches", "prefix")}
-    record["method"] = "divprune"
+    record = manifest.record
+    assert record.method == "divprune"
     hf_positions = _rope_positions(hf_model, 16, 8, 4)
     library = (result.bundle / manifest["target"]["custom_op_library"],)
     for graph in ("model.decomposed.onnx", "model.onnx"):

@@ -14,6 +14,7 @@ from PIL import Image
 
 from vlmprune.compiler import pictures, report
 from vlmprune.compiler.bundle.manifest import Manifest
+from vlmprune.compiler.parity import ParityReport, StageResult, Tolerance
 from cli_helpers import one_line_error as _one_line_error, run_cli as _run
 
 XSD = Path(__file__).with_name("junit-10.xsd")
@@ -112,14 +113,14 @@ def test_chromium_renders_the_table_and_the_pictures(checked, chromium, tmp_path
 
 def test_tie_band_explanation_and_heat_map_by_pixel():
     scores = [[0.9, 0.5, 0.5 - 1e-6, 0.1]]
-    fp16 = {"cosine_min": 0.999, "max_abs": None, "index_agreement_min": 1.0, "tie_rel_tol": 1e-3, "rtol": None}
-    data = {"reference": {"kept": [[0, 1]], "scores": scores, "boundary": 2, "selection": "score"},
-            "stages": [{"stage": "fused", "tolerance": fp16, "indices": {"per_image": [0.5], "kept": [[0, 2]],
-                                                                       "tie_resolved_images": [0]}}]}
+    fp16 = Tolerance(cosine_min=0.999, index_agreement_min=1.0, tie_rel_tol=1e-3, tie_share_max=1.0)
+    stage = StageResult("fused", "ort", "fp16", fp16, False,
+                        indices={"per_image": [0.5], "kept": [[0, 2]], "tie_resolved_images": [0]})
+    data = ParityReport({}, [stage], {"kept": [[0, 1]], "scores": scores, "boundary": 2, "selection": "score"})
     (line,) = report.mismatch_explanations(data)
     assert "patch 1 (kept only by the reference)" in line and "patch 2 (kept only by this stage)" in line
     assert "within the tie band" in line and "passes" in line
-    data["stages"][0]["indices"]["tie_resolved_images"] = []
+    stage.indices["tie_resolved_images"] = []
     assert "a real mismatch" in report.mismatch_explanations(data)[0]
     view = np.full((28, 28, 3), 100, np.uint8)  # 2 x 2 patches of 14 px, shown x12
     heat = np.asarray(report.heat_map(view, 2, np.array([0.0, 1.0, 0.5, 0.25]))).astype(float)
@@ -135,8 +136,8 @@ def test_greedy_methods_get_no_heat_map_and_say_why():
                          "target": {"name": "ort", "summary": "x"},
                          "model": {"source": "demo", "kind": "preset", "patch_size": 14}, "vlmprune_version": "0",
                          "preprocess": {"size": 28, "mean": [0.5] * 3, "std": [0.5] * 3}})
-    data = {"passed": True, "inputs": {"images": ["a"]}, "stages": [],
-            "reference": {"kept": [[0, 3]], "scores": None, "boundary": None, "selection": "greedy"}}
+    data = ParityReport({"images": ["a"]}, [],
+                        {"kept": [[0, 3]], "scores": None, "boundary": None, "selection": "greedy"})
     page = report.html_report(data, manifest, "b", np.zeros((1, 3, 28, 28), np.float32))
     assert "No heat map for divprune: its selection is greedy" in page
 
@@ -190,14 +191,14 @@ def test_a_failing_figure_never_reads_as_passing():
         "image_features": {"cosine_min": 0.99999997, "max_abs": 2e-7, "mean_abs": 1e-8, "passed": False}})
     assert _line(stage) == ("  rewritten  FAIL  cosine_min 0.99999997, max_abs 2e-07  "
                             "(failing: image_features)")  # the progress line
-    rows = report.figure_rows(stage.to_json())
-    page = report.html_report({"passed": False, "inputs": {}, "stages": [stage.to_json()]},
+    rows = report.figure_rows(stage)
+    page = report.html_report(ParityReport({}, [stage]),
                               Manifest({"method": {"summary": "cls", "name": "cls"},
                                         "target": {"name": "ort", "summary": "s"},
                                         "model": {"source": "m", "kind": "hf"}, "vlmprune_version": "0"}), "b", None)
     assert "<td>min cosine over tokens</td><td>0.99999997</td><td>≥ 1</td><td class=\"bad\">FAIL" in page
     assert [r["value"] for r in rows if r["figure"] == "min cosine over tokens"] == [0.99999997]
-    xml = report.junit_xml({"stages": [stage.to_json()]},
+    xml = report.junit_xml(ParityReport({}, [stage]),
                            Manifest({"target": {"name": "ort"}, "method": {"summary": "cls"}, "model": {"source": "m"},
                                      "vlmprune_version": "0"}), "b", 1.0)
     assert b"min cosine over tokens 0.99999997 (needs \xe2\x89\xa5 1)" in xml
@@ -252,9 +253,9 @@ def test_reports_print_the_scale_relative_max_abs_bound():
     data = stage.to_json()
     assert data["outputs"]["image_features"]["max_abs_bound"] == pytest.approx(1.18e-3)
     assert data["tolerance"]["scale_rel"] == 1e-5
-    row = [r for r in report.figure_rows(data) if r["figure"] == "max-abs"][0]
+    row = [r for r in report.figure_rows(stage) if r["figure"] == "max-abs"][0]
     assert row["tolerance"] == "≤ 0.0001 + 1e-05 × 108 (max|ref|) = 0.00118" and row["passed"]
-    xml = report.junit_xml({"stages": [data]}, Manifest({"target": {"name": "ort"}, "method": {"summary": "cls"},
+    xml = report.junit_xml(ParityReport({}, [stage]), Manifest({"target": {"name": "ort"}, "method": {"summary": "cls"},
                                                          "model": {"source": "m"}, "vlmprune_version": "0"}), "b", 1.0)
     assert "1e-05 × 108 (max|ref|)".encode() in xml
     assert parity.stage_line(stage) == "export     PASS  cosine_min 1, max_abs 0.000108 (≤ 0.00118)"

@@ -9,6 +9,7 @@ the kernel alone on that attention: tests/kernels/test_int8_real_attention.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -103,7 +104,7 @@ def test_visionzip_dominant_score_fuses_into_the_kernel(tiny_dense_path, ort_lib
     plain = run_session(ort_session(decomposed), x)
     dominant = [len(np.intersect1d(a[:12], b[:12])) / 12 for a, b in zip(fused["kept_indices"], plain["kept_indices"])]
     assert np.mean(dominant) >= 0.9, dominant  # random weights: near-flat attention (see test_fusion_carries_int8)
-    assert visionzip.fusion_rules(ORT_OPS, prune_record(model) | {"params": visionzip.parse(16, {})}) == []
+    assert visionzip.fusion_rules(ORT_OPS, dataclasses.replace(prune_record(model), params=visionzip.parse(16, {}))) == []
 
 
 @pytest.mark.parametrize("target,batch,op", [("ort", 3, "ClsAttentionScore"), ("orin", 1, "VlmpClsScore")])

@@ -60,7 +60,7 @@ def test_inserted_ops_roles_record_and_checker(tiny_dense_path):
     roles = [n.metadata_props["vlmprune.role"] for n in inserted]
     assert roles == ["score"] * 8 + ["select"] * 2 + ["tokens"] * 13
     record = prune_record(result.model)
-    assert (record["method"], record["layer"], record["tokens_in"], record["tokens_out"]) == ("cls", 1, 65, 18)
+    assert (record.method, record.layer, record.tokens_in, record.tokens_out) == ("cls", 1, 65, 18)
     assert retarget.modified  # the exporter baked 65 tokens into later Reshapes
     assert not RetargetTokenCountPass()(result.model).modified  # nothing left on a second run
     assert not insertion(16, 1)(result.model).modified  # the same pruning, already in place

@@ -83,3 +83,54 @@ def test_creating_a_toolchain_venv_says_what_how_big_and_how_long_before_and_wha
     assert said == [] and info == env.info()  # reused as it is, without a word
     assert env.ready_line(venv, info) == (f"{env.label} ready at {venv} ({info['size_bytes'] / 1e6:.0f} MB, "
                                           f"{info['install_seconds']:.0f} s)")
+
+
+def test_targets_read_their_emit_context_by_field():
+    """Target.emit is handed an EmitContext: no target reads it by key (the dict it replaced was read by key in ten
+    places), and every attribute a target reads on it is one EmitContext has, so a misspelt field fails here and not
+    on the one target and precision that reach it."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    from vlmprune.targets.base import EmitContext
+
+    names = {f.name for f in dataclasses.fields(EmitContext)} | {n for n in vars(EmitContext) if not n.startswith("_")}
+    read, keyed = set(), []
+    emits = 0
+    for path in sorted((Path(__file__).resolve().parents[2] / "targets").glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            # every function handed the context: the emits and their helpers (annotated; an untyped one is missed)
+            if not isinstance(fn, ast.FunctionDef) or not any(
+                    a.arg == "context" and ast.unparse(a.annotation or ast.Constant(None)) == "EmitContext"
+                    for a in fn.args.args):
+                continue
+            emits += 1
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "context":
+                    read.add(node.attr)
+                if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "context":
+                    keyed.append(f"{path.name}:{node.lineno}")
+    assert emits >= len(TARGETS) - 1  # orin and xavier share one emit; ort_quant, openvino and tensorrt add helpers
+    assert not keyed and "get" not in read
+    assert read and read <= names, sorted(read - names)
+
+
+def test_the_emit_context_calibrates_at_its_size_and_normalisation():
+    """EmitContext.calibration_inputs: the frontend's preprocessing handed down, at the context's image size (or the
+    size a target asks for) and with its mean and std; never the parity images it is later checked on."""
+    import numpy as np
+
+    from vlmprune.compiler.frontend import images
+    from vlmprune.targets.base import EmitContext
+
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    parity, _ = images.parity_inputs(2, 32, mean, std)
+    context = EmitContext(None, CompileOptions(), {}, 32, mean, std, images, parity)
+    calib, names = context.calibration_inputs(2)
+    assert calib.shape == (2, 3, 32, 32) and len(names) == 2
+    assert not np.allclose(calib, parity)
+    other, _ = EmitContext(None, CompileOptions(), {}, 32, (0.0,) * 3, (1.0,) * 3, images, parity).calibration_inputs(2)
+    np.testing.assert_allclose(calib, (other - np.reshape(mean, (1, 3, 1, 1))) / np.reshape(std, (1, 3, 1, 1)),
+                               rtol=1e-5, atol=1e-5)
+    assert context.calibration_inputs(1, size=48)[0].shape == (1, 3, 48, 48)

@@ -71,7 +71,7 @@ def assert_matches_pipeline(model: ir.Model, method, params: dict, source, x: np
     kept indices and token counts exactly, features to fp32 rounding (padded to `slots` rows). Returns ORT's outputs."""
     out = run_session(ort_session(ir.to_proto(model).SerializeToString()), x)
     with torch.inference_mode():
-        pipeline = source.pipeline.with_pruner(MethodPruner(method, params, "block", prune_record(model)["layer"]))
+        pipeline = source.pipeline.with_pruner(MethodPruner(method, params, "block", prune_record(model).layer))
         feats, kept = pipeline(torch.from_numpy(x))
     expected = padded_outputs(feats.numpy(), slots, pipeline.last_trace["num_tokens"])
     np.testing.assert_array_equal(out[KEPT_INDICES], kept.numpy())

@@ -7,7 +7,8 @@ import pytest
 
 from method_helpers import features_model, reference, run, tokens
 from vlmprune.compiler.errors import InputError
-from vlmprune.passes.methods.base import BLOCK, FEATURES, SiteSpec
+from vlmprune.compiler.contract import SITE_FEATURES
+from vlmprune.passes.methods.base import BLOCK, SiteSpec
 from vlmprune.passes.methods.grid import GridMethod, grid_indices
 
 
@@ -40,7 +41,7 @@ def test_graph_matches_reference(has_cls, batch):
 def test_site_and_refusals():
     method = GridMethod()
     assert method.needs(method.parse(8, {})).site == BLOCK
-    assert method.needs(method.parse(8, {"site": "features"})).site == FEATURES
+    assert method.needs(method.parse(8, {"site": "features"})).site == SITE_FEATURES
     assert not method.reads_projector_output(method.parse(8, {"site": "features"}))  # a constant: int8 may serve it
     with pytest.raises(InputError, match=r"^--keep must satisfy 1 <= keep < 256 \(the tower has 256 patch tokens\), "
                                          r"got 300$"):

@@ -89,7 +89,7 @@ def test_inserted_graph_matches_reference(tiny_dense_path, tiny_source, layer, b
     InsertPruningPass(CLS, params, layer)(model)
     RetargetTokenCountPass()(model)
     record = prune_record(model)
-    assert record["tokens_out"] == 1 + 12 + 1 and record["params"]["width"] == 3
+    assert record.tokens_out == 1 + 12 + 1 and record.params["width"] == 3
     ops = [n.op_type for n in model.graph if (n.name or "").startswith("vlmprune/")]
     assert "ArgMax" in ops and "GatherND" in ops and "LessOrEqual" in ops
     x = np.random.default_rng(batch).standard_normal((batch, 3, 112, 112)).astype(np.float32)
@@ -243,8 +243,8 @@ def test_every_declaring_method_merges_as_its_reference(tiny_dense_path, tiny_so
         RetargetTokenCountPass()(model)
     RemoveUnusedNodesPass()(model)  # the method's own token rows: unused under the merge
     record = prune_record(model)
-    assert record["site"] == site and record["tokens_out"] == record["prefix"] + 13
-    expected = MERGE_OPS + ["Slice"] * record["prefix"] + (["ReduceMean", "Transpose"] if site == "block" else [])
+    assert record.site == site and record.tokens_out == record.prefix + 13
+    expected = MERGE_OPS + ["Slice"] * record.prefix + (["ReduceMean", "Transpose"] if site == "block" else [])
     assert merge_ops(model) == sorted(expected)
     assert not [n for n in model.graph if (n.name or "").endswith("/gather_kept")]  # the unmerged rows are gone
     proto = ir.to_proto(model)

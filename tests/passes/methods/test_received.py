@@ -16,7 +16,8 @@ from vlmprune.compiler.frontend import export_onnx
 from vlmprune.compiler.frontend.clip import build_tower, tower_parts
 from vlmprune.compiler.frontend.tower import VisionPipeline
 from vlmprune.passes.methods import get_method
-from vlmprune.passes.methods.base import FEATURES, SiteSpec
+from vlmprune.compiler.contract import SITE_FEATURES
+from vlmprune.passes.methods.base import SiteSpec
 from vlmprune.passes.methods.received import received_attention
 from vlmprune.passes.prune import InsertPruningPass
 
@@ -49,7 +50,7 @@ def test_options_and_sites():
     params = CLS.parse(4, {"score": "attention"})
     assert params == {"keep": 4, "lambda": 0.0, "score": "attention"}
     needs = CLS.needs(params)
-    assert needs.site == FEATURES and not needs.cls and not needs.attention and not needs.pixels
+    assert needs.site == SITE_FEATURES and not needs.cls and not needs.attention and not needs.pixels
     assert "attention received at the last full-attention block" in CLS.describe(params)
     assert CLS.output_tokens(params) == 5
     CLS.check(params, SiteSpec(16, False, merge=2))

@@ -10,6 +10,7 @@ import onnx_ir as ir
 import pytest
 import torch
 
+from vlmprune.compiler.contract import PruneRecord
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.compiler.parity.reference import MethodPruner, pruner_for
 from vlmprune.passes.methods import coverage, get_method, schedule
@@ -101,10 +102,10 @@ def test_inserted_steps_ops_record_and_checker(tiny_dense_path):
     assert ops.count("Softmax") == 3 and ops.count("GatherElements") == 2
     assert ops.count("TopK") == 2 * 3 + 2 * 2  # the intermediate steps' unused method TopKs are still there
     record = prune_record(model)
-    assert record["steps"] == [{"layer": 1, "keep": 40, "tokens_in": 65, "tokens_out": 41},
-                               {"layer": 2, "keep": 25, "tokens_in": 41, "tokens_out": 26},
-                               {"layer": 3, "keep": 16, "tokens_in": 26, "tokens_out": 18}]
-    assert (record["layer"], record["tokens_in"], record["tokens_out"]) == (3, 65, 18)
+    assert record.steps == ({"layer": 1, "keep": 40, "tokens_in": 65, "tokens_out": 41},
+                            {"layer": 2, "keep": 25, "tokens_in": 41, "tokens_out": 26},
+                            {"layer": 3, "keep": 16, "tokens_in": 26, "tokens_out": 18})
+    assert (record.layer, record.tokens_in, record.tokens_out) == (3, 65, 18)
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     RemoveUnusedNodesPass()(model)
@@ -126,8 +127,8 @@ def test_schedule_beyond_the_tower_is_refused(tiny_dense_path):
 
 
 def _reference(source, params, n: int, forced=None):
-    record = {"method": "cls", "params": params, "site": "block", "layer": schedule.layers(params)[-1],
-              "num_patches": n, "steps": [{"layer": s.layer} for s in schedule.resolve(params, n)]}
+    record = PruneRecord("cls", params, "block", schedule.layers(params)[-1], num_patches=n,
+                         steps=[{"layer": s.layer} for s in schedule.resolve(params, n)])
     pruner = pruner_for(record)
     pruner.forced = forced
     return source.pipeline.with_pruner(pruner)

@@ -201,7 +201,7 @@ def test_inserted_graph_matches_reference(tiny_dense_path, tiny_source, keep, op
     assert InsertPruningPass(METHOD, params)(model).modified
     assert RetargetTokenCountPass()(model).modified
     record = prune_record(model)
-    assert record["tokens_out"] == 1 + keep and record["layer"] == 3
+    assert record.tokens_out == 1 + keep and record.layer == 3
     proto = ir.to_proto(model)
     onnx.checker.check_model(proto, full_check=True)
     x = np.random.default_rng(batch).standard_normal((batch, 3, 112, 112)).astype(np.float32)
