@@ -105,8 +105,8 @@ def test_divprune_on_ort_rows_are_hf_rows_at_the_kept_indices(divprune_bundle, g
     assert manifest["model"]["family"] == "gemma3"
     assert "Gemma 3 tokens" in (result.bundle / "README.md").read_text()
     source = load_source(str(gemma3_dir))
-    record = {k: manifest["method"][k] for k in ("params", "site", "layer", "has_cls", "num_patches", "prefix")}
-    record["method"] = "divprune"
+    record = manifest.record
+    assert record.method == "divprune"
     library = (result.bundle / manifest["target"]["custom_op_library"],)
     decomposed = onnx.load(str(result.bundle / "model.decomposed.onnx"), load_external_data=False)
     assert {n.domain for n in decomposed.graph.node} <= {"", "ai.onnx"}  # standard ops only
