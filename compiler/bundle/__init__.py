@@ -23,29 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+# The manifest and its digests are manifest.py's, below this module; sha256_file is the cache's too (pipeline.cache).
+from vlmprune.compiler.bundle.manifest import DIGEST_KEY, Manifest, manifest_digest, sha256_file
 from vlmprune.compiler.contract import MANIFEST
 from vlmprune.compiler.errors import FORCE, InputError, option
 
-DIGEST_KEY = "manifest_sha256"
 _LOCK = ".vlmprune-writing"
 _OURS = ".vlmprune-"  # names of this module's own entries inside an output directory it publishes into
 _INTO = _OURS + "partial"
 _complete: list[str] | None = None  # while tracking(): the outputs complete so far, as the interrupt line names them
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _parent(output: Path) -> Path:
@@ -327,16 +319,8 @@ def _publish_into(tmp: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def manifest_digest(manifest: dict) -> str:
-    """sha256 of the manifest's canonical JSON, its own digest field left out."""
-    body = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 def write_manifest(bundle_dir: Path, manifest: dict):
     """Record every file's sha256 (the manifest itself excepted), then the manifest's own digest; the Manifest."""
-    from vlmprune.compiler.bundle.manifest import Manifest  # manifest.py reads bundles with the helpers above
-
     files = {}
     for path in sorted(p for p in bundle_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, _LOCK)):
         files[str(path.relative_to(bundle_dir))] = sha256_file(path)
@@ -358,6 +342,4 @@ def source_of(manifest, model: str | None = None, how: str = "pass --model PATH"
 
 def load_manifest(bundle_dir: Path, verify: bool = True):
     """Manifest.load: read manifest.json; with verify, refuse a bundle whose manifest or files were modified."""
-    from vlmprune.compiler.bundle.manifest import Manifest  # manifest.py reads bundles with the helpers above
-
     return Manifest.load(bundle_dir, verify)

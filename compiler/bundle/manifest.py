@@ -13,20 +13,35 @@ an edited model: nothing is loaded from a bundle that does not match.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from vlmprune.compiler.bundle import DIGEST_KEY, manifest_digest, sha256_file
 from vlmprune.compiler.contract import MANIFEST, NUM_TOKENS, TEXT, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.methods.dense import Dense
 
+DIGEST_KEY = "manifest_sha256"  # the manifest's digest of its own content (manifest_digest)
 # The sections every bundle has, and their JSON type; a manifest without one is refused on load.
 SECTIONS = {"target": dict, "model": dict, "method": dict, "inputs": list, "outputs": list, "preprocess": dict,
             "compile_options": dict}
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON, its own digest field left out."""
+    body = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 class Section(Mapping):
