@@ -46,7 +46,7 @@ from vlmprune.compiler.prompt import empty_prompt, feeding, prompt_embeds
 from vlmprune.compiler.pipeline import CompileOptions, check_bundle, compile_model
 from vlmprune.passes.methods.base import GENERIC_OPTIONS
 from vlmprune.passes.methods import DEFAULT_METHOD, METHODS, NEEDS_TRAINED_WEIGHTS
-from vlmprune.targets import DEFAULT_TARGET, HOST_TARGET, PLANNED, TARGETS, get_target
+from vlmprune.targets import DEFAULT_TARGET, HOST_TARGET, PLANNED, TARGETS, get_target, require_engine
 from vlmprune.targets import placement
 
 Progress = Callable[[str], None] | None
@@ -322,7 +322,7 @@ def check(bundle: str | Path, *, batch: int | None = None, atol=(), rtol=(), cos
                                      [o for o in outputs if o != KEPT], [KEPT])
     required = None  # engine: the stage the bundle's target names for its device engine
     if engine:
-        required = get_target(Manifest.load(bundle, verify=False).target.name).require_engine(bundle)
+        required = require_engine(Manifest.load(bundle, verify=False).target.name, bundle)
     started = time.perf_counter()
     result = check_bundle(bundle, batch, _say(progress), tolerances, model, cache=cache)
     seconds = time.perf_counter() - started

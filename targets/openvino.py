@@ -163,7 +163,7 @@ class OpenVinoTarget(Target):
                 f"{', '.join(DEVICES)} (default {DEFAULT_DEVICE}; one absent here is checked on {CHECK_DEVICE})"]
 
     def check_options(self, options) -> dict:
-        from vlmprune.targets import ort_quant
+        import vlmprune.targets.ort_quant as ort_quant
         from vlmprune.targets.base import reads_projector_output
 
         given = super().check_options(options)
@@ -282,7 +282,7 @@ def run_compiled(compiled, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
 
 def emit_int8(out_dir: Path, context: EmitContext) -> dict:
     """model.int8.xml + .bin: NNCF PTQ of the decomposed graph outside the score path; the manifest's int8 fields."""
-    from vlmprune.targets import ort_quant
+    import vlmprune.targets.ort_quant as ort_quant
 
     chosen = context.target_options
     pixels, names = ort_quant.calibration_pixels(chosen.get("calibration"), context.image_size, context.mean,

@@ -52,7 +52,7 @@ class OrtTarget(Target):
 
     def check_options(self, options) -> dict:
         """--precision fp32 | int8, and --calibration DIR (int8 only; a folder of PNG/JPEG files)."""
-        from vlmprune.targets import ort_quant
+        import vlmprune.targets.ort_quant as ort_quant
         from vlmprune.targets.base import reads_projector_output
 
         given = super().check_options(options)
@@ -102,7 +102,7 @@ class OrtTarget(Target):
         int8 = {}
         if context.target_options.get("precision") == "int8":
             from vlmprune.passes.prune import prune_record
-            from vlmprune.targets import ort_quant
+            import vlmprune.targets.ort_quant as ort_quant
 
             fusion = self.fusion(context.config, context.options, prune_record(model))
             int8 = {"int8": ort_quant.emit_int8(out_dir, context, fusion)}

@@ -39,7 +39,7 @@ from vlmprune.compiler.contract import MODEL, QDQ_MODEL, QNN_CONTEXT
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.methods.builder import selection_nodes
 from vlmprune.passes.qnn import TARGET, htp_legalization, htp_model_support, htp_support
-from vlmprune.targets import placement
+import vlmprune.targets.placement as placement
 from vlmprune.targets.base import EmitContext, StageSpec, Target
 
 # precision -> (activation type, weight type)
@@ -81,7 +81,7 @@ class QnnTarget(Target):
         self.selection = selection
 
     def available(self) -> tuple[bool, str]:
-        from vlmprune.targets import qnn_tools
+        import vlmprune.targets.qnn_tools as qnn_tools
 
         return qnn_tools.available()
 
@@ -89,7 +89,7 @@ class QnnTarget(Target):
         import onnx
         import onnxruntime
 
-        from vlmprune.targets import qnn_tools
+        import vlmprune.targets.qnn_tools as qnn_tools
 
         versions = {"onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__}
         try:
@@ -109,7 +109,7 @@ class QnnTarget(Target):
                 *(f"  {soc:<9} soc_model {model:<3} HTP {arch}  {product}" for soc, (model, arch, product) in SOCS.items())]
 
     def check_options(self, options) -> dict:
-        from vlmprune.targets import qnn_tools
+        import vlmprune.targets.qnn_tools as qnn_tools
 
         given = super().check_options(options)
         if options.batch not in (None, 1):
@@ -137,7 +137,7 @@ class QnnTarget(Target):
         import onnx
 
         from vlmprune.compiler.frontend import roi_input as roi
-        from vlmprune.targets import qnn_tools
+        import vlmprune.targets.qnn_tools as qnn_tools
         from vlmprune.targets.runtime import optional_feed
 
         options, chosen = context.options, context.target_options
@@ -179,7 +179,7 @@ class QnnTarget(Target):
 
     def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
         from vlmprune.targets.runtime import run_session
-        from vlmprune.targets import qnn_tools
+        import vlmprune.targets.qnn_tools as qnn_tools
 
         bundle_dir = Path(bundle_dir)
         fields = manifest.target
@@ -200,7 +200,7 @@ class QnnTarget(Target):
 
     def runner(self, bundle_dir: Path, manifest: dict):
         """The EPContext model on the HTP emulator here (on the HTP of a device there)."""
-        from vlmprune.targets import qnn_tools
+        import vlmprune.targets.qnn_tools as qnn_tools
         from vlmprune.targets.runtime import run_session
 
         ok, why = qnn_tools.available()

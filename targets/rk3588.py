@@ -50,7 +50,7 @@ from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.prune import prune_record
 from vlmprune.passes.rknn import RKNN_MAX_OPSET, TARGET, rknn_legalization, rknn_model_support, rknn_support
-from vlmprune.targets import placement
+import vlmprune.targets.placement as placement
 from vlmprune.targets.base import EmitContext, StageSpec, Target, reads_projector_output
 
 # precision -> (worker mode, artifact, parity precision, what it is)
@@ -137,14 +137,14 @@ class Rk3588Target(Target):
         self._simulated: dict[tuple[str, str], dict[str, np.ndarray]] = {}
 
     def available(self) -> tuple[bool, str]:
-        from vlmprune.targets import rknn_env
+        import vlmprune.targets.rknn_env as rknn_env
 
         return rknn_env.creatable()
 
     def toolchain(self) -> dict[str, str]:
         import onnx
 
-        from vlmprune.targets import rknn_env
+        import vlmprune.targets.rknn_env as rknn_env
 
         pins = ", ".join(r.replace("==", " ") for r in rknn_env.RUNTIME_REQUIREMENTS if "==" in r)
         return {"rknn-toolkit2": rknn_env.RKNN_TOOLKIT_VERSION, "target_platform": PLATFORM,
@@ -173,7 +173,7 @@ class Rk3588Target(Target):
 
     def emit(self, model: ir.Model, out_dir: Path, context: EmitContext) -> dict:
         """model.onnx (the decomposed graph: RKNN-legal already), then build, export and simulate each .rknn."""
-        from vlmprune.targets import rknn_env
+        import vlmprune.targets.rknn_env as rknn_env
 
         precisions = parse_precisions(context.target_options["precision"])
         ir.save(model, out_dir / MODEL)
@@ -213,7 +213,7 @@ class Rk3588Target(Target):
 
     def _worker(self, model: Path, out_dir: Path, mode: str, samples: list[list[str]],
                 dataset: list[list[str]] | None, fields: dict) -> dict:
-        from vlmprune.targets import rknn_env
+        import vlmprune.targets.rknn_env as rknn_env
 
         request = {"onnx": str(model), "out_dir": str(out_dir), "mode": mode, "target_platform": PLATFORM,
                    "run_samples": samples, "rknn_name": RKNN, "float_scope": self.float_scope,
@@ -253,7 +253,7 @@ class Rk3588Target(Target):
     def _rebuild(self, bundle_dir: Path, manifest: dict, precision: str, pixel: np.ndarray) -> list[dict]:
         """Build model.onnx again at this precision and simulate pixel (the toolkit cannot simulate a loaded .rknn)."""
         from vlmprune.compiler.frontend import images
-        from vlmprune.targets import calibration
+        import vlmprune.targets.calibration as calibration
 
         pre = manifest.preprocess
         mode = PRECISIONS[precision][0]

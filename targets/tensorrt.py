@@ -32,8 +32,8 @@ from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes import tensorrt as trt_passes
 from vlmprune.passes.methods.base import FusedOp, int8_scorer
 from vlmprune.passes.methods.builder import feeding_selection, role_of, selection_nodes
-from vlmprune.targets import ort as ort_target
-from vlmprune.targets import trt_engine as engine_lib
+import vlmprune.targets.ort as ort_target
+import vlmprune.targets.trt_engine as engine_lib
 from vlmprune.targets.ort_quant import dequantized_nodes, static_qdq  # the same quantizer, the same rewiring
 from vlmprune.targets.base import EmitContext, StageSpec, Target, reads_projector_output
 

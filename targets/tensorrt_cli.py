@@ -23,7 +23,7 @@ import click
 @click.option("--print-command", is_flag=True, help="Only print the equivalent trtexec command.")
 def build_engine(bundle_dir, precision, calibration_cache, decomposed, workspace, output, print_command):
     """Build BUNDLE's TensorRT engine on this device (orin/xavier bundles) and print the trtexec equivalent."""
-    from vlmprune.targets import trt_engine as engine
+    import vlmprune.targets.trt_engine as engine
 
     if print_command:
         manifest = engine.load_bundle(bundle_dir)
