@@ -64,7 +64,8 @@ def _sha256(path: Path) -> str:
 
 
 def _manifest_digest(manifest: dict) -> str:
-    """The manifest's own digest, as vlmprune.compiler.bundle computes it (repeated: this file runs standalone)."""
+    """The manifest's own digest, as vlmprune.compiler.bundle.manifest computes it (repeated: this file runs
+    standalone)."""
     body = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
