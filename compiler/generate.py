@@ -65,8 +65,10 @@ from vlmprune.compiler.errors import InputError, option
 from vlmprune.compiler.frontend import family_of
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, image_positions
 from vlmprune.compiler.frontend.images import require_image_files
+from vlmprune.compiler.frontend.prompt_input import feeding
 from vlmprune.compiler.llm import handoff
 from vlmprune.compiler.llm.lm_source import has_tokenizer
+from vlmprune.compiler.prompt_rows import bundle_feed
 
 LLAVA_PROMPT = "USER: <image>\n{prompt} ASSISTANT:"
 QWEN_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
@@ -641,8 +643,6 @@ def generate(bundle_dir: Path, model: str | None, image: Path | None, prompt: st
         result = answer(vlm, built, rows.rows, *rows.place(offset), max_new_tokens)
         return GenerateResult(result, built, "transformers (the model's own image features, dense)", "dense", None,
                               warning, llm)
-    from vlmprune.compiler.prompt import bundle_feed, feeding
-
     with feeding(bundle_feed(manifest, vlm, built)):  # a prompt-aware bundle: the prompt's embedding rows
         tokens = bundle_tokens(bundle_dir, manifest, pixel, vlm)
     positions, text_start = bundle_positions(tokens, offset)

@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlmprune.compiler.contract import TEXT
-from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.prompt_input import (PARITY, PARITY_TOKENS, empty_prompt, feeding, parity_text,  # noqa: F401
                                              text_feed)  # re-exported: the feed lives with the runners
-
-# How `generate` and `eval --dataset` feed a question (bundle_feed): `eval --dataset` keys a prompt-aware bundle's
-# stored answers by it, so change the text when the convention changes.
-FEED = "v1: the non-image token ids of generate's built prompt (template + question), rows of the LLM's embedding table"
+from vlmprune.compiler.generate import build_prompt, require_prompt
+# re-exported: generate and eval feed a built prompt's rows with them, below both this module and generate
+from vlmprune.compiler.prompt_rows import FEED, bundle_feed, rows_for_ids, text_input_dim  # noqa: F401
 
 
 def prompt_ids(vlm, prompt: str) -> tuple[list[int], str]:
@@ -48,8 +45,6 @@ def prompt_ids(vlm, prompt: str) -> tuple[list[int], str]:
     cannot take generate's UTF-8 convention: there the question's UTF-8 bytes modulo the
     vocabulary are the ids (said so in the run's output).
     """
-    from vlmprune.compiler.generate import build_prompt, require_prompt
-
     require_prompt(prompt)
     vocab = vlm.model.config.text_config.vocab_size
     if vlm.tokenizer is None and vocab < 256:
@@ -64,24 +59,3 @@ def prompt_embeds(vlm, prompt: str | None, dim: int) -> tuple[np.ndarray, str]:
         return empty_prompt(dim), "no prompt: text_embeds has no rows"
     ids, how = prompt_ids(vlm, prompt)
     return rows_for_ids(vlm, ids, dim), f"{len(ids)} prompt tokens ({how})"
-
-
-def text_input_dim(manifest) -> int | None:
-    """The width of the bundle's text_embeds input, or None for a bundle without one."""
-    found = next((i for i in manifest.inputs if i.name == TEXT), None)
-    return None if found is None else found.shape[-1]
-
-
-def rows_for_ids(vlm, ids: list[int], dim: int) -> np.ndarray:
-    """[T, D] float32: rows `ids` of vlm's LLM embedding table (generate and eval: the ids of their built Prompt)."""
-    table = vlm.model.get_input_embeddings().weight.detach().float()
-    if table.shape[1] != dim:
-        raise InputError(f"the bundle's {TEXT} are {dim} wide, but the embedding table of {vlm.spec} is "
-                         f"{table.shape[1]} wide")
-    return table[list(ids)].numpy()
-
-
-def bundle_feed(manifest, vlm, prompt) -> np.ndarray | None:
-    """What a bundle's text_embeds gets for a built generate.Prompt: its non-image ids' rows; None without the input."""
-    dim = text_input_dim(manifest)
-    return None if dim is None else rows_for_ids(vlm, prompt.before + prompt.after, dim)
