@@ -7,7 +7,8 @@ fusion pipeline, the target emits its artifacts, and parity runs every stage aga
 reference. Nothing here branches on a model family, a method or a target: each is asked
 (the family through compiler.frontend.family, with its own options and the prune config);
 the defaults are the one place a name is spelled (CompileOptions: target "ort", the
-registry's default method).
+registry's default method). The steps `--keep auto` repeats per candidate (validation, loading,
+the dense export, the emit context) are pipeline.steps', below this module and auto_keep.
 """
 
 from __future__ import annotations
@@ -27,55 +28,28 @@ import torch
 from vlmprune.compiler import __version__, bundle, parity
 
 from vlmprune.compiler.pipeline import auto_keep, cache
+# The steps --keep auto repeats per candidate are steps.py's, below this module and auto_keep; re-exported here.
+from vlmprune.compiler.pipeline.steps import (CompileOptions, Plan, dense_model, emit_context,  # noqa: F401
+                                             load_source, validate_options)
 from vlmprune.compiler.pipeline.timings import Span, StageTimer
 
 from vlmprune.compiler.parity import reference
-from vlmprune.compiler.contract import (DECOMPOSED, DEFAULT_KEEP, DEFAULT_OPSET, DENSE, FEATURES, PARITY, README,
-                                        PruneRecord)
+from vlmprune.compiler.contract import DECOMPOSED, DENSE, FEATURES, PARITY, README, PruneRecord
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend import DenseRequest, Family, Source, check_family_options, images, load_fixed
+from vlmprune.compiler.frontend import Family, Source, images
 from vlmprune.compiler.llm import export as llm_export
 from vlmprune.compiler.llm import handoff
 from vlmprune.compiler.bundle.manifest import Manifest
-from vlmprune.passes.methods import DEFAULT_METHOD, budget, get_method, schedule
-from vlmprune.passes.methods.base import BLOCK, SiteSpec
+from vlmprune.passes.methods.base import SiteSpec
 from vlmprune.passes.methods.crops import over_tokens
 from vlmprune.passes.methods.dense import Dense
-from vlmprune.passes.onnx_tower import OnnxTowerContractPass
 from vlmprune.passes.positions import with_positions
 from vlmprune.passes.prune import prune_record
-from vlmprune.targets import DEFAULT_TARGET, get_target
-from vlmprune.targets.base import EmitContext, PruneConfig, Target
+from vlmprune.targets import get_target
+from vlmprune.targets.base import Target
 from vlmprune.targets.runtime import ort_session, run_session
 
 Progress = Callable[[str], None]
-
-
-@dataclasses.dataclass
-class CompileOptions:
-    target: str = DEFAULT_TARGET
-    method: str = DEFAULT_METHOD
-    keep: int | str = DEFAULT_KEEP  # "auto" (with latency_ms): the largest K whose latency fits (pipeline.auto_keep)
-    latency_ms: float | None = None  # --keep auto's budget, ms per call on the target's runtime
-    layer: int | None = None  # BLOCK methods: prune after this block; None: the feature layer (tower's end)
-    prune: bool = True
-    batch: int | None = None  # None: dynamic batch
-    opset: int = DEFAULT_OPSET
-    feature_layer: int | None = None
-    cls: str | None = None  # "drop" | "keep" the [CLS] token in image_features; None: the model's select strategy
-    with_llm: bool = False  # also export the language model (compiler.llm.export) into llm/
-    llm_exporter: str | None = None  # ort: "torch" (default) or "genai" (onnxruntime-genai's builder)
-    fastv_layer: int | None = None  # --with-llm: FastV after this LLM layer (from 1); None: dense LLM
-    fastv_keep: float | None = None  # FastV: the share of image tokens kept (default 0.5)
-    image_start: int | None = None  # FastV: prompt tokens before the image (the compiled image span)
-    force: bool = False
-    debug: bool = False  # on a failed fusion, report every near-match and why it failed
-    method_options: dict = dataclasses.field(default_factory=dict)  # e.g. {"lambda": 0.3}, {"contextual": 30}
-    target_options: dict = dataclasses.field(default_factory=dict)  # e.g. {"precision": "int8"}, {"soc": "SM8550"}
-    # Options the model families declare (Family.options), e.g. {"grid": "2x2"}, {"crop_budget": "equal"},
-    # {"image_size": 448}; each is refused for a model of another family.
-    family_options: dict = dataclasses.field(default_factory=dict)
-    cache: bool = True  # reuse (and keep) the dense export and its parity products (compiler.pipeline.cache); --no-cache
 
 
 @dataclasses.dataclass
@@ -87,15 +61,6 @@ class CompileResult:
     report: parity.ParityReport
     seconds: float
     timings: list[Span] = dataclasses.field(default_factory=list)  # one per progress step (compile --timings)
-
-
-@dataclasses.dataclass
-class _Plan:
-    """What validation resolved: the target, the method with its parameters, the target's options."""
-
-    target: Target
-    config: PruneConfig | None
-    target_options: dict
 
 
 def compile_model(model: str, output: Path, options: CompileOptions, progress: Progress = lambda _m: None) -> CompileResult:
@@ -119,7 +84,7 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
             options, keep_auto = auto_keep.resolve(model, options, timer.step)
             plan = validate_options(options)
         timer.step(f"load {model}")
-        source, family = _load(model, options)
+        source, family = load_source(model, options)
         family.check_target(source, target.name,
                             lambda count: target.check_options(dataclasses.replace(options, batch=count)))
         if plan.config is not None:
@@ -127,7 +92,7 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
             plan.config = over_tokens(plan.config, family.token_layout(source, options.family_options))
             plan.config = family.fit_params(source, plan.config, SiteSpec)  # e.g. evs's --video-pruning-rate -> K
             family.check_method(source, plan.config, SiteSpec)  # what the insertion would reject, before the export
-        dense = _dense_model(source, family, options, tmp, timer)
+        dense = dense_model(source, family, options, tmp, timer)
         dense_path = tmp / DENSE
         pipeline = target.pipeline(plan.config, options)
         if source.position_table is not None:  # the kept tokens' LLM positions, on every target
@@ -181,14 +146,14 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
     source_spec = bundle.source_of(manifest, model)
     timer.step(f"load {source_spec}")
     options = options_of(manifest, debug=False, cache=cache)  # check's --no-cache
-    source, family = _load(source_spec, options)
+    source, family = load_source(source_spec, options)
     if source.content_hash != manifest.model.sha256:
         raise InputError(f"{source_spec} has changed since the bundle was compiled (content hash differs)"
                          if model is None else
                          f"--model {model} is not the bundle's source {manifest.model.source} "
                          "(content hash differs)")
     with tempfile.TemporaryDirectory(prefix="vlmprune-") as scratch:
-        _dense_model(source, family, options, Path(scratch), timer)
+        dense_model(source, family, options, Path(scratch), timer)
         timer.step("parity")
         report = _parity(source, family, Path(scratch) / DENSE, bundle_dir, manifest, target, parity_batch,
                          progress=timer.step, tolerances=tolerances)
@@ -208,53 +173,6 @@ def options_of(manifest: Manifest, **overrides) -> CompileOptions:
 
 
 # ---------------------------------------------------------------------- validation
-
-
-def validate_options(options: CompileOptions) -> _Plan:
-    """The one validation layer: every option, before any work (export, load, even the output claim)."""
-    def integer(name: str, value, minimum: int | None = None) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InputError(f"{name} must be an integer, got {value!r}")
-        if minimum is not None and value < minimum:
-            raise InputError(f"{name} must be >= {minimum}, got {value}")
-
-    if options.layer is not None:
-        integer("--layer", options.layer)
-        if options.layer < 1:
-            raise InputError(f"--layer counts blocks from 1, got {options.layer}")
-    if options.batch is not None:
-        integer("--batch", options.batch, 1)
-    integer("--opset", options.opset)
-    if not 17 <= options.opset <= 23:
-        raise InputError(f"--opset must be between 17 and 23, got {options.opset}")
-    if get_target(options.target).opset_refusal(options.opset):  # the target's declared range, before any export
-        raise InputError(get_target(options.target).opset_refusal(options.opset))
-    if options.feature_layer is not None:
-        integer("--feature-layer", options.feature_layer)
-    if options.cls not in (None, "drop", "keep"):
-        raise InputError(f"--cls is drop or keep, got {options.cls!r}")
-    check_family_options(options.family_options)  # each family checks its own (--grid, --image-size, ...)
-    target = get_target(options.target)
-    config = None
-    if options.prune:
-        method = get_method(options.method)
-        params = method.parse(options.keep, options.method_options or {})
-        if options.layer is not None and method.needs(params).site != BLOCK:
-            raise InputError(f"method {method.name} prunes the projector output (the tower's end); "
-                             "--layer does not apply to it")
-        layer = options.layer
-        if params.get("schedule") is not None:  # --schedule: its last block is the method's layer
-            last = schedule.layers(params)[-1]
-            if layer is not None and layer != last:
-                raise InputError(f"--layer {layer} is not the last block of --schedule {params['schedule']} ({last}); "
-                                 "leave --layer out")
-            layer = last
-        # --budget adaptive: K per image; --schedule: the method in steps
-        config = PruneConfig(schedule.wrap(budget.wrap(method, params), params), params, layer)
-    elif options.method_options:
-        raise InputError("--no-prune takes no method options")
-    llm_export.check_llm_options(options)
-    return _Plan(target, config, target.check_options(options))
 
 
 def _parity_batch(static: int | str | None, batch: int | None) -> ParityBatch:
@@ -278,38 +196,7 @@ class ParityBatch:
 
 
 
-# --------------------------------------------------------------------- the model
-
-
-def _load(spec: str, options: CompileOptions) -> tuple[Source, Family]:
-    """The source and its family, fixed for this compile by the family (its options, --cls, the batch)."""
-    return load_fixed(spec, options.feature_layer, options.family_options, prune=options.prune, batch=options.batch,
-                      cls=options.cls)
-
-
-def _dense_model(source: Source, family: Family, options: CompileOptions, folder: Path, timer: StageTimer) -> ir.Model:
-    """Export (or load) the dense tower, as its family does; its weights go to folder/WEIGHTS once, the graph to
-    folder/DENSE.
-
-    Every graph written later into the same folder (decomposed, target) refers to that
-    one weights file instead of copying gigabytes per graph.
-    """
-    request = DenseRequest(options.batch, options.opset, options.cls, timer.step, onnx_contract=OnnxTowerContractPass)
-    # The product cache (compiler.pipeline.cache): a hit skips the export; a family whose dense model is the
-    # graph itself (an .onnx tower: its torch_reference is False) has nothing exported to keep.
-    return cache.dense_export(source, family.id, request, lambda: family.dense_model(source, request), folder, DENSE,
-                              options.cache and family.torch_reference)
-
-
 # ---------------------------------------------------------------------- manifest
-
-
-def emit_context(config: PruneConfig | None, options: CompileOptions, target_options: dict, source: Source,
-                 pixel: np.ndarray) -> EmitContext:
-    """What a target's emit is handed: of the source, what calibration needs; the frontend's preprocessing for the
-    targets' calibration images (frontend.images)."""
-    return EmitContext(config, options, target_options, source.image_size, tuple(source.mean), tuple(source.std),
-                       images, pixel)
 
 
 def _io(values) -> list[dict]:
@@ -320,7 +207,7 @@ def _io(values) -> list[dict]:
     return out
 
 
-def _manifest(source: Source, family: Family, options: CompileOptions, plan: _Plan, record: PruneRecord | None,
+def _manifest(source: Source, family: Family, options: CompileOptions, plan: Plan, record: PruneRecord | None,
               model: ir.Model, target_fields: dict) -> dict:
     target = plan.target
     method = Dense().record() if record is None else record.manifest_section()

@@ -62,6 +62,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import vlmprune.compiler.pipeline.steps as steps  # the compile's own steps, repeated per candidate
 from vlmprune.compiler.pipeline.cpu_meter import CpuMeter
 from vlmprune.compiler.errors import InputError
 
@@ -201,11 +202,9 @@ def search(time_k: Callable[[int], Timing | None], first: int, last: int, budget
 
 def resolve(model: str, options, progress: Callable[[str], None]):
     """(options with the chosen K, the manifest's keep_auto section): the candidates timed on the target's runner."""
-    from vlmprune.compiler.pipeline import validate_options
-
     budget = float(options.latency_ms)
     base = dataclasses.replace(options, latency_ms=None)
-    first, plan = _smallest_keep(base, validate_options)
+    first, plan = _smallest_keep(base, steps.validate_options)
     target = plan.target
     ok, why = target.available()
     if not ok:
@@ -240,10 +239,8 @@ def resolve(model: str, options, progress: Callable[[str], None]):
 def probe(options):
     """options at the smallest K the method takes (with latency_ms cleared), for validating every other option before
     any work."""
-    from vlmprune.compiler.pipeline import validate_options
-
     base = dataclasses.replace(options, latency_ms=None)
-    return dataclasses.replace(base, keep=_smallest_keep(base, validate_options)[0])
+    return dataclasses.replace(base, keep=_smallest_keep(base, steps.validate_options)[0])
 
 
 def _smallest_keep(options, validate) -> tuple[int, object]:
@@ -262,17 +259,16 @@ class _Candidates:
     """Each K's graph as the compile would emit it, from one dense export, timed by the target's runner."""
 
     def __init__(self, model: str, options, target, folder: Path, progress):
-        from vlmprune.compiler import pipeline
         from vlmprune.compiler.contract import DENSE
 
         self.options, self.target, self.folder = options, target, folder
         import types
 
         timer = types.SimpleNamespace(step=progress)  # the compile's own timer's step (the dense export's lines)
-        self.source, self.family = pipeline._load(model, options)
+        self.source, self.family = steps.load_source(model, options)
         self.family.check_target(self.source, target.name,
                                  lambda count: target.check_options(dataclasses.replace(options, batch=count)))
-        dense = pipeline._dense_model(self.source, self.family, options, folder, timer)
+        dense = steps.dense_model(self.source, self.family, options, folder, timer)
         self.dense_path = folder / DENSE
         static = dense.graph.inputs[0].shape[0]
         self.batch = static if isinstance(static, int) else 1
@@ -282,14 +278,13 @@ class _Candidates:
     def _graph(self, keep: int, folder: Path):
         import onnx_ir as ir
 
-        from vlmprune.compiler import pipeline
         from vlmprune.passes.methods.base import SiteSpec
         from vlmprune.passes.methods.crops import over_tokens
         from vlmprune.passes.positions import with_positions
         from vlmprune.passes.prune import prune_record
 
         options = dataclasses.replace(self.options, keep=keep)
-        plan = pipeline.validate_options(options)
+        plan = steps.validate_options(options)
         config = dataclasses.replace(plan.config, head=self.source.head)
         config = over_tokens(config, self.family.token_layout(self.source, options.family_options))
         self.family.check_method(self.source, config, SiteSpec)
@@ -317,14 +312,13 @@ class _Candidates:
             return self._time(keep, Path(folder))
 
     def _time(self, keep: int, folder: Path) -> Timing | None:
-        from vlmprune.compiler import pipeline
         from vlmprune.compiler.bundle.manifest import Manifest
 
         try:
             model, plan, config, _ = self._graph(keep, folder)
         except InputError:
             return None
-        fields = self.target.emit(model, folder, pipeline.emit_context(
+        fields = self.target.emit(model, folder, steps.emit_context(
             config, dataclasses.replace(self.options, keep=keep), plan.target_options, self.source, self.pixel))
         run, self.runtime = self.target.runner(folder, Manifest({"target": {"name": self.target.name, **fields}}))
         for _ in range(WARMUP):
