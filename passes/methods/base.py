@@ -29,7 +29,17 @@ from vlmprune.compiler.contract import PROBE_KEEP, SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
 from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
-from vlmprune.passes.methods import coverage, merge, relevance, roi, schedule
+# The generic options every method takes (Method.parse, check, __init_subclass__): modules below this one, which
+# import nothing of it (imports run one way: tests/test_layers.py); the option value checks and the selection kinds
+# they share live below it too, and are re-exported here.
+import vlmprune.passes.methods.budget_options as budget_options
+import vlmprune.passes.methods.coverage as coverage
+import vlmprune.passes.methods.merge as merge
+import vlmprune.passes.methods.relevance as relevance
+import vlmprune.passes.methods.roi as roi
+import vlmprune.passes.methods.schedule_steps as schedule_steps
+from vlmprune.passes.methods.options import finite_option, positive_int
+from vlmprune.passes.methods.selection import BY_SCORE, GREEDY
 
 __all__ = ["BLOCK", "BY_SCORE", "CROPS_EACH", "CROPS_SCORED", "FEATURES", "GREEDY", "Formulation", "FusedOp",
            "GraphInputs", "Method", "Needs", "PromptSiteTensors", "SiteSpec", "SiteTensors", "TorchResult", "finite_option",
@@ -37,7 +47,7 @@ __all__ = ["BLOCK", "BY_SCORE", "CROPS_EACH", "CROPS_SCORED", "FEATURES", "GREED
 
 # Sites: BLOCK, after block L on the residual stream ([CLS] at index 0 when the tower has one);
 # FEATURES, on the tower's output after the projector (the tokens the LLM sees).
-BY_SCORE, GREEDY = "score", "greedy"  # how parity compares a method's kept indices
+# BY_SCORE, GREEDY (passes.methods.selection): how parity compares a method's kept indices.
 # How a method serves anyres crops pruned under one global budget (Method.crop_form, passes.methods.crops).
 CROPS_SCORED, CROPS_EACH = "scored", "each"
 
@@ -215,17 +225,13 @@ class Method(abc.ABC):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InputError(f"--keep must be an integer >= 1, got {keep!r}")
         params = {"keep": keep, **self.defaults(keep), **{k: v for k, v in options.items() if v is not None}}
-        from vlmprune.passes.methods import budget  # it builds on this module
-
-        params = budget.parse(self, parse_scorer(self, roi.parse(self, merge.parse(self, params))))
+        params = budget_options.parse(self, parse_scorer(self, roi.parse(self, merge.parse(self, params))))
         # --coverage builds on --roi's forced keep; --schedule asks what the others made of the method
-        return schedule.parse(self, coverage.parse(self, relevance.parse(self, params)))
+        return schedule_steps.parse(self, coverage.parse(self, relevance.parse(self, params)))
 
     def taken_options(self, keep: int = 64) -> list[str]:
         """Every option this method takes, from the declarations: its own, and the generic ones (GENERIC_OPTIONS) it
         declares (local_merge, prompt_weight, roi_keep, a [CLS]-kernel score, a ranked score for --budget)."""
-        from vlmprune.passes.methods import budget  # it builds on this module
-
         params = {"keep": keep, **self.defaults(keep)}
         taken = list(self.options)
         if self.local_merge:
@@ -234,8 +240,8 @@ class Method(abc.ABC):
             taken += list(relevance.GENERIC)
         if self.roi_keep:
             taken += list(roi.GENERIC)
-        if not budget.refusal(self, params):
-            taken += ["budget", *budget.OPTIONS]
+        if not budget_options.refusal(self, params):
+            taken += ["budget", *budget_options.OPTIONS]
         if self.scores_by_cls_kernel(params):
             taken.append("scorer")
         return list(dict.fromkeys(taken))
@@ -417,7 +423,7 @@ GENERIC_OPTIONS: dict[str, tuple[type, str]] = {
     **relevance.GENERIC,  # --prompt-weight (passes.methods.relevance)
     **roi.GENERIC,
     **coverage.GENERIC,  # --coverage F (passes.methods.coverage): a uniform grid forced into K
-    **schedule.GENERIC,  # --schedule (passes.methods.schedule): progressive pruning in steps across blocks
+    **schedule_steps.GENERIC,  # --schedule (passes.methods.schedule): progressive pruning in steps across blocks
     # --budget adaptive (passes.methods.budget): K per image from the entropy of the method's score
     "budget": (str, "fixed (default) or adaptive: K per image = clamp(round((α·sigmoid(β·H) + γ)·N), --kmin, "
                     "--keep), H the entropy of the image's normalised score (score-based methods: cls)"),
@@ -465,13 +471,6 @@ class Formulation(str):
         return form
 
 
-def positive_int(method: str, name: str, value, minimum: int = 1) -> int:
-    """An integer method option, at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InputError(f"--{name} of method {method} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class FusedOp:
     """How a target spells a fused custom op: op_type, domain (imported at `version`), extra constant attributes.
@@ -487,16 +486,3 @@ class FusedOp:
     domain: str = "vlmprune"
     version: int = 1
     attributes: tuple[tuple[str, int | float | str], ...] = ()
-
-
-def finite_option(method: str, name: str, value, minimum: float | None = None, maximum: float | None = None) -> float:
-    """A float method option: finite and inside [minimum, maximum], else one line naming it."""
-    import math
-
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InputError(f"--{name} of method {method} must be a finite number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise InputError(f"--{name} of method {method} must be >= {minimum:g}, got {value:g}")
-    if maximum is not None and value > maximum:
-        raise InputError(f"--{name} of method {method} must be <= {maximum:g}, got {value:g}")
-    return float(value)

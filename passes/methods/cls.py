@@ -38,7 +38,11 @@ from vlmprune.compiler.contract import SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CROPS
 from vlmprune.passes.graph.dataflow import const_array
-from vlmprune.passes.methods import attention, probe, received, relevance, roi
+import vlmprune.passes.methods.attention as attention
+import vlmprune.passes.methods.probe as probe
+import vlmprune.passes.methods.received as received
+import vlmprune.passes.methods.relevance as relevance
+import vlmprune.passes.methods.roi as roi
 from vlmprune.passes.methods.base import (BLOCK, BY_SCORE, CLS_SCORE, CROPS_SCORED, FusedOp, GraphInputs,
                                           Method, Needs, SiteTensors, TorchResult, finite_option,
                                           int8_scorer)

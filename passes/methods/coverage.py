@@ -24,6 +24,8 @@ import onnx_ir as ir
 import torch
 
 from vlmprune.compiler.errors import InputError
+import vlmprune.passes.methods.roi as roi
+from vlmprune.passes.methods.selection import grid_indices
 
 GENERIC = {
     "coverage": (float, "F in [0, 1): round(F·K) of the K kept patches are the uniform grid (grid's rule), the rest "
@@ -38,8 +40,6 @@ def count(params: dict) -> int:
 
 def parse(method, params: dict) -> dict:
     """Check --coverage for `method`; F = 0 leaves no trace in the parameters (the method as it is)."""
-    from vlmprune.passes.methods import roi
-
     value = params.get("coverage")
     if value is None:
         return params
@@ -75,8 +75,6 @@ def describe(params: dict) -> str:
 
 def grid_mask(params: dict, n: int) -> np.ndarray:
     """[N] float32: 1 at the G grid patches."""
-    from vlmprune.passes.methods.grid import grid_indices  # a method module: it builds on base, which imports this
-
     mask = np.zeros(n, dtype=np.float32)
     g = count(params)
     if g:

@@ -94,9 +94,3 @@ class FixedMethod(Method):
             shape = b.op("Concat", [batch, b.ints("keep", [len(index)])], "kept_shape", axis=0)
             kept = b.op("Expand", [b.ints("kept_row", index[None]), shape], "kept")
         return tokens, kept
-
-
-def check_count(n: int, keep: int) -> None:
-    """The index rules' own guard (the method's check refuses bad input in one line before they run)."""
-    if not 1 <= keep < n:
-        raise ValueError(f"keep must satisfy 1 <= keep < {n}, got {keep}")

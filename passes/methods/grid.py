@@ -14,25 +14,10 @@ tables, not a pruning method to deploy.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from vlmprune.passes.methods.fixed import SITE_HELP, FixedMethod, check_count
-
-
-def grid_indices(n: int, keep: int) -> np.ndarray:
-    """K of N patch indices on a uniform grid (the rule above), ascending int64."""
-    check_count(n, keep)
-    side = math.isqrt(n)
-    h, w = (side, side) if side * side == n else (1, n)
-    rows = min(h, max(math.floor(math.sqrt(keep * h / w) + 0.5), -(-keep // w)))
-    out = []
-    for j in range(rows):
-        count = (j + 1) * keep // rows - j * keep // rows
-        y = (2 * j + 1) * h // (2 * rows)
-        out += [y * w + (2 * i + 1) * w // (2 * count) for i in range(count)]
-    return np.asarray(out, dtype=np.int64)
+from vlmprune.passes.methods.fixed import SITE_HELP, FixedMethod
+from vlmprune.passes.methods.selection import grid_indices  # the rule above, which --coverage forces too
 
 
 class GridMethod(FixedMethod):

@@ -64,7 +64,8 @@ import torch
 
 from vlmprune.compiler.contract import SCORE_EPS, SITE_FEATURES
 from vlmprune.compiler.errors import InputError, StructureError
-from vlmprune.passes.methods import attention, relevance
+import vlmprune.passes.methods.attention as attention
+import vlmprune.passes.methods.relevance as relevance
 from vlmprune.passes.methods.base import (GREEDY, GraphInputs, Method, Needs, SiteTensors, TorchResult,
                                           positive_int)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT

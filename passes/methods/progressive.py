@@ -17,7 +17,7 @@ import torch
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods.base import GraphInputs, Method, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import INT64_MAX, SELECT, TOKENS, role_of
-from vlmprune.passes.methods.schedule import Step, layers, resolve
+from vlmprune.passes.methods.schedule_steps import Step, layers, resolve
 from vlmprune.passes.methods.selection import gather_rows, select_topk, split_prefix
 
 

@@ -64,7 +64,7 @@ import onnx_ir as ir
 import torch
 
 from vlmprune.compiler.contract import NORM_EPS
-from vlmprune.passes.methods import attention
+import vlmprune.passes.methods.attention as attention
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteTensors, TorchResult, \
     positive_int
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from vlmprune.passes.methods.base import positive_int
-from vlmprune.passes.methods.fixed import SITE_HELP, FixedMethod, check_count
+from vlmprune.passes.methods.fixed import SITE_HELP, FixedMethod
+from vlmprune.passes.methods.selection import check_count
 
 
 def random_indices(n: int, keep: int, seed: int) -> np.ndarray:

@@ -48,7 +48,7 @@ import torch
 
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.compiler.frontend.family import MERGED_TOKENS
-from vlmprune.passes.methods import probe
+import vlmprune.passes.methods.probe as probe
 from vlmprune.passes.graph.structure import scale_operand
 
 ATTENTION = "attention"  # the --score value

@@ -44,6 +44,7 @@ import torch
 from vlmprune.compiler.contract import NORM_EPS, SCORE_EPS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import BLOCK
+from vlmprune.passes.methods.selection import GREEDY
 
 NAME = "prompt_weight"
 RANGE_EPS = 1e-6  # min-max normalisation's floor (OpenVINO GenAI's cdpruner)
@@ -62,8 +63,6 @@ def weight(params: dict) -> float:
 
 def refusal(method, params: dict) -> str:
     """Why `method` with `params` takes no --prompt-weight, or ""."""
-    from vlmprune.passes.methods.base import GREEDY
-
     own = method.needs({k: v for k, v in params.items() if k != NAME})  # what it needs without the flag
     if method.baseline:
         return "a baseline ranks no score"

@@ -1,4 +1,5 @@
-"""Reference building blocks several methods share: TopK with the tie rule, gathers, the tie band.
+"""Reference building blocks several methods share: TopK with the tie rule, gathers, the tie band, and the
+baselines' constant index rules (check_count, grid_indices: the grid baseline's and --coverage's).
 
 Plain torch, batched, never synchronising with the host and never looping over the
 batch. Parity (compiler.parity) uses tie_band and boundary_ties from here too, so the
@@ -7,10 +8,16 @@ reference and the check agree on what counts as a tie.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from vlmprune.compiler.contract import SCORE_EPS  # floors the per-image maxima that normalise scores
+
+# Method.selection (passes.methods.base): how parity compares a method's kept indices; here, below base, since the
+# generic options' modules (relevance, budget_options, schedule_steps) refuse a method by it.
+BY_SCORE, GREEDY = "score", "greedy"
 
 
 def topk_lower_index(scores: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
@@ -106,3 +113,24 @@ def relative_margin(values: torch.Tensor, k: int, largest: bool = True) -> torch
     gap = (ordered[:, k - 1] - ordered[:, k]).abs()
     scale = finite.abs().nan_to_num(0.0).amax(dim=-1).clamp_min(SCORE_EPS)
     return torch.where(torch.isfinite(gap), gap, torch.full_like(gap, float("inf"))) / scale
+
+
+def check_count(n: int, keep: int) -> None:
+    """The index rules' own guard (the method's check refuses bad input in one line before they run)."""
+    if not 1 <= keep < n:
+        raise ValueError(f"keep must satisfy 1 <= keep < {n}, got {keep}")
+
+
+def grid_indices(n: int, keep: int) -> np.ndarray:
+    """K of N patch indices on a uniform grid (passes.methods.grid's rule), ascending int64: the grid baseline's
+    kept set and --coverage's forced one (passes.methods.coverage)."""
+    check_count(n, keep)
+    side = math.isqrt(n)
+    h, w = (side, side) if side * side == n else (1, n)
+    rows = min(h, max(math.floor(math.sqrt(keep * h / w) + 0.5), -(-keep // w)))
+    out = []
+    for j in range(rows):
+        count = (j + 1) * keep // rows - j * keep // rows
+        y = (2 * j + 1) * h // (2 * rows)
+        out += [y * w + (2 * i + 1) * w // (2 * count) for i in range(count)]
+    return np.asarray(out, dtype=np.int64)

@@ -42,7 +42,8 @@ import torch
 
 from vlmprune.compiler.contract import NORM_EPS, PruneRecord
 from vlmprune.compiler.errors import InputError
-from vlmprune.passes.methods import attention, probe
+import vlmprune.passes.methods.attention as attention
+import vlmprune.passes.methods.probe as probe
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, FusedOp, GraphInputs, Method, Needs, SiteTensors, \
     TorchResult, int8_scorer
 from vlmprune.passes.methods.cls import CLS_SCORE, ClsScoreFusion, check_scorer_prefix, emit_kernel_scores
