@@ -7,6 +7,10 @@ no list of modules is kept by hand: a new module is placed by the folder it is p
 
 Leaves are exempt: a module that imports nothing of vlmprune (compiler/errors.py, contract.py,
 a kernel build helper) depends on no step, so every step may import it.
+
+Inside a folder too, imports run one way: no circles (issue 33 §3). A registry package's __init__
+imports its components; a component imports only modules below it (base, a shared helpers
+module, the contract), never the package __init__ or a sibling that imports it back.
 """
 
 from __future__ import annotations
@@ -108,3 +112,81 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {m for m, p in MODULES.items() if p.name == "__init__.py"} | set(ROOTS.values())
     assert sorted(packages - listed) == [] and sorted(listed - packages) == []
+
+
+# ---------------------------------------------------------------------------- no circles
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the vlmprune modules it imports, a function's own imports included (_imports walks the whole
+    module: an import moved into a function to dodge a circle at import time is still the same circle, and fails
+    later, at the call). A package's __init__ naming its own submodules (`from pkg import mod` inside pkg) is no
+    edge to itself."""
+    return {module: {i for _, i in _imports(path) if i in MODULES and i != module} for module, path in MODULES.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of graph: its strongly connected components of two or more modules (Tarjan's algorithm,
+    iterative so that a deep chain of imports does not meet Python's recursion limit), each sorted, in order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph.get(successor, ())))))
+                    break
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
+def test_the_circle_finder_finds_a_circle():
+    """A hand-made graph: three modules importing each other round (a registry, a method that imports the registry
+    back, its helper) are one circle; a module that only imports into it, and a graph without one, are none."""
+    circle = {"pkg": {"pkg.method"}, "pkg.method": {"pkg.helper"}, "pkg.helper": {"pkg"}, "user": {"pkg"}}
+    assert _circles(circle) == [["pkg", "pkg.helper", "pkg.method"]]
+    assert _circles({"pkg": {"pkg.method"}, "pkg.method": {"pkg.helper"}, "pkg.helper": set()}) == []
+
+
+def test_no_import_circles():
+    """Imports run one way inside a folder too: a circle has no lower end, so no module of it can be read (or
+    replaced, or tested) without the others, and which of them runs first depends on who imported first. Break one
+    by moving what the lower module needs below it (a shared helpers module, base, the contract) and re-exporting it
+    where it was imported from, never by an import inside a function."""
+    graph = _graph()
+    lines = []
+    for circle in _circles(graph):
+        lines.append("circle: " + ", ".join(circle))
+        for module in circle:
+            for line, imported in sorted(set(_imports(MODULES[module]))):
+                if imported in circle and imported != module:
+                    lines.append(f"  {MODULES[module].relative_to(REPO)}:{line} imports {imported}")
+    assert not lines, "imports that go round in a circle:\n" + "\n".join(lines)
