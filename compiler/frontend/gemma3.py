@@ -36,9 +36,9 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
-from vlmprune.compiler.frontend.merged import MergedTokensFamily, conv_as_matmul, siglip_block, token_counts
-from vlmprune.compiler.frontend.source import (Source, inner_tower, built, load_state, read_safetensors,
-                                               sha256_files, sha256_state)
+from vlmprune.compiler.frontend.merged import (MergedTokensFamily, conv_as_matmul, load_tower_and_connector,
+                                               siglip_block, token_counts)
+from vlmprune.compiler.frontend.source import Source, inner_tower, built, sha256_files, sha256_state
 from vlmprune.compiler.frontend.tower import TowerParts, VisionPipeline
 
 SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)  # Gemma3ImageProcessor's defaults
@@ -121,13 +121,8 @@ class Gemma3Adapter(ModelAdapter):
             raise InputError(f"Gemma 3 vision tower type {config.vision_config.model_type!r} is not supported "
                              "(SigLIP)")
         tower = build_tower(config.vision_config)
-        state = read_safetensors(checkpoint.weights, TOWER_PREFIXES)
-        if not state:
-            raise InputError(f"{checkpoint.path}: no vision weights (model.vision_tower.* or vision_tower.*) in the "
-                             "safetensors")
-        load_state(inner_tower(tower), state, "vision tower")
         projector = build_projector(config)
-        load_state(projector, read_safetensors(checkpoint.weights, PROJECTOR_PREFIXES), "projector")
+        load_tower_and_connector(checkpoint, inner_tower(tower), TOWER_PREFIXES, projector, PROJECTOR_PREFIXES)
         mean, std = checkpoint.preprocessing(SIGLIP_MEAN, SIGLIP_STD)
         return gemma3_source(str(checkpoint.path.resolve()), "hf", config, tower, projector,
                              sha256_files(checkpoint.files()), mean, std)

@@ -33,9 +33,9 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS
-from vlmprune.compiler.frontend.merged import MergedTokensFamily
-from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, load_state, built,
-                                               read_safetensors, sha256_files, sha256_state)
+from vlmprune.compiler.frontend.merged import MergedTokensFamily, load_tower_and_connector
+from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, built, sha256_files,
+                                               sha256_state)
 from vlmprune.compiler.frontend.tower import BlockParts, TowerParts, VisionPipeline
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -154,14 +154,9 @@ class InternVLAdapter(ModelAdapter):
     def load(self, checkpoint: Checkpoint, feature_layer: int | None) -> Source:
         config = checkpoint.config
         tower = build_tower(config.vision_config)
-        state = read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower."))
-        if not state:
-            raise InputError(f"{checkpoint.path}: no vision weights (model.vision_tower.* or vision_tower.*) in the "
-                             "safetensors")
-        load_state(tower, state, "vision tower")
         projector = build_projector(config)
-        pstate = read_safetensors(checkpoint.weights, ("model.multi_modal_projector.", "multi_modal_projector."))
-        load_state(projector, pstate, "projector")
+        load_tower_and_connector(checkpoint, tower, ("model.vision_tower.", "vision_tower."), projector,
+                                 ("model.multi_modal_projector.", "multi_modal_projector."))
         mean, std = checkpoint.preprocessing(IMAGENET_MEAN, IMAGENET_STD)
         return internvl_source(str(checkpoint.path.resolve()), "hf", config, tower, projector,
                                sha256_files(checkpoint.files()), feature_layer, mean, std)

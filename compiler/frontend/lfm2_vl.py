@@ -44,9 +44,9 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
-from vlmprune.compiler.frontend.merged import MergedTokensFamily, patches, siglip_block, token_counts
-from vlmprune.compiler.frontend.source import (Source, built, load_state, read_safetensors, sha256_files,
-                                               sha256_state)
+from vlmprune.compiler.frontend.merged import (MergedTokensFamily, load_tower_and_connector, patches, siglip_block,
+                                               token_counts)
+from vlmprune.compiler.frontend.source import Source, built, sha256_files, sha256_state
 from vlmprune.compiler.frontend.tower import TowerParts, VisionPipeline
 
 LFM2_VL_MEAN = LFM2_VL_STD = (0.5, 0.5, 0.5)  # Lfm2VlImageProcessor's defaults (IMAGENET_STANDARD)
@@ -172,13 +172,8 @@ class Lfm2VlAdapter(ModelAdapter):
                              "(SigLIP2 NaFlex)")
         table_side(config.vision_config)  # before any weight is read
         tower = build_tower(config.vision_config)
-        state = read_safetensors(checkpoint.weights, TOWER_PREFIXES)
-        if not state:
-            raise InputError(f"{checkpoint.path}: no vision weights (model.vision_tower.* or vision_tower.*) in the "
-                             "safetensors")
-        load_state(tower, state, "vision tower")
         projector = build_projector(config)
-        load_state(projector, read_safetensors(checkpoint.weights, PROJECTOR_PREFIXES), "projector")
+        load_tower_and_connector(checkpoint, tower, TOWER_PREFIXES, projector, PROJECTOR_PREFIXES)
         mean, std = checkpoint.preprocessing(LFM2_VL_MEAN, LFM2_VL_STD)
         return lfm2_vl_source(str(checkpoint.path.resolve()), "hf", config, tower, projector,
                               sha256_files(checkpoint.files()), image_size, mean, std)

@@ -5,7 +5,8 @@ connector that folds each s x s group of the full patch grid into one token (Smo
 average pooling, LFM2-VL's pixel unshuffle). Pruning goes after the connector, on the merged tokens (the features
 site; Source.spatial_merge = s), and only there: a method inside the tower keeps single patches, which breaks the
 groups the connector needs, and a method that scores by the tower's attention, [CLS], pooling head or feature layer
-reads single patches, not merged tokens. Why a module: that refusal, the SigLIP block layout, the patch embedding
+reads single patches, not merged tokens. Why a module: that refusal, the SigLIP block layout, loading the
+tower and the connector by key prefix, the patch embedding
 spelled as one MatMul (so that the site finder counts the merged tokens at the features site, not a Conv's patch
 grid) and the token counts were written once per family; one change of the rule now reaches all three.
 """
@@ -18,7 +19,7 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import Family
-from vlmprune.compiler.frontend.source import Source
+from vlmprune.compiler.frontend.source import Source, load_state, read_safetensors
 from vlmprune.compiler.frontend.tower import BLOCK, BlockParts
 
 FEATURES_METHODS = "divprune, dart, or random / grid --site features"  # what serves the merged tokens
@@ -52,6 +53,18 @@ def token_counts(image_size: int, patch: int, merge: int) -> dict:
     merged = side // merge
     return {"image_size": image_size, "patch_grid": [side, side], "patches": side * side, "spatial_merge": merge,
             "merged_grid_thw": [1, merged, merged], "tokens": merged * merged}
+
+
+def load_tower_and_connector(checkpoint, tower, tower_prefixes: tuple[str, ...], connector,
+                             connector_prefixes: tuple[str, ...], connector_name: str = "projector") -> None:
+    """The tower's and the connector's weights from the checkpoint's safetensors, by key prefix (first match wins);
+    no vision weights, a missing weight or a shape that disagrees with config.json is one line."""
+    state = read_safetensors(checkpoint.weights, tower_prefixes)
+    if not state:
+        raise InputError(f"{checkpoint.path}: no vision weights ({tower_prefixes[-2]}* or {tower_prefixes[-1]}*) in "
+                         "the safetensors")
+    load_state(tower, state, "vision tower")
+    load_state(connector, read_safetensors(checkpoint.weights, connector_prefixes), connector_name)
 
 
 class MergedTokensFamily(Family):

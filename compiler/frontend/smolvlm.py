@@ -35,9 +35,9 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
-from vlmprune.compiler.frontend.merged import MergedTokensFamily, conv_as_matmul, siglip_block, token_counts
-from vlmprune.compiler.frontend.source import (Source, built, load_state, read_safetensors, sha256_files,
-                                               sha256_state)
+from vlmprune.compiler.frontend.merged import (MergedTokensFamily, conv_as_matmul, load_tower_and_connector,
+                                               siglip_block, token_counts)
+from vlmprune.compiler.frontend.source import Source, built, sha256_files, sha256_state
 from vlmprune.compiler.frontend.tower import TowerParts, VisionPipeline
 
 SMOLVLM_MEAN = SMOLVLM_STD = (0.5, 0.5, 0.5)
@@ -119,13 +119,9 @@ class SmolVLMAdapter(ModelAdapter):
                              "normed output only (-1)")
         config = checkpoint.config
         tower = build_tower(config.vision_config)
-        state = read_safetensors(checkpoint.weights, ("model.vision_model.", "vision_model."))
-        if not state:
-            raise InputError(f"{checkpoint.path}: no vision weights (model.vision_model.* or vision_model.*) in the "
-                             "safetensors")
-        load_state(tower, state, "vision tower")
         connector = build_connector(config)
-        load_state(connector, read_safetensors(checkpoint.weights, ("model.connector.", "connector.")), "connector")
+        load_tower_and_connector(checkpoint, tower, ("model.vision_model.", "vision_model."), connector,
+                                 ("model.connector.", "connector."), "connector")
         mean, std = checkpoint.preprocessing(SMOLVLM_MEAN, SMOLVLM_STD)
         return smolvlm_source(str(checkpoint.path.resolve()), "hf", config, tower, connector,
                               sha256_files(checkpoint.files()), image_size, mean, std)
