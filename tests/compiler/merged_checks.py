@@ -114,3 +114,91 @@ def check_methods_listing(name: str) -> None:
             lines[method] = line
     assert name in lines["divprune"] and name in lines["dart"]
     assert name not in lines["cls"] and name not in lines["visionzip"]
+
+
+# ---------------------------------------------------------------------------------------------- the LLM side
+
+
+def cat_image(tmp_path_factory):
+    """skimage's cat, saved as a PNG for generate's --image."""
+    from PIL import Image
+    from skimage import data
+
+    path = tmp_path_factory.mktemp("images") / "cat.png"
+    Image.fromarray(data.chelsea()).save(path)
+    return path
+
+
+def check_dense_splice(llm_dir, image, prompt_text: str, tokens: int, width: int):
+    """generate's dense splice of the model's own rows gives HF's own forward's first logits; (vlm, prompt, pixel)."""
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.evaluate import hf_first_logits
+
+    vlm = gen.load_vlm(str(llm_dir))
+    pixel, _ = gen.load_pixels(vlm, image)
+    prompt = gen.build_prompt(vlm, prompt_text)
+    rows = gen.dense_image(vlm, pixel)
+    assert rows.rows.shape == (tokens, width)
+    positions, text_start = rows.place(len(prompt.before))
+    ours = gen.answer(vlm, prompt, rows.rows, positions, text_start, 1)
+    hf = hf_first_logits(vlm, prompt, pixel, tokens)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    return vlm, prompt, pixel, hf
+
+
+def check_pruned_splice(llm_bundle, llm_dir, image, prompt_text: str, tokens: int, image_token: int,
+                        hf_rows: Callable, pooled: Callable = lambda rows: rows, extra: Callable = lambda ids: {}):
+    """The bundle's kept rows, spliced by generate at their original positions, give the logits of HF's own forward
+    given its own tower's rows of those tokens (hf_rows(model, pixel) [1, T, D], as its mm_encoder_outputs take them:
+    pooled(rows)) at those positions, with the family's further arguments (extra(ids)); consecutive positions give
+    others. Returns HF's logits as a function of the image positions and of arguments overriding those."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from vlmprune.compiler import generate as gen
+
+    assert llm_bundle.report.passed, llm_bundle.manifest["parity"]
+    vlm = gen.load_vlm(str(llm_dir))
+    pixel, _ = gen.load_pixels(vlm, image)
+    prompt = gen.build_prompt(vlm, prompt_text)
+    bundle = gen.bundle_tokens(llm_bundle.bundle, llm_bundle.manifest, pixel, vlm)
+    kept = np.asarray(bundle.kept)
+    offset = len(prompt.before)
+    positions, text_start = gen.bundle_positions(bundle, offset)
+    np.testing.assert_array_equal(positions, offset + kept)  # original positions: the dense grid's
+    assert text_start == offset + tokens
+    ours = gen.answer(vlm, prompt, bundle.features, positions, text_start, 1)
+
+    model = vlm.model
+    rows = hf_rows(model, torch.from_numpy(pixel))[0, kept]
+    ids = torch.tensor([prompt.before + [image_token] * len(kept) + prompt.after])
+
+    def logits(image_positions, **overrides):
+        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), image_positions,
+                                                        text_start + np.arange(len(prompt.after))]))[None]
+        with torch.inference_mode():
+            return model(input_ids=ids, position_ids=position_ids, logits_to_keep=1,
+                         mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=pooled(rows))},
+                         **{**extra(ids), **overrides}).logits[0, -1].float()
+
+    hf = logits(positions)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    assert (logits(offset + np.arange(len(kept))) - hf).abs().max() > 1e-4  # the positions count
+    return lambda **overrides: logits(positions, **overrides), hf
+
+
+def check_eval(llm_bundle, llm_dir, tmp_path, prompts: list[str], tokens: int, keep: int = 8) -> None:
+    """eval's harness holds (its dense splice is HF's forward), and the bundle's rows give its reference's figures."""
+    from skimage import data
+
+    from cli_helpers import eval_inputs
+    from vlmprune.compiler.evaluate import evaluate
+
+    images, prompts = eval_inputs(tmp_path, {"cat.png": data.chelsea(), "coffee.png": data.coffee()}, prompts)
+    report = evaluate(str(llm_dir), images, prompts, ["divprune"], [keep], max_new_tokens=2,
+                      bundles=[llm_bundle.bundle])
+    assert report["harness_kl_max"] < 1e-8 and report["dense_image_tokens"] == tokens
+    reference, compiled = report["results"]
+    assert reference["from"] == "reference" and compiled["from"].startswith("bundle")
+    for a, b in zip(reference["samples"], compiled["samples"]):
+        assert np.isfinite(a["kl"]) and a["kl"] > 0
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]

@@ -18,13 +18,13 @@ checked against Hugging Face itself:
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, check_methods_listing, check_openvino, check_other_method,
-                           check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt)
+from merged_checks import (assert_close, cat_image, check_dense_splice, check_eval, check_methods_listing,
+                           check_openvino, check_other_method, check_pruned_splice, check_qnn_or_rk3588,
+                           check_rows_on_ort, check_tensorrt)
 from tiny_models import gemma3_processor, tiny_gemma3
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -164,12 +164,7 @@ def llm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cat(tmp_path_factory):
-    from PIL import Image
-    from skimage import data
-
-    path = tmp_path_factory.mktemp("images") / "cat.png"
-    Image.fromarray(data.chelsea()).save(path)
-    return path
+    return cat_image(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -192,17 +187,8 @@ def test_generate_dense_splice_is_the_hf_forward(llm_dir, cat):
     """generate's dense splice is HF's forward with the image tokens marked (token_type_ids 1, as Gemma 3's processor
     gives them): bidirectional among the image rows; the causal-only forward gives other logits."""
     from vlmprune.compiler import generate as gen
-    from vlmprune.compiler.evaluate import hf_first_logits
 
-    vlm = gen.load_vlm(str(llm_dir))
-    pixel, _ = gen.load_pixels(vlm, cat)
-    prompt = gen.build_prompt(vlm, "what is in the image?")
-    image = gen.dense_image(vlm, pixel)
-    assert image.rows.shape == (TOKENS, WIDTH)
-    positions, text_start = image.place(len(prompt.before))
-    ours = gen.answer(vlm, prompt, image.rows, positions, text_start, 1)
-    hf = hf_first_logits(vlm, prompt, pixel, TOKENS)
-    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    vlm, prompt, pixel, hf = check_dense_splice(llm_dir, cat, "what is in the image?", TOKENS, WIDTH)
     ids = gen.hf_forward_ids(vlm, prompt, TOKENS)
     assert ids["token_type_ids"].sum() == TOKENS and ids["token_type_ids"][0, len(prompt.before)] == 1
     with torch.inference_mode():
@@ -216,41 +202,11 @@ def test_pruned_llm_input_is_hf_forward_on_the_same_kept_tokens(llm_bundle, llm_
     of HF's own forward given its own tower's rows of those 8 tokens, token types 1 there, at those positions; other
     positions give others, and HF's forward without an attention mask does not give them (its mask builder then reads
     the positions' gaps as packed sequences)."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    from vlmprune.compiler import generate as gen
-
-    assert llm_bundle.report.passed, llm_bundle.manifest["parity"]
-    vlm = gen.load_vlm(str(llm_dir))
-    pixel, _ = gen.load_pixels(vlm, cat)
-    prompt = gen.build_prompt(vlm, "what is in the image?")
-    tokens = gen.bundle_tokens(llm_bundle.bundle, llm_bundle.manifest, pixel, vlm)
-    kept = np.asarray(tokens.kept)
-    offset = len(prompt.before)
-    positions, text_start = gen.bundle_positions(tokens, offset)
-    np.testing.assert_array_equal(positions, offset + kept)  # original positions: the dense grid's
-    assert text_start == offset + TOKENS
-    ours = gen.answer(vlm, prompt, tokens.features, positions, text_start, 1)
-
-    model = vlm.model
-    hf_rows = _hf_rows(model, torch.from_numpy(pixel))[0, kept]
-    ids = torch.tensor([prompt.before + [IMAGE] * len(kept) + prompt.after])
-    types = (ids == IMAGE).long()
-
-    def logits(image_positions, mask=True):
-        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), image_positions,
-                                                        text_start + np.arange(len(prompt.after))]))[None]
-        with torch.inference_mode():
-            return model(input_ids=ids, position_ids=position_ids, token_type_ids=types, logits_to_keep=1,
-                         attention_mask=torch.ones_like(ids) if mask else None,
-                         mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=hf_rows[None])}
-                         ).logits[0, -1].float()
-
-    hf = logits(positions)
-    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
-    assert (logits(offset + np.arange(len(kept))) - hf).abs().max() > 1e-4  # the positions count
+    at_kept, hf = check_pruned_splice(
+        llm_bundle, llm_dir, cat, "what is in the image?", TOKENS, IMAGE, _hf_rows, pooled=lambda rows: rows[None],
+        extra=lambda ids: {"token_type_ids": (ids == IMAGE).long(), "attention_mask": torch.ones_like(ids)})
     try:  # why generate passes a mask of ones: without one, transformers 5.25's packed-sequence path raises here
-        unmasked = logits(positions, mask=False)
+        unmasked = at_kept(attention_mask=None)
     except IndexError:
         unmasked = None
     assert unmasked is None or (unmasked - hf).abs().max() > 1e-4
@@ -259,25 +215,11 @@ def test_pruned_llm_input_is_hf_forward_on_the_same_kept_tokens(llm_bundle, llm_
 def test_generate_cli_and_eval(llm_bundle, llm_dir, cat, tmp_path):
     """`vlmprune generate` answers through Gemma 3's LLM (transformers); eval's harness holds (its dense splice is
     HF's forward) and the bundle's rows give its reference's figures."""
-    from skimage import data
-
-    from cli_helpers import eval_inputs
-    from vlmprune.compiler.evaluate import evaluate
-
     result = run_cli("generate", llm_bundle.bundle, "--model", llm_dir, "--image", cat,
                      "--prompt", "what is in the image?", "--max-new-tokens", "3")
     assert result.exit_code == 0, result.output
     assert "pruned: 8 image tokens" in result.output and "Gemma 3's chat convention" in result.output
-    images, prompts = eval_inputs(tmp_path, {"cat.png": data.chelsea(), "coffee.png": data.coffee()},
-                                  ["what is in the image?"])
-    report = evaluate(str(llm_dir), images, prompts, ["divprune"], [8], max_new_tokens=2,
-                      bundles=[llm_bundle.bundle])
-    assert report["harness_kl_max"] < 1e-8 and report["dense_image_tokens"] == TOKENS
-    reference, compiled = report["results"]
-    assert reference["from"] == "reference" and compiled["from"].startswith("bundle")
-    for a, b in zip(reference["samples"], compiled["samples"]):
-        assert np.isfinite(a["kl"]) and a["kl"] > 0
-        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]
+    check_eval(llm_bundle, llm_dir, tmp_path, ["what is in the image?"], TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ Hugging Face itself:
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, check_methods_listing, check_openvino, check_other_method,
-                           check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt)
+from merged_checks import (assert_close, cat_image, check_dense_splice, check_eval, check_methods_listing,
+                           check_openvino, check_other_method, check_pruned_splice, check_qnn_or_rk3588,
+                           check_rows_on_ort, check_tensorrt)
 from tiny_models import tiny_internvl
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -153,12 +153,7 @@ def llm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cat(tmp_path_factory):
-    from PIL import Image
-    from skimage import data
-
-    path = tmp_path_factory.mktemp("images") / "cat.png"
-    Image.fromarray(data.chelsea()).save(path)
-    return path
+    return cat_image(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -168,53 +163,13 @@ def llm_bundle(llm_dir, tmp_path_factory):
 
 
 def test_generate_dense_splice_is_the_hf_forward(llm_dir, cat):
-    from vlmprune.compiler import generate as gen
-    from vlmprune.compiler.evaluate import hf_first_logits
-
-    vlm = gen.load_vlm(str(llm_dir))
-    pixel, _ = gen.load_pixels(vlm, cat)
-    prompt = gen.build_prompt(vlm, "what is in the image?")
-    image = gen.dense_image(vlm, pixel)
-    assert image.rows.shape == (TOKENS, WIDTH)
-    positions, text_start = image.place(len(prompt.before))
-    ours = gen.answer(vlm, prompt, image.rows, positions, text_start, 1)
-    torch.testing.assert_close(ours.first_logits, hf_first_logits(vlm, prompt, pixel, TOKENS), rtol=0, atol=1e-4)
+    check_dense_splice(llm_dir, cat, "what is in the image?", TOKENS, WIDTH)
 
 
 def test_pruned_llm_input_is_hf_forward_on_the_same_kept_tokens(llm_bundle, llm_dir, cat):
     """The bundle's 8 kept rows, spliced by generate at their original positions, give the logits of HF's own
     forward given its own tower's rows of those 8 tokens at those positions; other positions give others."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    from vlmprune.compiler import generate as gen
-
-    assert llm_bundle.report.passed, llm_bundle.manifest["parity"]
-    vlm = gen.load_vlm(str(llm_dir))
-    pixel, _ = gen.load_pixels(vlm, cat)
-    prompt = gen.build_prompt(vlm, "what is in the image?")
-    tokens = gen.bundle_tokens(llm_bundle.bundle, llm_bundle.manifest, pixel, vlm)
-    kept = np.asarray(tokens.kept)
-    offset = len(prompt.before)
-    positions, text_start = gen.bundle_positions(tokens, offset)
-    np.testing.assert_array_equal(positions, offset + kept)  # original positions: the dense grid's
-    assert text_start == offset + TOKENS
-    ours = gen.answer(vlm, prompt, tokens.features, positions, text_start, 1)
-
-    model = vlm.model
-    hf_rows = _hf_rows(model, torch.from_numpy(pixel))[0, kept]
-    ids = torch.tensor([prompt.before + [IMAGE] * len(kept) + prompt.after])
-
-    def logits(image_positions):
-        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), image_positions,
-                                                        text_start + np.arange(len(prompt.after))]))[None]
-        with torch.inference_mode():
-            return model(input_ids=ids, position_ids=position_ids, logits_to_keep=1,
-                         mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=hf_rows)}
-                         ).logits[0, -1].float()
-
-    hf = logits(positions)
-    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
-    assert (logits(offset + np.arange(len(kept))) - hf).abs().max() > 1e-4  # the positions count
+    check_pruned_splice(llm_bundle, llm_dir, cat, "what is in the image?", TOKENS, IMAGE, _hf_rows)
 
 
 def test_with_llm_on_ort_and_generate_cli(llm_bundle, llm_dir, cat):
@@ -231,21 +186,7 @@ def test_with_llm_on_ort_and_generate_cli(llm_bundle, llm_dir, cat):
 
 def test_eval_reference_and_bundle(llm_bundle, llm_dir, tmp_path):
     """eval's harness holds (its dense splice is HF's forward), and the bundle's rows give its reference's figures."""
-    from skimage import data
-
-    from cli_helpers import eval_inputs
-    from vlmprune.compiler.evaluate import evaluate
-
-    images, prompts = eval_inputs(tmp_path, {"cat.png": data.chelsea(), "coffee.png": data.coffee()},
-                                  ["what is in the image?", "describe it."])
-    report = evaluate(str(llm_dir), images, prompts, ["divprune"], [8], max_new_tokens=2,
-                      bundles=[llm_bundle.bundle])
-    assert report["harness_kl_max"] < 1e-8 and report["dense_image_tokens"] == TOKENS
-    reference, compiled = report["results"]
-    assert reference["from"] == "reference" and compiled["from"].startswith("bundle")
-    for a, b in zip(reference["samples"], compiled["samples"]):
-        assert np.isfinite(a["kl"]) and a["kl"] > 0
-        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]
+    check_eval(llm_bundle, llm_dir, tmp_path, ["what is in the image?", "describe it."], TOKENS)
 
 
 def test_edgellm_refuses_internvl_in_one_line(llm_dir, tmp_path):
