@@ -1,14 +1,14 @@
-"""What the families pruned after a patch-merging connector share: SmolVLM, Gemma 3, LFM2-VL.
+"""What the families pruned after a patch-merging connector share: SmolVLM, Gemma 3, LFM2-VL, InternVL3.
 
-Each runs a SigLIP-layout tower (pre-norm blocks, no [CLS], post_layernorm) through VisionPipeline, then a
-connector that folds each s x s group of the full patch grid into one token (SmolVLM's pixel shuffle, Gemma 3's
-average pooling, LFM2-VL's pixel unshuffle). Pruning goes after the connector, on the merged tokens (the features
-site; Source.spatial_merge = s), and only there: a method inside the tower keeps single patches, which breaks the
-groups the connector needs, and a method that scores by the tower's attention, [CLS], pooling head or feature layer
-reads single patches, not merged tokens. Why a module: that refusal, the SigLIP block layout, loading the
-tower and the connector by key prefix, the patch embedding
-spelled as one MatMul (so that the site finder counts the merged tokens at the features site, not a Conv's patch
-grid) and the token counts were written once per family; one change of the rule now reaches all three.
+Each runs its tower through VisionPipeline (SmolVLM, Gemma 3 and LFM2-VL a SigLIP-layout one: pre-norm blocks, no
+[CLS], post_layernorm), then a connector that folds each s x s group of the full patch grid into one token
+(SmolVLM's and InternVL's pixel shuffle, Gemma 3's average pooling, LFM2-VL's pixel unshuffle). Pruning goes after
+the connector, on the merged tokens (the features site; Source.spatial_merge = s), and only there: a method inside
+the tower keeps single patches, which breaks the groups the connector needs, and a method that scores by the
+tower's attention, [CLS], pooling head or feature layer reads single patches, not merged tokens. Why a module: that
+refusal, the SigLIP block layout, loading the tower and the connector by key prefix, the patch embedding spelled as
+one MatMul (so that the site finder counts the merged tokens at the features site, not a Conv's patch grid) and the
+token counts were written once per family; one change of the rule now reaches them all.
 """
 
 from __future__ import annotations
