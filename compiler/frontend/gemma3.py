@@ -35,10 +35,11 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family, ImagePrompt
-from vlmprune.compiler.frontend.source import (Source, inner_tower, built, load_state, read_safetensors,
-                                               sha256_files, sha256_state)
-from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
+from vlmprune.compiler.frontend.merged import (MergedTokensFamily, conv_as_matmul, load_tower_and_connector,
+                                               siglip_block, token_counts)
+from vlmprune.compiler.frontend.source import Source, inner_tower, built, sha256_files, sha256_state
+from vlmprune.compiler.frontend.tower import TowerParts, VisionPipeline
 
 SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)  # Gemma3ImageProcessor's defaults
 MODEL_TYPES = ("gemma3",)
@@ -51,9 +52,6 @@ BOI, EOI = "<start_of_image>", "<end_of_image>"
 IMAGE_PROMPT = ImagePrompt(f"\n\n{BOI}", f"{EOI}\n\n", mark=BOI,
                            convention="<start_of_turn>user\n{mark}{prompt}<end_of_turn>\n<start_of_turn>model\n",
                            specials=((BOI, "boi_token_index"), (EOI, "eoi_token_index")))
-WHY_NOT_BLOCK = ("Gemma 3's connector average-pools each 4x4 group of the full patch grid into one token after the "
-                 "tower, so pruning single patches inside it breaks the pooling: prune the pooled tokens (divprune, "
-                 "dart, random or grid with --site features)")
 
 
 def build_tower(vision_config) -> nn.Module:
@@ -72,14 +70,8 @@ def build_projector(config) -> nn.Module:
 def tower_parts(tower) -> TowerParts:
     """How VisionPipeline runs Gemma 3's SigLIP: CLIP's block layout, post_layernorm last, the Conv as a MatMul."""
     vm = inner_tower(tower)
-
-    def parts(layer) -> BlockParts:
-        a = layer.self_attn
-        return BlockParts(layer.layer_norm1, a.q_proj, a.k_proj, a.v_proj, a.out_proj, a.num_heads, a.scale,
-                          layer.layer_norm2, layer.mlp)
-
-    return TowerParts(vm, lambda pixel_values: embed(vm.embeddings, pixel_values), list(vm.encoder.layers), parts,
-                      vm.post_layernorm)
+    return TowerParts(vm, lambda pixel_values: embed(vm.embeddings, pixel_values), list(vm.encoder.layers),
+                      siglip_block, vm.post_layernorm)
 
 
 def embed(embeddings, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -88,13 +80,7 @@ def embed(embeddings, pixel_values: torch.Tensor) -> torch.Tensor:
     The patch Conv is spelled as one MatMul over the flattened patches: the site finder then reads the token count
     at the features site as the pooled tokens', not the Conv's patch grid.
     """
-    conv = embeddings.patch_embedding
-    p = conv.kernel_size[0]
-    b, c, s, _ = pixel_values.shape
-    g = s // p
-    x = pixel_values.reshape(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
-    h = x @ conv.weight.reshape(conv.weight.shape[0], -1).t() + conv.bias
-    return h + embeddings.position_embedding.weight
+    return conv_as_matmul(embeddings.patch_embedding, pixel_values) + embeddings.position_embedding.weight
 
 
 def gemma3_source(spec: str, kind: str, config, tower: nn.Module, projector: nn.Module, content_hash: str | None,
@@ -111,8 +97,7 @@ def gemma3_source(spec: str, kind: str, config, tower: nn.Module, projector: nn.
     pool = side // per_side
     pipeline = VisionPipeline(tower_parts(tower), projector, vcfg.num_hidden_layers, True, False, patch,
                               final_norm=True).eval()
-    counts = {"image_size": image_size, "patch_grid": [side, side], "patches": side * side, "spatial_merge": pool,
-              "merged_grid_thw": [1, per_side, per_side], "tokens": tokens}
+    counts = token_counts(image_size, patch, pool)
     details = {"model_type": "gemma3", "feature_layer": -1, "select_strategy": "full (no [CLS])",
                "vision_layers": vcfg.num_hidden_layers, "projector": True, "token_counts": counts,
                "connector": f"average pooling {pool}x{pool} + RMSNorm + linear (Gemma3MultiModalProjector)",
@@ -136,25 +121,24 @@ class Gemma3Adapter(ModelAdapter):
             raise InputError(f"Gemma 3 vision tower type {config.vision_config.model_type!r} is not supported "
                              "(SigLIP)")
         tower = build_tower(config.vision_config)
-        state = read_safetensors(checkpoint.weights, TOWER_PREFIXES)
-        if not state:
-            raise InputError(f"{checkpoint.path}: no vision weights (model.vision_tower.* or vision_tower.*) in the "
-                             "safetensors")
-        load_state(inner_tower(tower), state, "vision tower")
         projector = build_projector(config)
-        load_state(projector, read_safetensors(checkpoint.weights, PROJECTOR_PREFIXES), "projector")
+        load_tower_and_connector(checkpoint, inner_tower(tower), TOWER_PREFIXES, projector, PROJECTOR_PREFIXES)
         mean, std = checkpoint.preprocessing(SIGLIP_MEAN, SIGLIP_STD)
         return gemma3_source(str(checkpoint.path.resolve()), "hf", config, tower, projector,
                              sha256_files(checkpoint.files()), mean, std)
 
 
-class Gemma3Family(Family):
+class Gemma3Family(MergedTokensFamily):
     """A SigLIP tower whose connector pools 4x4 patch groups: pruned on the pooled tokens, after the connector."""
 
     id = "gemma3"
     adapter = Gemma3Adapter
     has = {PATCH_TOKENS: "Gemma 3"}
     language_model = {"gemma3": "Gemma3ForConditionalGeneration"}
+    why_not_block = ("Gemma 3's connector average-pools each 4x4 group of the full patch grid into one token after "
+                     "the tower, so pruning single patches inside it breaks the pooling")
+    why_not_scored = ("scores the pooled tokens by the tower's attention or patches, and Gemma 3's SigLIP attention "
+                      "runs over single patches, not over the pooled tokens")
 
     def image_prompt(self, tokenizer) -> ImagePrompt:
         """The processor's expansion of its template's boi token (fixed text: nothing read from the tokenizer)."""
@@ -168,18 +152,6 @@ class Gemma3Family(Family):
         types = torch.zeros(1, length, dtype=torch.long)
         types[0, image] = 1
         return {"token_type_ids": types, "attention_mask": torch.ones(1, length, dtype=torch.long)}
-
-    def check_method(self, source: Source, config, site_spec: type) -> None:
-        """Before the export: only methods that read the pooled tokens alone serve this family."""
-        name, needs = config.method.name, config.method.needs(config.params)
-        if needs.site == BLOCK:
-            raise InputError(f"method {name} prunes inside the tower, and {WHY_NOT_BLOCK}")
-        if needs.cls or needs.attention or needs.head or needs.tower_features or \
-                config.params.get("score") == "attention":
-            raise InputError(f"method {name} with these options scores the pooled tokens by the tower's attention "
-                             "or patches, and Gemma 3's SigLIP attention runs over single patches, not over the "
-                             "pooled tokens: prune them with divprune, dart, or random / grid --site features")
-        super().check_method(source, config, site_spec)
 
     def readme_section(self, manifest: dict) -> str:
         counts = manifest["model"].get("token_counts") or {}

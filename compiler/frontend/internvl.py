@@ -32,17 +32,15 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family
-from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, load_state, built,
-                                               read_safetensors, sha256_files, sha256_state)
-from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
+from vlmprune.compiler.frontend.family import PATCH_TOKENS
+from vlmprune.compiler.frontend.merged import MergedTokensFamily, load_tower_and_connector
+from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, built, sha256_files,
+                                               sha256_state)
+from vlmprune.compiler.frontend.tower import BlockParts, TowerParts, VisionPipeline
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 MODEL_TYPES = ("internvl",)
-WHY_NOT_BLOCK = ("InternVL's connector pixel-shuffles each 2x2 group of the full patch grid into one token after "
-                 "the tower, so pruning single patches inside it breaks the shuffle: prune the merged tokens "
-                 "(divprune, dart, random or grid with --site features)")
 
 
 def square(value, what: str) -> int:
@@ -156,38 +154,25 @@ class InternVLAdapter(ModelAdapter):
     def load(self, checkpoint: Checkpoint, feature_layer: int | None) -> Source:
         config = checkpoint.config
         tower = build_tower(config.vision_config)
-        state = read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower."))
-        if not state:
-            raise InputError(f"{checkpoint.path}: no vision weights (model.vision_tower.* or vision_tower.*) in the "
-                             "safetensors")
-        load_state(tower, state, "vision tower")
         projector = build_projector(config)
-        pstate = read_safetensors(checkpoint.weights, ("model.multi_modal_projector.", "multi_modal_projector."))
-        load_state(projector, pstate, "projector")
+        load_tower_and_connector(checkpoint, tower, ("model.vision_tower.", "vision_tower."), projector,
+                                 ("model.multi_modal_projector.", "multi_modal_projector."))
         mean, std = checkpoint.preprocessing(IMAGENET_MEAN, IMAGENET_STD)
         return internvl_source(str(checkpoint.path.resolve()), "hf", config, tower, projector,
                                sha256_files(checkpoint.files()), feature_layer, mean, std)
 
 
-class InternVLFamily(Family):
+class InternVLFamily(MergedTokensFamily):
     """A [CLS] tower whose connector merges 2x2 patch groups: pruned on the merged tokens, after the connector."""
 
     id = "internvl"
     adapter = InternVLAdapter
     has = {PATCH_TOKENS: "InternVL3"}
     language_model = {"internvl": "InternVLForConditionalGeneration"}
-
-    def check_method(self, source: Source, config, site_spec: type) -> None:
-        """Before the export: only methods that read the merged tokens alone serve this family."""
-        name, needs = config.method.name, config.method.needs(config.params)
-        if needs.site == BLOCK:
-            raise InputError(f"method {name} prunes inside the tower, and {WHY_NOT_BLOCK}")
-        if needs.cls or needs.attention or needs.head or needs.tower_features or \
-                config.params.get("score") == "attention":
-            raise InputError(f"method {name} with these options scores the merged tokens by the tower's attention "
-                             f"or patches, and InternVL's attention runs over [CLS] + single patches, not over the "
-                             "merged tokens: prune them with divprune, dart, or random / grid --site features")
-        super().check_method(source, config, site_spec)
+    why_not_block = ("InternVL's connector pixel-shuffles each 2x2 group of the full patch grid into one token after "
+                     "the tower, so pruning single patches inside it breaks the shuffle")
+    why_not_scored = ("scores the merged tokens by the tower's attention or patches, and InternVL's attention runs "
+                      "over [CLS] + single patches, not over the merged tokens")
 
     def readme_section(self, manifest: dict) -> str:
         counts = manifest["model"].get("token_counts") or {}

@@ -15,7 +15,10 @@
 - `smolvlm-256m-512`: the shapes of SmolVLM-256M's SigLIP base patch16 tower and connector at 512x512 (12 blocks,
   768 wide, no [CLS]; pixel shuffle 4x4 + Linear 12288 -> 576; 1024 patches -> 64 tokens);
 - `gemma3-4b-896`: the shapes of Gemma 3 4B's SigLIP-So400m tower and connector at 896x896 (27 blocks, 1152 wide,
-  patch 14, no pooling head; 4x4 average pooling + RMSNorm + 1152 -> 2560; 4096 patches -> 256 tokens).
+  patch 14, no pooling head; 4x4 average pooling + RMSNorm + 1152 -> 2560; 4096 patches -> 256 tokens);
+- `lfm2-vl-450m-256`: the shapes of LFM2-VL-450M's SigLIP2 NaFlex base tower and projector at one 256x256 tile (12
+  blocks, 768 wide, patch 16, no [CLS]; pixel unshuffle 2x2 + LayerNorm + MLP 3072 -> 2560 -> 1024; 256 patches -> 64
+  tokens).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ PRESETS = {"demo": "a small LLaVA model (CLIP tower, 576 patches), seeded", "cli
                             "pooled 4x4 into 256 tokens of 2560), seeded"}
 PRESETS["smolvlm-256m-512"] = ("SmolVLM-256M's SigLIP base patch16 tower, pixel shuffle and connector shapes at "
                                "512x512 (1024 patches, 64 merged tokens of 576), seeded")
+PRESETS["lfm2-vl-450m-256"] = ("LFM2-VL-450M's SigLIP2 NaFlex base tower, pixel unshuffle and projector shapes at one "
+                               "256x256 tile (256 patches, 64 merged tokens of 1024), seeded")
 
 
 def load_preset(name: str) -> Source:
@@ -60,6 +65,8 @@ def load_preset(name: str) -> Source:
         return _gemma3_4b_896()
     if name == "smolvlm-256m-512":
         return _smolvlm_256m_512()
+    if name == "lfm2-vl-450m-256":
+        return _lfm2_vl_450m_256()
     return _demo() if name == "demo" else _clip_l_336()
 
 
@@ -216,3 +223,24 @@ def _smolvlm_256m_512() -> Source:
     tower, connector = build_tower(config.vision_config), build_connector(config)
     seeded_init(nn.ModuleList([tower, connector]), seed=0)  # LayerNorms at unit scales
     return smolvlm_source("smolvlm-256m-512", "preset", config, tower, connector, None)
+
+
+def _lfm2_vl_450m_256() -> Source:
+    """LFM2-VL-450M's vision side (its config.json): SigLIP2 NaFlex base patch16, 12 blocks 768 wide (MLP 3072,
+    gelu_pytorch_tanh, 12 heads, no pooling head), a 16x16 position table (256 px at its own size: the processor's
+    min_image_tokens, 64), pixel unshuffle by downsample_factor 2 into 64 tokens of 3072, LayerNorm, Linear 3072 ->
+    2560, GELU, Linear 2560 -> 1024 (LFM2-350M's width)."""
+    from transformers import Lfm2VlConfig
+
+    from vlmprune.compiler.frontend.lfm2_vl import build_projector, build_tower, lfm2_vl_source
+
+    vision = dict(model_type="siglip2_vision_model", hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                  num_attention_heads=12, patch_size=16, num_patches=256, vision_use_head=False,
+                  hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+    text = dict(model_type="lfm2", hidden_size=1024, intermediate_size=6656, num_hidden_layers=16,
+                num_attention_heads=16, num_key_value_heads=8, vocab_size=65536)
+    config = Lfm2VlConfig(vision_config=vision, text_config=text, downsample_factor=2, projector_hidden_size=2560,
+                          image_token_id=396)
+    tower, projector = build_tower(config.vision_config), build_projector(config)
+    seeded_init(nn.ModuleList([tower, projector]), seed=0)  # LayerNorms at unit scales
+    return lfm2_vl_source("lfm2-vl-450m-256", "preset", config, tower, projector, None)

@@ -34,17 +34,15 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, Family, ImagePrompt
-from vlmprune.compiler.frontend.source import (Source, built, load_state, read_safetensors, sha256_files,
-                                               sha256_state)
-from vlmprune.compiler.frontend.tower import BLOCK, BlockParts, TowerParts, VisionPipeline
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
+from vlmprune.compiler.frontend.merged import (MergedTokensFamily, conv_as_matmul, load_tower_and_connector,
+                                               siglip_block, token_counts)
+from vlmprune.compiler.frontend.source import Source, built, sha256_files, sha256_state
+from vlmprune.compiler.frontend.tower import TowerParts, VisionPipeline
 
 SMOLVLM_MEAN = SMOLVLM_STD = (0.5, 0.5, 0.5)
 MODEL_TYPES = ("smolvlm",)
 FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"  # the processor's marks around one tile's rows
-WHY_NOT_BLOCK = ("SmolVLM's connector pixel-shuffles each group of the full patch grid into one token after the "
-                 "tower, so pruning single patches inside it breaks the shuffle: prune the merged tokens "
-                 "(divprune, dart, random or grid with --site features)")
 
 
 def build_tower(vision_config) -> nn.Module:
@@ -72,24 +70,13 @@ def position_ids(side: int, table_side: int) -> torch.Tensor:
 def tower_parts(model, side: int) -> TowerParts:
     """How VisionPipeline runs a SmolVLMVisionTransformer at side x side patches (SigLIP's layout)."""
     embeddings = model.embeddings
-    conv = embeddings.patch_embedding
-    p = conv.kernel_size[0]
     ids = position_ids(side, embeddings.num_patches_per_side)
 
     def embed(pixel_values: torch.Tensor) -> torch.Tensor:
         """[B, 3, S, S] -> [B, N, D]; the patch Conv as one MatMul over the flattened patches."""
-        b, c, s, _ = pixel_values.shape
-        g = s // p
-        x = pixel_values.reshape(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
-        h = x @ conv.weight.reshape(conv.weight.shape[0], -1).t() + conv.bias
-        return h + embeddings.position_embedding.weight[ids]
+        return conv_as_matmul(embeddings.patch_embedding, pixel_values) + embeddings.position_embedding.weight[ids]
 
-    def parts(layer) -> BlockParts:
-        a = layer.self_attn
-        return BlockParts(layer.layer_norm1, a.q_proj, a.k_proj, a.v_proj, a.out_proj, a.num_heads, a.scale,
-                          layer.layer_norm2, layer.mlp)
-
-    return TowerParts(model, embed, list(model.encoder.layers), parts, model.post_layernorm)
+    return TowerParts(model, embed, list(model.encoder.layers), siglip_block, model.post_layernorm)
 
 
 def check_image_size(image_size, unit: int, table: int) -> int:
@@ -111,9 +98,7 @@ def smolvlm_source(spec: str, kind: str, config, tower: nn.Module, connector: nn
     side = size // patch
     pipeline = VisionPipeline(tower_parts(tower, side), connector, vcfg.num_hidden_layers, True, False, patch,
                               final_norm=True).eval()
-    merged = side // merge
-    tokens = {"image_size": size, "patch_grid": [side, side], "patches": side * side, "spatial_merge": merge,
-              "merged_grid_thw": [1, merged, merged], "tokens": merged * merged}
+    tokens = token_counts(size, patch, merge)
     details = {"model_type": "smolvlm", "feature_layer": -1, "select_strategy": "full",
                "vision_layers": vcfg.num_hidden_layers, "projector": True, "token_counts": tokens,
                "connector": f"pixel shuffle {merge}x{merge} (scale_factor {merge}) + Linear projector",
@@ -134,19 +119,15 @@ class SmolVLMAdapter(ModelAdapter):
                              "normed output only (-1)")
         config = checkpoint.config
         tower = build_tower(config.vision_config)
-        state = read_safetensors(checkpoint.weights, ("model.vision_model.", "vision_model."))
-        if not state:
-            raise InputError(f"{checkpoint.path}: no vision weights (model.vision_model.* or vision_model.*) in the "
-                             "safetensors")
-        load_state(tower, state, "vision tower")
         connector = build_connector(config)
-        load_state(connector, read_safetensors(checkpoint.weights, ("model.connector.", "connector.")), "connector")
+        load_tower_and_connector(checkpoint, tower, ("model.vision_model.", "vision_model."), connector,
+                                 ("model.connector.", "connector."), "connector")
         mean, std = checkpoint.preprocessing(SMOLVLM_MEAN, SMOLVLM_STD)
         return smolvlm_source(str(checkpoint.path.resolve()), "hf", config, tower, connector,
                               sha256_files(checkpoint.files()), image_size, mean, std)
 
 
-class SmolVLMFamily(Family):
+class SmolVLMFamily(MergedTokensFamily):
     """A [CLS]-free SigLIP tower whose connector merges s x s patch groups: pruned after the connector."""
 
     id = "smolvlm"
@@ -155,27 +136,10 @@ class SmolVLMFamily(Family):
                                    "SmolVLM-256M/500M) up to the tower's 512. Default the tower's size.")}
     has = {PATCH_TOKENS: "SmolVLM"}
     language_model = {"smolvlm": "SmolVLMForConditionalGeneration"}
-
-    def check_method(self, source: Source, config, site_spec: type) -> None:
-        """Before the export: only methods that read the merged tokens alone serve this family."""
-        name, needs = config.method.name, config.method.needs(config.params)
-        if needs.site == BLOCK:
-            raise InputError(f"method {name} prunes inside the tower, and {WHY_NOT_BLOCK}")
-        if needs.cls or needs.attention or needs.head or needs.tower_features or \
-                config.params.get("score") == "attention":
-            raise InputError(f"method {name} with these options scores by a [CLS], a pooling head or the tower's "
-                             "attention, and SmolVLM's tower has no [CLS] nor head and attends over single patches, "
-                             "not the merged tokens: prune them with divprune, dart, or random / grid --site features")
-        super().check_method(source, config, site_spec)
-
-    def llm_source(self, checkpoint, options: dict) -> Source:
-        return self.adapter().load(checkpoint, None, image_size=options.get("image_size"))
-
-    def other_input(self, model: dict, source: Source) -> str | None:
-        if model["image_size"] != source.image_size:
-            return (f"compiled at --image-size {model['image_size']}, eval runs at {source.image_size} "
-                    f"(pass --image-size {model['image_size']})")
-        return None
+    why_not_block = ("SmolVLM's connector pixel-shuffles each group of the full patch grid into one token after the "
+                     "tower, so pruning single patches inside it breaks the shuffle")
+    why_not_scored = ("scores by a [CLS], a pooling head or the tower's attention, and SmolVLM's tower has no [CLS] "
+                      "nor head and attends over single patches, not the merged tokens")
 
     def hf_image_inputs(self, config, source: Source, pixel) -> dict:
         """SmolVLM's forward takes [batch, images, 3, S, S]: one image of one tile."""

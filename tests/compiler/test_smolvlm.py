@@ -20,21 +20,16 @@ against Hugging Face itself:
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
-import onnx
 import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
+from merged_checks import (assert_close, cat_image, check_dense_splice, check_eval, check_methods_listing,
+                           check_openvino, check_other_method, check_pruned_splice, check_qnn_or_rk3588,
+                           check_rows_on_ort, check_tensorrt)
 from tiny_models import tiny_smolvlm
 from vlmprune.compiler.frontend import load_source
-from vlmprune.compiler.frontend.images import parity_inputs
-from vlmprune.compiler.parity.reference import torch_reference
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
-from vlmprune.targets import qnn_tools
-from vlmprune.targets.runtime import ort_session, run_session
 
 SIZE, TOKENS, WIDTH = 128, 16, 48
 VOCAB, IMAGE = 320, 300  # the LLM-side model: bytes 0-255, its special tokens, <image> at 300
@@ -60,11 +55,6 @@ def _hf_rows(model, pixel: torch.Tensor) -> torch.Tensor:
     return torch.stack(list(rows))
 
 
-def _assert_close(got, expected) -> None:
-    torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(expected), rtol=1e-5,
-                               atol=1e-5 * float(torch.as_tensor(expected).abs().max()))
-
-
 @pytest.mark.parametrize("size, tokens", [(SIZE, TOKENS), (96, 9)])
 def test_dense_path_is_hf_image_features(smolvlm_dir, hf_model, size, tokens):
     source = load_source(str(smolvlm_dir), image_size=None if size == SIZE else size)
@@ -78,7 +68,7 @@ def test_dense_path_is_hf_image_features(smolvlm_dir, hf_model, size, tokens):
         with torch.inference_mode():
             got = source.pipeline(x)
         assert got.shape == (batch, tokens, WIDTH)
-        _assert_close(got, _hf_rows(hf_model, x))
+        assert_close(got, _hf_rows(hf_model, x))
 
 
 def test_the_check_has_teeth(smolvlm_dir, hf_model):
@@ -103,31 +93,8 @@ def divprune_bundle(smolvlm_dir, tmp_path_factory):
 
 
 def test_divprune_on_ort_rows_are_hf_rows_at_the_kept_indices(divprune_bundle, smolvlm_dir, hf_model):
-    result = divprune_bundle
-    assert result.report.passed, result.manifest["parity"]
-    manifest = result.manifest
-    outputs = {o["name"]: o["shape"] for o in manifest["outputs"]}
-    assert outputs == {"image_features": ["batch", 8, WIDTH], "kept_indices": ["batch", 8]}
-    assert manifest["method"]["site"] == "features" and manifest["method"]["num_patches"] == TOKENS
-    assert manifest["model"]["family"] == "smolvlm"
-    assert "SmolVLM tokens" in (result.bundle / "README.md").read_text()
-    source = load_source(str(smolvlm_dir))
-    record = manifest.record
-    assert record.method == "divprune"
-    library = (result.bundle / manifest["target"]["custom_op_library"],)
-    decomposed = onnx.load(str(result.bundle / "model.decomposed.onnx"), load_external_data=False)
-    assert {n.domain for n in decomposed.graph.node} <= {"", "ai.onnx"}  # standard ops only
-    assert "Conv" not in {n.op_type for n in decomposed.graph.node}  # the patch embedding is one MatMul
-    for graph in ("model.decomposed.onnx", "model.onnx"):
-        onnx.checker.check_model(str(result.bundle / graph), full_check=True)
-        for batch in (1, 3):
-            pixel, _ = parity_inputs(batch, SIZE, source.mean, source.std)
-            _, expected = torch_reference(source, record, pixel)
-            got = run_session(ort_session(result.bundle / graph, library), pixel)
-            np.testing.assert_array_equal(got["kept_indices"], expected.outputs["kept_indices"])
-            np.testing.assert_allclose(got["image_features"], expected.outputs["image_features"], rtol=1e-4, atol=1e-5)
-            hf = _hf_rows(hf_model, torch.from_numpy(pixel)).numpy()
-            _assert_close(got["image_features"], np.take_along_axis(hf, got["kept_indices"][..., None], axis=1))
+    check_rows_on_ort(divprune_bundle, smolvlm_dir, lambda pixel: _hf_rows(hf_model, pixel), size=SIZE, keep=8,
+                      tokens=TOKENS, width=WIDTH, family="smolvlm", readme="SmolVLM tokens")
 
 
 @pytest.mark.parametrize("method, options, size", [("dart", {"pivots": 2}, None),
@@ -135,46 +102,26 @@ def test_divprune_on_ort_rows_are_hf_rows_at_the_kept_indices(divprune_bundle, s
                                                    ("grid", {"site": "features"}, None), ("divprune", {}, 96)])
 def test_other_methods_and_sizes_on_ort(smolvlm_dir, tmp_path, method, options, size):
     keep = 6 if size is None else 4
-    result = compile_model(str(smolvlm_dir), tmp_path / "b", CompileOptions(
-        method=method, keep=keep, method_options=options, family_options={"image_size": size} if size else {}))
-    assert result.report.passed, result.manifest["parity"]
-    outputs = {o["name"]: o["shape"] for o in result.manifest["outputs"]}
-    assert outputs["kept_indices"][-1] == keep and outputs["image_features"][-1] == WIDTH
+    result = check_other_method(smolvlm_dir, tmp_path / "b", method, options, keep=keep, width=WIDTH,
+                                family_options={"image_size": size} if size else {})
     assert result.manifest["method"]["num_patches"] == (TOKENS if size is None else 9)
 
 
 @pytest.mark.parametrize("target, method, batch, options", [("orin", "divprune", 3, {}),
                                                             ("xavier", "dart", 1, {"pivots": 2})])
 def test_tensorrt_targets(smolvlm_dir, tmp_path, target, method, batch, options):
-    result = compile_model(str(smolvlm_dir), tmp_path / "b", CompileOptions(
-        target=target, method=method, keep=6, batch=batch, method_options=options))
-    assert result.report.passed, result.manifest["parity"]
-    stages = json.loads((result.bundle / "parity.json").read_text())["stages"]
-    assert len(stages) >= 3 and all(s["passed"] for s in stages)
+    check_tensorrt(smolvlm_dir, tmp_path / "b", target, method, batch, options)
 
 
 def test_openvino(smolvlm_dir, tmp_path):
-    pytest.importorskip("openvino", reason="openvino is not installed (pip install 'vlmprune[openvino]')")
-    result = compile_model(str(smolvlm_dir), tmp_path / "b", CompileOptions(target="openvino", method="divprune",
-                                                                             keep=6))
-    assert result.report.passed, result.manifest["parity"]
-    stages = json.loads((result.bundle / "parity.json").read_text())["stages"]
-    assert any("openvino" in s["stage"] for s in stages), [s["stage"] for s in stages]
+    check_openvino(smolvlm_dir, tmp_path / "b")
 
 
 @pytest.mark.toolchain
 @pytest.mark.parametrize("target, method", [("qnn", "divprune"), ("rk3588", "divprune")])
 def test_qnn_and_rk3588(request, smolvlm_dir, tmp_path, target, method):
     """The whole SmolVLM graph, pixel shuffle too, on the HTP emulator (int16) and the RKNN simulator (fp16)."""
-    if target == "rk3588":
-        request.getfixturevalue("rknn_ready")
-    elif not qnn_tools.available()[0]:
-        pytest.skip(f"QNN toolchain unavailable: {qnn_tools.available()[1]}")
-    result = compile_model(str(smolvlm_dir), tmp_path / "b", CompileOptions(target=target, method=method, keep=6,
-                                                                             batch=1))
-    assert result.report.passed, result.manifest["parity"]
-    stages = json.loads((result.bundle / "parity.json").read_text())["stages"]
-    assert len(stages) >= 3
+    check_qnn_or_rk3588(request, smolvlm_dir, tmp_path / "b", target, method)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -193,16 +140,7 @@ def test_refusals_are_one_line(smolvlm_dir, tmp_path, args, message):
 
 
 def test_methods_lists_smolvlm_from_its_declarations():
-    result = run_cli("methods")
-    assert result.exit_code == 0
-    lines = {}
-    for line in result.output.splitlines():
-        if line and not line.startswith(" "):
-            name = line.split(":")[0]
-        elif line.strip().startswith("serves:"):
-            lines[name] = line
-    assert "SmolVLM" in lines["divprune"] and "SmolVLM" in lines["dart"]
-    assert "SmolVLM" not in lines["cls"] and "SmolVLM" not in lines["visionzip"]
+    check_methods_listing("SmolVLM")
 
 
 def test_preset_has_smolvlm_256m_tower_shapes():
@@ -233,12 +171,7 @@ def llm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cat(tmp_path_factory):
-    from PIL import Image
-    from skimage import data
-
-    path = tmp_path_factory.mktemp("images") / "cat.png"
-    Image.fromarray(data.chelsea()).save(path)
-    return path
+    return cat_image(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -268,53 +201,13 @@ def test_prompt_is_the_processors(llm_dir):
 
 
 def test_generate_dense_splice_is_the_hf_forward(llm_dir, cat):
-    from vlmprune.compiler import generate as gen
-    from vlmprune.compiler.evaluate import hf_first_logits
-
-    vlm = gen.load_vlm(str(llm_dir))
-    pixel, _ = gen.load_pixels(vlm, cat)
-    prompt = gen.build_prompt(vlm, PROMPT)
-    image = gen.dense_image(vlm, pixel)
-    assert image.rows.shape == (TOKENS, WIDTH)
-    positions, text_start = image.place(len(prompt.before))
-    ours = gen.answer(vlm, prompt, image.rows, positions, text_start, 1)
-    torch.testing.assert_close(ours.first_logits, hf_first_logits(vlm, prompt, pixel, TOKENS), rtol=0, atol=1e-4)
+    check_dense_splice(llm_dir, cat, PROMPT, TOKENS, WIDTH)
 
 
 def test_pruned_llm_input_is_hf_forward_on_the_same_kept_tokens(llm_bundle, llm_dir, cat):
     """The bundle's 8 kept rows, spliced by generate at their original positions, give the logits of HF's own
     forward given its own tower's rows of those 8 tokens at those positions; other positions give others."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    from vlmprune.compiler import generate as gen
-
-    assert llm_bundle.report.passed, llm_bundle.manifest["parity"]
-    vlm = gen.load_vlm(str(llm_dir))
-    pixel, _ = gen.load_pixels(vlm, cat)
-    prompt = gen.build_prompt(vlm, PROMPT)
-    tokens = gen.bundle_tokens(llm_bundle.bundle, llm_bundle.manifest, pixel, vlm)
-    kept = np.asarray(tokens.kept)
-    offset = len(prompt.before)
-    positions, text_start = gen.bundle_positions(tokens, offset)
-    np.testing.assert_array_equal(positions, offset + kept)  # original positions: the dense grid's
-    assert text_start == offset + TOKENS
-    ours = gen.answer(vlm, prompt, tokens.features, positions, text_start, 1)
-
-    model = vlm.model
-    hf_rows = _hf_rows(model, torch.from_numpy(pixel))[0, kept]
-    ids = torch.tensor([prompt.before + [IMAGE] * len(kept) + prompt.after])
-
-    def logits(image_positions):
-        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), image_positions,
-                                                        text_start + np.arange(len(prompt.after))]))[None]
-        with torch.inference_mode():
-            return model(input_ids=ids, position_ids=position_ids, logits_to_keep=1,
-                         mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=hf_rows)}
-                         ).logits[0, -1].float()
-
-    hf = logits(positions)
-    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
-    assert (logits(offset + np.arange(len(kept))) - hf).abs().max() > 1e-4  # the positions count
+    check_pruned_splice(llm_bundle, llm_dir, cat, PROMPT, TOKENS, IMAGE, _hf_rows)
 
 
 def test_with_llm_on_ort_and_generate_cli(llm_bundle, llm_dir, cat):
@@ -331,21 +224,7 @@ def test_with_llm_on_ort_and_generate_cli(llm_bundle, llm_dir, cat):
 
 def test_eval_reference_and_bundle(llm_bundle, llm_dir, tmp_path):
     """eval's harness holds (its dense splice is HF's forward), and the bundle's rows give its reference's figures."""
-    from skimage import data
-
-    from cli_helpers import eval_inputs
-    from vlmprune.compiler.evaluate import evaluate
-
-    images, prompts = eval_inputs(tmp_path, {"cat.png": data.chelsea(), "coffee.png": data.coffee()},
-                                  [PROMPT, "describe it."])
-    report = evaluate(str(llm_dir), images, prompts, ["divprune"], [8], max_new_tokens=2,
-                      bundles=[llm_bundle.bundle])
-    assert report["harness_kl_max"] < 1e-8 and report["dense_image_tokens"] == TOKENS
-    reference, compiled = report["results"]
-    assert reference["from"] == "reference" and compiled["from"].startswith("bundle")
-    for a, b in zip(reference["samples"], compiled["samples"]):
-        assert np.isfinite(a["kl"]) and a["kl"] > 0
-        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]
+    check_eval(llm_bundle, llm_dir, tmp_path, [PROMPT, "describe it."], TOKENS)
 
 
 def test_edgellm_refuses_smolvlm_in_one_line(llm_dir, tmp_path):

@@ -1,4 +1,5 @@
-"""Tiny Qwen2-VL / Qwen2.5-VL checkpoints built offline from configs, for the tests that need one.
+"""Tiny checkpoints built offline from configs (Qwen2-VL, Qwen3-VL, LLaVA, InternVL, Gemma 3, SmolVLM, LFM2-VL), for
+the tests that need one.
 
 One builder so that every test's tiny Qwen has the same tower shapes (Qwen2-VL: 2 blocks;
 Qwen2.5-VL: 3 blocks, windows of 56 px, block 2 full attention) and differs only where the
@@ -214,19 +215,68 @@ def tiny_smolvlm(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer
     model.generation_config.eos_token_id = 257  # <end_of_utterance>
     model.eval().save_pretrained(path, safe_serialization=True)
     if tokenizer:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
         from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
 
-        specials = ["<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<global-img>"]
-        vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-        vocab.update({s: 256 + i for i, s in enumerate(specials)})
-        vocab.update({f"<unused{i}>": i for i in range(len(vocab), image_token_id)})
-        vocab["<image>"] = image_token_id
-        tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(s, special=True) for s in [*specials, "<image>"]])
-        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<end_of_utterance>",
-                                chat_template=DEFAULT_CHAT_TEMPLATE).save_pretrained(path)
+        byte_tokenizer(path, ("<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<global-img>"),
+                       image_token_id, DEFAULT_CHAT_TEMPLATE, bos_token="<|im_start|>", eos_token="<end_of_utterance>")
+    return Path(path)
+
+
+def byte_tokenizer(path: Path, specials: tuple[str, ...], image_token_id: int, chat_template: str, **named) -> None:
+    """A byte-level tokenizer saved at path: bytes 0-255, then specials as ids 256.., <image> at image_token_id
+    (<unusedN> between); named: its bos/eos tokens and extra_special_tokens, by their text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({s: 256 + i for i, s in enumerate(specials)})
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), image_token_id)})
+    vocab["<image>"] = image_token_id
+    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in [*specials, "<image>"]])
+    PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, **named).save_pretrained(path)
+
+
+# LFM2-VL's chat turns (ChatML, <|startoftext|> first), the image as its <image> token, which its processor expands.
+LFM2_VL_TEMPLATE = ("{{ bos_token }}{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' }}"
+                    "{%- if message['content'] is string -%}{{ message['content'] }}"
+                    "{%- else -%}{%- for item in message['content'] -%}"
+                    "{%- if item['type'] == 'image' -%}{{ '<image>' }}"
+                    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}"
+                    "{%- endfor -%}{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}"
+                    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
+LFM2_VL_SPECIALS = ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|image_start|>", "<|image_end|>")
+
+
+def tiny_lfm2_vl(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer: bool = False, **text) -> Path:
+    """A seeded tiny LFM2-VL (Lfm2VlForConditionalGeneration) saved (safetensors) at path, its tower and projector
+    spread: 3 SigLIP2 NaFlex blocks 32 wide (2 heads, no pooling head), patch 8, an 8x8 position table (64 px at its
+    own size; other sizes resample it), the projector's pixel unshuffle by 2, LayerNorm, 128 -> 40 -> the LLM's width;
+    an LFM2 LLM (text: overrides; default 2 layers 48 wide, a short-conv layer then an attention layer, vocab 128).
+    tokenizer: also a byte-level tokenizer (bytes 0-255, then LFM2_VL_SPECIALS as 256.., <image> at image_token_id)
+    with LFM2_VL_TEMPLATE."""
+    from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration
+
+    config = dict(model_type="lfm2", hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=128, layer_types=["conv", "full_attention"],
+                  block_auto_adjust_ff_dim=False)
+    config.update(text)
+    vision = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=2, patch_size=8, num_patches=64, vision_use_head=False)
+    torch.manual_seed(seed)
+    model = Lfm2VlForConditionalGeneration(Lfm2VlConfig(vision_config=vision, text_config=config, downsample_factor=2,
+                                                        projector_hidden_size=40, image_token_id=image_token_id))
+    spread(model, ("model.vision_tower.", "model.multi_modal_projector."))
+    with torch.no_grad():  # 1-D rows are left alone above: the position table's rows and the projector's LayerNorm
+        model.model.vision_tower.embeddings.position_embedding.weight.normal_(0.0, 0.2)
+        model.model.multi_modal_projector.layer_norm.weight.normal_(1.0, 0.2)
+    model.generation_config.eos_token_id = 258  # <|im_end|>
+    model.eval().save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        byte_tokenizer(path, LFM2_VL_SPECIALS, image_token_id, LFM2_VL_TEMPLATE, bos_token="<|startoftext|>",
+                       eos_token="<|im_end|>", extra_special_tokens={"image_token": "<image>",
+                                                                     "image_start_token": "<|image_start|>",
+                                                                     "image_end_token": "<|image_end|>"})
     return Path(path)

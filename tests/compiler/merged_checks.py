@@ -1,0 +1,204 @@
+"""The checks the merged-token families' tests make alike (SmolVLM, Gemma 3, InternVL3, LFM2-VL: pruned after a
+patch-merging connector), written once: a pruned bundle's rows against the family's own Hugging Face rows on ort,
+parity on each target, `vlmprune methods`. Each family's test module keeps its own fixtures, parameters and what
+only it has; what differs between them (how HF is fed, the sizes) is passed in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from cli_helpers import run_cli
+from vlmprune.compiler.frontend import load_source
+from vlmprune.compiler.frontend.images import parity_inputs
+from vlmprune.compiler.parity.reference import torch_reference
+from vlmprune.compiler.pipeline import CompileOptions, compile_model
+from vlmprune.targets import qnn_tools
+from vlmprune.targets.runtime import ort_session, run_session
+
+
+def assert_close(got, expected) -> None:
+    """fp32 rows equal to the reference's, to 1e-5 of its largest value."""
+    torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(expected), rtol=1e-5,
+                               atol=1e-5 * float(torch.as_tensor(expected).abs().max()))
+
+
+def check_rows_on_ort(result, model_dir, hf_rows: Callable[[torch.Tensor], torch.Tensor], *, size: int, keep: int,
+                      tokens: int, width: int, family: str, readme: str) -> None:
+    """A divprune bundle on ort: its outputs, standard ops only and no Conv (the patch embedding is one MatMul), both
+    graphs pass the ONNX checker, and at batch 1 and 3 their rows are the torch reference's and HF's own rows
+    (hf_rows: pixels [B, 3, S, S] -> get_image_features' [B, T, D]) at kept_indices."""
+    assert result.report.passed, result.manifest["parity"]
+    manifest = result.manifest
+    outputs = {o["name"]: o["shape"] for o in manifest["outputs"]}
+    assert outputs == {"image_features": ["batch", keep, width], "kept_indices": ["batch", keep]}
+    assert manifest["method"]["site"] == "features" and manifest["method"]["num_patches"] == tokens
+    assert manifest["model"]["family"] == family
+    assert readme in (result.bundle / "README.md").read_text()
+    source = load_source(str(model_dir))
+    record = manifest.record
+    assert record.method == "divprune"
+    library = (result.bundle / manifest["target"]["custom_op_library"],)
+    decomposed = onnx.load(str(result.bundle / "model.decomposed.onnx"), load_external_data=False)
+    assert {n.domain for n in decomposed.graph.node} <= {"", "ai.onnx"}  # standard ops only
+    assert "Conv" not in {n.op_type for n in decomposed.graph.node}  # the patch embedding is one MatMul
+    for graph in ("model.decomposed.onnx", "model.onnx"):
+        onnx.checker.check_model(str(result.bundle / graph), full_check=True)
+        for batch in (1, 3):
+            pixel, _ = parity_inputs(batch, size, source.mean, source.std)
+            _, expected = torch_reference(source, record, pixel)
+            got = run_session(ort_session(result.bundle / graph, library), pixel)
+            np.testing.assert_array_equal(got["kept_indices"], expected.outputs["kept_indices"])
+            np.testing.assert_allclose(got["image_features"], expected.outputs["image_features"], rtol=1e-4, atol=1e-5)
+            hf = hf_rows(torch.from_numpy(pixel)).numpy()
+            assert_close(got["image_features"], np.take_along_axis(hf, got["kept_indices"][..., None], axis=1))
+
+
+def compiled(model_dir, out, **options):
+    """compile_model with these CompileOptions, its parity passed."""
+    result = compile_model(str(model_dir), out, CompileOptions(**options))
+    assert result.report.passed, result.manifest["parity"]
+    return result
+
+
+def stages(result) -> list[dict]:
+    return json.loads((result.bundle / "parity.json").read_text())["stages"]
+
+
+def check_other_method(model_dir, out, method: str, options: dict, *, keep: int, width: int, **more):
+    """Another method on ort: parity, and K rows of the LLM's width."""
+    result = compiled(model_dir, out, method=method, keep=keep, method_options=options, **more)
+    outputs = {o["name"]: o["shape"] for o in result.manifest["outputs"]}
+    assert outputs["kept_indices"][-1] == keep and outputs["image_features"][-1] == width
+    return result
+
+
+def check_tensorrt(model_dir, out, target: str, method: str, batch: int, options: dict) -> None:
+    """orin / xavier (host parity): every stage passes."""
+    result = compiled(model_dir, out, target=target, method=method, keep=6, batch=batch, method_options=options)
+    assert len(stages(result)) >= 3 and all(s["passed"] for s in stages(result))
+
+
+def check_openvino(model_dir, out) -> None:
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install 'vlmprune[openvino]')")
+    result = compiled(model_dir, out, target="openvino", method="divprune", keep=6)
+    assert any("openvino" in s["stage"] for s in stages(result)), [s["stage"] for s in stages(result)]
+
+
+def check_qnn_or_rk3588(request, model_dir, out, target: str, method: str) -> None:
+    """The whole graph, connector too, on the HTP emulator (int16) or the RKNN simulator (fp16), each gated on its
+    toolchain."""
+    if target == "rk3588":
+        request.getfixturevalue("rknn_ready")
+    elif not qnn_tools.available()[0]:
+        pytest.skip(f"QNN toolchain unavailable: {qnn_tools.available()[1]}")
+    result = compiled(model_dir, out, target=target, method=method, keep=6, batch=1)
+    assert len(stages(result)) >= 3
+
+
+def check_methods_listing(name: str) -> None:
+    """`vlmprune methods` names the family among divprune's and dart's, not among the block-site methods'."""
+    result = run_cli("methods")
+    assert result.exit_code == 0
+    lines = {}
+    for line in result.output.splitlines():
+        if line and not line.startswith(" "):
+            method = line.split(":")[0]
+        elif line.strip().startswith("serves:"):
+            lines[method] = line
+    assert name in lines["divprune"] and name in lines["dart"]
+    assert name not in lines["cls"] and name not in lines["visionzip"]
+
+
+# ---------------------------------------------------------------------------------------------- the LLM side
+
+
+def cat_image(tmp_path_factory):
+    """skimage's cat, saved as a PNG for generate's --image."""
+    from PIL import Image
+    from skimage import data
+
+    path = tmp_path_factory.mktemp("images") / "cat.png"
+    Image.fromarray(data.chelsea()).save(path)
+    return path
+
+
+def check_dense_splice(llm_dir, image, prompt_text: str, tokens: int, width: int):
+    """generate's dense splice of the model's own rows gives HF's own forward's first logits; (vlm, prompt, pixel)."""
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.evaluate import hf_first_logits
+
+    vlm = gen.load_vlm(str(llm_dir))
+    pixel, _ = gen.load_pixels(vlm, image)
+    prompt = gen.build_prompt(vlm, prompt_text)
+    rows = gen.dense_image(vlm, pixel)
+    assert rows.rows.shape == (tokens, width)
+    positions, text_start = rows.place(len(prompt.before))
+    ours = gen.answer(vlm, prompt, rows.rows, positions, text_start, 1)
+    hf = hf_first_logits(vlm, prompt, pixel, tokens)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    return vlm, prompt, pixel, hf
+
+
+def check_pruned_splice(llm_bundle, llm_dir, image, prompt_text: str, tokens: int, image_token: int,
+                        hf_rows: Callable, pooled: Callable = lambda rows: rows, extra: Callable = lambda ids: {}):
+    """The bundle's kept rows, spliced by generate at their original positions, give the logits of HF's own forward
+    given its own tower's rows of those tokens (hf_rows(model, pixel) [1, T, D], as its mm_encoder_outputs take them:
+    pooled(rows)) at those positions, with the family's further arguments (extra(ids)); consecutive positions give
+    others. Returns HF's logits as a function of the image positions and of arguments overriding those."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from vlmprune.compiler import generate as gen
+
+    assert llm_bundle.report.passed, llm_bundle.manifest["parity"]
+    vlm = gen.load_vlm(str(llm_dir))
+    pixel, _ = gen.load_pixels(vlm, image)
+    prompt = gen.build_prompt(vlm, prompt_text)
+    bundle = gen.bundle_tokens(llm_bundle.bundle, llm_bundle.manifest, pixel, vlm)
+    kept = np.asarray(bundle.kept)
+    offset = len(prompt.before)
+    positions, text_start = gen.bundle_positions(bundle, offset)
+    np.testing.assert_array_equal(positions, offset + kept)  # original positions: the dense grid's
+    assert text_start == offset + tokens
+    ours = gen.answer(vlm, prompt, bundle.features, positions, text_start, 1)
+
+    model = vlm.model
+    rows = hf_rows(model, torch.from_numpy(pixel))[0, kept]
+    ids = torch.tensor([prompt.before + [image_token] * len(kept) + prompt.after])
+
+    def logits(image_positions, **overrides):
+        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), image_positions,
+                                                        text_start + np.arange(len(prompt.after))]))[None]
+        with torch.inference_mode():
+            return model(input_ids=ids, position_ids=position_ids, logits_to_keep=1,
+                         mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=pooled(rows))},
+                         **{**extra(ids), **overrides}).logits[0, -1].float()
+
+    hf = logits(positions)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    assert (logits(offset + np.arange(len(kept))) - hf).abs().max() > 1e-4  # the positions count
+    return lambda **overrides: logits(positions, **overrides), hf
+
+
+def check_eval(llm_bundle, llm_dir, tmp_path, prompts: list[str], tokens: int, keep: int = 8) -> None:
+    """eval's harness holds (its dense splice is HF's forward), and the bundle's rows give its reference's figures."""
+    from skimage import data
+
+    from cli_helpers import eval_inputs
+    from vlmprune.compiler.evaluate import evaluate
+
+    images, prompts = eval_inputs(tmp_path, {"cat.png": data.chelsea(), "coffee.png": data.coffee()}, prompts)
+    report = evaluate(str(llm_dir), images, prompts, ["divprune"], [keep], max_new_tokens=2,
+                      bundles=[llm_bundle.bundle])
+    assert report["harness_kl_max"] < 1e-8 and report["dense_image_tokens"] == tokens
+    reference, compiled = report["results"]
+    assert reference["from"] == "reference" and compiled["from"].startswith("bundle")
+    for a, b in zip(reference["samples"], compiled["samples"]):
+        assert np.isfinite(a["kl"]) and a["kl"] > 0
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]
