@@ -168,6 +168,11 @@ class Family:
     # checkpoint to it; False: a graph exported elsewhere (.onnx), which any checkpoint with that tower may run.
     identifies_model: ClassVar[bool] = True
 
+    def positions_of(self, model: dict) -> IndicesPositions:
+        """The positions rule of one bundle (its manifest's model section): the family's, unless its bundles differ
+        by input (LLaVA-NeXT-Video's clips beside LLaVA-NeXT's anyres crops)."""
+        return self.positions
+
     def check_options(self, given: dict) -> None:
         """Check the values of this family's own options, before any work (one line for a bad one)."""
 
