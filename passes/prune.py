@@ -143,7 +143,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
             graph.outputs[graph.outputs.index(hidden)] = tokens
             tokens.name = name
         tokens_in = static_dim(hidden, 1)
-        tokens_out = spec.prefix + self.method.output_tokens(self.params)
+        tokens_out = self.method.site_tokens(self.params, spec)
         batch = hidden.shape[0] if hidden.shape is not None else None
         batch = self.method.output_batch(self.params, batch)
         tokens.shape = ir.Shape([batch, tokens_out, hidden.shape[2]]) if hidden.shape is not None else None
@@ -228,6 +228,11 @@ def _apply_placements(graph: ir.Graph, b: Builder) -> list[ir.Value]:
         for use in list(old.uses()):
             if use.node not in own:
                 use.node.replace_input_with(use.idx, new)
+    for old, new in b.outputs:
+        name = old.name
+        old.name = f"{name}.dense"
+        graph.outputs[graph.outputs.index(old)] = new
+        new.name = name
     return [new for _, new in b.reroutes]
 
 

@@ -41,6 +41,8 @@ positions are the plain `indices` rule (VideoPositions).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from torch import nn
@@ -48,7 +50,7 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
-from vlmprune.compiler.frontend.family import CROPS, PATCH_TOKENS, VIDEO, Family, IndicesPositions
+from vlmprune.compiler.frontend.family import BLOCK, CROPS, PATCH_TOKENS, VIDEO, Family, IndicesPositions
 from vlmprune.compiler.frontend.images import anyres_crops, load_image_crops, parity_crops, read_rgb
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
 from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of, load_state,
@@ -441,6 +443,14 @@ class LlavaNextFamily(ClipInput, Family):
     def check_method(self, source: Source, config, site_spec: type) -> None:
         self.refuse_video_reads(source, config)
         super().check_method(source, config, site_spec)
+
+    def site(self, source: Source, config, site_spec: type):
+        """A clip's block site holds one frame's patches per batch row (the frames are the tower's batch), not the
+        clip's pooled rows the features hold; the pool stride is the source's spatial merge."""
+        spec = super().site(source, config, site_spec)
+        if source.frames > 1 and config.method.needs(config.params).site == BLOCK:
+            spec = dataclasses.replace(spec, num_patches=(source.image_size // source.patch_size) ** 2)
+        return spec
 
     def llm_source(self, checkpoint, options: dict) -> Source:
         source = self.adapter().load(checkpoint, None)
