@@ -91,3 +91,128 @@ def test_evs_bundle_passes_parity_on_the_pooled_rows(lnv_dir, tmp_path):
     kept = out["kept_indices"][0]
     assert set(range(PER_FRAME)) <= set(kept.tolist())  # the first frame always
     np.testing.assert_allclose(out["image_features"][0], dense[kept], rtol=1e-4, atol=1e-4 * np.abs(dense).max())
+
+
+# ---------------------------------------------------------------------- evs-encoder: the drop inside the tower
+
+STANDARD = {"Add", "Concat", "ConstantOfShape", "Div", "Equal", "Erf", "Expand", "Gather", "MatMul", "Max", "Mod",
+            "Mul", "ReduceL2", "ReduceMean", "ReduceSum", "Reshape", "ScatterND", "Shape", "Slice", "Softmax", "Sub",
+            "TopK", "Transpose", "Unsqueeze", "Where", "Conv", "AveragePool", "LayerNormalization", "Sigmoid",
+            "Pow", "Sqrt", "Tanh", "Cast", "CastLike", "Neg", "Squeeze", "Identity"}
+
+
+def encoder_bundle(path, out, target="ort", keep=12, layer=1, frames=FRAMES, **options):
+    return compile_model(str(path), out, CompileOptions(
+        method="evs-encoder", keep=keep, layer=layer, target=target, family_options={"video_frames": frames},
+        cache=False, **options))
+
+
+@pytest.fixture(scope="module")
+def encoder_result(lnv_dir, tmp_path_factory):
+    return encoder_bundle(lnv_dir, tmp_path_factory.mktemp("evs_encoder") / "b")
+
+
+def pruned_reference(source, clip: np.ndarray, keep=12, layer=1):
+    from vlmprune.compiler.parity.reference import MethodPruner
+    from vlmprune.passes.methods.evs_encoder import EvsEncoderMethod
+
+    params = {"keep": keep, "frames": FRAMES, "stride": 2}
+    pipeline = source.pipeline.with_pruner(MethodPruner(EvsEncoderMethod(), params, "block", layer))
+    with torch.inference_mode():
+        return pipeline(torch.from_numpy(clip))
+
+
+def test_encoder_graph_is_standard_ops_and_the_later_block_runs_on_the_kept_tokens(encoder_result):
+    import onnx
+
+    assert encoder_result.report.passed
+    method = encoder_result.manifest.method
+    assert (method.name, method.layer, method.keep, method.tokens_in, method.tokens_out) == \
+        ("evs-encoder", 1, 12, 17, FRAMES + 12 * 4)  # the 6 frames' [CLS], then 12 windows of 2x2 patches
+    model = onnx.load(str(encoder_result.bundle / "model.decomposed.onnx"))  # before ort's own attention fusion
+    onnx.checker.check_model(model, full_check=True)
+    ops = {n.op_type for n in model.graph.node}
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node) and ops <= STANDARD, ops - STANDARD
+    outputs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
+    assert outputs["image_features"] == [1, 12, 48] and outputs["kept_indices"] == [1, 12]
+    # block 2's attention logits: one sequence of 54 tokens, not 6 frames of 17
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in inferred.graph.value_info}
+    softmax = [n for n in inferred.graph.node if n.op_type == "Softmax"]
+    assert [shapes.get(s.output[0]) for s in softmax] == [[FRAMES, 2, 17, 17], [1, 2, 54, 54]]
+
+
+def test_encoder_bundle_numbers_are_the_reference(encoder_result, lnv_dir):
+    from vlmprune.targets.runtime import ort_session, run_session
+
+    source = video_source(lnv_dir)
+    rng = np.random.default_rng(5)  # a fixed seed: random frames, then a still stretch (frames 3-4 equal to 2)
+    clip = rng.standard_normal((FRAMES, 3, SIZE, SIZE)).astype(np.float32)
+    clip[3:5] = clip[2]
+    out = run_session(ort_session(str(encoder_result.bundle / "model.onnx")), clip)
+    features, kept = pruned_reference(source, clip)
+    np.testing.assert_array_equal(out["kept_indices"], kept.numpy())
+    assert not set(range(3 * PER_FRAME, 5 * PER_FRAME)) & set(kept[0].tolist())  # the repeated frames: dropped
+    assert set(range(PER_FRAME)) <= set(kept[0].tolist())
+    np.testing.assert_allclose(out["image_features"], features.numpy(), rtol=1e-4,
+                               atol=1e-4 * float(features.abs().max()))
+
+
+def test_encoder_later_blocks_are_each_frame_alone(lnv_dir, hf_model):
+    """The per-frame mask is per-frame attention: each frame's [CLS] and kept patches through HF's own CLIP layer 2,
+    alone, then HF's resampler and projector over the frame's windows, give the kept rows."""
+    from vlmprune.passes.methods.evs_encoder import window_order, window_scores
+    from vlmprune.passes.methods.selection import topk_lower_index
+
+    source = video_source(lnv_dir)
+    clip = torch.from_numpy(np.stack([preprocess(f, SIZE, source.mean, source.std)
+                                      for f in clip_made_here(FRAMES, SIZE)]))
+    features, kept = pruned_reference(source, clip.numpy())
+    tower, model = hf_model.model.vision_tower, hf_model.model
+    with torch.inference_mode():
+        h = tower.encoder.layers[0](tower.pre_layrnorm(tower.embeddings(clip)), None)
+        expected_kept = topk_lower_index(window_scores(h[:, 1:], FRAMES, 2), 12).sort(dim=-1).values
+        assert kept.tolist() == expected_kept.tolist()
+        order = torch.from_numpy(window_order(4, 2))
+        rows = []
+        for j in kept[0].tolist():
+            f, m = divmod(j, PER_FRAME)
+            frame_windows = [k % PER_FRAME for k in kept[0].tolist() if k // PER_FRAME == f]
+            patches = torch.cat([order[w * 4:(w + 1) * 4] for w in frame_windows])
+            x = torch.cat([h[f:f + 1, :1], h[f:f + 1, 1 + patches]], dim=1)
+            x = tower.encoder.layers[1](x, None)
+            window = x[0, 1 + 4 * frame_windows.index(m): 1 + 4 * frame_windows.index(m) + 4]  # its 2x2, raster
+            pooled = model.vision_resampler(window.reshape(1, 4, -1))  # one 2x2 window: AvgPool over it
+            rows.append(model.multi_modal_projector(pooled)[0, 0])
+    expected = torch.stack(rows)[None]
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("target", ["orin", "xavier"])
+def test_encoder_tensorrt_targets_host_parity(lnv_dir, tmp_path, target):
+    result = encoder_bundle(lnv_dir, tmp_path / target, target=target)
+    assert result.report.passed, result.manifest["parity"]
+
+
+def test_encoder_refusals(lnv_dir, tmp_path):
+    with pytest.raises(InputError, match="no block after it"):
+        encoder_bundle(lnv_dir, tmp_path / "last", layer=2)
+    with pytest.raises(InputError, match=r"4 <= keep < 24"):
+        encoder_bundle(lnv_dir, tmp_path / "keep", keep=3)
+    with pytest.raises(InputError, match="not available for anyres crops"):  # images: the crops, no clip
+        compile_model(str(lnv_dir), tmp_path / "image", CompileOptions(method="evs-encoder", keep=12, layer=1,
+                                                                      target="ort", cache=False))
+    for target in ("rk3588", "qnn"):
+        with pytest.raises(InputError, match=f"{target} cannot run this video bundle"):
+            encoder_bundle(lnv_dir, tmp_path / target, target=target)
+
+
+def test_encoder_needs_a_clip_and_a_tiling_stride():
+    from vlmprune.passes.methods.base import SiteSpec
+    from vlmprune.passes.methods.evs_encoder import EvsEncoderMethod
+
+    method = EvsEncoderMethod()
+    with pytest.raises(InputError, match="needs a clip"):
+        method.check({"keep": 4}, SiteSpec(16, True, 1, 2, merge=2))
+    with pytest.raises(InputError, match="not a square grid they tile"):
+        method.check({"keep": 9}, SiteSpec(25, True, 1, 2, merge=2, frames=4))
