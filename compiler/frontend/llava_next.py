@@ -346,6 +346,8 @@ class CyxPositions(IndicesPositions):
                 f"- merged row e: offset + {dense} + e\n- the text after the image: from offset + {after}")
 
     def place_pruned(self, source: Source, features, kept, kept_positions, prefix: int, extra: int):
+        if source.crops is None:  # a LLaVA-NeXT-Video clip: its rows as they come (LlavaNextFamily.positions_of)
+            return super().place_pruned(source, features, kept, kept_positions, prefix, extra)
         table = self.kept_table(source, kept, kept_positions, prefix)
         grid, side, k = tuple(source.crops["grid"]), source.crops["side"], len(kept)
         newline = source.pipeline.image_newline
@@ -477,6 +479,9 @@ class LlavaNextFamily(ClipInput, Family):
                        f"{source.crops['count']} crops of {source.image_size}x{source.image_size}")
 
     def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
+        """One image's crops and size; of a clip, its frames [1, F, 3, S, S] (get_video_features' input)."""
+        if source.crops is None:
+            return {"pixel_values_videos": torch.from_numpy(pixel)[None]}
         return {"pixel_values": torch.from_numpy(pixel)[None], "image_sizes": torch.tensor([source.crops["resolution"]])}
 
     def check_target(self, source: Source, target: str, check_batch) -> None:

@@ -216,3 +216,53 @@ def test_encoder_needs_a_clip_and_a_tiling_stride():
         method.check({"keep": 4}, SiteSpec(16, True, 1, 2, merge=2))
     with pytest.raises(InputError, match="not a square grid they tile"):
         method.check({"keep": 9}, SiteSpec(25, True, 1, 2, merge=2, frames=4))
+
+
+# ---------------------------------------------------------------------- generate: the LLM answers about a clip
+
+VOCAB, VIDEO_TOKEN, PROMPT = 320, 301, "what moves?"
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A byte-sized vocabulary (generate's prompt without a tokenizer), the video token above the bytes."""
+    return tiny_llava_next_video(tmp_path_factory.mktemp("lnv_chat"), seed=22, video_token_id=VIDEO_TOKEN,
+                                 vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def chat_bundle(chat_dir, tmp_path_factory):
+    return encoder_bundle(chat_dir, tmp_path_factory.mktemp("lnv_chat_bundle") / "b")
+
+
+def test_dense_clip_splice_is_the_hf_forward(chat_bundle):
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.bundle import load_manifest
+    from vlmprune.compiler.evaluate import hf_first_logits
+
+    vlm = gen.load_vlm(str(chat_bundle.manifest.model.source), bundle=load_manifest(chat_bundle.bundle))
+    assert vlm.source.frames == FRAMES
+    pixel = np.stack([preprocess(f, SIZE, vlm.source.mean, vlm.source.std) for f in clip_made_here(FRAMES, SIZE)])
+    prompt = gen.build_prompt(vlm, PROMPT)
+    image = gen.dense_image(vlm, pixel)
+    assert image.rows.shape == (FRAMES * PER_FRAME, 48)
+    positions, text_start = image.place(len(prompt.before))
+    ours = gen.answer(vlm, prompt, image.rows, positions, text_start, 1)
+    hf = hf_first_logits(vlm, prompt, pixel, FRAMES * PER_FRAME)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+
+
+def test_generate_answers_through_the_encoder_pruned_clip(chat_bundle, tmp_path):
+    from vlmprune.compiler import api
+    from vlmprune.compiler.frontend.video import write_frames
+
+    folder = write_frames(clip_made_here(FRAMES, SIZE), tmp_path / "frames")
+    result = api.generate(chat_bundle.bundle, video=folder, prompt=PROMPT, max_new_tokens=3)
+    assert result.path == "pruned" and len(result.kept) == 12 and len(result.answer.tokens) >= 1
+    assert set(range(PER_FRAME)) <= set(result.kept)
+    with pytest.raises(InputError, match="pass --video PATH"):
+        from PIL import Image
+
+        image = tmp_path / "frame.png"
+        Image.fromarray(clip_made_here(2, SIZE)[0]).save(image)
+        api.generate(chat_bundle.bundle, image=image, prompt=PROMPT)
