@@ -59,6 +59,16 @@ def dissimilarity(patches: torch.Tensor, frames: int) -> torch.Tensor:
     return torch.cat([first, moved], dim=1).reshape(b, n)
 
 
+def parse_rate(method: str, params: dict) -> dict:
+    """--video-pruning-rate q, vLLM's q in [0, 1), checked (evs and evs-encoder take it alike)."""
+    if params.get("video_pruning_rate") is not None:
+        rate = finite_option(method, "video-pruning-rate", params["video_pruning_rate"], 0.0)
+        if rate >= 1.0:
+            raise InputError(f"--video-pruning-rate of method {method} must be < 1 (vLLM's q in [0, 1)), got {rate:g}")
+        params["video_pruning_rate"] = rate
+    return params
+
+
 def emit_dissimilarity(b, patches: ir.Value, frames: int, per_frame: int) -> ir.Value:
     """dissimilarity in the graph: [B, T·HW, D] -> [B, T, HW] (1 - cosine to the same position one frame earlier,
     255 on the first frame); evs ranks it over the clip, evs-encoder at block L per pooling window."""
@@ -85,13 +95,7 @@ class EvsMethod(Method):
     no_local_merge_why = "EVS keeps tokens at their (t, h, w); merging them with neighbours is not EVS"
 
     def parse(self, keep, options):
-        params = super().parse(keep, options)
-        if params.get("video_pruning_rate") is not None:
-            rate = finite_option(self.name, "video-pruning-rate", params["video_pruning_rate"], 0.0)
-            if rate >= 1.0:
-                raise InputError(f"--video-pruning-rate of method evs must be < 1 (vLLM's q in [0, 1)), got {rate:g}")
-            params["video_pruning_rate"] = rate
-        return params
+        return parse_rate(self.name, super().parse(keep, options))
 
     def needs(self, params: dict) -> Needs:
         return Needs(site=SITE_FEATURES)

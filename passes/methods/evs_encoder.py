@@ -52,10 +52,9 @@ import torch
 from vlmprune.compiler.contract import BATCH_META, RESTORED_META, TOKENS_META
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.compiler.frontend.family import VIDEO
-from vlmprune.passes.methods.base import (BLOCK, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult,
-                                           finite_option)
+from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import SCORE, SELECT, TOKENS
-from vlmprune.passes.methods.evs import FIRST_FRAME, dissimilarity, emit_dissimilarity, retained_tokens
+from vlmprune.passes.methods.evs import dissimilarity, emit_dissimilarity, parse_rate, retained_tokens
 from vlmprune.passes.methods.selection import gather_rows, topk_lower_index
 
 MASKED = -1e4  # across frames: finite, as the Qwen window masks (exp(-1e4 + logit) is 0 in fp32 and fp16)
@@ -89,13 +88,7 @@ class EvsEncoderMethod(Method):
     later_blocks = True
 
     def parse(self, keep, options):
-        params = super().parse(keep, options)
-        if params.get("video_pruning_rate") is not None:
-            rate = finite_option(self.name, "video-pruning-rate", params["video_pruning_rate"], 0.0)
-            if rate >= 1.0:
-                raise InputError(f"--video-pruning-rate of method {self.name} must be < 1, got {rate:g}")
-            params["video_pruning_rate"] = rate
-        return params
+        return parse_rate(self.name, super().parse(keep, options))
 
     def needs(self, params: dict) -> Needs:
         return Needs(site=BLOCK)
