@@ -50,7 +50,8 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
-from vlmprune.compiler.frontend.family import BLOCK, CROPS, PATCH_TOKENS, VIDEO, Family, IndicesPositions
+from vlmprune.compiler.frontend.family import (BLOCK, CROPS, FRAME_TOWER, PATCH_TOKENS, VIDEO, Family,
+                                               IndicesPositions)
 from vlmprune.compiler.frontend.images import anyres_crops, load_image_crops, parity_crops, read_rgb
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
 from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of, load_state,
@@ -374,7 +375,7 @@ class LlavaNextFamily(ClipInput, Family):
                               "is one clip's frames [F, 3, S, S], each through the tower, pooled and projected as "
                               "get_video_features does; the features [1, F·M, D] frame by frame"),
     }
-    has = {PATCH_TOKENS: "LLaVA-NeXT", CROPS: "LLaVA-NeXT", VIDEO: "LLaVA-NeXT-Video"}
+    has = {PATCH_TOKENS: "LLaVA-NeXT", CROPS: "LLaVA-NeXT", VIDEO: "LLaVA-NeXT-Video", FRAME_TOWER: "LLaVA-NeXT-Video"}
     positions = CyxPositions()
     language_model = {"llava_next": "LlavaNextForConditionalGeneration",
                       "llava_next_video": "LlavaNextVideoForConditionalGeneration"}

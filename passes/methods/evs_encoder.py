@@ -51,7 +51,7 @@ import torch
 
 from vlmprune.compiler.contract import BATCH_META, RESTORED_META, TOKENS_META
 from vlmprune.compiler.errors import InputError, StructureError
-from vlmprune.compiler.frontend.family import VIDEO
+from vlmprune.compiler.frontend.family import FRAME_TOWER
 from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.evs import dissimilarity, emit_dissimilarity, parse_rate, retained_tokens
@@ -94,7 +94,7 @@ class EvsEncoderMethod(Method):
         return Needs(site=BLOCK)
 
     def serves(self) -> tuple:
-        return ((VIDEO, ""),)
+        return ((FRAME_TOWER, ""),)
 
     def at_site(self, params: dict, spec: SiteSpec) -> dict:
         """The clip's frames and the pool stride (the source's spatial merge) join the parameters: the graph shows

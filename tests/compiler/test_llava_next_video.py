@@ -202,6 +202,8 @@ def test_encoder_refusals(lnv_dir, tmp_path):
     with pytest.raises(InputError, match="not available for anyres crops"):  # images: the crops, no clip
         compile_model(str(lnv_dir), tmp_path / "image", CompileOptions(method="evs-encoder", keep=12, layer=1,
                                                                       target="ort", cache=False))
+    with pytest.raises(InputError, match="cannot take --schedule"):
+        encoder_bundle(lnv_dir, tmp_path / "schedule", method_options={"schedule": "1,2"})
     for target in ("rk3588", "qnn"):
         with pytest.raises(InputError, match=f"{target} cannot run this video bundle"):
             encoder_bundle(lnv_dir, tmp_path / target, target=target)
