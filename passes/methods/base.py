@@ -22,6 +22,7 @@ import dataclasses
 import functools
 from typing import Any, ClassVar
 
+import numpy as np
 import onnx_ir as ir
 import torch
 
@@ -319,6 +320,12 @@ class Method(abc.ABC):
     def min_text_rows(self, params: dict) -> int:
         """The fewest text_embeds rows (prompt tokens) the method runs on with these parameters (Needs.text)."""
         return 0
+
+    def comparable_rows(self, params: dict, ref_kept: np.ndarray, cand_kept: np.ndarray) -> np.ndarray:
+        """Where parity's two sides kept different sets (a boundary tie): the kept indices both share whose output rows
+        do not depend on the difference. All shared ones by default: a copied row is its input row, whatever else
+        was kept (merged rows are left out by copied_rows)."""
+        return np.intersect1d(ref_kept[ref_kept >= 0], cand_kept[cand_kept >= 0])
 
     def copied_rows(self, params: dict) -> int:
         """How many leading output patch tokens are copies of input rows (at kept[:, :n]); the rest are merged."""

@@ -101,9 +101,9 @@ class EvsEncoderMethod(Method):
         neither; with --video-pruning-rate q, K from them (vLLM's count)."""
         if spec.merge is None or spec.frames < 2:  # a graph's site: the family's at_site ran before
             return params
-        params = {**params, "frames": spec.frames, "stride": spec.merge}
-        rate = params.get("video_pruning_rate")
         per_frame = spec.num_patches // (spec.merge * spec.merge)
+        params = {**params, "frames": spec.frames, "stride": spec.merge, "rows_per_frame": per_frame}
+        rate = params.get("video_pruning_rate")
         if rate is not None:
             params["keep"] = retained_tokens(per_frame, spec.frames, rate)
         return params
@@ -132,6 +132,14 @@ class EvsEncoderMethod(Method):
     def site_tokens(self, params: dict, spec: SiteSpec) -> int:
         """The later blocks' sequence: every frame's prefix ([CLS]), then the kept windows' patches."""
         return params["frames"] * spec.prefix + params["keep"] * params["stride"] ** 2
+
+    def comparable_rows(self, params: dict, ref_kept: np.ndarray, cand_kept: np.ndarray) -> np.ndarray:
+        """A kept row depends on its frame's kept set (the per-frame mask) and on nothing else: where a tie kept other
+        windows, the rows of the frames whose kept windows agree on both sides are comparable, and only those."""
+        per_frame = params["rows_per_frame"]
+        same = [f for f in range(params["frames"])
+                if np.array_equal(ref_kept[ref_kept // per_frame == f], cand_kept[cand_kept // per_frame == f])]
+        return np.intersect1d(ref_kept[np.isin(ref_kept // per_frame, same)], cand_kept)
 
     def output_batch(self, params: dict, batch):
         return 1 if isinstance(batch, int) else batch  # one clip: its frames become one sequence

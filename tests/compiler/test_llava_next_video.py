@@ -156,6 +156,9 @@ def test_encoder_bundle_numbers_are_the_reference(encoder_result, lnv_dir):
     assert set(range(PER_FRAME)) <= set(kept[0].tolist())
     np.testing.assert_allclose(out["image_features"], features.numpy(), rtol=1e-4,
                                atol=1e-4 * float(features.abs().max()))
+    from vlmprune.compiler.pipeline import check_bundle
+
+    assert check_bundle(encoder_result.bundle).passed  # `vlmprune check`: the model reloaded as a clip, parity again
 
 
 def test_encoder_later_blocks_are_each_frame_alone(lnv_dir, hf_model):
@@ -268,3 +271,13 @@ def test_generate_answers_through_the_encoder_pruned_clip(chat_bundle, tmp_path)
         image = tmp_path / "frame.png"
         Image.fromarray(clip_made_here(2, SIZE)[0]).save(image)
         api.generate(chat_bundle.bundle, image=image, prompt=PROMPT)
+
+
+def test_encoder_rows_comparable_across_a_tie_are_the_agreeing_frames():
+    """A boundary tie that keeps another window of frame 1 changes frame 1's rows (its tokens attend to each other),
+    never frame 0's or 2's: parity compares those."""
+    from vlmprune.passes.methods.evs_encoder import EvsEncoderMethod
+
+    params = {"keep": 7, "frames": 3, "stride": 2, "rows_per_frame": 4}
+    ref, cand = np.array([0, 1, 2, 3, 5, 6, 9]), np.array([0, 1, 2, 3, 5, 7, 9])
+    assert EvsEncoderMethod().comparable_rows(params, ref, cand).tolist() == [0, 1, 2, 3, 9]
