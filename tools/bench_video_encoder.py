@@ -13,8 +13,9 @@ Model: a seeded LLaVA-NeXT-Video (LlavaNextVideoForConditionalGeneration built o
 no download) with a CLIP ViT-B/16 tower at 224 px (12 blocks, 768 wide, 14x14 patches: 49 pooled
 rows per frame after the resampler's 2x2 average pool), feature layer -2 (11 blocks run), and a
 1-layer 512-wide LLM that the tower time does not include. ONNX Runtime CPU, one session per
-bundle, the rows interleaved per repeat so that load on a shared machine falls on all of them
-alike; median of --repeats after one warm-up run each.
+bundle, the rows interleaved per repeat (machine_load.interleaved) so that load on a shared machine
+falls on all of them alike; median of --repeats after one warm-up run each; the last line says how
+much of the CPUs other processes took while timing (machine_load.busy_line).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from machine_load import CpuMeter, busy_line, interleaved
 
 
 def build(path: Path, seed: int = 0) -> Path:
@@ -88,18 +89,18 @@ def main() -> None:
     shapes = {}
     for name, session in sessions.items():  # warm-up, and the rows each gives the LLM
         shapes[name] = run_session(session, clip)["image_features"].shape[1]
-    times = {name: [] for name in sessions}
-    for _ in range(args.repeats):
-        for name, session in sessions.items():
-            start = time.perf_counter()
-            run_session(session, clip)
-            times[name].append(1000 * (time.perf_counter() - start))
+    meter = CpuMeter()
+    times = interleaved({name: (lambda s=session: run_session(s, clip)) for name, session in sessions.items()},
+                        args.repeats, settle_s=0.5)
+    load = meter.report()
     dense = statistics.median(times["dense"])
     print(f"tower time, {args.frames} frames of 224 px, ORT CPU, median of {args.repeats} (ms):")
     print(f"{'bundle':<26} {'LLM rows':>8} {'ms':>9} {'x dense':>8}")
     for name, ms in times.items():
         median = statistics.median(ms)
         print(f"{name:<26} {shapes[name]:>8} {median:>9.1f} {dense / median:>8.2f}")
+    if busy_line(load):
+        print(busy_line(load))
 
 
 if __name__ == "__main__":
