@@ -207,7 +207,7 @@ class Family:
     def check_method(self, source: Source, config, site_spec: type) -> None:
         """Catch what the insertion would reject before the export (site_spec: the methods' SiteSpec)."""
         method, params = config.method, config.params
-        if method.later_blocks and FRAME_TOWER not in self.has:
+        if getattr(method, "later_blocks", False) and FRAME_TOWER not in self.has:
             holders = ", ".join(f.has[FRAME_TOWER] for f in _families() if FRAME_TOWER in f.has)
             raise InputError(f"method {method.name} acts inside a video tower that runs each frame alone ({holders}), "
                              f"and this {source.details.get('model_type', source.family)} tower does not")
