@@ -228,8 +228,10 @@ def set_video(source: Source, frames: int) -> None:
     for key in ("grid", "crops", "resolution"):
         config.pop(key, None)
     config["video_frames"] = frames
+    pooled = side // stride
+    # merged_grid_thw as Qwen's video records it (here t = frames): what `run --show` draws a clip's frames by
     config["token_counts"] = {"video_frames": frames, "tokens_per_frame": per_frame, "tokens": frames * per_frame,
-                              "pool": [type(pooler.pool).__name__, stride]}
+                              "merged_grid_thw": [frames, pooled, pooled], "pool": [type(pooler.pool).__name__, stride]}
     config["input"] = (f"one clip per call: pixel_values [{frames}, 3, S, S], its frames in order, each "
                        f"preprocessed as a still image; features [1, F·M, D] frame by frame, M = {per_frame}")
 

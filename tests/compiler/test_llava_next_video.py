@@ -265,6 +265,14 @@ def test_generate_answers_through_the_encoder_pruned_clip(chat_bundle, tmp_path)
     result = api.generate(chat_bundle.bundle, video=folder, prompt=PROMPT, max_new_tokens=3)
     assert result.path == "pruned" and len(result.kept) == 12 and len(result.answer.tokens) >= 1
     assert set(range(PER_FRAME)) <= set(result.kept)
+    from click.testing import CliRunner
+
+    from vlmprune.compiler.cli import main
+
+    show = tmp_path / "kept.png"
+    ran = CliRunner().invoke(main, ["run", str(chat_bundle.bundle), "--video", str(folder), "--show", str(show)])
+    assert ran.exit_code == 0, ran.output
+    assert "kept_indices: shape [1, 12]" in ran.output and show.exists()  # one picture per frame, kept outlined
     with pytest.raises(InputError, match="pass --video PATH"):
         from PIL import Image
 
