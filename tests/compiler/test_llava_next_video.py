@@ -289,3 +289,15 @@ def test_encoder_rows_comparable_across_a_tie_are_the_agreeing_frames():
     params = {"keep": 7, "frames": 3, "stride": 2, "rows_per_frame": 4}
     ref, cand = np.array([0, 1, 2, 3, 5, 6, 9]), np.array([0, 1, 2, 3, 5, 7, 9])
     assert EvsEncoderMethod().comparable_rows(params, ref, cand).tolist() == [0, 1, 2, 3, 9]
+
+
+def test_encoder_pruning_rate_is_vllms_count_over_pooled_rows():
+    from vlmprune.passes.methods.base import SiteSpec
+    from vlmprune.passes.methods.evs_encoder import EvsEncoderMethod
+
+    method = EvsEncoderMethod()
+    params = method.parse(1, {"video_pruning_rate": 0.5})
+    fitted = method.at_site(params, SiteSpec(16, True, 1, 2, merge=2, frames=6))  # 4 pooled rows per frame
+    assert (fitted["keep"], fitted["frames"], fitted["stride"], fitted["rows_per_frame"]) == (12, 6, 2, 4)
+    with pytest.raises(InputError, match="must be < 1"):
+        method.parse(1, {"video_pruning_rate": 1.0})
