@@ -48,6 +48,13 @@ OPENVINO_INT8_IR = "model.int8.xml"  # openvino --precision int8: the NNCF-quant
 PRUNE_META = "vlmprune.prune"  # model.metadata_props: what InsertPruningPass inserted (JSON)
 TOKENS_META = "vlmprune.tokens"  # value.metadata_props of the new tokens: "tokens before,tokens after"
 FUSED_META = "vlmprune.fused"  # model.metadata_props: what the fusion pass replaced (JSON)
+# A value a method hands the blocks after its site in a layout of its own, whose batch differs from the site's:
+# "old,new" (the in-encoder temporal drop: a clip's F frames flattened into one sequence, "F,1"); RetargetTokenCountPass
+# rewrites the leading batch of the shape constants it retargets downstream of it.
+BATCH_META = "vlmprune.batch"
+# The value where such a method gives the tower's tail the dense layout back ("tokens,dense tokens"): the token
+# counts retargeted downstream of its site stop there (the tail runs on the dense layout again).
+RESTORED_META = "vlmprune.restored"
 FRAMES_META = "vlmprune.frames"  # model.metadata_props: a video tower's frames of tokens at the features (absent: 1)
 POSITIONS_META = "vlmprune.positions"  # model.metadata_props: {"layout": ..., "tokens": T}
 HAS_CLS_META = "vlmprune.has_cls"  # value.meta of the features: whether they start with the [CLS] token

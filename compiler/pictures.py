@@ -177,7 +177,9 @@ def legend_for(manifest: dict, sel: Selection, note: str | None = None) -> str:
         merged = sum(len(v) for v in sel.merges.values())
         parts.append(f"{len(sel.merges)} merge targets (coloured outline), {merged} patches merged into them "
                      "(tinted in the target's colour)")
-    extra = method.get("tokens_out", 0) - method.get("kept_count", len(sel.kept)) - int(bool(method.has_cls))
+    rows = (manifest.get("llm") or {}).get("rows") or {}  # the hand-off's count of the output's rows, where it has one
+    extra = rows["extra"] if "extra" in rows else \
+        method.get("tokens_out", 0) - method.get("kept_count", len(sel.kept)) - int(bool(method.has_cls))
     if extra > 0:
         parts.append(f"+{extra} token{'s' if extra > 1 else ''} with no patch position (e.g. a summary of the "
                      "pruned patches)")

@@ -112,8 +112,9 @@ class InsertPruningPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         graph = model.graph
         structure = find_tower_structure(graph) if self.method.needs(self.params).site == BLOCK else _structure(graph)
-        hidden, spec, block = self._site(graph, structure)
-        spec = dataclasses.replace(spec, frames=int(model.metadata_props.get(FRAMES_META, 1)))
+        frames = int(model.metadata_props.get(FRAMES_META, 1))
+        hidden, spec, block = self._site(graph, structure, frames)
+        spec = dataclasses.replace(spec, frames=frames)
         self.method.check(self.params, spec)
         where = f"L{spec.layer}" if block is not None else "features"
         b = Builder(graph, opset(model), f"vlmprune/{self.method.name}_{where}")
@@ -142,7 +143,7 @@ class InsertPruningPass(ir.passes.InPlacePass):
             graph.outputs[graph.outputs.index(hidden)] = tokens
             tokens.name = name
         tokens_in = static_dim(hidden, 1)
-        tokens_out = spec.prefix + self.method.output_tokens(self.params)
+        tokens_out = self.method.site_tokens(self.params, spec)
         batch = hidden.shape[0] if hidden.shape is not None else None
         batch = self.method.output_batch(self.params, batch)
         tokens.shape = ir.Shape([batch, tokens_out, hidden.shape[2]]) if hidden.shape is not None else None
@@ -175,10 +176,15 @@ class InsertPruningPass(ir.passes.InPlacePass):
         model.metadata_props[PRUNE_META] = record.to_json()
         return ir.passes.PassResult(model, modified=True)
 
-    def _site(self, graph: ir.Graph, structure: TowerStructure | None):
-        """(the value to prune, what it offers, the attention block or None)."""
+    def _site(self, graph: ir.Graph, structure: TowerStructure | None, frames: int = 1):
+        """(the value to prune, what it offers, the attention block or None).
+
+        A clip's features (frames > 1) are its frames' pooled or merged tokens end to end, no prefix: the patch
+        grid the graph shows is one frame's, before pooling, and says nothing of their count."""
         needs = self.method.needs(self.params)
         n_grid = structure.num_patches if structure is not None else None
+        if frames > 1 and needs.site != BLOCK:
+            n_grid = None
         if needs.site == BLOCK:
             n_blocks = len(structure.blocks)
             layer = n_blocks if self.layer is None else self.layer
@@ -222,6 +228,11 @@ def _apply_placements(graph: ir.Graph, b: Builder) -> list[ir.Value]:
         for use in list(old.uses()):
             if use.node not in own:
                 use.node.replace_input_with(use.idx, new)
+    for old, new in b.outputs:
+        name = old.name
+        old.name = f"{name}.dense"
+        graph.outputs[graph.outputs.index(old)] = new
+        new.name = name
     return [new for _, new in b.reroutes]
 
 

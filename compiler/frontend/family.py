@@ -48,6 +48,9 @@ CLS_TOKEN = Capability("cls", "towers with a [CLS] token ({})")
 POOLING_HEAD = Capability("head", "{}")  # an attention-pooling head (SigLIP's): --score probe
 MERGED_TOKENS = Capability("merged", "{} merged tokens")  # features that merge patches (Qwen2-VL's 2x2)
 VIDEO = Capability("video", "{} video (compile --video-frames F)")  # several frames' tokens, frame by frame
+# A video tower that runs each frame alone, as a still image (the frames its batch): a method can act inside it
+# per frame (evs-encoder); Qwen's temporal patches mix two frames in one token and are not this.
+FRAME_TOWER = Capability("frame_tower", "{} video, its tower run frame by frame (compile --video-frames F)")
 CROPS = Capability("crops", "{}'s crops")  # several crops of one image, pruned under one budget
 # One grid of patches whose feature layer's tokens map one to one onto the projector output (no patch merging, no
 # crops): what a method that reads both needs (cdpruner's similarity and relevance).
@@ -149,6 +152,12 @@ class DenseRequest:
     onnx_contract: Callable[..., object] | None = None
 
 
+def _families():
+    from vlmprune.compiler.frontend import FAMILIES  # it imports this module
+
+    return FAMILIES
+
+
 class Family:
     """One model family. The defaults are a torch tower's; a family overrides what differs."""
 
@@ -167,6 +176,11 @@ class Family:
     # Its bundles name the checkpoint they came from (content hash, family), so generate and eval can hold a
     # checkpoint to it; False: a graph exported elsewhere (.onnx), which any checkpoint with that tower may run.
     identifies_model: ClassVar[bool] = True
+
+    def positions_of(self, model: dict) -> IndicesPositions:
+        """The positions rule of one bundle (its manifest's model section): the family's, unless its bundles differ
+        by input (LLaVA-NeXT-Video's clips beside LLaVA-NeXT's anyres crops)."""
+        return self.positions
 
     def check_options(self, given: dict) -> None:
         """Check the values of this family's own options, before any work (one line for a bad one)."""
@@ -193,6 +207,10 @@ class Family:
     def check_method(self, source: Source, config, site_spec: type) -> None:
         """Catch what the insertion would reject before the export (site_spec: the methods' SiteSpec)."""
         method, params = config.method, config.params
+        if getattr(method, "later_blocks", False) and FRAME_TOWER not in self.has:
+            holders = ", ".join(f.has[FRAME_TOWER] for f in _families() if FRAME_TOWER in f.has)
+            raise InputError(f"method {method.name} acts inside a video tower that runs each frame alone ({holders}), "
+                             f"and this {source.details.get('model_type', source.family)} tower does not")
         blocks = source.num_blocks
         if config.layer is not None and not 1 <= config.layer <= blocks:
             raise InputError(f"--layer {config.layer} is out of range: this tower runs {blocks} blocks "

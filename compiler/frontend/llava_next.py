@@ -28,22 +28,36 @@ Choices, and why:
   graph's batch: refused before the export, in one line (LlavaNextFamily.check_target).
 - The select strategy must be `default`: pack_image_features lays each crop out as an s x s
   grid, which a [CLS] token in the features (`full`, or --cls keep) breaks; both are refused.
+
+LLaVA-NeXT-Video (LlavaNextVideoForConditionalGeneration, model_type llava_next_video) is this
+family: its images are LLaVA-NeXT's anyres crops, and `--video-frames F` compiles its video path
+(set_video): the F frames of one clip are the tower's batch, each a still image through the
+CLIP/SigLIP tower to the feature layer, [CLS] dropped, then the checkpoint's vision_resampler
+(HF's LlavaNextVideoPooler: a 2x2 average pool of each frame's patch grid by default) and the
+projector, the frames laid end to end: [1, F·M, D], exactly HF's get_video_features (tested).
+The LLM takes those rows as they come (no image_newline for video), so a video bundle's
+positions are the plain `indices` rule (VideoPositions).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
+from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
-from vlmprune.compiler.frontend.family import CROPS, PATCH_TOKENS, Family, IndicesPositions
+from vlmprune.compiler.frontend.family import (BLOCK, CROPS, FRAME_TOWER, PATCH_TOKENS, VIDEO, Family,
+                                               IndicesPositions)
 from vlmprune.compiler.frontend.images import anyres_crops, load_image_crops, parity_crops, read_rgb
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
-from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of,
+from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of, load_state,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import VisionPipeline
+from vlmprune.compiler.frontend.video import ClipInput
 
 
 PROPORTIONAL, EQUAL = "proportional", "equal"
@@ -67,11 +81,13 @@ class AnyresPipeline(VisionPipeline):
     crops of each image itself.
     """
 
-    def __init__(self, *args, image_newline: torch.Tensor, grid: tuple[int, int], pack: bool = True, **kwargs):
+    def __init__(self, *args, image_newline: torch.Tensor, grid: tuple[int, int], pack: bool = True,
+                 video_pooler: nn.Module | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.image_newline = image_newline
         self.grid = grid
         self.pack = pack
+        self.video_pooler = video_pooler  # LLaVA-NeXT-Video's vision_resampler (set_video); None for LLaVA-NeXT
 
     @property
     def crops(self) -> int:
@@ -80,7 +96,7 @@ class AnyresPipeline(VisionPipeline):
     def with_pruner(self, pruner) -> AnyresPipeline:
         return AnyresPipeline(self.tower, self.projector, self.num_blocks, self.drop_cls, self.has_cls,
                               self.patch_size, self.prefix, self.final_norm, pruner, image_newline=self.image_newline,
-                              grid=self.grid, pack=self.pack)
+                              grid=self.grid, pack=self.pack, video_pooler=self.video_pooler)
 
     def forward(self, pixel_values: torch.Tensor):
         out = super().forward(pixel_values)
@@ -126,10 +142,37 @@ def choose_grid(config, grid: str | None) -> tuple[int, int]:
     return chosen
 
 
+class VideoProjector(nn.Module):
+    """LLaVA-NeXT-Video's path after the feature select, as get_video_features runs it: the resampler (HF's own
+    LlavaNextVideoPooler over each frame's patch grid), the projector, then each clip's F frames end to end
+    [n, F·M, D]. Being the pipeline's projector, a FEATURES-site method (evs) sees the clip's rows frame by frame."""
+
+    def __init__(self, pooler: nn.Module, projector: nn.Module, frames: int):
+        super().__init__()
+        self.pooler, self.projector, self.frames = pooler, projector, frames
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.projector(self.pooler(x))
+        return x.reshape(-1, self.frames * x.shape[1], x.shape[2])
+
+
+def video_pooler(checkpoint: Checkpoint) -> nn.Module:
+    """The checkpoint's vision_resampler as transformers builds it (average, max or a strided conv), its weights
+    (the conv's) loaded."""
+    from transformers.models.llava_next_video.modeling_llava_next_video import LlavaNextVideoPooler
+
+    pooler = LlavaNextVideoPooler(checkpoint.config)
+    state = read_safetensors(checkpoint.weights, ("model.vision_resampler.", "vision_resampler."))
+    if state or checkpoint.config.spatial_pool_mode == "conv":
+        load_state(pooler, state, "vision_resampler")
+    return pooler.eval()
+
+
 class LlavaNextAdapter(ModelAdapter):
     family = "llava_next"
-    model_types = ("llava_next",)
-    summary = "LLaVA-NeXT (LlavaNextForConditionalGeneration): anyres crops of one grid, CLIP/SigLIP tower + projector"
+    model_types = ("llava_next", "llava_next_video")
+    summary = ("LLaVA-NeXT (LlavaNextForConditionalGeneration): anyres crops of one grid, CLIP/SigLIP tower + "
+               "projector; LLaVA-NeXT-Video's clips with --video-frames")
 
     def load(self, checkpoint: Checkpoint, feature_layer: int | None) -> Source:
         config = checkpoint.config
@@ -151,17 +194,46 @@ class LlavaNextAdapter(ModelAdapter):
                              "(LLaVA-NeXT's row separator)")
         grid = choose_grid(config, None)
         has_cls = vcfg.model_type == "clip_vision_model"
+        video = checkpoint.model_type == "llava_next_video"
         pipeline = AnyresPipeline(tower_parts(tower), projector, feature_blocks(fl, vcfg.num_hidden_layers),
-                                  True, has_cls, vcfg.patch_size, image_newline=newline.float(), grid=grid).eval()
+                                  True, has_cls, vcfg.patch_size, image_newline=newline.float(), grid=grid,
+                                  video_pooler=video_pooler(checkpoint) if video else None).eval()
         mean, std = tower_normalization(checkpoint)
         source = Source(str(checkpoint.path.resolve()), "hf", self.family, sha256_files(checkpoint.files()),
                         vcfg.image_size, vcfg.patch_size, has_cls, mean, std, pipeline=pipeline, positions="cyx",
-                        details={"model_type": "llava_next", "feature_layer": fl, "select_strategy": strategy,
+                        details={"model_type": checkpoint.model_type, "feature_layer": fl, "select_strategy": strategy,
                                  "vision_layers": vcfg.num_hidden_layers, "projector": True,
                                  "grids": [f"{r}x{c}" for r, c in grids_of(config)]})
         set_grid(source, grid)
         source.regrid = lambda text: set_grid(source, choose_grid(config, text))
         return source
+
+
+def set_video(source: Source, frames: int) -> None:
+    """Make a LLaVA-NeXT-Video source a video one (--video-frames F): its input one clip's frames [F, 3, S, S] as the
+    tower's batch, its features get_video_features' [1, F·M, D] (M = (s // stride)² pooled tokens per frame).
+
+    The crops are gone (a frame is one still image at the tower's size, as LlavaNextVideoImageProcessor resizes
+    it); the pool stride is the source's spatial_merge, so that the site's tokens count the pooled rows the LLM sees.
+    """
+    anyres = source.pipeline
+    pooler, config = anyres.video_pooler, source.details
+    stride = pooler.pool.stride if isinstance(pooler.pool.stride, int) else pooler.pool.stride[0]
+    side = source.image_size // source.patch_size
+    per_frame = (side // stride) ** 2
+    source.pipeline = VisionPipeline(anyres.tower, VideoProjector(pooler, anyres.projector, frames),
+                                     anyres.num_blocks, True, anyres.has_cls, anyres.patch_size).eval()
+    source.crops, source.regrid, source.positions, source.position_table = None, None, "indices", None
+    source.spatial_merge, source.frames = stride, frames
+    for key in ("grid", "crops", "resolution"):
+        config.pop(key, None)
+    config["video_frames"] = frames
+    pooled = side // stride
+    # merged_grid_thw as Qwen's video records it (here t = frames): what `run --show` draws a clip's frames by
+    config["token_counts"] = {"video_frames": frames, "tokens_per_frame": per_frame, "tokens": frames * per_frame,
+                              "merged_grid_thw": [frames, pooled, pooled], "pool": [type(pooler.pool).__name__, stride]}
+    config["input"] = (f"one clip per call: pixel_values [{frames}, 3, S, S], its frames in order, each "
+                       f"preprocessed as a still image; features [1, F·M, D] frame by frame, M = {per_frame}")
 
 
 def packed_length(grid: tuple[int, int], side: int) -> int:
@@ -277,6 +349,8 @@ class CyxPositions(IndicesPositions):
                 f"- merged row e: offset + {dense} + e\n- the text after the image: from offset + {after}")
 
     def place_pruned(self, source: Source, features, kept, kept_positions, prefix: int, extra: int):
+        if source.crops is None:  # a LLaVA-NeXT-Video clip: its rows as they come (LlavaNextFamily.positions_of)
+            return super().place_pruned(source, features, kept, kept_positions, prefix, extra)
         table = self.kept_table(source, kept, kept_positions, prefix)
         grid, side, k = tuple(source.crops["grid"]), source.crops["side"], len(kept)
         newline = source.pipeline.image_newline
@@ -288,8 +362,9 @@ class CyxPositions(IndicesPositions):
         return rows, place
 
 
-class LlavaNextFamily(Family):
-    """Anyres crops: the input is the C crops of one image at one grid fixed at compile time (--grid)."""
+class LlavaNextFamily(ClipInput, Family):
+    """Anyres crops: the input is the C crops of one image at one grid fixed at compile time (--grid); LLaVA-NeXT-Video's
+    clips of F frames with --video-frames (ClipInput: the frames are the graph's batch)."""
 
     id = "llava_next"
     adapter = LlavaNextAdapter
@@ -298,12 +373,21 @@ class LlavaNextFamily(Family):
                       "(input [1 + ROWS*COLS, 3, S, S]). Default: the largest (LLaVA-1.6: 2x2 at 672x672)."),
         "crop_budget": (str, "Anyres models: split --keep over the crops `proportional` to each crop's saliency mass "
                              "(the default for cls) or `equal` (the default, and only split, for divprune and dart)."),
+        "video_frames": (int, "Video (llava_next_video): compile for clips of F frames (static, at least 2): the input "
+                              "is one clip's frames [F, 3, S, S], each through the tower, pooled and projected as "
+                              "get_video_features does; the features [1, F·M, D] frame by frame"),
     }
-    has = {PATCH_TOKENS: "LLaVA-NeXT", CROPS: "LLaVA-NeXT"}
+    has = {PATCH_TOKENS: "LLaVA-NeXT", CROPS: "LLaVA-NeXT", VIDEO: "LLaVA-NeXT-Video", FRAME_TOWER: "LLaVA-NeXT-Video"}
     positions = CyxPositions()
-    language_model = {"llava_next": "LlavaNextForConditionalGeneration"}
+    language_model = {"llava_next": "LlavaNextForConditionalGeneration",
+                      "llava_next_video": "LlavaNextVideoForConditionalGeneration"}
+
+    def positions_of(self, model: dict) -> IndicesPositions:
+        """A video bundle's rows go to the LLM as they come (get_video_features adds no image_newline): indices."""
+        return IndicesPositions() if (model.get("token_counts") or {}).get("video_frames") else self.positions
 
     def check_options(self, given: dict) -> None:
+        self.check_frames(given)
         budget = given.get("crop_budget")
         if budget is not None and budget not in BUDGETS:
             raise InputError(f"--crop-budget is {' or '.join(BUDGETS)}, got {budget!r}")
@@ -320,6 +404,10 @@ class LlavaNextFamily(Family):
         A pruned bundle prunes each crop's features, so its export stops before HF's packing
         (which the LLM runtime does on the kept tokens); a dense one packs like HF.
         """
+        frames = options.get("video_frames")
+        if frames is not None:
+            self.fix_video(source, options, frames, prune=prune, batch=batch, cls=cls)
+            return
         if options.get("grid") is not None:
             source.regrid(options["grid"])
         count = source.crops["count"]
@@ -334,8 +422,46 @@ class LlavaNextFamily(Family):
         source.pipeline.pack = not prune
         super().fix(source, options, prune=prune, batch=batch, cls=cls)
 
+    def fix_video(self, source: Source, options: dict, frames: int, *, prune: bool, batch: int | None,
+                  cls: str | None) -> None:
+        """--video-frames F: LLaVA-NeXT-Video only, one clip per call, no crops; [CLS] dropped as the pooler needs."""
+        what = source.details.get("model_type")
+        if what != "llava_next_video":
+            raise InputError(f"--video-frames applies to video models (llava_next_video, qwen2_vl, qwen2_5_vl), not to "
+                             f"this {what} model")
+        if frames < 2:
+            raise InputError(f"--video-frames must be at least 2 (a clip; the temporal methods compare frames), got "
+                             f"{frames}")
+        for name in ("grid", "crop_budget"):
+            if options.get(name) is not None:
+                raise InputError(f"--{name.replace('_', '-')} applies to anyres images, not to a clip "
+                                 "(--video-frames): each frame is one still image at the tower's size")
+        if batch is not None:
+            raise InputError(f"--batch does not apply to video: the input is the {frames} frames of one clip "
+                             f"[{frames}, 3, {source.image_size}, {source.image_size}]; run one clip per call")
+        if cls == "keep":
+            raise InputError("--cls keep is not available for LLaVA-NeXT-Video clips: the resampler pools each "
+                             "frame's patch grid, without [CLS]")
+        set_video(source, frames)
+        super().fix(source, options, prune=prune, batch=batch, cls=cls)
+
+    def check_method(self, source: Source, config, site_spec: type) -> None:
+        self.refuse_video_reads(source, config)
+        super().check_method(source, config, site_spec)
+
+    def site(self, source: Source, config, site_spec: type):
+        """A clip's block site holds one frame's patches per batch row (the frames are the tower's batch), not the
+        clip's pooled rows the features hold; the pool stride is the source's spatial merge."""
+        spec = super().site(source, config, site_spec)
+        if source.frames > 1 and config.method.needs(config.params).site == BLOCK:
+            spec = dataclasses.replace(spec, num_patches=(source.image_size // source.patch_size) ** 2)
+        return spec
+
     def llm_source(self, checkpoint, options: dict) -> Source:
         source = self.adapter().load(checkpoint, None)
+        if options.get("video_frames"):
+            self.fix(source, {"video_frames": options["video_frames"]}, prune=False, batch=None, cls=None)
+            return source
         if options.get("grid") is not None:
             source.regrid(options["grid"])
         return source
@@ -356,10 +482,15 @@ class LlavaNextFamily(Family):
                        f"{source.crops['count']} crops of {source.image_size}x{source.image_size}")
 
     def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
+        """One image's crops and size; of a clip, its frames [1, F, 3, S, S] (get_video_features' input)."""
+        if source.crops is None:
+            return {"pixel_values_videos": torch.from_numpy(pixel)[None]}
         return {"pixel_values": torch.from_numpy(pixel)[None], "image_sizes": torch.tensor([source.crops["resolution"]])}
 
     def check_target(self, source: Source, target: str, check_batch) -> None:
         """The crops of one image are the graph's batch: refuse, before the export, a target that cannot run it."""
+        if source.crops is None:  # a clip (ClipInput)
+            return super().check_target(source, target, check_batch)
         count = source.crops["count"]
         try:
             check_batch(count)
@@ -370,20 +501,28 @@ class LlavaNextFamily(Family):
 
     def token_layout(self, source: Source, options: dict) -> dict | None:
         """The method runs over the crops under one global budget (passes.methods.crops)."""
+        if source.crops is None:  # a clip: the frames' tokens, frame by frame
+            return None
         return {"crops": source.crops, "budget": options.get("crop_budget")}
 
     def export_batch(self, source: Source, batch: int | None) -> int | None:
+        if source.crops is None:  # a clip (ClipInput)
+            return super().export_batch(source, batch)
         return source.crops["count"]  # one image's crops
 
     def parity_pixels(self, source: Source, images: int) -> tuple[np.ndarray, dict]:
+        if source.crops is None:  # a clip (ClipInput)
+            return super().parity_pixels(source, images)
         photos = max(2, images // source.crops["count"])  # one photo per chunk of C crops, two at least
         return parity_crops(photos, source.crops, source.image_size, source.mean, source.std)
 
     def cannot_draw(self, manifest: dict) -> str | None:
-        return "an anyres bundle (several crops per image)"
+        return None if self.takes_video(manifest) else "an anyres bundle (several crops per image)"
 
     def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
         """One image per call: the processor's crops of it for the bundle's grid."""
+        if self.takes_video(manifest):
+            return super().load_images(manifest, image_files, static)
         if len(image_files) != 1:
             raise InputError(f"this bundle takes one image per call (its {static} crops): pass --image once")
         model, pre = manifest["model"], manifest["preprocess"]

@@ -47,6 +47,7 @@ from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import MERGED_TOKENS, PATCH_TOKENS, VIDEO, Family, IndicesPositions, Place
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, built,
                                                read_safetensors, sha256_files)
+from vlmprune.compiler.frontend.video import ClipInput
 from vlmprune.compiler.frontend.tower import FEATURES, Pruner, SiteTensors
 
 DEFAULT_IMAGE_SIZE = 448
@@ -421,7 +422,7 @@ def merged_grid(source: Source) -> tuple[int, int, int]:
     return tuple(source.details["token_counts"]["merged_grid_thw"])
 
 
-class Qwen2VLFamily(Family):
+class Qwen2VLFamily(ClipInput, Family):
     """Dynamic resolution: compiled at one static image size (--image-size); merged tokens, (t, h, w) positions."""
 
     id = "qwen2_vl"
@@ -485,61 +486,11 @@ class Qwen2VLFamily(Family):
         super().fix(source, options, prune=prune, batch=batch, cls=cls)
 
     def check_method(self, source: Source, config, site_spec: type) -> None:
-        needs = config.method.needs(config.params)
-        if source.frames > 1 and (needs.attention or needs.pixels or needs.tower_features or needs.text):
-            raise InputError(f"method {config.method.name} with these options reads {needs.describe()}, and a video "
-                             "bundle hands its methods the merged tokens only (evs, divprune, dart, random, grid)")
+        self.refuse_video_reads(source, config)
         super().check_method(source, config, site_spec)
 
-    def export_batch(self, source: Source, batch: int | None) -> int | None:
-        return source.pipeline.clip or batch  # video: one clip's frames
-
-    def check_target(self, source: Source, target: str, check_batch) -> None:
-        """A clip's frames are the graph's batch: refuse, before the export, a target that cannot run it."""
-        if not source.pipeline.clip:
-            return
-        try:
-            check_batch(source.pipeline.clip)
-        except InputError as exc:
-            raise InputError(f"target {target} cannot run this video bundle: its input is the {source.pipeline.clip} "
-                             f"frames of one clip as a batch, and {str(exc).split(': ')[0]}") from None
-
-    def parity_pixels(self, source: Source, images: int) -> tuple[np.ndarray, dict]:
-        """Video: the clip made here (a still photograph, a moving square, a scene cut), preprocessed frame by frame."""
-        frames = source.pipeline.clip
-        if not frames:
-            return super().parity_pixels(source, images)
-        from vlmprune.compiler.frontend.images import preprocess
-        from vlmprune.compiler.frontend.video import clip_made_here
-
-        clip = clip_made_here(frames, source.image_size)
-        pixels = np.stack([preprocess(f, source.image_size, source.mean, source.std) for f in clip])
-        return pixels, {"images": [f"clip made here: {frames} frames (astronaut, a moving square, a cut to coffee)"],
-                        "seed": 0, "size": source.image_size, "mean": list(source.mean), "std": list(source.std)}
-
-    def takes_video(self, manifest: dict) -> bool:
-        return bool((manifest["model"].get("token_counts") or {}).get("video_frames"))
-
-    def load_video(self, manifest: dict, path) -> tuple[np.ndarray, list[str]]:
-        from vlmprune.compiler.frontend.video import load_clip
-
-        if not self.takes_video(manifest):
-            return super().load_video(manifest, path)
-        pre, frames = manifest["preprocess"], manifest["model"]["token_counts"]["video_frames"]
-        pixel, described = load_clip(path, frames, pre["size"], pre["mean"], pre["std"])
-        return pixel, [described]
-
-    def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
-        if self.takes_video(manifest):
-            frames = manifest["model"]["token_counts"]["video_frames"]
-            raise InputError(f"this bundle takes one clip of {frames} frames: pass --video PATH (a folder of frames "
-                             "or a video file)")
-        return super().load_images(manifest, image_files, static)
-
     def check_options(self, given: dict) -> None:
-        frames = given.get("video_frames")
-        if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
-            raise InputError(f"--video-frames must be an integer >= 1, got {frames!r}")
+        self.check_frames(given)
         size = given.get("image_size")
         if size is None:
             return

@@ -87,6 +87,13 @@ class Pruner(Protocol):
     # to run (run_blocks) instead of calling it on block L's output.
     # Optional, read with getattr (default (layer,)): `layers`, the blocks after which a BLOCK pruner is called in
     # turn (progressive pruning); each call gets the patch indices the previous one kept (SiteTensors.patch_ids).
+    # Optional, read with getattr (default False): `later`, a BLOCK pruner that runs the blocks after `layer` itself
+    # (run_later) on a layout of its own and hands back the dense layout; the pipeline then keeps the rows `kept`
+    # of the tail's output (the in-encoder temporal drop of a clip).
+
+    def run_later(self, blocks: list[BlockRunner], tensors: SiteTensors) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """With `later`: block `layer`'s output in tensors.hidden, the blocks after it to run: (the last block's
+        output in the dense layout, the feature rows kept [B, K], trace)."""
 
     def run_blocks(self, blocks: list[BlockRunner], tensors: SiteTensors) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """With `inside`: run blocks 1..layer on tensors.hidden (the embeddings): (tokens, kept, trace)."""
@@ -183,11 +190,17 @@ class VisionPipeline(nn.Module):
             first = pruner.layer + 1
         # The blocks after which a BLOCK pruner is called (Pruner.layers: several for a progressive schedule).
         steps = tuple(getattr(pruner, "layers", None) or (pruner.layer,)) if at_block and first == 1 else ()
+        later = at_block and getattr(pruner, "later", False)  # Pruner.later: it runs the blocks after its site
         for i, layer in enumerate(tower.blocks[first - 1: self.num_blocks], start=first):
             capture = i in steps or wants_qk and i == self.num_blocks
             h, qk = run_block(tower.parts(layer), h, capture)
             if capture and not at_block:
                 qk_last = qk
+            elif capture and later:
+                runners = [functools.partial(run_block, tower.parts(rest)) for rest in tower.blocks[i: self.num_blocks]]
+                h, kept, self.last_trace = pruner.run_later(runners, SiteTensors(
+                    h, self.has_cls, *qk, pixel_values, self.patch_size, self.prefix, tower.head, layer=i))
+                break
             elif capture:
                 h, kept = self._prune(SiteTensors(h, self.has_cls, *qk, pixel_values, self.patch_size, self.prefix,
                                                   tower.head, layer=i, patch_ids=kept))
@@ -200,6 +213,8 @@ class VisionPipeline(nn.Module):
             h = self.projector(h)
         if pruner is not None and pruner.site == FEATURES:
             h, kept = self.prune_features(h, pixel_values, qk_last)
+        if later:  # the tail ran on the dense layout again: its rows of the kept tokens
+            h = torch.gather(h, 1, kept[..., None].expand(-1, -1, h.shape[-1]))
         return h if pruner is None else (h, kept)
 
     def prune_features(self, features: torch.Tensor, pixel_values: torch.Tensor, qk: tuple | None = None):

@@ -100,3 +100,72 @@ def write_frames(clip: np.ndarray, folder: str | Path) -> Path:
     for i, frame in enumerate(clip):
         Image.fromarray(frame).save(folder / f"frame_{i:03d}.png")
     return folder
+
+
+class ClipInput:
+    """What every family that takes video (compile --video-frames F) does alike, as a mixin before Family.
+
+    A video source records its frames in details["video_frames"] (and its manifest in
+    model.token_counts.video_frames); the clip's frames are the graph's batch, one clip per call.
+    Written once so that the families differ only in how their towers take the frames
+    (Qwen's temporal patches, LLaVA-NeXT-Video's per-frame tower and pooling).
+    """
+
+    @staticmethod
+    def clip_frames(source) -> int | None:
+        """The frames of one clip this source is compiled for, or None for a still-image source."""
+        return source.details.get("video_frames")
+
+    def refuse_video_reads(self, source, config) -> None:
+        """A video bundle hands its methods the clip's tokens only: refuse a method that reads more."""
+        needs = config.method.needs(config.params)
+        if source.frames > 1 and (needs.attention or needs.pixels or needs.tower_features or needs.text):
+            raise InputError(f"method {config.method.name} with these options reads {needs.describe()}, and a video "
+                             "bundle hands its methods the merged tokens only (evs, divprune, dart, random, grid)")
+
+    def check_target(self, source, target: str, check_batch) -> None:
+        """A clip's frames are the graph's batch: refuse, before the export, a target that cannot run it."""
+        frames = self.clip_frames(source)
+        if not frames:
+            return super().check_target(source, target, check_batch)
+        try:
+            check_batch(frames)
+        except InputError as exc:
+            raise InputError(f"target {target} cannot run this video bundle: its input is the {frames} "
+                             f"frames of one clip as a batch, and {str(exc).split(': ')[0]}") from None
+
+    def export_batch(self, source, batch: int | None) -> int | None:
+        return self.clip_frames(source) or super().export_batch(source, batch)  # video: one clip's frames
+
+    def parity_pixels(self, source, images: int):
+        """Video: the clip made here (a still photograph, a moving square, a scene cut), preprocessed frame by frame."""
+        frames = self.clip_frames(source)
+        if not frames:
+            return super().parity_pixels(source, images)
+        clip = clip_made_here(frames, source.image_size)
+        pixels = np.stack([preprocess(f, source.image_size, source.mean, source.std) for f in clip])
+        return pixels, {"images": [f"clip made here: {frames} frames (astronaut, a moving square, a cut to coffee)"],
+                        "seed": 0, "size": source.image_size, "mean": list(source.mean), "std": list(source.std)}
+
+    def takes_video(self, manifest: dict) -> bool:
+        return bool((manifest["model"].get("token_counts") or {}).get("video_frames"))
+
+    def load_video(self, manifest: dict, path):
+        if not self.takes_video(manifest):
+            return super().load_video(manifest, path)
+        pre, frames = manifest["preprocess"], manifest["model"]["token_counts"]["video_frames"]
+        pixel, described = load_clip(path, frames, pre["size"], pre["mean"], pre["std"])
+        return pixel, [described]
+
+    def load_images(self, manifest: dict, image_files, static):
+        if self.takes_video(manifest):
+            frames = manifest["model"]["token_counts"]["video_frames"]
+            raise InputError(f"this bundle takes one clip of {frames} frames: pass --video PATH (a folder of frames "
+                             "or a video file)")
+        return super().load_images(manifest, image_files, static)
+
+    @staticmethod
+    def check_frames(given: dict) -> None:
+        frames = given.get("video_frames")
+        if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+            raise InputError(f"--video-frames must be an integer >= 1, got {frames!r}")

@@ -48,7 +48,7 @@ def llm_section(manifest) -> dict:
         prefix = site_prefix if manifest.cls_section.get("in_features") else 0
         out = tokens if isinstance(tokens, int) else (method.tokens_out or 0) - site_prefix + prefix
         extra = out - prefix - kept if isinstance(out, int) and isinstance(kept, int) else 0
-    rule = family_of(manifest).positions
+    rule = family_of(manifest).positions_of(model)
     dense = rule.dense_image_tokens(model, prefix + patches if patches else None)
     section = {
         "features_output": features.name,
@@ -89,7 +89,7 @@ def readme_section(manifest: dict) -> str:
     if handoff_kept := KEPT in llm["positions"]["outputs"]:
         layout = (f"{rows['prefix']} prefix rows, {rows['kept']} kept rows (row {rows['prefix']} + j is patch "
                   f"`kept_indices[:, j]`), {rows['extra']} merged rows")
-        places = family_of(manifest).positions.readme_places(rows, dense, after)
+        places = family_of(manifest).positions_of(manifest.model).readme_places(rows, dense, after)
     else:
         layout = "every patch, in raster order (a dense bundle)"
         places = f"- row r: offset + r\n- the text after the image: from offset + {after}"

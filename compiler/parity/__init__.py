@@ -378,7 +378,7 @@ def token_rows(reference: Reference, cand_kept: np.ndarray, rows: int, images: l
     out = {}
     for i in images:
         r, c = np.asarray(ref_kept[i][:copied]), np.asarray(cand_kept[i][:copied])
-        both = np.intersect1d(r[r >= 0], c[c >= 0])
+        both = method.comparable_rows(params, r, c)
         ref_rows = list(range(lead)) + [lead + int(np.flatnonzero(r == p)[0]) for p in both]
         cand_rows = list(range(lead)) + [lead + int(np.flatnonzero(c == p)[0]) for p in both]
         out[i] = (ref_rows, cand_rows)

@@ -75,6 +75,15 @@ class MethodPruner:
         return result.tokens, result.kept, result.trace
 
     @property
+    def later(self) -> bool:
+        """Whether the method runs the blocks after its site (Method.later_blocks, Pruner.later)."""
+        return self.method.later_blocks
+
+    def run_later(self, blocks, tensors: SiteTensors):
+        result = self.method.reference_later(self.params, blocks, tensors)
+        return result.tokens, result.kept, result.trace
+
+    @property
     def attention(self) -> bool:
         """Whether the method reads attention (at a FEATURES site: the last block's Q and K, Pruner.attention)."""
         return self.method.needs(self.params).attention

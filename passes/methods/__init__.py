@@ -16,6 +16,7 @@ from vlmprune.passes.methods.cls import ClsMethod
 from vlmprune.passes.methods.dart import DartMethod
 from vlmprune.passes.methods.dycoke import DyCokeMethod
 from vlmprune.passes.methods.evs import EvsMethod
+from vlmprune.passes.methods.evs_encoder import EvsEncoderMethod
 from vlmprune.passes.methods.divprune import DivPruneMethod
 from vlmprune.passes.methods.grid import GridMethod
 from vlmprune.passes.methods.holov import HolovMethod
@@ -26,7 +27,8 @@ from vlmprune.passes.methods.visionzip import VisionZipMethod
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (ClsMethod, VisionZipMethod, DivPruneMethod, DartMethod,
                                                    RandomKeepMethod, GridMethod, PruMergePlusMethod,
-                                                   CDPrunerMethod, HolovMethod, ToMeMethod, EvsMethod, DyCokeMethod)}
+                                                   CDPrunerMethod, HolovMethod, ToMeMethod, EvsMethod, EvsEncoderMethod,
+                                                   DyCokeMethod)}
 DEFAULT_METHOD = "cls"  # `vlmprune compile` and `eval` without --method
 # The reference rows of every accuracy table (Method.baseline: random keep, a uniform grid), in the table's order.
 BASELINES: tuple[str, ...] = tuple(name for name, method in METHODS.items() if method.baseline)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 from typing import Any, ClassVar
 
+import numpy as np
 import onnx_ir as ir
 import torch
 
@@ -185,6 +186,10 @@ class Method(abc.ABC):
     # logits), not on block L's output alone: its reference is reference_blocks, and its emission rewrites those
     # blocks through Builder.after / Builder.reroute (token merging).
     in_blocks: ClassVar[bool] = False
+    # The method runs the blocks after L too, on a token layout of its own (reference_later), and gives the tower's
+    # tail the dense layout back, keeping the kept rows of the features (the in-encoder temporal drop of a clip:
+    # its frames' kept tokens as one sequence under a per-frame mask); its emission restores it (RESTORED_META).
+    later_blocks: ClassVar[bool] = False
     # Why the method's output is lost below float32, by measurement; "" where it is not. A target that runs the
     # graph in fp16 or quantised (Target.reduced_precision) refuses the method with it.
     float32_only: ClassVar[str] = ""
@@ -313,9 +318,20 @@ class Method(abc.ABC):
         runs; as given by default."""
         return params
 
+    def site_tokens(self, params: dict, spec: SiteSpec) -> int:
+        """The tokens the blocks after the site run on, [CLS] and registers included: the prefix and the output's
+        patch-derived tokens, unless the method lays them out otherwise (later_blocks)."""
+        return spec.prefix + self.output_tokens(params)
+
     def min_text_rows(self, params: dict) -> int:
         """The fewest text_embeds rows (prompt tokens) the method runs on with these parameters (Needs.text)."""
         return 0
+
+    def comparable_rows(self, params: dict, ref_kept: np.ndarray, cand_kept: np.ndarray) -> np.ndarray:
+        """Where parity's two sides kept different sets (a boundary tie): the kept indices both share whose output rows
+        do not depend on the difference. All shared ones by default: a copied row is its input row, whatever else
+        was kept (merged rows are left out by copied_rows)."""
+        return np.intersect1d(ref_kept[ref_kept >= 0], cand_kept[cand_kept >= 0])
 
     def copied_rows(self, params: dict) -> int:
         """How many leading output patch tokens are copies of input rows (at kept[:, :n]); the rest are merged."""
@@ -335,6 +351,12 @@ class Method(abc.ABC):
         """With in_blocks: the method over the tower's blocks 1..L (compiler.frontend.tower.BlockRunner each),
         from the embeddings (inputs.hidden); its TorchResult is that of block L's output."""
         raise NotImplementedError(f"method {self.name} does not act inside the blocks")
+
+    def reference_later(self, params: dict, blocks: list, inputs: SiteTensors) -> TorchResult:
+        """With later_blocks: the method at block L's output (inputs.hidden) and over the blocks after it
+        (compiler.frontend.tower.BlockRunner each); its TorchResult's tokens are the last block's output in the
+        dense layout again (the site's shape), its kept the feature rows the tower's output keeps."""
+        raise NotImplementedError(f"method {self.name} does not run the later blocks")
 
     @abc.abstractmethod
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:

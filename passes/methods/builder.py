@@ -32,6 +32,8 @@ class Builder:
         # substitutes there (Builder.reroute): the insertion pass applies both after placing `nodes`.
         self.placements: list[tuple[ir.Node, list[ir.Node]]] = []
         self.reroutes: list[tuple[ir.Value, ir.Value]] = []
+        # Graph outputs a method replaces (Method.later_blocks: the kept rows of the tower's own output).
+        self.outputs: list[tuple[ir.Value, ir.Value]] = []
         self._role = SCORE
         self._names: set[str] = set()
 
@@ -60,6 +62,10 @@ class Builder:
     def reroute(self, old: ir.Value, new: ir.Value) -> None:
         """Every consumer of `old` in the graph, except this builder's own nodes, reads `new` instead."""
         self.reroutes.append((old, new))
+
+    def replace_output(self, old: ir.Value, new: ir.Value) -> None:
+        """The graph output `old` becomes `new`, under old's name (old is renamed NAME.dense)."""
+        self.outputs.append((old, new))
 
     def all_nodes(self) -> list[ir.Node]:
         """Every node this builder made: after the site, and placed inside the graph."""

@@ -59,6 +59,31 @@ def dissimilarity(patches: torch.Tensor, frames: int) -> torch.Tensor:
     return torch.cat([first, moved], dim=1).reshape(b, n)
 
 
+def parse_rate(method: str, params: dict) -> dict:
+    """--video-pruning-rate q, vLLM's q in [0, 1), checked (evs and evs-encoder take it alike)."""
+    if params.get("video_pruning_rate") is not None:
+        rate = finite_option(method, "video-pruning-rate", params["video_pruning_rate"], 0.0)
+        if rate >= 1.0:
+            raise InputError(f"--video-pruning-rate of method {method} must be < 1 (vLLM's q in [0, 1)), got {rate:g}")
+        params["video_pruning_rate"] = rate
+    return params
+
+
+def emit_dissimilarity(b, patches: ir.Value, frames: int, per_frame: int) -> ir.Value:
+    """dissimilarity in the graph: [B, T·HW, D] -> [B, T, HW] (1 - cosine to the same position one frame earlier,
+    255 on the first frame); evs ranks it over the clip, evs-encoder at block L per pooling window."""
+    clip = b.op("Reshape", [patches, b.ints("clip_shape", [0, frames, per_frame, -1])], "clip")
+    unit = b.l2_normalize(clip, "unit", COSINE_EPS)
+    later = b.slice(unit, 1, frames, 1, "later_frames")
+    earlier = b.slice(unit, 0, frames - 1, 1, "earlier_frames")
+    cosine = b.reduce("ReduceSum", b.op("Mul", [later, earlier], "products"), [-1], 0, "cosine")
+    moved = b.op("Sub", [b.scalar("one", 1.0), cosine], "dissimilarity")  # [B, T-1, HW]
+    batch = b.op("Shape", [patches], "batch", start=0, end=1)
+    first_shape = b.op("Concat", [batch, b.ints("first_frame_dims", [1, per_frame])], "first_shape", axis=0)
+    first = b.op("Expand", [b.scalar("first_frame", FIRST_FRAME), first_shape], "first_frame_scores")
+    return b.op("Concat", [first, moved], "frame_scores", axis=1)
+
+
 class EvsMethod(Method):
     name = "evs"
     summary = ("EVS (vLLM's efficient video sampling): per position, keep the tokens that changed most since the "
@@ -70,13 +95,7 @@ class EvsMethod(Method):
     no_local_merge_why = "EVS keeps tokens at their (t, h, w); merging them with neighbours is not EVS"
 
     def parse(self, keep, options):
-        params = super().parse(keep, options)
-        if params.get("video_pruning_rate") is not None:
-            rate = finite_option(self.name, "video-pruning-rate", params["video_pruning_rate"], 0.0)
-            if rate >= 1.0:
-                raise InputError(f"--video-pruning-rate of method evs must be < 1 (vLLM's q in [0, 1)), got {rate:g}")
-            params["video_pruning_rate"] = rate
-        return params
+        return parse_rate(self.name, super().parse(keep, options))
 
     def needs(self, params: dict) -> Needs:
         return Needs(site=SITE_FEATURES)
@@ -125,16 +144,7 @@ class EvsMethod(Method):
             cls = [b.slice(inputs.hidden, 0, inputs.prefix, 1, "cls")] if inputs.prefix else []
             patches = b.slice(inputs.hidden, inputs.prefix, INT64_MAX, 1, "patches") if inputs.prefix else inputs.hidden
         with b.role(SCORE):
-            clip = b.op("Reshape", [patches, b.ints("clip_shape", [0, frames, per_frame, -1])], "clip")
-            unit = b.l2_normalize(clip, "unit", COSINE_EPS)
-            later = b.slice(unit, 1, frames, 1, "later_frames")
-            earlier = b.slice(unit, 0, frames - 1, 1, "earlier_frames")
-            cosine = b.reduce("ReduceSum", b.op("Mul", [later, earlier], "products"), [-1], 0, "cosine")
-            moved = b.op("Sub", [b.scalar("one", 1.0), cosine], "dissimilarity")  # [B, T-1, HW]
-            batch = b.op("Shape", [patches], "batch", start=0, end=1)
-            first_shape = b.op("Concat", [batch, b.ints("first_frame_dims", [1, per_frame])], "first_shape", axis=0)
-            first = b.op("Expand", [b.scalar("first_frame", FIRST_FRAME), first_shape], "first_frame_scores")
-            scores = b.op("Reshape", [b.op("Concat", [first, moved], "frame_scores", axis=1),
+            scores = b.op("Reshape", [emit_dissimilarity(b, patches, frames, per_frame),
                                       b.ints("scores_shape", [0, n])], "scores")
         with b.role(SELECT):
             _, top = b.op("TopK", [scores, b.ints("keep", [keep])], "topk", num_outputs=2, axis=-1, largest=1,

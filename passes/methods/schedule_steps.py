@@ -82,6 +82,9 @@ def refusal(method, params: dict) -> str | None:
         return "its selection is greedy (each pick depends on the others): no score to rank at each step"
     if method.variable_k or params.get("budget"):
         return "K varies per image (--budget adaptive, prumerge+), and a step's token count must be one constant"
+    if getattr(method, "later_blocks", False):
+        return ("it runs the blocks after its site on a layout of its own (the clip's kept tokens as one sequence), "
+                "which a later step does not prune again")
     if method.needs(params).site != BLOCK:
         return "it prunes the projector output (the tower's end), where no block is left to step through"
     if params.get("merge"):

@@ -62,7 +62,8 @@ def test_family_options_replace_the_fixed_fields():
         for name in family.options:
             declared.setdefault(name, set()).add(family.id)
     assert declared == {"grid": {"llava_next"}, "crop_budget": {"llava_next"},
-                        "image_size": {"qwen2_vl", "qwen3_vl", "smolvlm", "lfm2_vl"}, "video_frames": {"qwen2_vl"}}
+                        "image_size": {"qwen2_vl", "qwen3_vl", "smolvlm", "lfm2_vl"},
+                        "video_frames": {"qwen2_vl", "llava_next"}}
 
 
 def test_cli_flags_come_from_the_family_declarations():

@@ -196,6 +196,8 @@ def test_refusals(qwen_dirs, tmp_path):
                  family={"video_frames": 4})
     with pytest.raises(InputError, match=r"16 <= keep < 32"):
         compile_("keep", method="evs", keep=8, family={"video_frames": 4})
+    with pytest.raises(InputError, match="runs each frame alone"):  # Qwen's temporal patches mix two frames
+        compile_("encoder", method="evs-encoder", keep=20, layer=1, family={"video_frames": 4})
 
 
 def test_run_video_draws_the_kept_tokens_frame_by_frame(evs_bundle, tmp_path):

@@ -280,3 +280,26 @@ def tiny_lfm2_vl(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer
                                                                      "image_start_token": "<|image_start|>",
                                                                      "image_end_token": "<|image_end|>"})
     return Path(path)
+
+
+def tiny_llava_next_video(path: Path, seed: int = 0, video_token_id: int = 101, image_size: int = 56,
+                          **text) -> Path:
+    """A seeded tiny LLaVA-NeXT-Video (LlavaNextVideoForConditionalGeneration) saved (safetensors) at path, its tower
+    and projector spread: 3 CLIP blocks 32 wide (2 heads), `image_size` px at patch 14 ([CLS] + s x s patches, the
+    resampler's 2x2 average pool: (s/2)² tokens per frame), feature layer -2 (2 blocks run), `default` strategy, a
+    Llama LLM (text: overrides; default 1 layer, 48 wide, vocab 128), image token 100, video token video_token_id."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
+
+    config = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=128)
+    config.update(text)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                              image_size=image_size, patch_size=14)
+    torch.manual_seed(seed)
+    model = LlavaNextVideoForConditionalGeneration(LlavaNextVideoConfig(
+        vision_config=vision, text_config=LlamaConfig(**config), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", image_token_index=100, video_token_index=video_token_id,
+        image_grid_pinpoints=[[image_size, image_size], [image_size, 2 * image_size]]))
+    spread(model, ("model.vision_tower.", "model.multi_modal_projector."))
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return Path(path)
