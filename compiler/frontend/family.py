@@ -152,10 +152,15 @@ class DenseRequest:
     onnx_contract: Callable[..., object] | None = None
 
 
-def _families():
-    from vlmprune.compiler.frontend import FAMILIES  # it imports this module
-
-    return FAMILIES
+def _families() -> list[type]:
+    """Every family class loaded (the registry imports them all): read by walking Family's subclasses, since the
+    registry package imports this module and this module must not import it back."""
+    found, todo = [], list(Family.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return [cls for cls in found if "id" in vars(cls)]
 
 
 class Family:
@@ -208,7 +213,7 @@ class Family:
         """Catch what the insertion would reject before the export (site_spec: the methods' SiteSpec)."""
         method, params = config.method, config.params
         if getattr(method, "later_blocks", False) and FRAME_TOWER not in self.has:
-            holders = ", ".join(f.has[FRAME_TOWER] for f in _families() if FRAME_TOWER in f.has)
+            holders = ", ".join(sorted({f.has[FRAME_TOWER] for f in _families() if FRAME_TOWER in f.has}))
             raise InputError(f"method {method.name} acts inside a video tower that runs each frame alone ({holders}), "
                              f"and this {source.details.get('model_type', source.family)} tower does not")
         blocks = source.num_blocks
