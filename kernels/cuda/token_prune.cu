@@ -84,52 +84,125 @@ __device__ __forceinline__ unsigned long long rank_key(float s, int i) {
   return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - static_cast<unsigned>(i));
 }
 
-__host__ __device__ __forceinline__ int next_pow2(int n) {
-  int p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
+// The score half of rank_key: larger ranks first. Every float maps to >= 0x007fffff
+// (-inf), so 0 is free to mean "no candidate".
+__device__ __forceinline__ unsigned order_key(float s) { return static_cast<unsigned>(rank_key(s, 0) >> 32); }
 
-// Sorts keys[0, n) into descending order; n is a power of two.
-__device__ void bitonic_sort_desc(unsigned long long* keys, int n) {
-  for (int k = 2; k <= n; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int partner = i ^ j;
-        if (partner > i) {
-          const unsigned long long a = keys[i], b = keys[partner];
-          const bool descending = (i & k) == 0;
-          if (descending ? (a < b) : (a > b)) {
-            keys[i] = b;
-            keys[partner] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
+constexpr unsigned kFull = 0xffffffffu;
+
+// Block-wide exclusive prefix sum of v in thread order; *total gets the sum of all.
+// blockDim.x is a multiple of 32. scan: 32 ints of shared memory, free again after
+// the caller's next __syncthreads.
+__device__ int block_exclusive_scan(int v, int* scan, int* total) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  int x = v;
+  for (int o = 1; o < kWarp; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, x, o);
+    if (lane >= o) x += y;
   }
+  if (lane == kWarp - 1) scan[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < warps ? scan[lane] : 0;
+    for (int o = 1; o < kWarp; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < warps) scan[lane] = w;  // inclusive over warps; each lane rewrites only the slot it read
+  }
+  __syncthreads();
+  *total = scan[warps - 1];
+  return (warp ? scan[warp - 1] : 0) + x - v;
 }
 
 constexpr int kTopkThreads = 1024;
+constexpr int kTopkPerThread = kMaxN / kTopkThreads;  // contiguous scores per thread: the N <= 4096 limit
 
-// One block per row. Padding keys are 0, below every real key (whose high word is > 0).
+// One block per row, no sort (the v1 kernel bitonic-sorted the padded row twice: ~110
+// barriers whatever K). Radix select on the 32-bit order key, 8 bits a pass: each pass
+// histograms the candidates that still match the selected prefix (integer shared-memory
+// atomics: the counts, hence the result, do not depend on their order) and one warp
+// finds the bin holding the K-th largest. After 4 passes v* is the K-th largest key and
+// `need` says how many of the keys equal to v* are kept: the lowest-indexed ones, which is
+// the CPU's (score desc, index asc) order. One packed block scan in index order (thread t
+// owns scores [4t, 4t + 4)) then gives each kept index its output slot, so the list
+// comes out ascending without a second sort. 4 * 3 + 2 barriers in all.
 __global__ void __launch_bounds__(kTopkThreads)
     select_topk_kernel(const float* __restrict__ scores, int N, int K, int64_t* __restrict__ kept) {
-  __shared__ unsigned long long keys[kMaxN];
+  __shared__ int hist[256];
+  __shared__ int scan[kWarp];
+  __shared__ unsigned sel_prefix;
+  __shared__ int sel_need;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const float* row = scores + static_cast<int64_t>(blockIdx.x) * N;
-  const int padded = next_pow2(N);
-  for (int i = threadIdx.x; i < padded; i += blockDim.x) keys[i] = i < N ? rank_key(row[i], i) : 0ull;
-  __syncthreads();
-  bitonic_sort_desc(keys, padded);
+  const int c0 = threadIdx.x * kTopkPerThread;
+  unsigned u[kTopkPerThread];
+#pragma unroll
+  for (int j = 0; j < kTopkPerThread; ++j) u[j] = c0 + j < N ? order_key(row[c0 + j]) : 0u;
 
-  // The K winners' low words are 0xffffffff - index: sorting those descending
-  // yields ascending indices.
-  const int padded_k = next_pow2(K);
-  for (int i = threadIdx.x; i < padded_k; i += blockDim.x) keys[i] = i < K ? (keys[i] & 0xffffffffull) : 0ull;
-  __syncthreads();
-  bitonic_sort_desc(keys, padded_k);
+  unsigned prefix = 0, mask = 0;
+  int need = K;  // invariant: 1 <= need <= number of keys matching prefix under mask
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kTopkPerThread; ++j) {
+      if (c0 + j < N && (u[j] & mask) == prefix) atomicAdd(&hist[(u[j] >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (warp == 0) {  // lane owns bins [8 lane, 8 lane + 8); find the bin b with count(>b) < need <= count(>=b)
+      int cnt[8], tot = 0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        cnt[e] = hist[8 * lane + e];
+        tot += cnt[e];
+      }
+      int suffix = tot;  // bins >= 8 lane
+      for (int o = 1; o < kWarp; o <<= 1) {
+        const int y = __shfl_down_sync(kFull, suffix, o);
+        if (lane + o < kWarp) suffix += y;
+      }
+      int above = suffix - tot;  // bins >= 8 (lane + 1)
+#pragma unroll
+      for (int e = 7; e >= 0; --e) {
+        if (above < need && above + cnt[e] >= need) {  // exactly one (lane, e) of the warp
+          sel_prefix = prefix | (static_cast<unsigned>(8 * lane + e) << shift);
+          sel_need = need - above;
+        }
+        above += cnt[e];
+      }
+    }
+    __syncthreads();
+    prefix = sel_prefix;  // rewritten next pass only after that pass's first barrier
+    need = sel_need;
+    mask |= 255u << shift;
+  }
+
+  // prefix is v*: keep every key > v* and the `need` lowest-indexed keys == v*.
+  int gt = 0, eq = 0;
+#pragma unroll
+  for (int j = 0; j < kTopkPerThread; ++j) {
+    if (c0 + j < N) {
+      gt += u[j] > prefix;
+      eq += u[j] == prefix;
+    }
+  }
+  int total;  // both counts < 2^16 (N <= 4096): one scan carries the pair
+  const int ex = block_exclusive_scan((gt << 16) | eq, scan, &total);
+  int gt_before = ex >> 16, eq_before = ex & 0xffff;
   int64_t* out = kept + static_cast<int64_t>(blockIdx.x) * K;
-  for (int j = threadIdx.x; j < K; j += blockDim.x) out[j] = 0xffffffffu - static_cast<unsigned>(keys[j]);
+#pragma unroll
+  for (int j = 0; j < kTopkPerThread; ++j) {
+    const int c = c0 + j;
+    if (c >= N) break;
+    if (u[j] > prefix) {  // kept rows before c: every greater key, and the ties up to `need`
+      out[gt_before + min(eq_before, need)] = c;
+      ++gt_before;
+    } else if (u[j] == prefix) {
+      if (eq_before < need) out[gt_before + eq_before] = c;
+      ++eq_before;
+    }
+  }
 }
 
 // ------------------------------------------------------------ gather/summary
@@ -476,7 +549,9 @@ vlmp_status vlmp_select_topk_cuda(const float* scores, int64_t B, int64_t N, int
   if (B > 0 && (scores == nullptr || kept == nullptr)) return VLMP_ERR_INVALID_ARGUMENT;
   if (N > kMaxN || B > 0x7fffffff) return VLMP_ERR_UNSUPPORTED;
   if (B == 0) return VLMP_OK;
-  select_topk_kernel<<<static_cast<unsigned>(B), kTopkThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+  // kTopkPerThread contiguous scores per thread, whole warps: fewer threads, cheaper barriers.
+  const int threads = static_cast<int>(((N + kTopkPerThread - 1) / kTopkPerThread + kWarp - 1) / kWarp * kWarp);
+  select_topk_kernel<<<static_cast<unsigned>(B), threads, 0, static_cast<cudaStream_t>(stream)>>>(
       scores, static_cast<int>(N), static_cast<int>(K), kept);
   return launch_status();
 }
