@@ -461,76 +461,93 @@ __global__ void __launch_bounds__(kScoreThreads)
 // ---------------------------------------------------------------- DivPrune
 
 constexpr int kDivPruneThreads = 1024;
-constexpr int kDivPruneCols = kMaxN / kDivPruneThreads;  // columns per thread: the N <= 4096 limit
 
-__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) {
-    const unsigned long long other = __shfl_xor_sync(0xffffffffu, v, o);
-    v = other > v ? other : v;
-  }
+__device__ __forceinline__ unsigned warp_umax(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(kFull, v);  // one instruction on Ampere and later
+#else
+  for (int o = kWarp / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFull, v, o));
   return v;
+#endif
 }
 
-// Block-wide argmax of run[] (thread t owns columns t, t + blockDim.x, ...), ties to the
-// lowest index: the max of rank_key (value, then index ascending; -0 == +0, as IEEE
-// compares). red: 32 keys of shared memory that no thread reads until the next
-// __syncthreads but one (callers alternate two buffers, so one barrier per step suffices).
-__device__ __forceinline__ int block_argmax(const float (&run)[kDivPruneCols], int N, unsigned long long* red) {
+// Block-wide argmax: (u, c) is each thread's best (order key, lowest column among its
+// equal keys; u == 0 for a thread without columns). Threads own ascending contiguous
+// column ranges, so among equal keys the lowest lane, then the lowest warp, holds the
+// lowest column: a max plus a ballot per level, ties to the lowest index as on the CPU.
+// red_u / red_c: 32 entries of shared memory that nobody reads until the next
+// __syncthreads but one (callers alternate two buffers: one barrier per pick).
+__device__ __forceinline__ int block_argmax(unsigned u, int c, unsigned* red_u, int* red_c) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
-  unsigned long long key = 0;  // below every real key
-#pragma unroll
-  for (int j = 0; j < kDivPruneCols; ++j) {
-    const int c = threadIdx.x + j * blockDim.x;
-    if (c < N) {
-      const unsigned long long k = rank_key(run[j], c);
-      key = k > key ? k : key;
-    }
+  unsigned m = warp_umax(u);
+  c = __shfl_sync(kFull, c, __ffs(__ballot_sync(kFull, u == m)) - 1);
+  if (lane == 0) {
+    red_u[warp] = m;
+    red_c[warp] = c;
   }
-  key = warp_max(key);
-  if (lane == 0) red[warp] = key;
   __syncthreads();
-  key = warp_max(lane < warps ? red[lane] : 0ull);
-  return static_cast<int>(0xffffffffu - static_cast<unsigned>(key & 0xffffffffull));
+  u = lane < warps ? red_u[lane] : 0u;
+  c = lane < warps ? red_c[lane] : 0;
+  m = warp_umax(u);
+  return __shfl_sync(kFull, c, __ffs(__ballot_sync(kFull, u == m)) - 1);
 }
 
-// One block per image; blockDim.x is a multiple of 32 with blockDim.x * kDivPruneCols >= N.
-// The running minimum lives in registers (each thread only ever touches its own columns,
-// so updates need no barrier); a picked column holds -inf, which min() keeps, exactly the
-// contract's "-inf if picked". fp32 compares and selects only: bitwise the CPU's picks.
+// One block per image; thread t owns columns [COLS t, COLS t + COLS), blockDim.x a
+// multiple of 32 with blockDim.x * COLS >= N. The running minimum lives in registers (a
+// thread only ever touches its own columns, so updates need no barrier); a picked column
+// holds -inf, which min() keeps, exactly the contract's "-inf if picked". fp32 compares
+// and selects only: bitwise the CPU's (and the v1 kernel's) picks. Per pick: one row
+// load, a register argmax, one barrier; the v1 kernel's 64-bit shuffle tree is gone.
+template <int COLS>
 __global__ void __launch_bounds__(kDivPruneThreads)
     divprune_select_kernel(const float* __restrict__ dist, int N, int K, int64_t* __restrict__ picks) {
-  __shared__ unsigned long long red[2][kWarp];
+  __shared__ unsigned red_u[2][kWarp];
+  __shared__ int red_c[2][kWarp];
   const float* d = dist + static_cast<int64_t>(blockIdx.x) * N * N;
   int64_t* out = picks + static_cast<int64_t>(blockIdx.x) * K;
-  float run[kDivPruneCols];
+  const int c0 = threadIdx.x * COLS;
+  float run[COLS];
 
-  // Step 0: column minima off the diagonal; a warp reads 32 consecutive floats of a row.
+  // Pick 0: column minima off the diagonal; consecutive threads read consecutive columns,
+  // 32 loads in flight per thread (the whole N x N matrix passes through one SM here).
 #pragma unroll
-  for (int j = 0; j < kDivPruneCols; ++j) run[j] = INFINITY;
-#pragma unroll 4
+  for (int j = 0; j < COLS; ++j) run[j] = INFINITY;
+#pragma unroll(32 / COLS)
   for (int r = 0; r < N; ++r) {
     const float* row = d + static_cast<int64_t>(r) * N;
 #pragma unroll
-    for (int j = 0; j < kDivPruneCols; ++j) {
-      const int c = threadIdx.x + j * blockDim.x;
-      if (c < N && c != r) {
-        const float v = row[c];
-        run[j] = v < run[j] ? v : run[j];
-      }
+    for (int j = 0; j < COLS; ++j) {
+      // Unconditional loads (the column clamped into the row) so that the unrolled rows'
+      // loads can all be issued before the first min; the diagonal and padding drop out here.
+      const int c = c0 + j;
+      const float v = __ldg(row + min(c, N - 1));
+      run[j] = (c < N && c != r && v < run[j]) ? v : run[j];
     }
   }
 
   for (int step = 0;; ++step) {
-    const int p = block_argmax(run, N, red[step & 1]);
+    unsigned best_u = 0;
+    int best_c = 0;
+#pragma unroll
+    for (int j = 0; j < COLS; ++j) {
+      if (c0 + j < N) {
+        const unsigned k = order_key(run[j]);
+        if (k > best_u) {  // strict: the lower column keeps a tie
+          best_u = k;
+          best_c = c0 + j;
+        }
+      }
+    }
+    const int p = block_argmax(best_u, best_c, red_u[step & 1], red_c[step & 1]);
     if (threadIdx.x == 0) out[step] = p;
     if (step + 1 == K) break;
     const float* row = d + static_cast<int64_t>(p) * N;
 #pragma unroll
-    for (int j = 0; j < kDivPruneCols; ++j) {
-      const int c = threadIdx.x + j * blockDim.x;
+    for (int j = 0; j < COLS; ++j) {
+      const int c = c0 + j;
       if (c < N) {
-        const float v = row[c];
-        // After step 0 the running minimum starts as the picked row itself.
+        const float v = __ldg(row + c);
+        // After pick 0 the running minimum starts as the picked row itself.
         const float m = step == 0 ? v : (v < run[j] ? v : run[j]);
         run[j] = c == p ? -INFINITY : m;
       }
@@ -596,10 +613,17 @@ vlmp_status vlmp_divprune_select_cuda(const float* dist, int64_t B, int64_t N, i
                                       void* stream) {
   if (B < 1 || K < 1 || K > N || dist == nullptr || picks == nullptr) return VLMP_ERR_INVALID_ARGUMENT;
   if (N > kMaxN || B > 0x7fffffff) return VLMP_ERR_UNSUPPORTED;
-  // One thread per column up to 1024 (whole warps), then up to kDivPruneCols columns each.
-  const int threads = static_cast<int>(N >= kDivPruneThreads ? kDivPruneThreads : (N + kWarp - 1) / kWarp * kWarp);
-  divprune_select_kernel<<<static_cast<unsigned>(B), threads, 0, static_cast<cudaStream_t>(stream)>>>(
-      dist, static_cast<int>(N), static_cast<int>(K), picks);
+  // One column per thread up to 1024 columns, then 2 or 4 contiguous columns each; whole warps.
+  const int n = static_cast<int>(N), k = static_cast<int>(K);
+  const int cols = n <= kDivPruneThreads ? 1 : n <= 2 * kDivPruneThreads ? 2 : 4;
+  const int threads = ((n + cols - 1) / cols + kWarp - 1) / kWarp * kWarp;
+  const dim3 grid(static_cast<unsigned>(B));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (cols) {
+    case 1: divprune_select_kernel<1><<<grid, threads, 0, s>>>(dist, n, k, picks); break;
+    case 2: divprune_select_kernel<2><<<grid, threads, 0, s>>>(dist, n, k, picks); break;
+    default: divprune_select_kernel<4><<<grid, threads, 0, s>>>(dist, n, k, picks); break;
+  }
   return launch_status();
 }
 
