@@ -14,11 +14,11 @@ summation order changed; it must give the same bits on a second run). The timing
 the v1 figures beside the new ones. With PyTorch + CUDA present, an eager composite
 (torch.gather + masked mean) is timed at B=8, N=1024, D=1024 in fp16 and bf16.
 
-    python tools/gpu_kernel_check.py [--arch sm_90] [--reps 200] [--json out.json] [--sanitize]
+    python tools/gpu_kernel_check.py [--arch sm_90] [--reps 200] [--json out.json] [--sanitize [TOOLS]]
 
 --sanitize: afterwards run the correctness cases (no timings) under compute-sanitizer's
-memcheck, racecheck (shared-memory hazards, distributed shared memory included) and
-synccheck; any reported error fails the run.
+memcheck, racecheck (shared-memory hazards) and synccheck, or only the comma-separated
+TOOLS (to split a long session's runs); any reported error fails the run.
 
 Exit status: 0 all checks pass, 1 a correctness check failed, 2 build/run error.
 """
@@ -232,9 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few timing repetitions")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     parser.add_argument("--build-dir", type=Path, help="keep the harness here (default: a temporary folder)")
-    parser.add_argument("--sanitize", action="store_true",
-                        help="also run the correctness cases under compute-sanitizer (memcheck, racecheck, synccheck)")
+    parser.add_argument("--sanitize", nargs="?", const=",".join(SANITIZER_TOOLS), metavar="TOOLS",
+                        help="also run the correctness cases under compute-sanitizer: memcheck, racecheck and "
+                             "synccheck, or the comma-separated TOOLS given")
     args = parser.parse_args(argv)
+    sanitize = tuple(t.strip() for t in args.sanitize.split(",") if t.strip()) if args.sanitize else ()
+    unknown = set(sanitize) - set(SANITIZER_TOOLS)
+    if unknown:
+        parser.error(f"unknown sanitizer tool(s) {', '.join(sorted(unknown))}; choose from {', '.join(SANITIZER_TOOLS)}")
 
     build = load_build_module()
     arch = args.arch or local_arch()
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             exe = build.nvcc_build_harness(arch, out_dir)
             rc, result = run_harness(exe, args.reps, args.quick)
-            sanitizers = run_sanitizers(exe) if args.sanitize else None
+            sanitizers = run_sanitizers(exe, sanitize) if sanitize else None
         except (build.KernelBuildError, RuntimeError, json.JSONDecodeError, subprocess.TimeoutExpired) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -58,3 +58,9 @@ def test_no_sanitizer_is_a_failure_not_a_pass(tool, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(tool, "find_sanitizer", lambda: None)
     assert not any(r["ok"] for r in tool.run_sanitizers(Path("/bin/true")).values())
+
+
+def test_sanitize_takes_a_subset_and_refuses_unknown_tools(tool, capsys):
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--sanitize", "memcheck,leakcheck"])
+    assert exc.value.code == 2 and "unknown sanitizer tool(s) leakcheck" in capsys.readouterr().err
