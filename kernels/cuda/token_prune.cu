@@ -534,18 +534,21 @@ __device__ void logits_int8(const int* qc, const float* sq, const float* mu, con
     for (int pass = 0; pass < 2; ++pass) {
       const float sk = quant_scale(m);
       for (int d0 = 0; d0 < dh; d0 += bs) {
+        // dh == BLK (one rotation block, e.g. dh = 64): pass 1 reuses pass 0's rotated key.
+        if (!(BLK > 0 && pass == 1 && dh == BLK)) {
 #pragma unroll
-        for (int jj = 0; jj < (BLK > 0 ? BLK : kMaxRotationBlock); ++jj) {
-          if (BLK > 0 || jj < bs) {
-            const int d = d0 + jj;
-            const int64_t at = KT ? static_cast<int64_t>(d) * T + t : static_cast<int64_t>(t) * dh + d;
-            x[jj] = __fsub_rn(to_f32(kh[at]), muh[d]);
+          for (int jj = 0; jj < (BLK > 0 ? BLK : kMaxRotationBlock); ++jj) {
+            if (BLK > 0 || jj < bs) {
+              const int d = d0 + jj;
+              const int64_t at = KT ? static_cast<int64_t>(d) * T + t : static_cast<int64_t>(t) * dh + d;
+              x[jj] = __fsub_rn(to_f32(kh[at]), muh[d]);
+            }
           }
-        }
-        if (BLK > 0) {
-          hadamard_fixed<(BLK > 0 ? BLK : 1)>(x);
-        } else {
-          hadamard(x, bs);
+          if (BLK > 0) {
+            hadamard_fixed<(BLK > 0 ? BLK : 1)>(x);
+          } else {
+            hadamard(x, bs);
+          }
         }
 #pragma unroll
         for (int jj = 0; jj < (BLK > 0 ? BLK : kMaxRotationBlock); ++jj) {
