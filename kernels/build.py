@@ -37,6 +37,7 @@ ORT_HEADER_PROBE = "onnxruntime_cxx_api.h"
 LIBRARY_NAME = "libvlmprune_ort_ops.so"
 CUDA_LIBRARY_SOURCE = "token_prune.cu"  # the kernels; other .cu files in cuda/ are test harnesses
 CUDA_HARNESS_SOURCE = "check_main.cu"
+CUDA_BASELINE_SOURCE = "token_prune_v1.cu"  # the previous kernels (*_v1): the harness's baseline only
 
 # Exported symbols of the custom-op library: everything else stays local so the
 # inlined ONNX Runtime C++ wrappers cannot clash with another library's copy.
@@ -230,7 +231,7 @@ def nvcc_compile(arch: str, out_dir: str | os.PathLike, std: str = "c++17") -> P
 
 
 def nvcc_build_harness(arch: str, out_dir: str | os.PathLike) -> Path:
-    """Build cuda/check_main.cu (CUDA vs CPU comparison and timing) into an executable."""
+    """Build cuda/check_main.cu (CUDA vs CPU and vs the v1 kernels, and timing) into an executable."""
     sm = _sm(arch)
     nvcc = find_nvcc()
     out = Path(out_dir)
@@ -238,7 +239,7 @@ def nvcc_build_harness(arch: str, out_dir: str | os.PathLike) -> Path:
     exe = out / f"vlmp_check_{sm}"
     host = ",".join(f for f in _cpu_flags() if f.startswith(("-O", "-march", "-fopenmp")))
     cmd = [nvcc, *_nvcc_flags(sm), f"-I{CPU_DIR}", "-Xcompiler", host,
-           str(CUDA_DIR / CUDA_HARNESS_SOURCE), str(CUDA_DIR / CUDA_LIBRARY_SOURCE),
+           str(CUDA_DIR / CUDA_HARNESS_SOURCE), str(CUDA_DIR / CUDA_LIBRARY_SOURCE), str(CUDA_DIR / CUDA_BASELINE_SOURCE),
            *map(str, sorted(CPU_DIR.glob("*.cc"))), "-o", str(exe)]
     _run(cmd, f"nvcc {CUDA_HARNESS_SOURCE} for {sm}")
     return exe

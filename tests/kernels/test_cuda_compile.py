@@ -36,7 +36,9 @@ def _defined_symbols(obj) -> set[str]:
 def test_kernels_compile_and_export_the_c_abi(nvcc, arch, tmp_path):
     obj = build.nvcc_compile(arch, tmp_path)
     assert obj.is_file() and obj.stat().st_size > 0
-    assert set(CUDA_ENTRY_POINTS) <= _defined_symbols(obj)
+    symbols = _defined_symbols(obj)
+    assert set(CUDA_ENTRY_POINTS) <= symbols
+    assert not {s for s in symbols if s.endswith("_v1")}  # the v1 baseline is the harness's only
 
 
 def test_kernels_compile_as_cxx14(nvcc, tmp_path):
@@ -49,6 +51,8 @@ def test_kernels_compile_as_cxx14(nvcc, tmp_path):
 def test_gpu_check_harness_builds(nvcc, tmp_path):
     exe = build.nvcc_build_harness("sm_90", tmp_path)
     assert exe.is_file() and exe.stat().st_mode & 0o111
+    # The previous kernels are linked in as the baseline the new ones are checked and timed against.
+    assert {f"{name}_v1" for name in CUDA_ENTRY_POINTS} <= _defined_symbols(exe)
 
 
 def test_bad_architecture_is_a_one_line_error(tmp_path):

@@ -57,7 +57,9 @@ vlmp_status vlmp_gather_summary_cpu(vlmp_dtype dt, const void* hidden, int64_t B
  *   5. dot_t = sum_d qc_d * k_int,t,d in int32 (= 127 * hi.k_int + lo.k_int: two int8
  *      dot products; exact for dh <= 1024, larger dh is VLMP_ERR_UNSUPPORTED);
  *      logits_t = (scale / blk) * (((s_q / 127) * s_t) * dot_t); softmax as above.
- *   CPU and CUDA round every step alike (bit-identical scores). On the pretrained
+ *   CPU and CUDA round every step 2-5 alike (bit-identical logits for the same mean key; the
+ *   CUDA kernel sums the mean in another fixed order, and the softmax too: see
+ *   kernels/README.md, "CUDA kernels"). On the pretrained
  *   DINOv2-S/14 (tools/check_int8_scorer.py) this keeps >= 0.99 of fp32's kept indices in
  *   every block and K measured, where per-vector int8 of q and centred keys alone fell to 0.987. */
 vlmp_status vlmp_cls_scores_cpu(vlmp_dtype dt, const void* q, const void* k, int64_t B, int64_t H, int64_t T,
