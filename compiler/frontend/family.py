@@ -314,10 +314,10 @@ class Family:
         if isinstance(static, int) and static != len(image_files):
             raise InputError(f"this bundle has a static batch of {static}: pass --image {static} times "
                              f"(got {len(image_files)}), or recompile with --batch {len(image_files)}")
-        pre, batch, notes = manifest["preprocess"], [], []
+        pre, batch, notes = manifest.preprocess, [], []
         for image in image_files:
             try:
-                pixel, described, scale = load_image_file(image, pre["size"], pre["mean"], pre["std"])
+                pixel, described, scale = load_image_file(image, pre.size, pre.mean, pre.std)
             except Exception as exc:
                 raise InputError(f"{image}: cannot read the image ({exc})") from None
             notes.append(f"{image}: {described}")

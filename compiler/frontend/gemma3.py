@@ -182,7 +182,7 @@ class Gemma3Family(Family):
         super().check_method(source, config, site_spec)
 
     def readme_section(self, manifest: dict) -> str:
-        counts = manifest["model"].get("token_counts") or {}
+        counts = manifest.model.token_counts
         if not counts:
             return ""
         m, p = counts["merged_grid_thw"][1:], counts["patch_grid"]

@@ -190,7 +190,7 @@ class InternVLFamily(Family):
         super().check_method(source, config, site_spec)
 
     def readme_section(self, manifest: dict) -> str:
-        counts = manifest["model"].get("token_counts") or {}
+        counts = manifest.model.token_counts
         if not counts:
             return ""
         m = counts["merged_grid_thw"][1:]
