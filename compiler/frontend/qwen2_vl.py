@@ -44,7 +44,8 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import MERGED_TOKENS, PATCH_TOKENS, VIDEO, Family, IndicesPositions, Place
+from vlmprune.compiler.frontend.family import (MERGED_TOKENS, PATCH_TOKENS, VIDEO, ChatPrompt, Family,
+                                              IndicesPositions, Place)
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, built,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import FEATURES, Pruner, SiteTensors
@@ -438,6 +439,10 @@ class Qwen2VLFamily(Family):
     whole_vlm_llm = ("qwen2_5_vl",)  # Edge-LLM exports Qwen2.5-VL's language model from the whole checkpoint
 
     vision_span = ("vision_start_token_id", "vision_end_token_id")
+    chat = ChatPrompt("<|image_pad|>", "<|vision_start|>{mark}<|vision_end|>{prompt}",
+                      "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                      "<|vision_start|>{mark}<|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n",
+                      "Qwen2-VL's chat convention", span=("<|vision_start|>", "<|vision_end|>"))
 
     def llm_source(self, checkpoint, options: dict) -> Source:
         source = self.adapter().load(checkpoint, None, image_size=options.get("image_size"))

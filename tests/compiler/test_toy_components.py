@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tiny_models import edited_copy
 from vlmprune.compiler import api, frontend
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Family
@@ -115,19 +116,9 @@ def _photo(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def toy_tower_dir(tmp_path_factory):
-    """A tiny ViTModel built offline, its config marked as the toy family's."""
-    import torch
-    from transformers import ViTConfig, ViTModel
-
-    torch.manual_seed(11)
-    config = ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                       image_size=112, patch_size=14)
-    path = tmp_path_factory.mktemp("toy_tower")
-    ViTModel(config, add_pooling_layer=False).eval().save_pretrained(path, safe_serialization=True)
-    raw = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**raw, "toy_tower": True}))
-    return path
+def toy_tower_dir(tmp_path_factory, tiny_vit_dir):
+    """The tiny ViTModel built offline (conftest), its config marked as the toy family's."""
+    return edited_copy(tiny_vit_dir, tmp_path_factory.mktemp("toy") / "tower", lambda c: c.update(toy_tower=True))
 
 
 def test_a_toy_family_is_one_registry_line(monkeypatch, tmp_path, toy_tower_dir):
