@@ -21,8 +21,7 @@ patches Qwen2VLImageProcessor makes (tested against transformers, fp32):
   block-diagonal mask (a finite -1e4, which quantizers and fp16 toolchains can hold);
   batched throughout, no cu_seqlens and no loop over images;
 - the patch merger (ln_q, then the MLP over each 2x2 group), then for Qwen2.5-VL the
-  inverse window permutation: output [B, (S/28)^2, out_hidden] in raster order of the
-  merged grid.
+  inverse window permutation: output [B, (S/28)^2, out_hidden] in raster order of the merged grid.
 
 Only the vision weights are read (model.visual.* or visual.*, transformers 4 and 5 layouts),
 never the LLM's. There is no [CLS]: divprune and dart prune the merged tokens, and so does
