@@ -6,9 +6,8 @@ what it cannot serve in one line, computes its plain-torch reference (the parity
 reference), emits itself into the graph in standard ONNX ops, and optionally brings
 the fusion rules that replace part of that emission by a custom op where one pays.
 The insertion pass, the targets and parity read what a method declares here and what
-the insertion pass records in the IR (passes.prune.prune_record), not its name; a few
-shared places still name methods (the crop budgets in passes/methods/crops.py, the
-default `cls`).
+the insertion pass records in the IR (passes.prune.prune_record), not its name; only the
+registry's default (DEFAULT_METHOD) names one.
 
 Where the official code of a method is batch-1 only or leaves a case undefined, the
 method's docstring lists the choice made; two rules hold for all of them: ties go to
