@@ -29,7 +29,7 @@ from vlmprune.targets.ort import OrtTarget
 
 def _compile(model, out: Path, **options):
     result = api.compile(str(model), out, keep=16, cache=False, **options)
-    assert result.passed, result.manifest["parity"]
+    assert result.passed, result.manifest.parity.stages
     return result
 
 
