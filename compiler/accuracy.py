@@ -55,7 +55,6 @@ from vlmprune.compiler.quality.dataset import read_dataset
 from vlmprune.compiler.quality.store import Store
 from vlmprune.compiler.quality.sweep import Setting, run_sweep, setting_key, stored
 
-RANDOM = "random"  # the row every other one is compared with, at the same K and place
 END = "end"
 IN_BLOCKS = "blocks"  # the place of a method that merges inside the blocks (Method.in_blocks): its block range
 UNTYPED = "(no type)"  # the per-type group of a typed dataset's samples that carry none
@@ -348,9 +347,18 @@ def _baseline(name: str | None) -> bool:
     return name is not None and get_method(name).baseline
 
 
+def paired_baseline() -> str | None:
+    """The method every other row is compared with at the same K and place (Method.paired: random keep), as the
+    method registry declares it; None where no method does."""
+    from vlmprune.passes.methods import METHODS
+
+    return next((name for name, method in METHODS.items() if method.paired), None)
+
+
 def random_partners(plans: list[Plan]) -> dict[int, int]:
     """Plan index -> the index of the plain random-keep plan at its K and place (none for dense and that plan)."""
-    at = {(p.keep, p.layer): i for i, p in enumerate(plans) if p.method == RANDOM and p.label == RANDOM}
+    paired = paired_baseline()
+    at = {(p.keep, p.layer): i for i, p in enumerate(plans) if p.method == paired and p.label == paired}
     return {i: at[(p.keep, p.layer)] for i, p in enumerate(plans)
             if p.method is not None and (p.keep, p.layer) in at and at[(p.keep, p.layer)] != i}
 

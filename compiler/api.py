@@ -35,7 +35,8 @@ from vlmprune.compiler import pictures, roi
 from vlmprune.compiler.bundle import interrupted_line, tracking  # noqa: F401 (the CLI's error boundary)
 from vlmprune.compiler.contract import DEFAULT_KEEP, DEFAULT_OPSET, KEPT, PROBE_KEEP
 from vlmprune.compiler.errors import InputError, VlmpruneError, option
-from vlmprune.compiler.frontend import FAMILIES, family_of, family_option_names
+from vlmprune.compiler import frontend
+from vlmprune.compiler.frontend import family_of, family_option_names
 from vlmprune.compiler.frontend.images import require_image_files
 from vlmprune.compiler.bundle.manifest import Manifest, MethodSection
 from vlmprune.compiler.bundle.output_files import check_output_file, write_file
@@ -263,19 +264,9 @@ def _stage_line(name: str, stage: dict) -> str:
 
 def llm_parity_line(llm: dict) -> str:
     """The language model's compile-time check, in its exporter's figures (`check` repeats it as stage llm)."""
-    parity = llm.get("parity")
-    if parity:  # torch.onnx or onnxruntime-genai: logits and greedy tokens against the reference decoder
-        passed = parity["passed"]
-        figures = [f"logits max-abs {figure_text(parity['logits_max_abs'], 3, at_most=parity.get('tolerance'))}",
-                   f"greedy tokens {'identical' if parity['tokens_identical'] else 'DIFFER'} over "
-                   f"{parity['decode_steps']} decode steps"]
-    else:  # TensorRT Edge-LLM: the graph's weights, and the graph minus its plugins where that runs here
-        weights, ops = llm["checks"]["weights"], llm["checks"]["standard_ops_in_onnxruntime"]
-        passed = weights["passed"] and (not ops.get("ran") or ops["passed"])
-        figures = [f"weights max-abs {weights['max_abs']:.2e} over {weights['tensors_checked']} tensors",
-                   f"standard-ops logits max-abs {figure_text(ops['logits_max_abs'], 3, at_most=ops.get('tolerance'))}"
-                   if ops.get("ran")
-                   else "standard ops not run here"]
+    from vlmprune.compiler.llm.export import parity_figures
+
+    passed, figures = parity_figures(llm)
     return f"parity {'llm':<10} {'PASS' if passed else 'FAIL'}  {', '.join(figures)}"
 
 
@@ -893,7 +884,7 @@ def _serves(method) -> str:
     """The families that have what the method needs (Method.serves against Family.has), in the table's order."""
     parts = []
     for capability, using in method.serves():
-        names = [f.has[capability] for f in FAMILIES if capability in f.has]
+        names = [f.has[capability] for f in frontend.FAMILIES if capability in f.has]  # the table as it is now
         if names:
             parts.append(capability.phrase.format(", ".join(names)) + using)
     return "; ".join(parts)

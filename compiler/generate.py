@@ -42,8 +42,8 @@ prompt's largest position + 1 (so the pruned prompt's shorter length does not sh
 answer's positions; on every mRoPE axis alike, as Qwen's rope_deltas continue).
 
 The prompt: the checkpoint's processor chat template, else its tokenizer's, else the
-family's convention (LLaVA's `USER: <image>\\n{prompt} ASSISTANT:`; Qwen's im_start/im_end
-turns with `<|vision_start|><|image_pad|><|vision_end|>`; a family's own, Family.image_prompt). The
+family's convention (Family.chat: LLaVA's `USER: <image>\\n{prompt} ASSISTANT:` by default; Qwen's
+im_start/im_end turns with `<|vision_start|><|image_pad|><|vision_end|>`; Family.image_prompt's). The
 placeholder is expanded to the image rows fed (for Qwen: as many <|image_pad|> as rows, between
 vision_start and vision_end), with the text the family's processor writes around them
 (Family.image_prompt: SmolVLM's fake-token and global-image markers, Gemma 3's boi and eoi).
@@ -70,11 +70,6 @@ from vlmprune.compiler.llm import handoff
 from vlmprune.compiler.llm.lm_source import has_tokenizer
 from vlmprune.compiler.prompt_rows import bundle_feed
 
-LLAVA_PROMPT = "USER: <image>\n{prompt} ASSISTANT:"
-QWEN_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-               "<|vision_start|><|image_pad|><|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n")
-IMAGE_MARK = "<image>"
-QWEN_MARK, QWEN_START, QWEN_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 _PROCESSOR_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
 
 
@@ -87,7 +82,7 @@ class Vlm:
     chat_template: object | None  # a processor or tokenizer with a chat template, or None
     source: object  # compiler.frontend.Source of the same weights (hash, preprocessing, dense pipeline)
     spec: str
-    family: str = "llava"  # the family's id (frontend FAMILIES); `rules` is its object
+    family: str  # the family's id (frontend FAMILIES); `rules` is its object
 
     @property
     def rules(self):
@@ -153,7 +148,8 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
         if image_size is not None or grid is not None:
             raise InputError("--image-size and --grid do not apply to `demo` (a LLaVA-1.5 model)")
         model = demo_model()
-        return Vlm(model, None, None, LlavaAdapter.from_model("demo", model), "demo")
+        source = LlavaAdapter.from_model("demo", model)
+        return Vlm(model, None, None, source, "demo", source.family)
     path = Path(spec)
     if not path.is_dir():
         raise InputError(f"{spec}: not a checkpoint directory (nor `demo`); generate and eval run {supported()}")
@@ -241,11 +237,11 @@ def require_prompt(prompt: str) -> str:
 def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     """The prompt's token ids before and after the image placeholder (see the module docstring)."""
     require_prompt(prompt)
-    qwen = vlm.rules.vision_span is not None  # Qwen's convention: the image between vision_start/vision_end
+    chat = vlm.rules.chat  # the family's mark, text-only turn and convention
     wrap = vlm.rules.image_prompt(vlm.tokenizer)  # the text its processor writes around the image rows, if any
     image_token = image_token_id(vlm)
     own_mark = wrap is not None and wrap.mark is not None  # the template writes a mark other than the image token
-    default_mark = wrap.mark if own_mark else QWEN_MARK if qwen else IMAGE_MARK
+    default_mark = wrap.mark if own_mark else chat.mark
     mark = default_mark
     if vlm.tokenizer is not None and not own_mark:
         try:
@@ -254,7 +250,7 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
             mark = default_mark
     if vlm.chat_template is not None:
         text, how = None, "the checkpoint's chat template"
-        wrapped = f"{QWEN_START}{mark}{QWEN_END}{prompt}" if qwen else f"{mark}\n{prompt}"
+        wrapped = chat.content.format(mark=mark, prompt=prompt)
         for content in ([{"type": "image"}, {"type": "text", "text": prompt}], wrapped):
             try:  # a processor's template takes typed content; a tokenizer's often only text
                 text = vlm.chat_template.apply_chat_template([{"role": "user", "content": content}],
@@ -268,10 +264,8 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     elif wrap is not None and wrap.convention is not None:
         text = wrap.convention.format(mark=mark, prompt=prompt)
         how = f"{vlm.rules.has[PATCH_TOKENS]}'s chat convention"
-    elif qwen:
-        text, how = QWEN_PROMPT.format(prompt=prompt).replace(QWEN_MARK, mark), "Qwen2-VL's chat convention"
     else:
-        text, how = LLAVA_PROMPT.format(prompt=prompt), "LLaVA-1.5's USER/ASSISTANT convention"
+        text, how = chat.convention.format(mark=mark, prompt=prompt), chat.how
     if text.count(mark) != 1:
         raise InputError(f"the prompt template gives {text.count(mark)} image placeholders ({mark}); one is needed")
     if vlm.tokenizer is None:
@@ -286,9 +280,9 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
             specials = {m: getattr(config, key) for m, key in wrap.specials}
             return Prompt(_bytes(head + wrap.before, specials), _bytes(wrap.after + tail, specials), text,
                           how + "; no tokenizer: UTF-8 bytes as token ids")
-        if qwen:
+        if chat.span:  # the markers around the image (Qwen's vision_start/end) as their own ids
             config = vlm.model.config
-            specials = {mark: getattr(config, key) for mark, key in zip((QWEN_START, QWEN_END), vlm.rules.vision_span)}
+            specials = {mark: getattr(config, key) for mark, key in zip(chat.span, vlm.rules.vision_span)}
         before, after = (_bytes(part, specials) for part in text.split(mark))
         return Prompt(before, after, text, how + "; no tokenizer: UTF-8 bytes as token ids")
     # A template that writes the BOS token itself must not get a second one from the tokenizer.

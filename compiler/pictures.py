@@ -392,7 +392,7 @@ CHOSEN_RGB = (26, 127, 55)  # --keep auto: the K chosen
 
 
 def latency_curve(section: dict, size: tuple[int, int] = (600, 360)):
-    """The K -> latency curve `--keep auto` measured (manifest["keep_auto"]), as a PIL image: every timed K as a
+    """The K -> latency curve `--keep auto` measured (the manifest's keep_auto), as a PIL image: every timed K as a
     point (K on a log2 axis, as the ladder spaces them), the budget as a dashed line, the chosen K ringed."""
     from PIL import Image, ImageDraw, ImageFont
 

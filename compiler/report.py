@@ -291,7 +291,7 @@ def html_report(report: ParityReport, manifest: dict, bundle_name: str, images: 
 
 
 def _keep_auto_section(manifest: dict) -> list[str]:
-    """--keep auto: the K -> latency curve K was chosen on (manifest["keep_auto"]), as a picture and its figures."""
+    """--keep auto: the K -> latency curve K was chosen on (the manifest's keep_auto), as a picture and its figures."""
     section = manifest.keep_auto
     if not section:
         return []

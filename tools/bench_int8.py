@@ -26,7 +26,6 @@ Measured: the table in targets/ort_quant.py's docstring (shared 2-core machine: 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_load import CpuMeter, busy_line, interleaved  # noqa: E402
 
+from vlmprune.compiler.bundle.manifest import Manifest  # noqa: E402
 from vlmprune.targets.ort_quant import DEFAULT, QuantConfig, quantize  # noqa: E402
 
 DINOV2 = Path("~/.cache/vlmprune/models/dinov2-s14-imgfocus").expanduser()
@@ -182,10 +182,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-int8-") as scratch:
         bundle = fp32_bundle(args.model, args.keep, layer, args.bundle or Path(scratch) / "fp32")
-        manifest = json.loads((bundle / "manifest.json").read_text())
-        pre = manifest["preprocess"]
-        calib, calib_names = calibration_inputs(8, pre["size"], pre["mean"], pre["std"], images)
-        test, test_names = test_images(pre["size"], pre["mean"], pre["std"])
+        pre = Manifest.load(bundle).preprocess
+        calib, calib_names = calibration_inputs(8, pre.size, pre.mean, pre.std, images)
+        test, test_names = test_images(pre.size, pre.mean, pre.std)
         fusion = fusion_of(bundle)
         libs = tuple(bundle.glob("libvlmprune_ort.so"))
         sessions = {"fp32": ort_session(bundle / "model.onnx", libs)}

@@ -85,6 +85,13 @@ class ModelSection(Section):
     image_size = property(lambda self: self._data.get("image_size"))
     patch_size = property(lambda self: self._data.get("patch_size"))
     positions = property(lambda self: self._data.get("positions"))
+    # The families' own fields, for the readers that need one (details has them all).
+    token_counts = property(lambda self: self._data.get("token_counts") or {})  # a merging tower's grids and counts
+    video_frames = property(lambda self: self.token_counts.get("video_frames"))  # compile --video-frames F
+    deepstack = property(lambda self: self._data.get("deepstack"))  # Qwen3-VL's DeepStack planes
+    grid = property(lambda self: self._data.get("grid"))  # anyres: the crops grid ("RxC"), its crop count
+    crops = property(lambda self: self._data.get("crops"))
+    resolution = property(lambda self: self._data.get("resolution"))  # anyres: [height, width] of the grid
 
     @property
     def details(self) -> dict:

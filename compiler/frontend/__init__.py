@@ -34,7 +34,14 @@ from vlmprune.compiler.frontend.vit import VitFamily
 FAMILIES: tuple[Family, ...] = (LlavaDinov2Family(), LlavaFamily(), LlavaNextFamily(), ClipFamily(), VitFamily(),
                                 Dinov2Family(), Qwen2VLFamily(), Qwen3VLFamily(), InternVLFamily(),
                                 SmolVLMFamily(), Gemma3Family(), Lfm2VlFamily(), OnnxFamily())
-ADAPTERS: tuple[type[ModelAdapter], ...] = tuple(f.adapter for f in FAMILIES if f.adapter is not None)
+
+
+def _adapters() -> tuple[type[ModelAdapter], ...]:
+    """The families' adapters in table order, read from FAMILIES when asked: the table is the one line a family adds."""
+    return tuple(f.adapter for f in FAMILIES if f.adapter is not None)
+
+
+ADAPTERS: tuple[type[ModelAdapter], ...] = _adapters()
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "DenseRequest", "Family", "Source", "adapter_for", "check_family_options",
            "export_onnx", "family_for", "family_of", "family_option_names", "load_fixed", "load_source"]
@@ -52,10 +59,10 @@ def adapter_for(checkpoint: Checkpoint, where: str) -> ModelAdapter:
     model_type = checkpoint.model_type
     if model_type in REFUSED:
         raise InputError(f"{where}: model_type {model_type!r} is not supported: {REFUSED[model_type]}")
-    for adapter in ADAPTERS:
+    for adapter in _adapters():
         if adapter.claims(checkpoint):
             return adapter()
-    known = ", ".join(dict.fromkeys(t for a in ADAPTERS for t in a.model_types))
+    known = ", ".join(dict.fromkeys(t for a in _adapters() for t in a.model_types))
     raise InputError(f"{where}: model_type {model_type!r} is not supported ({known})")
 
 
@@ -85,7 +92,7 @@ def load_source(spec: str, feature_layer: int | None = None, image_size: int | N
 
 def _check_image_size_applies(spec: str) -> None:
     """--image-size only for Hugging Face directories of a family that takes it (dynamic_resolution)."""
-    takes = [a for a in ADAPTERS if getattr(a, "dynamic_resolution", False)]
+    takes = [a for a in _adapters() if getattr(a, "dynamic_resolution", False)]
     families = ", ".join(t for a in takes for t in a.model_types)
     path = Path(spec)
     if spec not in PRESETS and not path.exists():
@@ -115,7 +122,7 @@ def family_for(source: Source) -> Family:
 
 def family_of(manifest: dict) -> Family:
     """The family object of a compiled bundle, by the id its manifest records (model.family)."""
-    return family_by_id(manifest["model"]["family"])
+    return family_by_id(manifest.model.family)
 
 
 def family_option_names() -> dict[str, tuple[type, list[str]]]:

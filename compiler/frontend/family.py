@@ -13,9 +13,9 @@ VLM per model_type, whose language model `generate` runs; empty for a bare tower
 A family says what it has (`has`: capabilities, below), a method what it needs; the CLI
 joins the two for `vlmprune methods`. Adding a family is one module (its adapter and its
 family object), its tests, and one line in frontend/__init__.py's FAMILIES, for `compile`,
-`check` and `run`. generate and eval still name families in places (the LLaVA and Qwen
-prompt conventions in generate.py, their `--image-size` and `--grid`, Edge-LLM's
-VLM_FAMILIES): a family for them may need a line there too.
+`check` and `run`; generate and eval ask it too (its prompt: `chat` and image_prompt; its
+language model: language_model, vision_span and the llm_*/hf_* hooks), and their
+`--image-size` and `--grid` flags pass the family options of those names.
 """
 
 from __future__ import annotations
@@ -83,6 +83,26 @@ class ImagePrompt:
     convention: str | None = None  # the chat convention where the checkpoint has no template ({mark} and
     # {prompt}; None: LLaVA-1.5's)
     specials: tuple[tuple[str, str], ...] = ()  # (marker text, config key of its id), for prompts as UTF-8 bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """How a family's checkpoints write one image and a prompt, where the checkpoint's chat template does not say it
+    all: generate's build_prompt reads it (Family.chat), so that it names no family. Formats take {mark} (the image
+    placeholder as the prompt holds it) and {prompt}."""
+
+    mark: str  # the image placeholder its processor writes (a tokenizer's own name for the image token wins)
+    content: str  # the user turn given as text to a chat template that takes text only
+    convention: str  # the whole prompt of a checkpoint with no chat template
+    how: str  # what generate says it used
+    # The markers around the image (with vision_span's config keys: their token ids), kept as their own ids in a
+    # prompt given as UTF-8 bytes; () where there are none.
+    span: tuple[str, ...] = ()
+
+
+# LLaVA-1.5's: every family's unless it declares its own (Family.chat).
+USER_ASSISTANT = ChatPrompt("<image>", "{mark}\n{prompt}", "USER: {mark}\n{prompt} ASSISTANT:",
+                            "LLaVA-1.5's USER/ASSISTANT convention")
 
 
 Place = Callable[[int], tuple[np.ndarray, int]]  # the placeholder's offset -> (row positions, text start)
@@ -177,6 +197,7 @@ class Family:
     # extracts (compiler.llm.lm_source); the exporter reads them here, so a new family declares its own.
     whole_vlm_llm: ClassVar[tuple[str, ...]] = ()
     vision_span: ClassVar[tuple[str, str] | None] = None  # config keys of the ids around its image (Qwen's)
+    chat: ClassVar[ChatPrompt] = USER_ASSISTANT  # how generate writes an image and a prompt (ChatPrompt)
     torch_reference: ClassVar[bool] = True  # parity's reference is its torch pipeline (False: the graph itself)
     # Its bundles name the checkpoint they came from (content hash, family), so generate and eval can hold a
     # checkpoint to it; False: a graph exported elsewhere (.onnx), which any checkpoint with that tower may run.
@@ -337,10 +358,10 @@ class Family:
         if isinstance(static, int) and static != len(image_files):
             raise InputError(f"this bundle has a static batch of {static}: pass --image {static} times "
                              f"(got {len(image_files)}), or recompile with --batch {len(image_files)}")
-        pre, batch, notes = manifest["preprocess"], [], []
+        pre, batch, notes = manifest.preprocess, [], []
         for image in image_files:
             try:
-                pixel, described, scale = load_image_file(image, pre["size"], pre["mean"], pre["std"])
+                pixel, described, scale = load_image_file(image, pre.size, pre.mean, pre.std)
             except Exception as exc:
                 raise InputError(f"{image}: cannot read the image ({exc})") from None
             notes.append(f"{image}: {described}")

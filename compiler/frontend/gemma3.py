@@ -154,7 +154,7 @@ class Gemma3Family(MergedTokensFamily):
         return {"token_type_ids": types, "attention_mask": torch.ones(1, length, dtype=torch.long)}
 
     def readme_section(self, manifest: dict) -> str:
-        counts = manifest["model"].get("token_counts") or {}
+        counts = manifest.model.token_counts
         if not counts:
             return ""
         m, p = counts["merged_grid_thw"][1:], counts["patch_grid"]

@@ -175,7 +175,7 @@ class InternVLFamily(MergedTokensFamily):
                       "over [CLS] + single patches, not over the merged tokens")
 
     def readme_section(self, manifest: dict) -> str:
-        counts = manifest["model"].get("token_counts") or {}
+        counts = manifest.model.token_counts
         if not counts:
             return ""
         m = counts["merged_grid_thw"][1:]

@@ -208,7 +208,7 @@ class Lfm2VlFamily(MergedTokensFamily):
                            getattr(tokenizer, "image_end_token", None) or IMAGE_END)
 
     def readme_section(self, manifest: dict) -> str:
-        counts = manifest["model"].get("token_counts") or {}
+        counts = manifest.model.token_counts
         if not counts:
             return ""
         m, p, s = counts["merged_grid_thw"][1:], counts["patch_grid"], counts["spatial_merge"]

@@ -525,11 +525,11 @@ class LlavaNextFamily(ClipInput, Family):
             return super().load_images(manifest, image_files, static)
         if len(image_files) != 1:
             raise InputError(f"this bundle takes one image per call (its {static} crops): pass --image once")
-        model, pre = manifest["model"], manifest["preprocess"]
-        rows, cols = parse_grid(model["grid"])
-        crops = {"grid": [rows, cols], "count": model["crops"], "resolution": model["resolution"]}
+        model, pre = manifest.model, manifest.preprocess
+        rows, cols = parse_grid(model.grid)
+        crops = {"grid": [rows, cols], "count": model.crops, "resolution": model.resolution}
         try:
-            pixel, described = load_image_crops(image_files[0], crops, pre["size"], pre["mean"], pre["std"])
+            pixel, described = load_image_crops(image_files[0], crops, pre.size, pre.mean, pre.std)
         except Exception as exc:
             raise InputError(f"{image_files[0]}: cannot read the image ({exc})") from None
         return pixel, [f"{image_files[0]}: {described}"]
@@ -540,13 +540,13 @@ class LlavaNextFamily(ClipInput, Family):
         Why in the README: which grid rows still hold tokens is known only at run time, so the
         pruned graph outputs the kept tokens and their (crop, row, col), and the runtime packs them.
         """
-        model = manifest["model"]
-        if not model.get("grid") or not model.get("crops"):
+        model = manifest.model
+        if not model.grid or not model.crops:
             return ""
-        rows, cols = parse_grid(model["grid"])
-        count, size, patch = model["crops"], model["image_size"], model["patch_size"]
+        rows, cols = parse_grid(model.grid)
+        count, size, patch = model.crops, model.image_size, model.patch_size
         s = size // patch
-        height, width = model.get("resolution", [rows * size, cols * size])
+        height, width = model.resolution or [rows * size, cols * size]
         dense = packed_length((rows, cols), s)
         head = f"""
 ## Assembling the LLM input (LLaVA-NeXT anyres crops)

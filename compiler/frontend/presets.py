@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmprune.compiler.frontend.clip import build_tower, tower_parts
+from vlmprune.compiler.frontend.clip import ClipTowerAdapter, build_tower, tower_parts
 from vlmprune.compiler.frontend.llava import LlavaAdapter
 from vlmprune.compiler.frontend.source import (Source, feature_blocks, no_init_weights, quiet_transformers,
                                                seeded_init, sha256_state)
@@ -108,7 +108,7 @@ def _clip_l_336() -> Source:
         projector = Projector(1024, 4096, 4096).eval()
     seeded_init(nn.ModuleList([tower, projector]), seed=0)
     pipeline = VisionPipeline(tower_parts(tower), projector, feature_blocks(-2, 24), True, True, 14).eval()
-    return Source("clip-l-336", "preset", "llava", sha256_state(pipeline), 336, 14, True, pipeline=pipeline,
+    return Source("clip-l-336", "preset", LlavaAdapter.family, sha256_state(pipeline), 336, 14, True, pipeline=pipeline,
                   details={"feature_layer": -2, "select_strategy": "default", "vision_layers": 24})
 
 
@@ -123,8 +123,8 @@ def _siglip_so400m_384() -> Source:
         tower = build_tower(vision)
     seeded_init(tower, seed=0)
     pipeline = VisionPipeline(tower_parts(tower, final_norm=True), None, 27, True, False, 14, final_norm=True).eval()
-    return Source("siglip-so400m-384", "preset", "clip", sha256_state(pipeline), 384, 14, False, (0.5, 0.5, 0.5),
-                  (0.5, 0.5, 0.5), pipeline=pipeline,
+    return Source("siglip-so400m-384", "preset", ClipTowerAdapter.family, sha256_state(pipeline), 384, 14, False,
+                  (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), pipeline=pipeline,
                   details={"feature_layer": -1, "select_strategy": "default", "vision_layers": 27})
 
 

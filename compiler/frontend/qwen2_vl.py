@@ -21,8 +21,7 @@ patches Qwen2VLImageProcessor makes (tested against transformers, fp32):
   block-diagonal mask (a finite -1e4, which quantizers and fp16 toolchains can hold);
   batched throughout, no cu_seqlens and no loop over images;
 - the patch merger (ln_q, then the MLP over each 2x2 group), then for Qwen2.5-VL the
-  inverse window permutation: output [B, (S/28)^2, out_hidden] in raster order of the
-  merged grid.
+  inverse window permutation: output [B, (S/28)^2, out_hidden] in raster order of the merged grid.
 
 Only the vision weights are read (model.visual.* or visual.*, transformers 4 and 5 layouts),
 never the LLM's. There is no [CLS]: divprune and dart prune the merged tokens, and so does
@@ -44,7 +43,8 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import MERGED_TOKENS, PATCH_TOKENS, VIDEO, Family, IndicesPositions, Place
+from vlmprune.compiler.frontend.family import (MERGED_TOKENS, PATCH_TOKENS, VIDEO, ChatPrompt, Family,
+                                              IndicesPositions, Place)
 from vlmprune.compiler.frontend.source import (CLIP_MEAN, CLIP_STD, Source, load_state, built,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.video import ClipInput
@@ -439,6 +439,10 @@ class Qwen2VLFamily(ClipInput, Family):
     whole_vlm_llm = ("qwen2_5_vl",)  # Edge-LLM exports Qwen2.5-VL's language model from the whole checkpoint
 
     vision_span = ("vision_start_token_id", "vision_end_token_id")
+    chat = ChatPrompt("<|image_pad|>", "<|vision_start|>{mark}<|vision_end|>{prompt}",
+                      "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                      "<|vision_start|>{mark}<|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n",
+                      "Qwen2-VL's chat convention", span=("<|vision_start|>", "<|vision_end|>"))
 
     def llm_source(self, checkpoint, options: dict) -> Source:
         source = self.adapter().load(checkpoint, None, image_size=options.get("image_size"))

@@ -224,7 +224,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
                 "deepstack": {"embeds_columns": deepstack["columns"][0], "levels": levels, "rule": deepstack["rule"]}}
 
     def readme_section(self, manifest: dict) -> str:
-        deepstack = manifest["model"].get("deepstack")
+        deepstack = manifest.model.deepstack
         if not deepstack:
             return ""
         return ("\n## Qwen3-VL DeepStack planes\n\n"

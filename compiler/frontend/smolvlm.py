@@ -152,7 +152,7 @@ class SmolVLMFamily(MergedTokensFamily):
         return ImagePrompt(fake + (getattr(tokenizer, "global_image_token", None) or GLOBAL), fake)
 
     def readme_section(self, manifest: dict) -> str:
-        counts = manifest["model"].get("token_counts") or {}
+        counts = manifest.model.token_counts
         if not counts:
             return ""
         m, s = counts["merged_grid_thw"][1:], counts["spatial_merge"]

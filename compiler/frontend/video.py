@@ -148,18 +148,18 @@ class ClipInput:
                         "seed": 0, "size": source.image_size, "mean": list(source.mean), "std": list(source.std)}
 
     def takes_video(self, manifest: dict) -> bool:
-        return bool((manifest["model"].get("token_counts") or {}).get("video_frames"))
+        return bool(manifest.model.video_frames)
 
     def load_video(self, manifest: dict, path):
         if not self.takes_video(manifest):
             return super().load_video(manifest, path)
-        pre, frames = manifest["preprocess"], manifest["model"]["token_counts"]["video_frames"]
-        pixel, described = load_clip(path, frames, pre["size"], pre["mean"], pre["std"])
+        pre, frames = manifest.preprocess, manifest.model.video_frames
+        pixel, described = load_clip(path, frames, pre.size, pre.mean, pre.std)
         return pixel, [described]
 
     def load_images(self, manifest: dict, image_files, static):
         if self.takes_video(manifest):
-            frames = manifest["model"]["token_counts"]["video_frames"]
+            frames = manifest.model.video_frames
             raise InputError(f"this bundle takes one clip of {frames} frames: pass --video PATH (a folder of frames "
                              "or a video file)")
         return super().load_images(manifest, image_files, static)

@@ -715,6 +715,16 @@ class EdgeLlmExporter(LlmExporter):
         except edgellm_env.EdgeLlmError as exc:
             raise ToolchainError(str(exc)) from None
 
+    def parity_figures(self, llm: dict) -> tuple[bool, list[str]]:
+        """The graph's weights, and the graph minus its plugins where that runs here."""
+        from vlmprune.compiler.parity import figure_text
+
+        weights, ops = llm["checks"]["weights"], llm["checks"]["standard_ops_in_onnxruntime"]
+        passed = weights["passed"] and (not ops.get("ran") or ops["passed"])
+        logits = figure_text(ops["logits_max_abs"], 3, at_most=ops.get("tolerance")) if ops.get("ran") else None
+        return passed, [f"weights max-abs {weights['max_abs']:.2e} over {weights['tensors_checked']} tensors",
+                        "standard ops not run here" if logits is None else f"standard-ops logits max-abs {logits}"]
+
     def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
         """The checks that run without TensorRT (fp16 weights; the plugins need the device)."""
         got = recheck(model_spec, bundle_dir, manifest)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.llm.edgellm import EdgeLlmExporter
-from vlmprune.compiler.llm.exporter import LlmExporter
+from vlmprune.compiler.llm.exporter import LlmExporter, parity_record_figures
 from vlmprune.compiler.llm.fastv import FastVSpec
 from vlmprune.compiler.llm.genai import GenaiExporter
 from vlmprune.compiler.llm.torch_exporter import TorchExporter
@@ -53,11 +53,24 @@ def exporter_for(options) -> LlmExporter:
 
 def exporter_of(manifest: dict) -> LlmExporter:
     """The exporter that wrote a bundle's llm/, by the id its manifest records."""
-    llm_id = manifest.llm_graphs.get("exporter_id")
+    return _recorded(manifest.llm_graphs)
+
+
+def _recorded(llm: dict) -> LlmExporter:
+    """The exporter an llm_graphs record names (exporter_id); one line for an id no exporter has."""
+    llm_id = llm.get("exporter_id")
     if llm_id not in EXPORTERS:
         raise InputError(f"the bundle's llm_graphs names no known LLM exporter (exporter_id {llm_id!r}; known: "
                          f"{', '.join(EXPORTERS)}): compile it again with this vlmprune")
     return EXPORTERS[llm_id]()
+
+
+def parity_figures(llm: dict) -> tuple[bool, list[str]]:
+    """(passed, figures) of the compile summary's `parity llm` line, as the exporter that wrote llm_graphs says them
+    (a record without an exporter id: the default's parity record)."""
+    if llm.get("exporter_id") is None:
+        return parity_record_figures(llm)
+    return _recorded(llm).parity_figures(llm)
 
 
 def exporter_lines() -> list[str]:

@@ -88,6 +88,12 @@ class LlmExporter(abc.ABC):
         (None, why they cannot run here): those commands then answer with transformers and say why."""
         return None, f"{self.name}'s graphs are not run by generate on this machine"
 
+    def parity_figures(self, llm: dict) -> tuple[bool, list[str]]:
+        """(passed, figures) of the compile summary's `parity llm` line, from the manifest's llm_graphs this exporter
+        wrote. This default reads a `parity` record of logits and greedy tokens against the reference decoder (the
+        torch.onnx and onnxruntime-genai exporters')."""
+        return parity_record_figures(llm)
+
     @abc.abstractmethod
     def readme_section(self, manifest: dict) -> str:
         """The bundle README's language-model section for a bundle this exporter wrote."""
@@ -111,6 +117,17 @@ class LlmGraphRunner(abc.ABC):
     @abc.abstractmethod
     def step(self, embeds, positions, state) -> tuple[object, object]:
         """(logits, state) of one more token on top of state."""
+
+
+def parity_record_figures(llm: dict) -> tuple[bool, list[str]]:
+    """LlmExporter.parity_figures' default: logits max-abs and greedy tokens of llm_graphs' `parity` record."""
+    from vlmprune.compiler.parity import figure_text
+
+    parity = llm["parity"]
+    return parity["passed"], [
+        f"logits max-abs {figure_text(parity['logits_max_abs'], 3, at_most=parity.get('tolerance'))}",
+        f"greedy tokens {'identical' if parity['tokens_identical'] else 'DIFFER'} over {parity['decode_steps']} decode "
+        "steps"]
 
 
 def tokens_note(got: dict) -> dict:

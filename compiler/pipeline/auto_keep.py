@@ -19,7 +19,7 @@ median of 5 is unmoved by two outliers (the first candidate is also run once unt
 the search: a process's first session sets up ONNX Runtime itself), the spikes another process's burst puts into a
 shared machine's timings, at 7 calls a candidate (ViT-L at 336 px: ~1 s a call on 2 cores,
 ~20 candidates, a few minutes in all; a tiny tower: milliseconds). What other processes took
-of the CPUs meanwhile is recorded with the curve (manifest["keep_auto"]["load"]).
+of the CPUs meanwhile is recorded with the curve (the manifest's keep_auto.load).
 
 Selection (select): on the curve's running maximum over K (its monotone envelope), the
 largest measured K whose envelope fits. A dip of a larger K below a smaller one is noise,
@@ -30,7 +30,7 @@ lower one.
 A flat curve. Where K hardly changes the work (pruning at the tower's end: only the projector runs
 on fewer tokens; demo: K=1 36.5 ms, K=575 40.7 ms), the latencies of every K timed lie within the
 timings' own noise, and the K that "fits" a budget inside that band is picked by noise. flat()
-says so (a warning line, and manifest["keep_auto"]["flat"]) where the rise of the envelope from
+says so (a warning line, and the manifest's keep_auto.flat) where the rise of the envelope from
 the smallest to the largest K timed is at most FLAT_SPREADS interquartile ranges of the widest
 candidate's runs: K is then to be chosen for accuracy, not latency.
 

@@ -2,9 +2,9 @@
 
 The table below is the whole list: methods are named explicitly, never discovered.
 Adding a method is one module (a Method subclass), its tests, one line here, and its
-README entries (tests/test_suite.py holds the README to this table); a method for
-LLaVA-NeXT's crops is also named in passes/methods/crops.py, and a baseline in
-compiler/accuracy.py, until those read declarations instead.
+README entries (tests/test_suite.py holds the README to this table). What the shared
+code needs of a method it reads from the method's declarations (its crop form for
+LLaVA-NeXT's crops, whether it is a baseline or the paired one of accuracy tables).
 """
 
 from __future__ import annotations

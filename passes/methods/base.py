@@ -6,9 +6,8 @@ what it cannot serve in one line, computes its plain-torch reference (the parity
 reference), emits itself into the graph in standard ONNX ops, and optionally brings
 the fusion rules that replace part of that emission by a custom op where one pays.
 The insertion pass, the targets and parity read what a method declares here and what
-the insertion pass records in the IR (passes.prune.prune_record), not its name; a few
-shared places still name methods (the crop budgets in passes/methods/crops.py, the
-accuracy baselines in compiler/accuracy.py, the default `cls`).
+the insertion pass records in the IR (passes.prune.prune_record), not its name; only the
+registry's default (DEFAULT_METHOD) names one.
 
 Where the official code of a method is batch-1 only or leaves a case undefined, the
 method's docstring lists the choice made; two rules hold for all of them: ties go to
@@ -159,6 +158,9 @@ class Method(abc.ABC):
     # Bump when what the method keeps or outputs changes: `eval --dataset` keys stored answers by it.
     version: ClassVar[int] = 1
     baseline: ClassVar[bool] = False  # a reference point for accuracy tables (random keep, a grid), not to deploy
+    # The baseline every other row of an accuracy table is paired with at the same K and place (the report's
+    # vs_random): random keep's, which declares it; one method at most.
+    paired: ClassVar[bool] = False
     selection: ClassVar[str] = BY_SCORE  # BY_SCORE or GREEDY: how parity compares the kept indices
     options: ClassVar[dict[str, tuple[type, str]]] = {}  # option name -> (type, help); the CLI flag is --NAME
     # Graph forms of the selection, in the method's order of preference ([0] is the default); each says what a

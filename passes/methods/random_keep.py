@@ -26,6 +26,7 @@ def random_indices(n: int, keep: int, seed: int) -> np.ndarray:
 
 class RandomKeepMethod(FixedMethod):
     name = "random"
+    paired = True  # accuracy tables pair every row with random keep at its K and place (vs_random)
     summary = "baseline, not for deployment: K patches drawn uniformly at a fixed seed, the same for every image"
     options = {"seed": (int, "random: seed of the draw (default 0)"), "site": (str, SITE_HELP)}
 

@@ -65,6 +65,21 @@ def test_a_method_that_merges_in_the_blocks_is_one_row_at_its_block_range():
     assert {(p.layer, p.where) for p in plans if p.method == "random"} == {(2, "after block 2"), ("end", "tower end")}
 
 
+def test_rows_are_paired_with_the_baseline_the_methods_declare(monkeypatch):
+    """The row every other one is compared with is the method that declares itself paired (Method.paired), asked of
+    the registry: random keep's, one method at most; with no such method nothing is paired."""
+    from vlmprune.compiler.accuracy import paired_baseline, random_partners
+    from vlmprune.passes.methods import METHODS
+
+    assert [name for name, method in METHODS.items() if method.paired] == ["random"] == [paired_baseline()]
+    plans = plans_for(["cls", "random:seed=3"], [8], [2])
+    labels = [p.label for p in plans]
+    assert {labels[i]: labels[j] for i, j in random_partners(plans).items()} == {
+        "cls": "random", "random seed=3": "random", "grid": "random"}
+    monkeypatch.setattr(METHODS["random"], "paired", False)
+    assert paired_baseline() is None and random_partners(plans) == {}
+
+
 def test_a_method_with_options_is_its_own_row_beside_the_plain_one():
     """NAME:OPTION=VALUE: the same method with and without an option, two plans with their own labels."""
     plans = [(p.label, p.method, p.method_options)

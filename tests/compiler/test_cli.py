@@ -294,6 +294,11 @@ def test_a_failing_llm_figure_reads_as_failing():
               "decode_steps": 3}
     assert _llm_parity_line({"parity": parity}) == ("parity llm        FAIL  logits max-abs 0.000100004, greedy "
                                                     "tokens identical over 3 decode steps")
+    # Another exporter's record, in that exporter's own figures (LlmExporter.parity_figures): Edge-LLM's checks.
+    edge = {"exporter_id": "edgellm", "checks": {"weights": {"passed": True, "max_abs": 0.0, "tensors_checked": 19},
+                                                 "standard_ops_in_onnxruntime": {"ran": False}}}
+    assert _llm_parity_line(edge) == ("parity llm        PASS  weights max-abs 0.00e+00 over 19 tensors, standard ops "
+                                      "not run here")
 
 
 def test_missing_output_parents_are_made_and_removed_if_the_command_fails(tiny_clip_dir, tiny_siglip_dir, tmp_path,

@@ -92,7 +92,7 @@ def test_a_loaded_source_and_a_manifest_find_their_family(demo_bundle, tiny_clip
     assert family_of(demo_bundle.manifest).id == "llava"
     assert family_of(demo_bundle.manifest).cannot_draw(demo_bundle.manifest) is None
     with pytest.raises(InputError, match="unknown model family 'nope'"):
-        family_of({"model": {"family": "nope"}})
+        family_of(Manifest({"model": {"family": "nope"}}))
 
 
 def test_the_anyres_readme_is_the_familys_section():

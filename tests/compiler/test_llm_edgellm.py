@@ -78,7 +78,7 @@ def llava_export(edgellm_ready, tmp_path_factory):
     llava = tiny_llava()
     llava.save_pretrained(checkpoint)
     folder = tmp_path_factory.mktemp("bundle")
-    info = export_edgellm(str(checkpoint), {"llm": {"image_tokens": 4, "hidden_size": 64}}, None, folder)
+    info = export_edgellm(str(checkpoint), Manifest({"llm": {"image_tokens": 4, "hidden_size": 64}}), None, folder)
     return llava, folder, info
 
 
@@ -155,17 +155,17 @@ def test_other_families_are_refused_in_one_line(tmp_path):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "config.json").write_text(json.dumps({"model_type": "clip"}))
     with pytest.raises(InputError, match="takes `demo`, a LLaVA checkpoint") as exc:
-        export_edgellm(str(tmp_path / "ck"), {}, None, tmp_path / "bundle")
+        export_edgellm(str(tmp_path / "ck"), Manifest(), None, tmp_path / "bundle")
     assert "\n" not in str(exc.value)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(InputError, match="'gpt2' is not supported"):
-        export_edgellm(gpt2, {}, None, tmp_path / "bundle")
+        export_edgellm(gpt2, Manifest(), None, tmp_path / "bundle")
 
     class FastV:
         fastv_layer = 1
 
     with pytest.raises(InputError, match="FastV is not part of TensorRT Edge-LLM"):
-        export_edgellm("demo", {}, FastV(), tmp_path / "bundle")
+        export_edgellm("demo", Manifest(), FastV(), tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()  # refused before any work
 
 
@@ -184,7 +184,7 @@ def test_qwen2_5_vl_language_model_goes_through_skip_visual(edgellm_ready, tmp_p
         bos_token_id=None, eos_token_id=None)
     model = _perturb_norms(Qwen2_5_VLForConditionalGeneration(config).eval(), 1).half()
     model.save_pretrained(tmp_path / "qwen")  # fp16: handed over as links, no copy
-    info = export_edgellm(str(tmp_path / "qwen"), {}, None, tmp_path / "bundle")
+    info = export_edgellm(str(tmp_path / "qwen"), Manifest(), None, tmp_path / "bundle")
     assert "Qwen2.5-VL" in info["source"] and info["layers"] == 2
     assert not (tmp_path / "bundle" / "visual").exists()
     assert info["checks"]["weights"]["passed"] and info["checks"]["weights"]["max_abs"] == 0.0

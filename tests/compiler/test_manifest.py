@@ -117,3 +117,51 @@ def test_a_manifest_missing_a_section_is_one_line(demo_bundle, tmp_path, section
             Manifest.load(out, verify=verify)
         assert str(exc.value) == line
     one_line_error(run_cli("inspect", str(out)), line)
+
+
+# Issue 33 §2: the library reads manifests through the views. Where a raw subscript may stay, and why.
+RAW_ALLOWED = {
+    "compiler/bundle/manifest.py": "Manifest itself: its views are the one place that spells the keys",
+    "targets/trt_engine.py": "the TensorRT targets' on-device script: it runs on the Jetson with TensorRT alone and "
+                             "imports nothing of vlmprune, so it reads the manifest's JSON as it is",
+}
+
+
+def raw_manifest_subscripts(source: str) -> list[int]:
+    """Lines of `manifest["key"]` (or `x.manifest["key"]`, `m["key"]`) and `manifest.get("key")` in Python source."""
+    import ast
+
+    def named_manifest(node) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        return name in ("manifest", "m")
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        key = None
+        if isinstance(node, ast.Subscript) and named_manifest(node.value):
+            key = node.slice
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and named_manifest(node.func.value) and node.args):
+            key = node.args[0]
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_the_scan_finds_raw_subscripts_and_passes_views():
+    raw = ('a = manifest["model"]["family"]\nb = self.manifest["target"]\nc = m.get("llm")\n'
+           'd = manifest.model.family\ne = m.target.get("qdq_model")\nf = other["model"]\n')
+    assert raw_manifest_subscripts(raw) == [1, 2, 3]
+
+
+def test_no_raw_manifest_subscript_outside_manifest():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for folder in ("compiler", "passes", "targets", "tools"):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            if rel not in RAW_ALLOWED:
+                found += [f"{rel}:{line}" for line in raw_manifest_subscripts(path.read_text())]
+    assert not found, "raw manifest subscripts (read the Manifest views instead):\n" + "\n".join(found)
