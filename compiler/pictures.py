@@ -177,7 +177,7 @@ def legend_for(manifest: dict, sel: Selection, note: str | None = None) -> str:
         merged = sum(len(v) for v in sel.merges.values())
         parts.append(f"{len(sel.merges)} merge targets (coloured outline), {merged} patches merged into them "
                      "(tinted in the target's colour)")
-    rows = (manifest.get("llm") or {}).get("rows") or {}  # the hand-off's count of the output's rows, where it has one
+    rows = (manifest.llm.rows or {}) if manifest.llm is not None else {}  # the hand-off's row count, where it has one
     extra = rows["extra"] if "extra" in rows else \
         method.get("tokens_out", 0) - method.get("kept_count", len(sel.kept)) - int(bool(method.has_cls))
     if extra > 0:
@@ -244,12 +244,12 @@ def reference_merges(manifest: dict, pixel: np.ndarray) -> tuple[Merges | None, 
     if copied >= method.kept_count:
         return None, None, None
     from vlmprune.compiler.errors import VlmpruneError
-    from vlmprune.compiler.pipeline import _load, options_of
+    from vlmprune.compiler.pipeline import load_source, options_of
     from vlmprune.compiler.parity.reference import pruner_for
 
     spec = manifest.model.source
     try:
-        source, _family = _load(spec, options_of(manifest, debug=False))
+        source, _family = load_source(spec, options_of(manifest, debug=False))
     except VlmpruneError as exc:
         return None, None, f"merges not shown: the model source cannot be loaded here ({exc})"
     if source.content_hash != manifest.model.sha256:
