@@ -15,6 +15,11 @@ from vlmprune.compiler.contract import FEATURES, PIXELS
 from vlmprune.compiler.errors import VlmpruneError, failure_cause
 from vlmprune.compiler.frontend.tower import Exported, VisionPipeline
 
+# The exporter's per-node Python stack trace: the files and line numbers of the installed source. A bundle carrying
+# it differs by where vlmprune (and torch, transformers) is installed and by any edit to a line above a traced one,
+# and tells a device the build machine's paths. The scopes and class names the exporter also writes stay.
+STACK_TRACE = "pkg.torch.onnx.stack_trace"
+
 
 def export_onnx(pipeline: VisionPipeline, image_size: int, batch: int | None, opset: int):
     """The dense pipeline as ONNX: input `pixel_values`, output `image_features`.
@@ -48,7 +53,14 @@ def torch_onnx(what: str, module: torch.nn.Module, args: tuple, **kwargs):
     finally:
         torch_log.setLevel(level)
     model = program.model
+    without_stack_traces(model)
     fold_constants(model)
     LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
     RemoveUnusedNodesPass()(model)
     return model
+
+
+def without_stack_traces(model) -> None:
+    """Drop STACK_TRACE from every node (subgraphs included): the same source exports the same bytes anywhere."""
+    for node in model.graph.all_nodes():
+        node.metadata_props.pop(STACK_TRACE, None)

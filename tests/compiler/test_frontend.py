@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,3 +124,21 @@ def test_one_feature_layer_is_taken_and_a_list_is_refused_in_one_line():
     with pytest.raises(InputError, match=r"multi-layer vision_feature_layer \[-2, -5\] is not supported; pass "
                                          r"--feature-layer"):
         feature_layer_of(SimpleNamespace(vision_feature_layer=[-2, -5]), None)
+
+
+def test_exported_graphs_carry_no_stack_trace_of_the_build_machine():
+    """The exporter writes each node's Python stack (install paths, line numbers) into its metadata; torch_onnx drops
+    it, so a bundle's bytes do not depend on where vlmprune is installed. The raw export shows what is dropped."""
+    import vlmprune.compiler.frontend.export as export
+
+    class Traced(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.gelu(x @ x.transpose(-1, -2))
+
+    raw = torch.onnx.export(Traced().eval(), (torch.zeros(1, 4, 4),), dynamo=True, optimize=False).model
+    assert any(export.STACK_TRACE in n.metadata_props for n in raw.graph.all_nodes())  # what there is to drop
+    model = export.torch_onnx("t", Traced(), (torch.zeros(1, 4, 4),), input_names=["x"], output_names=["y"])
+    metadata = [dict(n.metadata_props) for n in model.graph.all_nodes()]
+    assert metadata and not any(export.STACK_TRACE in m for m in metadata)
+    here = str(Path(__file__).resolve().parents[2])
+    assert not any(here in value for m in metadata for value in m.values())
