@@ -157,7 +157,7 @@ def test_eval_refuses_a_k_that_is_not_an_integer_before_any_work(tmp_path):
 
 
 def test_the_cli_reaches_only_the_api_and_names_no_target_or_exporter():
-    """cli.py is a thin layer: it imports the API (and errors, the version), and every target, exporter or family
+    """cli.py is a thin layer: it imports the API (and errors, the version, the contract's defaults), and every target, exporter or family
     it shows comes from their declarations, so a new one needs no CLI edit."""
     import ast
 
@@ -168,7 +168,8 @@ def test_the_cli_reaches_only_the_api_and_names_no_target_or_exporter():
     tree = ast.parse(path.read_text())
     imported = {n.module if isinstance(n, ast.ImportFrom) else a.name for n in ast.walk(tree)
                 if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-    assert {m for m in imported if m and m.startswith("vlmprune")} == {"vlmprune.compiler", "vlmprune.compiler.errors"}
+    assert {m for m in imported if m and m.startswith("vlmprune")} == {"vlmprune.compiler", "vlmprune.compiler.errors",
+                                                                         "vlmprune.compiler.contract"}
     names = set(TARGETS) | set(EXPORTERS) | {"tensorrt", "TensorRT", "Edge-LLM", "onnxruntime-genai"}
     strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
     named = sorted({name for name in names for text in strings if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)})
