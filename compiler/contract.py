@@ -30,6 +30,7 @@ TEXT = "text_embeds"  # [B, T, D_llm] float: the prompt's rows of the LLM's embe
 ROI_MASK = "roi_mask"  # [B, H, W] float: --roi mask, the forced-keep region at the pixel input's resolution
 ROI_BOXES = "roi_boxes"  # [B, M, 4] float: --roi boxes, (x0, y0, x1, y1) in pixels of the tower's input
 ROI_COUNT = "roi_count"  # [B] int64: --roi boxes, the valid leading boxes of roi_boxes
+ROI_INPUTS = (ROI_MASK, ROI_BOXES, ROI_COUNT)  # an --roi graph's inputs: the mask, or the boxes and their count
 DEEPSTACK = "deepstack_embeds"  # LLM prefill input [L, B, S, D_llm] (Qwen3-VL): level l's rows, added after layer l
 
 # --- files of a bundle ---------------------------------------------------------------------
