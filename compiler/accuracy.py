@@ -257,7 +257,7 @@ class BundleWorker:
 
     def __call__(self, chunk: list) -> list[dict]:
         from vlmprune.compiler import generate as gen
-        from vlmprune.compiler.prompt import bundle_feed, feeding
+        from vlmprune.compiler.prompt import bundle_feed
 
         out, pixel_of, tokens_of = [], {}, {}
         for sample in chunk:
@@ -267,8 +267,9 @@ class BundleWorker:
             # The tower once per image, or, for a prompt-aware bundle, once per question: its tokens depend on it.
             at = (sample.image, sample.question if self.prompted else None)
             if at not in tokens_of:
-                with feeding(bundle_feed(self.manifest, self.vlm, prompt)):  # None: a bundle without text_embeds
-                    tokens_of = {at: gen.bundle_tokens(self.bundle, self.manifest, pixel_of[sample.image], self.vlm)}
+                feeds = bundle_feed(self.manifest, self.vlm, prompt)  # {}: a bundle without text_embeds
+                tokens_of = {at: gen.bundle_tokens(self.bundle, self.manifest, pixel_of[sample.image], self.vlm,
+                                                   feeds)}
             tokens = tokens_of[at]
             positions, text_start = gen.bundle_positions(tokens, len(prompt.before))
             a = gen.answer(self.vlm, prompt, tokens.features, positions, text_start, self.max_new_tokens)

@@ -43,7 +43,7 @@ from vlmprune.compiler.bundle.output_files import check_output_file, write_file
 from vlmprune.compiler.parity import DEFAULT_TOLERANCES, ParityReport, compared_text, figure_text, parse_overrides, summary_bounds
 from vlmprune.compiler import pipeline
 from vlmprune.compiler.contract import TEXT
-from vlmprune.compiler.prompt import empty_prompt, feeding, prompt_embeds
+from vlmprune.compiler.prompt import empty_prompt, prompt_embeds
 from vlmprune.compiler.pipeline import CompileOptions, check_bundle, compile_model
 from vlmprune.passes.methods.base import GENERIC_OPTIONS
 from vlmprune.passes.methods import DEFAULT_METHOD, METHODS, NEEDS_TRAINED_WEIGHTS
@@ -459,12 +459,13 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
         say(f"{inputs}: {m.inputs[0].name} {list(pixel.shape)} float32")
     text = _run_text(m, prompt, model, say)
     region = roi.run_roi(m.method.roi, roi_boxes, roi_mask)  # --roi bundles: the flags' region, or none
-    with feeding(text), roi.feeding(region):
-        outputs = runner(pixel)
-        result = RunResult(bundle, runtime, pixel, outputs)
-        if benchmark:
-            result.benchmark = bench.benchmark(runner, pixel, warmup, iterations,
-                                               get_target(m.target.name).emulated_time)
+    # the runner's feeds beside the pixels: the prompt's rows (a prompt-aware bundle), the flags' region (--roi)
+    feeds = {**({} if text is None else {TEXT: text}), **(region or {})}
+    outputs = runner(pixel, feeds)
+    result = RunResult(bundle, runtime, pixel, outputs)
+    if benchmark:
+        result.benchmark = bench.benchmark(lambda x: runner(x, feeds), pixel, warmup, iterations,
+                                           get_target(m.target.name).emulated_time)
     if save_outputs:
         write_file(save_outputs, bench.npz_bytes(outputs), force)
         result.saved_outputs = Path(save_outputs)
@@ -573,8 +574,8 @@ def compare(bundles: Iterable[str | Path], *, image: str | Path, output: str | P
                 pixel = np.repeat(pixel, static, axis=0)
             runner, runtime = get_target(m.target.name).runner(b, m)
             say(f"{b}: {runtime}")
-            with feeding(_run_text(m, None, None, say)):  # a prompt-aware bundle: no prompt (compiler.prompt)
-                kept = runner(pixel)[KEPT][:1]
+            text = _run_text(m, None, None, say)  # a prompt-aware bundle: no prompt (compiler.prompt)
+            kept = runner(pixel, {} if text is None else {TEXT: text})[KEPT][:1]
             sels, note = pictures.selections_for_run(m, pixel[:1], kept, b.resolve().name)
         if note:
             say(f"warning: {b}: {note}")

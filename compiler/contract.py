@@ -1,5 +1,7 @@
 """The bundle's names, in one place: graph inputs and outputs, file names, IR metadata keys, node roles,
-pruning sites, and the prune record (the one type the insertion hands every later reader).
+pruning sites, and the prune record (the one type the insertion hands every later reader); and the vocabulary
+the frontend and the methods share: what a family has (capabilities), what a pruner gets at its site
+(SiteTensors), how --crop-budget splits K.
 
 Every layer may import this module (it imports nothing of vlmprune, like compiler.errors):
 the frontend names its export's outputs with it, the passes mark the IR with its keys, the
@@ -13,6 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # --- graph inputs and outputs -------------------------------------------------------------
 PIXELS = "pixel_values"  # the tower's image input [B, 3, S, S]
@@ -24,6 +30,7 @@ TEXT = "text_embeds"  # [B, T, D_llm] float: the prompt's rows of the LLM's embe
 ROI_MASK = "roi_mask"  # [B, H, W] float: --roi mask, the forced-keep region at the pixel input's resolution
 ROI_BOXES = "roi_boxes"  # [B, M, 4] float: --roi boxes, (x0, y0, x1, y1) in pixels of the tower's input
 ROI_COUNT = "roi_count"  # [B] int64: --roi boxes, the valid leading boxes of roi_boxes
+ROI_INPUTS = (ROI_MASK, ROI_BOXES, ROI_COUNT)  # an --roi graph's inputs: the mask, or the boxes and their count
 DEEPSTACK = "deepstack_embeds"  # LLM prefill input [L, B, S, D_llm] (Qwen3-VL): level l's rows, added after layer l
 
 # --- files of a bundle ---------------------------------------------------------------------
@@ -79,6 +86,67 @@ COSINE_EPS = 1e-8  # a cosine's denominator floor (torch.nn.functional.cosine_si
 # --- pruning sites (where a method acts) ----------------------------------------------------
 SITE_BLOCK = "block"  # block L's output, the residual stream [B, (1)+N, D]
 SITE_FEATURES = "features"  # the graph's token output (after the projector)
+
+# --- --crop-budget: how K is split over an anyres model's crops (passes.methods.crops; LLaVA-NeXT takes it) ------
+CROP_PROPORTIONAL = "proportional"  # by each crop's score mass
+CROP_EQUAL = "equal"  # K / crops each
+CROP_BUDGETS = (CROP_PROPORTIONAL, CROP_EQUAL)
+
+
+# --- capabilities: what a family's models have, what a method needs ------------------------------
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """Something a family's models have that a method may need; `phrase` names the models that have it."""
+
+    name: str
+    phrase: str  # formatted with the families' own names for them
+
+
+# The vocabulary families (compiler.frontend: `has`) and methods (passes.methods: `needs`) share.
+PATCH_TOKENS = Capability("tokens", "every family (no [CLS] needed: {})")  # what every method needs
+CLS_TOKEN = Capability("cls", "towers with a [CLS] token ({})")
+POOLING_HEAD = Capability("head", "{}")  # an attention-pooling head (SigLIP's): --score probe
+MERGED_TOKENS = Capability("merged", "{} merged tokens")  # features that merge patches (Qwen2-VL's 2x2)
+VIDEO = Capability("video", "{} video (compile --video-frames F)")  # several frames' tokens, frame by frame
+# A video tower that runs each frame alone, as a still image (the frames its batch): a method can act inside it
+# per frame (evs-encoder); Qwen's temporal patches mix two frames in one token and are not this.
+FRAME_TOWER = Capability("frame_tower", "{} video, its tower run frame by frame (compile --video-frames F)")
+CROPS = Capability("crops", "{}'s crops")  # several crops of one image, pruned under one budget
+# One grid of patches whose feature layer's tokens map one to one onto the projector output (no patch merging, no
+# crops): what a method that reads both needs (cdpruner's similarity and relevance).
+FEATURE_LAYER = Capability("feature_layer", "single-grid towers whose feature layer is one to one with the features "
+                                            "({})")
+
+
+# --- what a pruner gets at its site ----------------------------------------------------------
+@dataclasses.dataclass
+class SiteTensors:
+    """What a pruner gets at its site, all torch tensors of one batch: the frontend's tower builds it
+    (compiler.frontend.tower), a method's reference reads it (passes.methods).
+
+    prefix: the leading tokens that are not patches ([CLS], then DINOv2's register tokens):
+    never pruned, never counted in K, passed through in front of the kept tokens.
+    """
+
+    hidden: torch.Tensor  # [B, prefix + N, D]
+    has_cls: bool
+    q: torch.Tensor | None = None  # [B, H, T, dh], block L's projected queries
+    k: torch.Tensor | None = None  # [B, H, T, dh]
+    scale: float | None = None  # the block's attention scale
+    pixel_values: torch.Tensor | None = None  # [B, C, H, W], normalised
+    patch_size: int | None = None
+    prefix: int | None = None  # None: 1 with a [CLS] token, else 0
+    # the tower's attention-pooling head (compiler.frontend.tower.PoolingHead), where it has one (SITE_BLOCK sites)
+    head: object | None = None
+    layer: int | None = None  # the block after which the site is (SITE_BLOCK sites)
+    # The original patch index of each patch token present, where an earlier call of the same pruner (a pruner with
+    # several `layers`) has pruned some: [B, N_s] int64; None: all N patches, in order.
+    patch_ids: torch.Tensor | None = None
+    frames: int = 1  # a video's frames: the N patches are frames x tokens per frame, frame by frame
+
+    def __post_init__(self):
+        if self.prefix is None:
+            self.prefix = int(self.has_cls)
 
 
 # --- the prune record -----------------------------------------------------------------------

@@ -39,7 +39,7 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler import generate as gen
-from vlmprune.compiler.prompt import bundle_feed, feeding, rows_for_ids, text_input_dim
+from vlmprune.compiler.prompt import bundle_feed, rows_for_ids, text_input_dim
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".gif")
 
@@ -234,9 +234,9 @@ def _reference_rows(vlm, setting: Setting):
                 features, kept = pipeline(torch.from_numpy(pixel))
             elif prompted:  # the prompt's embedding rows, as the bundle gets them (compiler.prompt)
                 dim = vlm.model.config.text_config.hidden_size
-                with feeding(rows_for_ids(vlm, prompt.before + prompt.after, dim)):
-                    dense = source.pipeline(torch.from_numpy(pixel)).numpy()
-                    features, kept, _ = prompt_site(source.pipeline, pruner, dense, pixel)
+                dense = source.pipeline(torch.from_numpy(pixel)).numpy()
+                features, kept, _ = prompt_site(source.pipeline, pruner, dense, pixel,
+                                                rows_for_ids(vlm, prompt.before + prompt.after, dim))
             else:
                 features, kept = pipeline(torch.from_numpy(pixel))
         prefix, extra = features.shape[1] - out_tokens, out_tokens - kept.shape[1]
@@ -252,8 +252,8 @@ def _reference_rows(vlm, setting: Setting):
 def _bundle_rows(bundle_dir: Path, manifest: dict, vlm):
     @_per_image(text_input_dim(manifest) is not None)
     def rows_of(pixel, prompt):
-        with feeding(bundle_feed(manifest, vlm, prompt)):  # a prompt-aware bundle: the prompt's rows
-            tokens = gen.bundle_tokens(bundle_dir, manifest, pixel, vlm)
+        # a prompt-aware bundle: the prompt's rows
+        tokens = gen.bundle_tokens(bundle_dir, manifest, pixel, vlm, bundle_feed(manifest, vlm, prompt))
         return tokens.features, lambda offset: gen.bundle_positions(tokens, offset)
     return rows_of
 

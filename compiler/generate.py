@@ -65,7 +65,6 @@ from vlmprune.compiler.errors import InputError, option
 from vlmprune.compiler.frontend import family_of
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, image_positions
 from vlmprune.compiler.frontend.images import require_image_files
-from vlmprune.compiler.frontend.prompt_input import feeding
 from vlmprune.compiler.llm import handoff
 from vlmprune.compiler.llm.lm_source import has_tokenizer
 from vlmprune.compiler.prompt_rows import bundle_feed
@@ -481,7 +480,8 @@ class BundleTokens:
     place: Callable[[int], tuple[np.ndarray, int]] | None = None
 
 
-def bundle_tokens(bundle_dir: Path, manifest, pixel: np.ndarray, vlm: Vlm | None = None) -> BundleTokens:
+def bundle_tokens(bundle_dir: Path, manifest, pixel: np.ndarray, vlm: Vlm | None = None,
+                  feeds: dict[str, np.ndarray] | None = None) -> BundleTokens:
     """Run the bundle's tower on one preprocessed image (load_pixels) with its target's runner here.
 
     vlm: the bundle's model, needed for mRoPE and anyres bundles (their grid, position table, image_newline).
@@ -497,7 +497,7 @@ def bundle_tokens(bundle_dir: Path, manifest, pixel: np.ndarray, vlm: Vlm | None
     if rule.repeats_batch and len(pixel) == 1 and isinstance(static, int) and static > 1:
         pixel = np.repeat(pixel, static, axis=0)
     runner, runtime = get_target(manifest.target.name).runner(Path(bundle_dir), manifest)
-    outputs = runner(pixel)
+    outputs = runner(pixel, feeds)
     kept = outputs[handoff.KEPT][0] if handoff.KEPT in outputs else None
     features = torch.from_numpy(np.ascontiguousarray(outputs[llm["features_output"]][0]))
     if handoff.NUM_TOKENS in outputs:  # K varies per image: its valid rows only, the zero padding dropped
@@ -637,8 +637,8 @@ def generate(bundle_dir: Path, model: str | None, image: Path | None, prompt: st
         result = answer(vlm, built, rows.rows, *rows.place(offset), max_new_tokens)
         return GenerateResult(result, built, "transformers (the model's own image features, dense)", "dense", None,
                               warning, llm)
-    with feeding(bundle_feed(manifest, vlm, built)):  # a prompt-aware bundle: the prompt's embedding rows
-        tokens = bundle_tokens(bundle_dir, manifest, pixel, vlm)
+    # a prompt-aware bundle: the prompt's embedding rows
+    tokens = bundle_tokens(bundle_dir, manifest, pixel, vlm, bundle_feed(manifest, vlm, built))
     positions, text_start = bundle_positions(tokens, offset)
     result = answer(vlm, built, tokens.features, positions, text_start, max_new_tokens, graphs)
     kept = None if tokens.kept is None else tokens.kept.tolist()

@@ -16,12 +16,10 @@ model-specific. The graph takes them as a second input beside the pixels
   "no condition" (cdpruner: relevance 1, the plain DPP over the features' similarity); a
   method that needs rows (dart --text-pivots: Method.min_text_rows) is refused in one line.
 
-The runners of every target feed the graph through targets.runtime.run_session, which asks
-text_feed() for the rows: a `feeding(...)` block sets what `run`/`generate`/`eval` computed,
-or PARITY (parity's stages and references); outside one a graph with the input refuses to
-run in one line rather than guess a prompt. A context variable rather than one more argument
-on every target's runner: the runners stay callables of the pixels, as parity and the
-benchmark call them.
+Every target's runner takes the prompt as an explicit feed, run(pixels, {text_embeds: rows})
+(targets.runtime.run_session), from the caller that knows it: `run`/`generate`/`eval` the rows they
+computed (prompt_feeds), parity its fixed-seed rows (compiler.parity.parity_feeds). A graph with the input
+that is fed none refuses to run in one line rather than guess a prompt.
 """
 
 from __future__ import annotations
@@ -29,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlmprune.compiler.frontend.prompt_input import (PARITY, PARITY_TOKENS, empty_prompt, feeding, parity_text,  # noqa: F401
-                                             text_feed)  # re-exported: the feed lives with the runners
+# re-exported: parity's rows live in the frontend, beside parity's images
+from vlmprune.compiler.frontend.prompt_input import PARITY_TOKENS, empty_prompt, parity_text  # noqa: F401
 from vlmprune.compiler.generate import build_prompt, require_prompt
 # re-exported: generate and eval feed a built prompt's rows with them, below both this module and generate
 from vlmprune.compiler.prompt_rows import FEED, bundle_feed, rows_for_ids, text_input_dim  # noqa: F401

@@ -33,7 +33,8 @@ def rows_for_ids(vlm, ids: list[int], dim: int) -> np.ndarray:
     return table[list(ids)].numpy()
 
 
-def bundle_feed(manifest, vlm, prompt) -> np.ndarray | None:
-    """What a bundle's text_embeds gets for a built generate.Prompt: its non-image ids' rows; None without the input."""
+def bundle_feed(manifest, vlm, prompt) -> dict[str, np.ndarray]:
+    """The feeds a bundle's runner gets for a built generate.Prompt: {text_embeds: its non-image ids' rows}; {} for a
+    bundle without the input."""
     dim = text_input_dim(manifest)
-    return None if dim is None else rows_for_ids(vlm, prompt.before + prompt.after, dim)
+    return {} if dim is None else {TEXT: rows_for_ids(vlm, prompt.before + prompt.after, dim)}

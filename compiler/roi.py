@@ -3,10 +3,10 @@
 The graph side (the forced set F [B, N], the lift of forced patches' scores above every other,
 the refusals) is passes.methods.roi; the record and the manifest's inputs say which ROI
 inputs a bundle has and its layout (kind, the pixel input's H and W, the patch size and
-grid, M). The seam is compiler.prompt's: the runners of every target feed extra inputs through
-targets.runtime.run_session, which asks roi_feed() here, and a `feeding(...)` block says what:
+grid, M). The seam is compiler.prompt's: every target's runner takes the ROI inputs as explicit feeds,
+run(pixels, {name: array}) (targets.runtime.run_session), from the caller that knows them:
 
-- parity (compile, `vlmprune check`): feeding(PARITY), a fixed-seed ROI per image seeded by the
+- parity (compile, `vlmprune check`): parity_roi_feed, a fixed-seed ROI per image seeded by the
   image's own bytes (CRC-32, salted apart from compiler.prompt's rows), so that it does not
   depend on how the batch is chunked, and from the pixels' shape alone, so that a runner (which
   sees a session's inputs) and the reference (which sees the record) derive the same arrays:
@@ -17,10 +17,10 @@ targets.runtime.run_session, which asks roi_feed() here, and a `feeding(...)` bl
 - `vlmprune run --roi-box x0,y0,x1,y1` (repeatable; pixels of the tower's input, as the
   model saw the image: `run --show` draws that) or `--roi-mask FILE.png` (the tower input's
   H x W, any non-zero pixel set): the same ROI for every image of the batch;
-- outside any feeding block (`run` without either flag, `compare`, `generate`, `eval`, the
-  benchmark): no region (roi_count 0, an empty mask), i.e. the method's own selection. Unlike
-  a prompt, "nothing forced" is a well-defined input, so there is nothing to refuse; parity
-  sets PARITY explicitly, and a stage that was fed no region fails its forced-patch check.
+- no ROI feeds (`run` without either flag, `compare`, `generate`, `eval`, the benchmark): no
+  region (roi_count 0, an empty mask: targets.runtime.no_roi), i.e. the method's own selection.
+  Unlike a prompt, "nothing forced" is a well-defined input, so there is nothing to refuse;
+  parity feeds its ROI explicitly, and a stage that was fed no region fails its forced-patch check.
 
 forced_numpy() is the forced set in numpy, independent of the graph's and the torch
 reference's arithmetic: tests and `run --show` (the hatched patches) read it, and
@@ -35,8 +35,9 @@ import numpy as np
 
 from vlmprune.compiler.contract import ROI_BOXES, ROI_COUNT, ROI_MASK
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.roi_input import (NONE, PARITY, ROI_INPUTS, feeding, forced_check, forced_numpy,  # noqa: F401
-                                          kind_of, no_roi, parity_roi, roi_feed)  # re-exported
+from vlmprune.compiler.frontend.roi_input import (ROI_INPUTS, forced_check, forced_numpy, kind_of,  # noqa: F401
+                                                  parity_roi, parity_roi_feed)  # re-exported
+from vlmprune.targets.runtime import no_roi  # noqa: F401  (re-exported)
 
 # ---------------------------------------------------------------------------- run's flags
 
@@ -84,8 +85,8 @@ def mask_from_file(path, layout: dict) -> dict[str, np.ndarray]:
     return {ROI_MASK: (mask > 0).astype(np.float32)[None]}
 
 
-def run_roi(layout: dict | None, boxes=(), mask=None) -> dict | str | None:
-    """What `run` feeds: the flags' ROI, NONE without them, None for a bundle without ROI inputs."""
+def run_roi(layout: dict | None, boxes=(), mask=None) -> dict | None:
+    """What `run` feeds: the flags' ROI, {} without them (no region), None for a bundle without ROI inputs."""
     if layout is None:
         if boxes or mask is not None:
             raise InputError("--roi-box and --roi-mask apply to bundles compiled with --roi; this one has no ROI input")
@@ -93,15 +94,15 @@ def run_roi(layout: dict | None, boxes=(), mask=None) -> dict | str | None:
     if layout["kind"] == "mask":
         if boxes:
             raise InputError("this bundle takes a mask (--roi mask): give --roi-mask, not --roi-box")
-        return NONE if mask is None else mask_from_file(mask, layout)
+        return {} if mask is None else mask_from_file(mask, layout)
     if mask is not None:
         raise InputError("this bundle takes boxes (--roi boxes): give --roi-box, not --roi-mask")
-    return boxes_from_flags(boxes, layout) if boxes else NONE
+    return boxes_from_flags(boxes, layout) if boxes else {}
 
 
-def forced_for_run(layout: dict | None, given: dict | str | None, batch: int) -> np.ndarray | None:
+def forced_for_run(layout: dict | None, given: dict | None, batch: int) -> np.ndarray | None:
     """F [B, N] of what `run` fed (run_roi's answer), for `run --show`'s hatching; None where nothing is forced."""
-    if layout is None or not isinstance(given, dict):
+    if layout is None or not given:
         return None
     feed = {name: np.repeat(np.asarray(v), batch, axis=0) if np.shape(v)[0] == 1 else np.asarray(v)
             for name, v in given.items()}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -31,7 +31,9 @@ from vlmprune.passes.progressive import insertion_pass
 from vlmprune.passes.retarget import RetargetTokenCountPass
 from vlmprune.passes.support import SupportCheckPass, TargetPipeline
 
-Runner = Callable[[np.ndarray], dict[str, np.ndarray]]
+# run(pixels, feeds): feeds, the graph's inputs beside the pixels by name (the prompt's rows, the ROI), built by the
+# caller that knows them (targets.runtime: a missing prompt is refused, a missing ROI is no region); None: none.
+Runner = Callable[[np.ndarray, Mapping[str, np.ndarray] | None], dict[str, np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +67,8 @@ class EmitContext:
     A type rather than a dict so that a target reads a field it can name (a typo fails at once, not on the one
     target whose precision reaches the key), and so that a target reads no model: of the source it gets the
     geometry and normalisation calibration images need, and the frontend's preprocessing as an object the
-    pipeline hands down (images), not a module the target would import against the data flow.
+    pipeline hands down (images), not a module the target would import against the data flow. The pipeline hands
+    the same to a target's parity stages (Target.stages), compile's and `vlmprune check`'s.
     """
 
     config: PruneConfig | None  # the method inserted (None: a dense bundle)
@@ -76,12 +79,25 @@ class EmitContext:
     std: tuple
     images: Preprocessing
     parity_inputs: np.ndarray  # the images parity will feed (a target that simulates runs them while it builds)
+    # The ROI a calibration sample carries beside its pixels, for the ROI inputs among a graph's inputs (name and
+    # shape): parity's fixed-seed one (compiler.frontend.roi_input.parity_roi_feed), handed down like images;
+    # None: none, i.e. no region.
+    calibration_roi: Callable[[np.ndarray, list], dict[str, np.ndarray]] | None = None
 
     def calibration_inputs(self, count: int, size: int | None = None) -> tuple[np.ndarray, list[str]]:
         """count preprocessed calibration images, disjoint from the parity images (targets.calibration)."""
         from vlmprune.targets.calibration import calibration_inputs
 
         return calibration_inputs(count, size or self.image_size, self.mean, self.std, self.images)
+
+    def calibration_feed(self, inputs, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
+        """One calibration sample's arrays of a graph's inputs after the pixels (inputs: theirs, name and shape): the
+        ROI of calibration_roi, checked as a runner's feeds are (targets.runtime.optional_feed)."""
+        from vlmprune.targets.runtime import optional_feed
+
+        inputs = list(inputs)
+        given = self.calibration_roi(pixel_values, inputs) if self.calibration_roi is not None else {}
+        return optional_feed(inputs, pixel_values, given)
 
 
 def reads_projector_output(options) -> bool:
@@ -258,12 +274,15 @@ class Target(abc.ABC):
         """Write model.onnx (model: the fused graph, or the decomposed one) and the extras; return manifest fields."""
 
     @abc.abstractmethod
-    def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
-        """Parity stages over the bundle's own files (after the shared export/rewritten stages)."""
+    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
+        """Parity stages over the bundle's own files (after the shared export/rewritten stages). context: what the
+        pipeline hands the target of the source (compile's emit context, or check's), for a stage that builds again
+        (rk3588's calibration images); None where the caller has none."""
 
     @abc.abstractmethod
     def runner(self, bundle_dir: Path, manifest: dict) -> tuple[Runner, str]:
-        """How `vlmprune run` runs the bundle here: (runner, a line saying on what); one line if it cannot."""
+        """How `vlmprune run` runs the bundle here: (runner, a line saying on what); one line if it cannot. The
+        runner takes the inputs beside the pixels as explicit feeds (Runner)."""
 
     @abc.abstractmethod
     def readme(self, manifest: dict) -> str:

@@ -6,7 +6,7 @@ the images it is then checked on would flatter its own parity figures. Without
 scikit-image, seeded synthetic images stand in (their names say so). How a model's images are
 preprocessed is the frontend's to say: the caller hands it over (`images`: the emit context's
 "images", compiler.frontend.images), so that this module reads no model. (rk3588's simulator
-stage, which rebuilds the .rknn from a bundle without an emit context, imports that module itself.)
+stage, which rebuilds the .rknn from a bundle, gets the same context from the pipeline: Target.stages.)
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ class OpenVinoTarget(Target):
             fields["checked_on"] = CHECK_DEVICE
         return fields
 
-    def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
         """One stage, `openvino`: the bundle's IR at its precision, on its device or on CPU where that is absent."""
         fields = manifest.target
         precision = PRECISIONS[fields.get("precision", DEFAULT_PRECISION)]
@@ -226,10 +226,10 @@ class OpenVinoTarget(Target):
         graph = Path(bundle_dir) / precision.ir
         compiled = None
 
-        def run(pixel_values: np.ndarray) -> dict[str, np.ndarray]:
+        def run(pixel_values: np.ndarray, feeds=None) -> dict[str, np.ndarray]:
             nonlocal compiled
             compiled = compiled or compile_ir(graph, device, precision.hint)
-            return run_compiled(compiled, pixel_values)
+            return run_compiled(compiled, pixel_values, feeds)
 
         label = f"OpenVINO {ov.get_version().split('-')[0]} {device} ({precision.ir}, {name}"
         note = bf16_note(device) if precision.hint == "bf16" else ""
@@ -266,13 +266,14 @@ class _InputMeta:
     shape: list
 
 
-def run_compiled(compiled, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
-    """Run on the pixels, the optional inputs (prompt, ROI) fed as the ONNX Runtime sessions feed them."""
+def run_compiled(compiled, pixel_values: np.ndarray, feeds=None) -> dict[str, np.ndarray]:
+    """Run on the pixels, the inputs beside them (prompt, ROI) from the caller's feeds as the ONNX Runtime sessions
+    take them (targets.runtime.optional_feed)."""
     from vlmprune.targets.runtime import optional_feed
 
     metas = [_InputMeta(i.any_name, [d.get_length() if d.is_static else "?" for d in i.get_partial_shape()])
              for i in compiled.inputs]
-    feed = {metas[0].name: np.ascontiguousarray(pixel_values), **optional_feed(metas[1:], pixel_values)}
+    feed = {metas[0].name: np.ascontiguousarray(pixel_values), **optional_feed(metas[1:], pixel_values, feeds)}
     result = compiled(feed)
     return {o.any_name: np.asarray(result[o]) for o in compiled.outputs}
 
@@ -287,7 +288,8 @@ def emit_int8(out_dir: Path, context: EmitContext) -> dict:
     chosen = context.target_options
     pixels, names = ort_quant.calibration_pixels(chosen.get("calibration"), context.image_size, context.mean,
                                                  context.std, context.images)
-    fields = quantize(Path(out_dir) / DECOMPOSED, Path(out_dir) / OPENVINO_INT8_IR, pixels)
+    fields = quantize(Path(out_dir) / DECOMPOSED, Path(out_dir) / OPENVINO_INT8_IR, pixels,
+                      context.calibration_feed)
     return {**fields, "calibration_images": [Path(n).name for n in names],
             "calibration": "user folder (--calibration)" if chosen.get("calibration") else
                            "built-in photographs (targets.calibration), disjoint from the parity images"}
@@ -323,14 +325,15 @@ def _quiet():
         logging.disable(previous)
 
 
-def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray) -> dict:
+def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray, extra=None) -> dict:
     """NNCF post-training quantization of the ONNX graph at `decomposed`, the score path and the ort target's fp32
-    groups ignored (targets.ort_quant.excluded_nodes); saved as IR."""
+    groups ignored (targets.ort_quant.excluded_nodes); saved as IR. extra(inputs, pixels): a sample's arrays of the
+    graph's inputs after the pixels (EmitContext.calibration_feed: --roi's fixed-seed ROI); None: none but the
+    pixels' own defaults (targets.runtime.optional_feed)."""
     ov = openvino()  # first: telemetry declined before nncf imports openvino
     import nncf
     import onnx
 
-    from vlmprune.compiler.frontend import roi_input as roi
     from vlmprune.targets.ort_quant import DEFAULT, excluded_nodes
     from vlmprune.targets.runtime import optional_feed
 
@@ -339,8 +342,9 @@ def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray) -> dict:
     value = graph.graph.inputs[0]
     batch = value.shape[0] if isinstance(value.shape[0], int) else 1
     samples = [pixels[[(i + j) % len(pixels) for j in range(batch)]] for i in range(0, len(pixels), batch)]
-    with roi.feeding(roi.PARITY):  # --roi: the calibration images' fixed-seed ROI beside them (compiler.roi)
-        feeds = [{value.name: x, **optional_feed(graph.graph.inputs[1:], x)} for x in samples]
+    extra = extra or (lambda inputs, x: optional_feed(inputs, x))
+    # --roi: the calibration images' fixed-seed ROI beside them (the emit context's: compiler.roi)
+    feeds = [{value.name: x, **extra(graph.graph.inputs[1:], x)} for x in samples]
     try:
         with _quiet():
             quantized = nncf.quantize(onnx.load(str(decomposed)), nncf.Dataset(feeds), subset_size=len(feeds),

@@ -112,7 +112,7 @@ class OrtTarget(Target):
         return {"runtime": "onnxruntime", "fused": True, "custom_op_library": LIBRARY, "custom_domain": "vlmprune",
                 "fused_ops": fused_ops(model) + contrib_ops(model), **int8}
 
-    def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
         """One stage, `fused`: model.onnx as shipped, whether or not the method fused into a custom op here
         (the manifest's target.fused says which), so that its name never depends on the method.
         --precision int8 adds `int8`: model.int8.onnx, its features held to int8's cosine and its kept indices to
@@ -140,10 +140,10 @@ class OrtTarget(Target):
         libs = (bundle_dir / library_name,) if library_name else ()
         session = None
 
-        def run(pixel_values):
+        def run(pixel_values, feeds=None):
             nonlocal session
             session = session or ort_session(bundle_dir / graph, libs)
-            return run_session(session, pixel_values)
+            return run_session(session, pixel_values, feeds)
 
         runtime = "onnxruntime CPU" + (f" + {LIBRARY}" if libs else "") + f" ({graph})"
         return run, runtime

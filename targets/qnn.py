@@ -136,9 +136,7 @@ class QnnTarget(Target):
         """model.onnx (the decomposed graph: HTP-legal already), QDQ model.qdq.onnx, model_ctx.onnx + .bin for the SoC."""
         import onnx
 
-        from vlmprune.compiler.frontend import roi_input as roi
         import vlmprune.targets.qnn_tools as qnn_tools
-        from vlmprune.targets.runtime import optional_feed
 
         options, chosen = context.options, context.target_options
         precision, soc, soc_model = chosen["precision"], chosen["soc"], chosen["soc_model"]
@@ -151,8 +149,8 @@ class QnnTarget(Target):
         input_name = model.graph.inputs[0].name
         samples = [{input_name: calib[[(i * batch + j) % len(calib) for j in range(batch)]]}
                    for i in range(max(1, len(calib) // batch))]
-        with roi.feeding(roi.PARITY):  # --roi: the calibration images' fixed-seed ROI beside them (compiler.roi)
-            samples = [{**x, **optional_feed(model.graph.inputs[1:], x[input_name])} for x in samples]
+        # --roi: the calibration images' fixed-seed ROI beside them (the emit context's: compiler.roi)
+        samples = [{**x, **context.calibration_feed(model.graph.inputs[1:], x[input_name])} for x in samples]
         try:
             qnn_tools.quantize_qdq(out_dir / MODEL, out_dir / QDQ, samples, act_type=act, weight_type=weight,
                                    float_nodes=float_nodes)
@@ -177,7 +175,7 @@ class QnnTarget(Target):
                                     "cycles from the HTP emulator's op trace (QNN profiling 'detailed', one image)",
                 "op_trace": {"ops": len(trace), "cycles": sum(r["cycles"] for r in trace), "rows": trace}}
 
-    def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
         from vlmprune.targets.runtime import run_session
         import vlmprune.targets.qnn_tools as qnn_tools
 
@@ -189,9 +187,9 @@ class QnnTarget(Target):
         version = fields.get("toolchain", {}).get("onnxruntime-qnn", "")
 
         def on_htp(name: str):
-            def run(pixel):
+            def run(pixel, feeds=None):
                 session = qnn_tools.htp_session(bundle_dir / name, soc_model)
-                return _in_batches(lambda x: run_session(session, x), pixel, batch)
+                return _in_batches(lambda x, fed: run_session(session, x, fed), pixel, batch, feeds)
             return run
 
         emulator = f"onnxruntime-qnn {version} HTP emulator, {soc} (soc_model {soc_model}), CPU fallback off"
@@ -208,7 +206,8 @@ class QnnTarget(Target):
             raise ToolchainError(f"cannot run a qnn bundle here: {why}")
         fields = manifest.target
         session = qnn_tools.htp_session(Path(bundle_dir) / CTX, fields["soc_model"])
-        return (lambda pixel: run_session(session, pixel)), f"simulated: onnxruntime-qnn HTP emulator, {fields['soc']}"
+        run = lambda pixel, feeds=None: run_session(session, pixel, feeds)  # noqa: E731
+        return run, f"simulated: onnxruntime-qnn HTP emulator, {fields['soc']}"
 
     def readme(self, manifest: dict) -> str:
         return _readme(manifest)
@@ -229,11 +228,13 @@ def _with_cycles(rows: list[dict], trace: list[dict]) -> list[dict]:
     return [{**r, "cycles": cycles[r["op"]]} if r["op"] in cycles else r for r in rows]
 
 
-def _in_batches(run, pixel: np.ndarray, batch: int) -> dict[str, np.ndarray]:
-    """Run a static-batch model over the parity images, `batch` at a time."""
+def _in_batches(run, pixel: np.ndarray, batch: int, feeds=None) -> dict[str, np.ndarray]:
+    """Run a static-batch model over the parity images, `batch` at a time; feeds ([B, ...] each) cut like them."""
     if len(pixel) % batch:
         raise ValueError(f"{len(pixel)} images do not fill batches of {batch}")
-    outs = [run(pixel[i: i + batch]) for i in range(0, len(pixel), batch)]
+    feeds = feeds or {}
+    outs = [run(pixel[i: i + batch], {name: value[i: i + batch] for name, value in feeds.items()})
+            for i in range(0, len(pixel), batch)]
     return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
 
 

@@ -225,7 +225,7 @@ class Rk3588Target(Target):
         except rknn_env.RknnError as exc:
             raise ToolchainError(f"{TARGET}: {exc}") from None
 
-    def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
         bundle_dir = Path(bundle_dir)
         fields = manifest.target
         specs = []
@@ -237,24 +237,25 @@ class Rk3588Target(Target):
             runtime = f"rknn-toolkit2 {fields.get('toolchain', {}).get('rknn-toolkit2', '2.5.0')} simulator, " \
                       f"{PLATFORM} {precision} ({artifact}; {how}) (simulated)"
             specs.append(StageSpec(f"rknn-{precision}", runtime, tolerance,
-                                   self._runner(bundle_dir, manifest, precision, sha)))
+                                   self._runner(bundle_dir, manifest, precision, sha, context)))
         return specs
 
-    def _runner(self, bundle_dir: Path, manifest: dict, precision: str, rknn_sha: str):
-        def run(pixel: np.ndarray) -> dict[str, np.ndarray]:
+    def _runner(self, bundle_dir: Path, manifest: dict, precision: str, rknn_sha: str, context: EmitContext | None):
+        def run(pixel: np.ndarray, feeds=None) -> dict[str, np.ndarray]:  # the pixels only (no_prompt/roi_input)
             keys = [(rknn_sha, _sha(image.tobytes())) for image in pixel]
             missing = [i for i, key in enumerate(keys) if key not in self._simulated]
-            fresh = self._rebuild(bundle_dir, manifest, precision, pixel[missing]) if missing else []
+            fresh = self._rebuild(bundle_dir, manifest, precision, pixel[missing], context) if missing else []
             results = dict(zip(missing, fresh))
             per_image = [results[i] if i in results else self._simulated[key] for i, key in enumerate(keys)]
             return {name: np.concatenate([r[name] for r in per_image]) for name in per_image[0]}
         return run
 
-    def _rebuild(self, bundle_dir: Path, manifest: dict, precision: str, pixel: np.ndarray) -> list[dict]:
-        """Build model.onnx again at this precision and simulate pixel (the toolkit cannot simulate a loaded .rknn)."""
-        from vlmprune.compiler.frontend import images
-        import vlmprune.targets.calibration as calibration
+    def _rebuild(self, bundle_dir: Path, manifest: dict, precision: str, pixel: np.ndarray,
+                 context: EmitContext | None) -> list[dict]:
+        """Build model.onnx again at this precision and simulate pixel (the toolkit cannot simulate a loaded .rknn).
 
+        context: what the pipeline handed the stages (compile's emit context, or check's): the int8 build's
+        calibration images come from it, as emit's did."""
         pre = manifest.preprocess
         mode = PRECISIONS[precision][0]
         with tempfile.TemporaryDirectory(prefix="vlmprune-rk3588-check-") as scratch:
@@ -262,8 +263,11 @@ class Rk3588Target(Target):
             samples = _save_samples(root / "image", pixel)
             dataset = None
             if mode != "fp16":
+                if context is None:
+                    raise InputError(f"rebuilding the {precision} .rknn needs its calibration images, which the "
+                                     "pipeline hands the stages (compile and check do)")
                 count = len(manifest.target.get("calibration", {}).get("images", [])) or CALIBRATION_COUNT
-                calib, _ = calibration.calibration_inputs(count, pre.size, pre.mean, pre.std, images)
+                calib, _ = context.calibration_inputs(count, pre.size)
                 dataset = _save_samples(root / "calib", calib)
             # model.onnx refers to weights.bin beside it, so it is read in place.
             response = self._worker(bundle_dir / MODEL, root / "build", mode, samples, dataset,

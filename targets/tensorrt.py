@@ -205,7 +205,7 @@ class TensorRTTarget(Target):
                           "note": "the plugin's semantics over the same kernels (CPU), for parity off the device"},
         }
 
-    def stages(self, bundle_dir: Path, manifest: dict) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
         from vlmprune.targets.runtime import ort_session, run_session
 
         bundle_dir = Path(bundle_dir)
@@ -214,7 +214,7 @@ class TensorRTTarget(Target):
         libs = (bundle_dir / HOST_TWIN,) if fused else ()
 
         def on_cpu(name: str):
-            return lambda pixel_values: run_session(ort_session(bundle_dir / name, libs), pixel_values)
+            return lambda pixel, feeds=None: run_session(ort_session(bundle_dir / name, libs), pixel, feeds)
 
         what = "the plugin's host twin" if fused else "standard ops"
         # --scorer int8: the VlmpClsScore decision is INT8, so kept indices are held to the 8-bit agreement (as on ort).
@@ -235,12 +235,12 @@ class TensorRTTarget(Target):
         runner = engine_lib.EngineRunner(bundle_dir)
         described = f"TensorRT {runner.trt.__version__} engine ({engine_lib.ENGINE}, {runner.precision})"
         if len(runner.inputs) == 1:
-            return runner, described
+            return (lambda pixel, feeds=None: runner(pixel)), described
         from vlmprune.targets.runtime import optional_feed
 
-        # text_embeds: the rows compiler.prompt's feeding() gives (as run_session feeds ORT), width from the engine
+        # text_embeds: the caller's rows (as run_session feeds ORT), checked against the engine's width
         metas = [_InputMeta(n, tuple(runner.engine.get_tensor_shape(n))) for n in runner.inputs[1:]]
-        return (lambda pixel: runner(pixel, optional_feed(metas, pixel))), described
+        return (lambda pixel, feeds=None: runner(pixel, optional_feed(metas, pixel, feeds))), described
 
     def readme(self, manifest: dict) -> str:
         return _readme(self.platform, manifest)
@@ -304,10 +304,10 @@ class _LazyEngine:
         record = json.loads((self.bundle_dir / engine_lib.ENGINE_RECORD).read_text())
         return record.get("precision", "fp16")
 
-    def __call__(self, pixel_values):
+    def __call__(self, pixel_values, feeds=None):
         if self.runner is None:
             self.runner = engine_lib.EngineRunner(self.bundle_dir)
-        return self.runner(pixel_values)
+        return self.runner(pixel_values)  # the pixels only: the engine stage feeds no other input (runner() does)
 
 
 def write_qdq_model(out_dir: Path, fusion, ops, context: EmitContext) -> dict:

@@ -95,6 +95,39 @@ def test_imports_run_down_the_data_flow(path, line, own, theirs, imported):
         f"flow ({' -> '.join(FLOW)})")
 
 
+FRONTEND = "vlmprune.compiler.frontend"
+# Below the frontend in what they know, though after it in the flow: the passes and the methods see a graph and the
+# contract's vocabulary, the targets a graph, an emit context and the feeds their caller built (issue 33 §2).
+MODEL_BLIND = ("passes", "targets")
+
+
+def _frontend_imports():
+    for module, path in MODULES.items():
+        if path.relative_to(REPO).parts[0] in MODEL_BLIND:
+            for line, imported in _imports(path):
+                if imported == FRONTEND or imported.startswith(FRONTEND + "."):
+                    yield f"{path.relative_to(REPO)}:{line} imports {imported}"
+
+
+def test_passes_and_targets_import_no_frontend_module():
+    """The flow allows it (the frontend is its first step), the design does not: a method reads the shared vocabulary
+    (capabilities, site names, SiteTensors, crop budgets) from compiler.contract, a target gets what it needs of the
+    model from the pipeline (EmitContext: the preprocessing, the calibration images, their ROI) and a runner its
+    inputs beside the pixels as feeds from its caller. Function-local imports count: they are the same dependency."""
+    found = list(_frontend_imports())
+    assert not found, ("passes/ and targets/ import nothing of vlmprune.compiler.frontend: move a shared name into "
+                       "compiler/contract.py, or have the pipeline hand it down (EmitContext, a runner's feeds):\n"
+                       + "\n".join(found))
+
+
+def test_the_frontend_check_sees_function_local_imports(tmp_path):
+    """_imports walks the whole module: an import inside a function is found as one at the top is."""
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from vlmprune.compiler.frontend import images\n"
+                      "    import vlmprune.compiler.frontend.roi_input\n")
+    assert [i for _, i in _imports(module)] == [FRONTEND, f"{FRONTEND}.images", f"{FRONTEND}.roi_input"]
+
+
 def test_standalone_scripts_import_nothing_of_vlmprune():
     for name in STANDALONE:
         path = next(p for p in MODULES.values() if p.name == name)

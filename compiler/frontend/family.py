@@ -26,36 +26,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from vlmprune.compiler.contract import FRAMES_META
+# The capabilities families and methods share live in the contract (methods import them from there): re-exported.
+from vlmprune.compiler.contract import (CLS_TOKEN, CROPS, FEATURE_LAYER, FRAME_TOWER, FRAMES_META,  # noqa: F401
+                                         MERGED_TOKENS, PATCH_TOKENS, POOLING_HEAD, VIDEO, Capability)
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import export_onnx
 from vlmprune.compiler.frontend.images import UPSCALE_WARNING, load_image_file, parity_inputs
 from vlmprune.compiler.frontend.source import Source
 from vlmprune.compiler.frontend.tower import BLOCK
-
-
-@dataclasses.dataclass(frozen=True)
-class Capability:
-    """Something a family's models have that a method may need; `phrase` names the models that have it."""
-
-    name: str
-    phrase: str  # formatted with the families' own names for them
-
-
-# The vocabulary families and methods share (methods import it from here; the frontend imports no method).
-PATCH_TOKENS = Capability("tokens", "every family (no [CLS] needed: {})")  # what every method needs
-CLS_TOKEN = Capability("cls", "towers with a [CLS] token ({})")
-POOLING_HEAD = Capability("head", "{}")  # an attention-pooling head (SigLIP's): --score probe
-MERGED_TOKENS = Capability("merged", "{} merged tokens")  # features that merge patches (Qwen2-VL's 2x2)
-VIDEO = Capability("video", "{} video (compile --video-frames F)")  # several frames' tokens, frame by frame
-# A video tower that runs each frame alone, as a still image (the frames its batch): a method can act inside it
-# per frame (evs-encoder); Qwen's temporal patches mix two frames in one token and are not this.
-FRAME_TOWER = Capability("frame_tower", "{} video, its tower run frame by frame (compile --video-frames F)")
-CROPS = Capability("crops", "{}'s crops")  # several crops of one image, pruned under one budget
-# One grid of patches whose feature layer's tokens map one to one onto the projector output (no patch merging, no
-# crops): what a method that reads both needs (cdpruner's similarity and relevance).
-FEATURE_LAYER = Capability("feature_layer", "single-grid towers whose feature layer is one to one with the features "
-                                            "({})")
 
 
 def image_positions(offset: int, dense_tokens: int, prefix: int, kept: np.ndarray | None, extra: int,

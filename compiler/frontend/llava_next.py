@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlmprune.compiler.contract import CROP_BUDGETS, CROP_EQUAL, CROP_PROPORTIONAL
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
@@ -60,8 +61,8 @@ from vlmprune.compiler.frontend.tower import VisionPipeline
 from vlmprune.compiler.frontend.video import ClipInput
 
 
-PROPORTIONAL, EQUAL = "proportional", "equal"
-BUDGETS = (PROPORTIONAL, EQUAL)  # --crop-budget: how K is split over the crops (passes.methods.crops)
+# --crop-budget: how K is split over the crops (passes.methods.crops); the names live in the contract
+PROPORTIONAL, EQUAL, BUDGETS = CROP_PROPORTIONAL, CROP_EQUAL, CROP_BUDGETS
 
 
 def parse_grid(text: str) -> tuple[int, int]:

@@ -1,27 +1,21 @@
-"""The prompt input's feed for the runners: what a graph's `text_embeds` gets (vlmprune.compiler.prompt's seam).
+"""Parity's prompt input: the fixed-seed rows a prompt-aware graph's `text_embeds` gets in parity.
 
-Every target's runner feeds a session through targets.runtime.run_session, which asks text_feed() here for
-a prompt-aware graph's rows; a `feeding(...)` block says what they are: PARITY (parity's fixed-seed rows,
-parity_text), or the rows `run --prompt`, `generate` and `eval` computed from the checkpoint
-(compiler.prompt). It lives in the frontend, beside parity's images (frontend.images), not with the
-run-time code that uses it, because parity and the targets' runners read it and imports run down
-the data flow; compiler.prompt re-exports it.
+Every target's runner takes the inputs beside the pixels as explicit feeds (targets.runtime.run_session);
+the caller that knows them builds them: parity its fixed-seed rows here (parity_text, parity_text_feed), `run
+--prompt`, `generate` and `eval` the prompt's rows (compiler.prompt). It lives in the frontend, beside parity's
+images (frontend.images), because parity's reference and the pipeline read it and imports run down the data
+flow; compiler.prompt re-exports it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import zlib
 
 import numpy as np
 
 from vlmprune.compiler.contract import TEXT
-from vlmprune.compiler.errors import InputError
 
 PARITY_TOKENS = 8  # text rows per image that parity feeds
-PARITY = "parity"  # feeding(PARITY): parity_text's rows
-_given: contextvars.ContextVar[np.ndarray | str | None] = contextvars.ContextVar("vlmprune_text_embeds", default=None)
 
 
 def parity_text(pixel_values: np.ndarray, dim: int, tokens: int = PARITY_TOKENS) -> np.ndarray:
@@ -31,35 +25,13 @@ def parity_text(pixel_values: np.ndarray, dim: int, tokens: int = PARITY_TOKENS)
     return np.stack(rows).astype(np.float32) if rows else np.zeros((0, tokens, dim), np.float32)
 
 
-@contextlib.contextmanager
-def feeding(text_embeds: np.ndarray | str | None):
-    """Feed these rows ([B, T, D], or [T, D] for every image; PARITY: parity_text's) to text_embeds in the block.
-
-    None: nothing (a bundle without the input); a graph with the input then refuses to run in one line."""
-    token = _given.set(text_embeds if text_embeds is None or isinstance(text_embeds, str)
-                       else np.asarray(text_embeds, dtype=np.float32))
-    try:
-        yield
-    finally:
-        _given.reset(token)
-
-
-def text_feed(pixel_values: np.ndarray, dim: int) -> np.ndarray:
-    """What text_embeds gets for this batch: the rows given by feeding() (PARITY: parity_text's)."""
-    given = _given.get()
-    batch = len(pixel_values)
-    if given is None:
-        raise InputError(f"this bundle takes the prompt as its {TEXT} input (a prompt-aware method), and this "
-                         "caller gives none (vlmprune run --prompt, generate and eval give it)")
-    if isinstance(given, str):
-        return parity_text(pixel_values, dim)
-    if given.ndim == 2:
-        given = np.broadcast_to(given, (batch, *given.shape))
-    if given.ndim != 3 or given.shape[0] != batch or given.shape[2] != dim:
-        raise InputError(f"{TEXT} must be [{batch}, T, {dim}] for this batch, got {list(given.shape)}")
-    return np.array(given, dtype=np.float32)  # a copy: writable, never the caller's array
+def parity_text_feed(pixel_values: np.ndarray, inputs) -> dict[str, np.ndarray]:
+    """{text_embeds: parity_text's rows} where inputs (a graph's or a manifest's: name and shape) have the input,
+    as wide as it; {} where they have none."""
+    found = next((i for i in inputs if i.name == TEXT), None)
+    return {} if found is None else {TEXT: parity_text(pixel_values, list(found.shape)[-1])}
 
 
 def empty_prompt(dim: int) -> np.ndarray:
-    """No prompt: zero rows [0, dim] (see the module docstring)."""
+    """No prompt: zero rows [0, dim] (see compiler.prompt's docstring)."""
     return np.zeros((0, dim), np.float32)

@@ -1,29 +1,22 @@
-"""The ROI inputs' feed for the runners: what a graph's `roi_mask`, or `roi_boxes` + `roi_count`, get.
+"""Parity's ROI inputs: the fixed-seed `roi_mask`, or `roi_boxes` + `roi_count`, an --roi graph gets in parity.
 
-vlmprune.compiler.roi's seam (its docstring has the whole story): targets.runtime.run_session asks roi_feed()
-for an --roi graph's inputs, and a `feeding(...)` block says what they are (PARITY: the fixed-seed ROI of
-parity_roi; a region `run --roi-box/--roi-mask` gave; NONE). forced_numpy() and forced_check() are the forced
-set in numpy and parity's verdict on it. It lives in the frontend, beside parity's images (frontend.images),
-not with the run-time code that uses it, because parity and the targets' runners read it and imports run down
-the data flow; compiler.roi re-exports it.
+vlmprune.compiler.roi's seam (its docstring has the whole story): every target's runner takes the inputs beside
+the pixels as explicit feeds (targets.runtime.run_session), and the caller builds them: parity the fixed-seed ROI
+of parity_roi (parity_roi_feed), `run --roi-box/--roi-mask` the region its flags give; none is no region.
+forced_numpy() and forced_check() are the forced set in numpy and parity's verdict on it. It lives in the
+frontend, beside parity's images (frontend.images), because parity and the pipeline (the quantizing targets'
+calibration samples) read it and imports run down the data flow; compiler.roi re-exports it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import zlib
 
 import numpy as np
 
-from vlmprune.compiler.contract import ROI_BOXES, ROI_COUNT, ROI_MASK
-from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.contract import ROI_BOXES, ROI_COUNT, ROI_INPUTS, ROI_MASK  # noqa: F401  (re-exported)
 
-ROI_INPUTS = (ROI_MASK, ROI_BOXES, ROI_COUNT)
-PARITY = "parity"
-NONE = "none"  # feeding(NONE): no region
 _SALT = 0x524F4921  # "ROI!": the parity ROI's seeds apart from compiler.prompt's text rows
-_given: contextvars.ContextVar[dict | str] = contextvars.ContextVar("vlmprune_roi", default=NONE)
 
 
 def kind_of(names) -> str | None:
@@ -64,49 +57,13 @@ def parity_roi(pixel_values: np.ndarray, kind: str, max_boxes: int | None = None
     return {ROI_BOXES: boxes, ROI_COUNT: np.ones(batch, np.int64)}
 
 
-def no_roi(batch: int, shapes: dict[str, list]) -> dict[str, np.ndarray]:
-    """No region: an empty mask, or no valid box."""
-    if ROI_MASK in shapes:
-        return {ROI_MASK: np.zeros((batch, *shapes[ROI_MASK][1:]), np.float32)}
-    return {ROI_BOXES: np.zeros((batch, *shapes[ROI_BOXES][1:]), np.float32), ROI_COUNT: np.zeros(batch, np.int64)}
-
-
-# ---------------------------------------------------------------------------- feeding
-
-
-@contextlib.contextmanager
-def feeding(roi: dict | str | None):
-    """Feed this ROI in the block: {name: array} (leading axis 1 broadcasts over the batch), PARITY, or NONE (also
-    None: a bundle without ROI inputs, or no region)."""
-    token = _given.set(NONE if roi is None else roi)
-    try:
-        yield
-    finally:
-        _given.reset(token)
-
-
-def roi_feed(pixel_values: np.ndarray, shapes: dict[str, list]) -> dict[str, np.ndarray]:
-    """What a graph's ROI inputs (name -> shape, as its session lists them) get for this batch: the block's
-    feeding()."""
-    given = _given.get()
-    batch = len(pixel_values)
-    if isinstance(given, str):
-        if given == NONE:
-            return no_roi(batch, shapes)
-        slots = shapes[ROI_BOXES][1] if ROI_BOXES in shapes else None
-        return parity_roi(pixel_values, kind_of(shapes), slots)
-    if set(given) != set(shapes):
-        raise InputError(f"this bundle's ROI inputs are {', '.join(sorted(shapes))}; given {', '.join(sorted(given))}")
-    out = {}
-    for name, value in given.items():
-        value = np.asarray(value)
-        if value.shape[:1] == (1,) and batch != 1:
-            value = np.repeat(value, batch, axis=0)
-        out[name] = np.array(value, dtype=np.int64 if name == ROI_COUNT else np.float32)
-        want = [batch, *shapes[name][1:]]
-        if list(out[name].shape) != want:  # the dimensions after the batch are static (M, H, W)
-            raise InputError(f"{name} must be {want} for this batch, got {list(out[name].shape)}")
-    return out
+def parity_roi_feed(pixel_values: np.ndarray, inputs) -> dict[str, np.ndarray]:
+    """parity_roi's arrays for the ROI inputs among inputs (a graph's or a manifest's: name and shape); {} where
+    they have none."""
+    shapes = {i.name: list(i.shape) for i in inputs if i.name in ROI_INPUTS}
+    if not shapes:
+        return {}
+    return parity_roi(pixel_values, kind_of(shapes), shapes[ROI_BOXES][1] if ROI_BOXES in shapes else None)
 
 
 # ---------------------------------------------------------------------------- the forced set, checked

@@ -4,7 +4,7 @@ Every Hugging Face family whose tower is a stack of pre-norm ViT blocks (CLIP, S
 DINOv2, and the LLaVA models built on them) runs through VisionPipeline: the dense forward
 is the model's own image-feature path (the parity reference of `--no-prune`, tested
 against transformers), and with_pruner() runs a pruning method at its site, handing it the
-tensors it needs (SiteTensors). A family adapter says how its modules are laid out
+tensors it needs (SiteTensors, a plain record in compiler.contract). A family adapter says how its modules are laid out
 (TowerParts: the embeddings, the blocks and, per block, its norms, projections and layer
 scales); the block arithmetic is the same for all of them, written here once. The frontend
 knows nothing of methods: a pruner is any callable with a site; compiler.parity.reference builds them.
@@ -21,34 +21,7 @@ import torch
 from torch import nn
 
 from vlmprune.compiler.contract import SITE_BLOCK as BLOCK, SITE_FEATURES as FEATURES  # the pruning sites
-
-
-@dataclasses.dataclass
-class SiteTensors:
-    """What a pruner gets at its site, all torch tensors of one batch.
-
-    prefix: the leading tokens that are not patches ([CLS], then DINOv2's register tokens):
-    never pruned, never counted in K, passed through in front of the kept tokens.
-    """
-
-    hidden: torch.Tensor  # [B, prefix + N, D]
-    has_cls: bool
-    q: torch.Tensor | None = None  # [B, H, T, dh], block L's projected queries
-    k: torch.Tensor | None = None  # [B, H, T, dh]
-    scale: float | None = None  # the block's attention scale
-    pixel_values: torch.Tensor | None = None  # [B, C, H, W], normalised
-    patch_size: int | None = None
-    prefix: int | None = None  # None: 1 with a [CLS] token, else 0
-    head: PoolingHead | None = None  # the tower's attention-pooling head, where it has one (BLOCK sites)
-    layer: int | None = None  # the block after which the site is (BLOCK sites)
-    # The original patch index of each patch token present, where an earlier call of the same pruner (a pruner with
-    # several `layers`) has pruned some: [B, N_s] int64; None: all N patches, in order.
-    patch_ids: torch.Tensor | None = None
-    frames: int = 1  # a video's frames: the N patches are frames x tokens per frame, frame by frame
-
-    def __post_init__(self):
-        if self.prefix is None:
-            self.prefix = int(self.has_cls)
+from vlmprune.compiler.contract import SiteTensors  # what a pruner gets: a plain record (re-exported)
 
 
 @dataclasses.dataclass

@@ -25,9 +25,16 @@ import torch
 
 from vlmprune.compiler.parity.reference import FEATURES, KEPT, NUM_TOKENS, Reference
 from vlmprune.compiler.frontend import roi_input as roi
-from vlmprune.compiler.frontend.prompt_input import PARITY, feeding
+from vlmprune.compiler.frontend.prompt_input import parity_text_feed
 from vlmprune.passes.methods.base import GREEDY
 from vlmprune.passes.methods.selection import TIE_SHARE_MAX, boundary_ties, tie_band
+
+
+def parity_feeds(pixel_values: np.ndarray, inputs) -> dict[str, np.ndarray]:
+    """What parity feeds a graph beside the pixels, [B, ...] each, for the inputs among `inputs` (a manifest's or a
+    graph's: name and shape): a prompt-aware graph's text_embeds, an --roi graph's ROI, the fixed-seed ones
+    (compiler.prompt, compiler.roi). The stages' runners get them explicitly (compiler.pipeline.in_chunks)."""
+    return {**parity_text_feed(pixel_values, inputs), **roi.parity_roi_feed(pixel_values, inputs)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,14 +312,13 @@ def run_stage(stage: str, runtime: str, precision: str, run: Callable[[np.ndarra
               output_overrides: dict[str, dict] | None = None) -> StageResult:
     """Run one stage's candidate on the parity inputs and compare every output the reference has.
 
-    overrides: Tolerance fields for the whole stage; output_overrides: per output name
-    (parse_overrides), recorded beside that output's figures.
+    run: the candidate, a callable of the pixels with the inputs beside them bound (parity_feeds: the fixed-seed
+    prompt rows and ROI, compiler.pipeline.in_chunks). overrides: Tolerance fields for the whole stage;
+    output_overrides: per output name (parse_overrides), recorded beside that output's figures.
     """
     tol = tolerance_for(precision, overrides)
     try:
-        # a prompt-aware graph's text_embeds, an --roi graph's ROI: the fixed-seed ones (compiler.prompt, .roi)
-        with feeding(PARITY), roi.feeding(roi.PARITY):
-            outputs = run(pixel_values)
+        outputs = run(pixel_values)
     except Exception as exc:  # the candidate runtime failed: a failed stage, with its reason
         return StageResult(stage, runtime, precision, tol, False, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
     result = StageResult(stage, runtime, precision, tol, True)

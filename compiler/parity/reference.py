@@ -24,7 +24,7 @@ import torch
 from vlmprune.compiler.contract import FEATURES, KEPT, KEPT_POSITIONS, NUM_TOKENS, SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import Source
-from vlmprune.compiler.frontend.prompt_input import PARITY, feeding, text_feed
+from vlmprune.compiler.frontend.prompt_input import parity_text
 from vlmprune.compiler.frontend.roi_input import parity_roi
 from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
 from vlmprune.passes.graph.dataflow import consumers_downstream, producers_upstream
@@ -33,7 +33,7 @@ from vlmprune.passes.methods.base import Method, PromptSiteTensors
 from vlmprune.passes.methods.crops import CropBudget
 from vlmprune.passes.methods.roi import forced_reference
 from vlmprune.passes.graph.structure import find_tower_structure
-from vlmprune.targets.runtime import ort_session, run_session
+from vlmprune.targets.runtime import ort_session, run_session, text_rows
 
 @dataclasses.dataclass
 class MethodPruner:
@@ -140,7 +140,7 @@ def torch_reference(source: Source, record: PruneRecord | None, pixel: np.ndarra
     """
     x = torch.from_numpy(pixel)
     dense = dense_reference(source, pixel) if dense is None else dense
-    with torch.inference_mode(), feeding(PARITY):
+    with torch.inference_mode():
         if record is None:
             return dense, None
         pruner = pruner_for(record)
@@ -148,7 +148,7 @@ def torch_reference(source: Source, record: PruneRecord | None, pixel: np.ndarra
         pipeline = source.pipeline.with_pruner(pruner)
         needs = pruner.method.needs(record.params)
         if relevance.weight(record.params) > 0:  # --prompt-weight: the method's own path, and the prompt
-            pruner.text = torch.from_numpy(text_feed(pixel, dense.outputs[FEATURES].shape[-1]))
+            pruner.text = torch.from_numpy(parity_text(pixel, dense.outputs[FEATURES].shape[-1]))
         if needs.tower_features or needs.text and pruner.text is None:  # the feature layer and text_embeds too
             feats, kept, pipeline.last_trace = prompt_site(source.pipeline, pruner, dense.outputs[FEATURES], pixel)
         # The tower's end: run it once, unless the method reads the last block's attention, which only forward has.
@@ -188,8 +188,12 @@ class _Capture:
         return tensors.hidden, torch.zeros(tensors.hidden.shape[0], 0, dtype=torch.long), {}
 
 
-def prompt_site(pipeline, pruner: MethodPruner, dense: np.ndarray, pixel: np.ndarray):
+def prompt_site(pipeline, pruner: MethodPruner, dense: np.ndarray, pixel: np.ndarray,
+                text: np.ndarray | None = None):
     """A FEATURES-site method that also reads the feature layer's hidden states and text_embeds, in fp64.
+
+    text: the prompt's rows ([T, D] for every image, or [B, T, D]) as a bundle's runner is fed them; None: parity's
+    fixed-seed rows (parity_text).
 
     fp64 so that parity names the greedy step where the fp32 graph parts from exact arithmetic
     (its margin), rather than comparing two fp32 roundings. The kept rows are copies: exact in fp32 again.
@@ -204,7 +208,9 @@ def prompt_site(pipeline, pruner: MethodPruner, dense: np.ndarray, pixel: np.nda
     prefix = 0 if getattr(pipeline, "drop_cls", True) else pipeline.prefix
     # text_embeds is as wide as the projector output (the LLM's width): what the graph's input takes
     needs_text = needs.text
-    text = torch.from_numpy(text_feed(pixel, dense.shape[-1])).double() if needs_text else None
+    if needs_text:
+        rows = parity_text(pixel, dense.shape[-1]) if text is None else text_rows(text, len(pixel), dense.shape[-1])
+    text = torch.from_numpy(rows).double() if needs_text else None
     tensors = PromptSiteTensors(torch.from_numpy(dense).double(), getattr(pipeline, "has_cls", False) and prefix > 0,
                                 prefix=prefix,
                                 features=None if capture.hidden is None else capture.hidden.double(), text=text)
@@ -243,8 +249,7 @@ def onnx_reference(dense_path: Path, record: PruneRecord | None, pixel: np.ndarr
     double = lambda name: torch.from_numpy(out[name]).double()  # noqa: E731
     needs_text = pruner.method.needs(record.params).text
     if block is None and (last is not None or needs_text):  # a prompt-aware method (see prompt_site)
-        with feeding(PARITY):
-            text = torch.from_numpy(text_feed(pixel, dense.shape[-1])).double() if needs_text else None
+        text = torch.from_numpy(parity_text(pixel, dense.shape[-1])).double() if needs_text else None
         tensors = PromptSiteTensors(double(features.name), record.has_cls, prefix=record.prefix,
                                     features=None if last is None else double(last.name), text=text)
     elif block is None:

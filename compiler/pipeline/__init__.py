@@ -46,7 +46,7 @@ from vlmprune.passes.methods.dense import Dense
 from vlmprune.passes.positions import with_positions
 from vlmprune.passes.prune import prune_record
 from vlmprune.targets import get_target
-from vlmprune.targets.base import Target
+from vlmprune.targets.base import EmitContext, Target
 from vlmprune.targets.runtime import ort_session, run_session
 
 Progress = Callable[[str], None]
@@ -108,8 +108,8 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
         batch = _parity_batch(_io(decomposed.graph.inputs)[0]["shape"][0], options.batch)
         pixel, _ = family.parity_pixels(source, batch.images)
         timer.step(f"emit target {target.name}")
-        target_fields = target.emit(decomposed, tmp, emit_context(plan.config, options, plan.target_options, source,
-                                                                  pixel))
+        context = emit_context(plan.config, options, plan.target_options, source, pixel)
+        target_fields = target.emit(decomposed, tmp, context)
         manifest = Manifest(_manifest(source, family, options, plan, record, decomposed, target_fields))
         if keep_auto is not None:  # the K -> latency curve --keep auto chose K on
             manifest = manifest.extended(keep_auto=keep_auto)
@@ -117,7 +117,7 @@ def compile_model(model: str, output: Path, options: CompileOptions, progress: P
         if options.with_llm:  # the language model's graphs beside the tower's (hashed like every file)
             manifest = manifest.extended(llm_graphs=llm_export.emit_llm(model, manifest, options, tmp, timer.step))
         timer.step("parity")
-        report = _parity(source, family, dense_path, tmp, manifest, target, batch, progress=timer.step)
+        report = _parity(source, family, dense_path, tmp, manifest, target, batch, context, progress=timer.step)
         dense_path.unlink()
         manifest = manifest.extended(parity={"passed": report.passed, "stages": report.summary()})
         (tmp / PARITY).write_text(json.dumps(report.to_json(), indent=2) + "\n")
@@ -152,10 +152,13 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
                          if model is None else
                          f"--model {model} is not the bundle's source {manifest.model.source} "
                          "(content hash differs)")
+    # what a target's stages get of the source, as its emit did (rk3588 rebuilds its .rknn with calibration images)
+    pixel, _ = family.parity_pixels(source, parity_batch.images)
+    context = emit_context(None, options, dict(options.target_options or {}), source, pixel)
     with tempfile.TemporaryDirectory(prefix="vlmprune-") as scratch:
         dense_model(source, family, options, Path(scratch), timer)
         timer.step("parity")
-        report = _parity(source, family, Path(scratch) / DENSE, bundle_dir, manifest, target, parity_batch,
+        report = _parity(source, family, Path(scratch) / DENSE, bundle_dir, manifest, target, parity_batch, context,
                          progress=timer.step, tolerances=tolerances)
     if manifest.llm_graphs:
         timer.step("LLM parity (the bundle's language-model graphs against the reference decoder)")
@@ -242,26 +245,32 @@ def _features_keep_cls(model: ir.Model, record: PruneRecord | None) -> bool | No
 # ------------------------------------------------------------------------ parity
 
 
-def in_chunks(run, chunk: int):
-    """run over a batch `chunk` images at a time (a static-batch graph takes only its own batch)."""
+def in_chunks(run, chunk: int, feeds: dict[str, np.ndarray] | None = None):
+    """run over a batch `chunk` images at a time (a static-batch graph takes only its own batch), a callable of the
+    pixels: feeds ([B, ...] each, one row per image: parity.parity_feeds) go to every call, cut like the pixels."""
+    feeds = feeds or {}
+
     def chunked(pixel: np.ndarray) -> dict[str, np.ndarray]:
         if len(pixel) <= chunk:
-            return run(pixel)
-        outs = [run(pixel[i: i + chunk]) for i in range(0, len(pixel), chunk)]
+            return run(pixel, feeds)
+        outs = [run(pixel[i: i + chunk], {name: value[i: i + chunk] for name, value in feeds.items()})
+                for i in range(0, len(pixel), chunk)]
         return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
     return chunked
 
 
 def _parity(source: Source, family: Family, dense_path: Path, bundle_dir: Path, manifest: Manifest, target: Target,
-            batch: ParityBatch,
+            batch: ParityBatch, context: EmitContext,
             progress: Progress, tolerances: dict[str, dict] | None = None) -> parity.ParityReport:
     pixel, described = family.parity_pixels(source, batch.images)
     described["chunk"] = batch.chunk
     record = manifest.record
     stages: list[parity.StageResult] = []
+    # what every stage's runner gets beside the pixels: the fixed-seed prompt rows and ROI, for the inputs it has
+    feeds = parity.parity_feeds(pixel, manifest.inputs)
 
     def ort_file(path: Path):
-        return in_chunks(lambda x: run_session(ort_session(path), x), batch.chunk)
+        return in_chunks(lambda x, fed: run_session(ort_session(path), x, fed), batch.chunk, feeds)
 
     if family.torch_reference:
         dense_ref = cache.dense_reference(dense_path, pixel, lambda: reference.dense_reference(source, pixel), progress)
@@ -273,16 +282,18 @@ def _parity(source: Source, family: Family, dense_path: Path, bundle_dir: Path, 
         progress(_line(stages[-1]))
         expected = dense_ref if pruned_ref is None else pruned_ref
     else:  # an .onnx source: the original graph is the reference
-        expected = reference.onnx_reference(dense_path, record, pixel, lambda run: in_chunks(run, batch.chunk))
+        expected = reference.onnx_reference(dense_path, record, pixel,
+                                            lambda run: in_chunks(lambda x, _fed: run(x), batch.chunk))
     progress("stage rewritten")
     stages.append(parity.run_stage("rewritten", "onnxruntime CPU (model.decomposed.onnx)", "fp32",
                                    ort_file(bundle_dir / DECOMPOSED), pixel, expected,
                                    output_overrides=tolerances))
     progress(_line(stages[-1]))
-    for spec in target.stages(bundle_dir, manifest):
+    for spec in target.stages(bundle_dir, manifest, context):
         progress(f"stage {spec.stage}")
-        stages.append(parity.run_stage(spec.stage, spec.runtime, spec.precision, in_chunks(spec.run, batch.chunk),
-                                       pixel, expected, output_overrides=tolerances))
+        stages.append(parity.run_stage(spec.stage, spec.runtime, spec.precision,
+                                       in_chunks(spec.run, batch.chunk, feeds), pixel, expected,
+                                       output_overrides=tolerances))
         progress(_line(stages[-1]))
     return parity.ParityReport(described, stages, parity.reference_summary(expected))
 

@@ -17,7 +17,8 @@ import onnx_ir as ir
 import vlmprune.compiler.pipeline.cache as cache
 from vlmprune.compiler.contract import DEFAULT_KEEP, DEFAULT_OPSET, DENSE
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend import DenseRequest, Family, Source, check_family_options, images, load_fixed
+from vlmprune.compiler.frontend import (DenseRequest, Family, Source, check_family_options, images, load_fixed,
+                                       roi_input)
 from vlmprune.compiler.llm import export as llm_export
 from vlmprune.compiler.pipeline.timings import StageTimer
 from vlmprune.passes.methods import DEFAULT_METHOD, budget, get_method, schedule
@@ -132,7 +133,8 @@ def dense_model(source: Source, family: Family, options: CompileOptions, folder:
 
 def emit_context(config: PruneConfig | None, options: CompileOptions, target_options: dict, source: Source,
                  pixel: np.ndarray) -> EmitContext:
-    """What a target's emit is handed: of the source, what calibration needs; the frontend's preprocessing for the
-    targets' calibration images (frontend.images)."""
+    """What a target's emit (and its parity stages) is handed: of the source, what calibration needs; the frontend's
+    preprocessing for the targets' calibration images (frontend.images), and the fixed-seed ROI their calibration
+    samples carry beside them (frontend.roi_input: parity's)."""
     return EmitContext(config, options, target_options, source.image_size, tuple(source.mean), tuple(source.std),
-                       images, pixel)
+                       images, pixel, roi_input.parity_roi_feed)

@@ -25,10 +25,9 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import PROBE_KEEP, SITE_FEATURES, PruneRecord
+from vlmprune.compiler.contract import (CLS_TOKEN, PATCH_TOKENS, PROBE_KEEP, SITE_BLOCK as BLOCK, SITE_FEATURES,
+                                         Capability, PruneRecord, SiteTensors)
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Capability
-from vlmprune.compiler.frontend.tower import BLOCK, SiteTensors
 # The generic options every method takes (Method.parse, check, __init_subclass__): modules below this one, which
 # import nothing of it (imports run one way: tests/test_layers.py); the option value checks and the selection kinds
 # they share live below it too, and are re-exported here.
@@ -295,7 +294,7 @@ class Method(abc.ABC):
 
     def serves(self) -> tuple[tuple[Capability, str], ...]:
         """What the method needs of a model, for `vlmprune methods`: (capability, the options that use it) pairs,
-        any one of which serves (compiler.frontend.family; the families say which have it). By default what
+        any one of which serves (compiler.contract's capabilities; the families say which have them). By default what
         needs() says: a [CLS] token, or patch tokens only."""
         return ((CLS_TOKEN if self.needs(self.parse(PROBE_KEEP, {})).cls else PATCH_TOKENS, ""),)
 

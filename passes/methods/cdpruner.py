@@ -52,9 +52,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import NORM_EPS, SITE_FEATURES
+from vlmprune.compiler.contract import FEATURE_LAYER, NORM_EPS, SITE_FEATURES
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.family import FEATURE_LAYER
 from vlmprune.passes.methods.base import (GREEDY, Formulation, GraphInputs, Method, Needs, SiteTensors,
                                            TorchResult, finite_option)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS, add_loop, loop_body

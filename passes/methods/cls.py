@@ -34,9 +34,8 @@ import onnx_ir as ir
 import torch
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from vlmprune.compiler.contract import SITE_FEATURES, PruneRecord
+from vlmprune.compiler.contract import CROPS, SITE_FEATURES, PruneRecord
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.family import CROPS
 from vlmprune.passes.graph.dataflow import const_array
 import vlmprune.passes.methods.attention as attention
 import vlmprune.passes.methods.probe as probe

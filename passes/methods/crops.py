@@ -35,9 +35,9 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import SCORE_EPS
+from vlmprune.compiler.contract import CROP_BUDGETS as BUDGETS, CROP_EQUAL as EQUAL, SCORE_EPS
+from vlmprune.compiler.contract import CROP_PROPORTIONAL as PROPORTIONAL
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.llava_next import BUDGETS, EQUAL, PROPORTIONAL
 from vlmprune.passes.methods import merge
 from vlmprune.passes.methods.base import (BLOCK, CROPS_EACH, CROPS_SCORED, GraphInputs, Method, Needs, SiteSpec,
                                           SiteTensors, TorchResult, int8_scorer)

@@ -32,9 +32,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import COSINE_EPS, SITE_FEATURES
+from vlmprune.compiler.contract import COSINE_EPS, SITE_FEATURES, VIDEO
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.family import VIDEO
 from vlmprune.passes.methods.base import (GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult,
                                            finite_option)
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS

@@ -51,7 +51,7 @@ import torch
 
 from vlmprune.compiler.contract import BATCH_META, RESTORED_META, TOKENS_META
 from vlmprune.compiler.errors import InputError, StructureError
-from vlmprune.compiler.frontend.family import FRAME_TOWER
+from vlmprune.compiler.contract import FRAME_TOWER
 from vlmprune.passes.methods.base import BLOCK, GraphInputs, Method, Needs, SiteSpec, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.evs import dissimilarity, emit_dissimilarity, parse_rate, retained_tokens

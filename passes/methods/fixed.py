@@ -22,9 +22,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import SITE_FEATURES
+from vlmprune.compiler.contract import PATCH_TOKENS, SITE_FEATURES
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.family import PATCH_TOKENS
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteSpec, SiteTensors, \
     TorchResult
 from vlmprune.passes.methods.builder import INT64_MAX, TOKENS

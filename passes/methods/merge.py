@@ -60,9 +60,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import NORM_EPS
+from vlmprune.compiler.contract import NORM_EPS, SITE_BLOCK as BLOCK
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.tower import BLOCK
 from vlmprune.passes.methods.builder import INT64_MAX, SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows, pruned_mask
 

@@ -30,8 +30,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import POOLING_HEAD
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.family import POOLING_HEAD
 from vlmprune.passes.methods.builder import INT64_MAX
 
 SCORES = ("cls", "probe")  # the values of --score

@@ -46,8 +46,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from vlmprune.compiler.contract import MERGED_TOKENS
 from vlmprune.compiler.errors import InputError, StructureError
-from vlmprune.compiler.frontend.family import MERGED_TOKENS
 import vlmprune.passes.methods.probe as probe
 from vlmprune.passes.graph.structure import scale_operand
 

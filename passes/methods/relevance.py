@@ -41,9 +41,8 @@ import math
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import NORM_EPS, SCORE_EPS
+from vlmprune.compiler.contract import NORM_EPS, SCORE_EPS, SITE_BLOCK as BLOCK
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.tower import BLOCK
 from vlmprune.passes.methods.selection import GREEDY
 
 NAME = "prompt_weight"

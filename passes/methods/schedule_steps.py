@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from vlmprune.compiler.contract import SITE_BLOCK as BLOCK
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend.tower import BLOCK
 from vlmprune.passes.methods.selection import BY_SCORE
 
 GENERIC = {

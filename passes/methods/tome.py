@@ -63,9 +63,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from vlmprune.compiler.contract import NORM_EPS, TOKENS_META
+from vlmprune.compiler.contract import FEATURE_LAYER, NORM_EPS, TOKENS_META
 from vlmprune.compiler.errors import InputError, StructureError
-from vlmprune.compiler.frontend.family import FEATURE_LAYER
 from vlmprune.passes.methods.base import BLOCK, BY_SCORE, GraphInputs, Method, Needs, SiteTensors, TorchResult
 from vlmprune.passes.methods.builder import SCORE, SELECT, TOKENS
 from vlmprune.passes.methods.selection import gather_rows

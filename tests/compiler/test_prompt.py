@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import onnx_ir as ir
@@ -13,14 +14,17 @@ from click.testing import CliRunner
 
 from vlmprune.compiler import api
 from vlmprune.compiler.cli import main
+from vlmprune.compiler.contract import TEXT
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import family_for, load_source
 from vlmprune.compiler.generate import load_vlm
 from vlmprune.compiler.parity.reference import MethodPruner, prompt_site
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
-from vlmprune.compiler.prompt import PARITY, feeding, parity_text, prompt_embeds, text_feed
+from vlmprune.compiler.parity import parity_feeds
+from vlmprune.compiler.prompt import parity_text, prompt_embeds
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.prune import prune_record
+from vlmprune.targets.runtime import optional_feed
 
 KEEP = 16
 
@@ -41,9 +45,9 @@ def _reference_kept(model_dir, pixel: np.ndarray, rows: np.ndarray) -> np.ndarra
     method = get_method("cdpruner")
     params = method.parse(KEEP, {})
     pruner = MethodPruner(method, params, "features", None)
-    with torch.inference_mode(), feeding(rows):
+    with torch.inference_mode():
         dense = source.pipeline(torch.from_numpy(pixel)).numpy()
-        _, kept, _ = prompt_site(source.pipeline, pruner, dense, pixel)
+        _, kept, _ = prompt_site(source.pipeline, pruner, dense, pixel, rows)
     return kept.numpy()
 
 
@@ -53,14 +57,23 @@ def test_parity_rows_are_per_image_and_do_not_depend_on_chunking():
     assert whole.shape == (3, 8, 16) and whole.dtype == np.float32
     np.testing.assert_array_equal(np.concatenate([parity_text(pixel[i:i + 1], 16) for i in range(3)]), whole)
     assert not np.allclose(whole[0], whole[1])
-    with feeding(PARITY):
-        np.testing.assert_array_equal(text_feed(pixel, 16), whole)
+    inputs = [SimpleNamespace(name=TEXT, shape=[3, "T", 16])]
+    np.testing.assert_array_equal(parity_feeds(pixel, inputs)[TEXT], whole)  # what parity feeds the runners
+    assert parity_feeds(pixel, []) == {}  # a graph without the input gets none
+
+
+def test_runners_take_the_prompt_as_an_explicit_feed():
+    """targets.runtime.optional_feed: the caller's rows checked against the graph's input; none is refused."""
+    pixel = np.zeros((3, 3, 8, 8), np.float32)
+    inputs = [SimpleNamespace(name=TEXT, shape=[3, "T", 16])]
     with pytest.raises(InputError, match="takes the prompt as its text_embeds input"):
-        text_feed(pixel, 16)
-    with feeding(np.zeros((2, 4, 16), np.float32)), pytest.raises(InputError, match=r"must be \[3, T, 16\]"):
-        text_feed(pixel, 16)
-    with feeding(np.ones((4, 16), np.float32)):  # one prompt for every image
-        assert text_feed(pixel, 16).shape == (3, 4, 16)
+        optional_feed(inputs, pixel)
+    with pytest.raises(InputError, match=r"must be \[3, T, 16\]"):
+        optional_feed(inputs, pixel, {TEXT: np.zeros((2, 4, 16), np.float32)})
+    rows = np.ones((4, 16), np.float32)
+    fed = optional_feed(inputs, pixel, {TEXT: rows})[TEXT]  # one prompt for every image
+    assert fed.shape == (3, 4, 16) and fed.dtype == np.float32 and fed.flags.writeable
+    assert optional_feed([], pixel, {TEXT: rows}) == {}  # a feed for an input the graph lacks is left out
 
 
 def test_the_bundle_takes_text_embeds(result, bundle):

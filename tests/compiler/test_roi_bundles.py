@@ -75,11 +75,12 @@ def test_the_graph_forces_what_the_numpy_definition_forces(bundles, kind):
     layout = load_manifest(bundle)["method"]["roi"]
     pixel = np.random.default_rng(5).standard_normal((6, 3, 112, 112)).astype(np.float32)
     session = ort_session(bundle / DECOMPOSED)
-    with host.feeding(host.PARITY):
-        kept = run_session(session, pixel)[KEPT]
+    fed = host.parity_roi_feed(pixel, session.get_inputs())  # what parity feeds the runners
+    assert fed.keys() == host.parity_roi(pixel, kind, layout.get("max_boxes")).keys()
+    kept = run_session(session, pixel, fed)[KEPT]
     forced = host.forced_numpy(layout, host.parity_roi(pixel, kind, layout.get("max_boxes")))
     assert forced.any(axis=1).all() and host.forced_check(forced, kept)["passed"]
-    plain = run_session(session, pixel)[KEPT]  # outside a feeding block: no region
+    plain = run_session(session, pixel)[KEPT]  # no ROI feeds: no region
     assert not host.forced_check(forced, plain)["passed"]
 
 

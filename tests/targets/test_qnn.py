@@ -148,8 +148,9 @@ def test_eight_bit_softmax_keeps_its_calibrated_range(tmp_path):
 def test_in_batches_splits_parity_images():
     from vlmprune.targets.qnn import _in_batches
 
-    out = _in_batches(lambda x: {"y": x * 2}, np.arange(4.0).reshape(4, 1), 2)
-    np.testing.assert_array_equal(out["y"], np.arange(4.0).reshape(4, 1) * 2)
+    out = _in_batches(lambda x, fed: {"y": x * 2 + fed["z"]}, np.arange(4.0).reshape(4, 1), 2,
+                      {"z": np.arange(4.0).reshape(4, 1) * 10})  # the feeds cut like the pixels
+    np.testing.assert_array_equal(out["y"], np.arange(4.0).reshape(4, 1) * 12)
 
 
 @needs_qnn
