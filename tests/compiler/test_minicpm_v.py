@@ -29,9 +29,10 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, cat_image, check_dense_splice, check_eval, check_methods_listing,
-                           check_openvino, check_other_method, check_pruned_splice, check_qnn_or_rk3588,
-                           check_rows_on_ort, check_tensorrt)
+from merged_checks import (assert_close, check_dense_rows, check_dense_splice, check_eval,
+                           check_generate_cli, check_methods_listing, check_openvino, check_other_method,
+                           check_pruned_splice, check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt, hf_rows_of,
+                           llm_side_fixtures)
 from tiny_models import edited_copy, tiny_minicpm_v
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -57,26 +58,14 @@ def _hf_rows(model, pixel: torch.Tensor) -> torch.Tensor:
     """get_image_features' rows [B, T, D] for B square images, packed as its processor packs them."""
     from vlmprune.compiler.frontend.minicpm_v import MiniCPMVFamily
 
-    source = types.SimpleNamespace(image_size=pixel.shape[-1], patch_size=PATCH)
-    with torch.inference_mode():
-        rows = model.model.get_image_features(**MiniCPMVFamily().hf_image_inputs(None, source, pixel.numpy()))
-    return torch.stack(list(rows.pooler_output))
+    return hf_rows_of(MiniCPMVFamily(), model, pixel, PATCH)
 
 
 @pytest.mark.parametrize("size, tokens", [(SIZE, TOKENS), (64, 4), (96, 9)])
 def test_dense_path_is_hf_image_features(minicpm_dir, hf_model, size, tokens):
     source = load_source(str(minicpm_dir), image_size=None if size == SIZE else size)
-    assert source.family == "minicpm_v" and not source.has_cls and source.num_patches == tokens
-    assert source.spatial_merge == 4 and source.image_size == size
-    side = round(tokens ** 0.5)
-    assert source.details["token_counts"]["merged_grid_thw"] == [1, side, side]
-    assert source.mean == (0.5, 0.5, 0.5)
-    for batch in (1, 3):
-        x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))
-        with torch.inference_mode():
-            got = source.pipeline(x)
-        assert got.shape == (batch, tokens, WIDTH)
-        assert_close(got, _hf_rows(hf_model, x))
+    assert source.family == "minicpm_v" and source.spatial_merge == 4 and source.mean == (0.5, 0.5, 0.5)
+    check_dense_rows(source, lambda x: _hf_rows(hf_model, x), size=size, tokens=tokens, width=WIDTH)
 
 
 def test_4x_mode_skips_the_window_merger(minicpm_dir, tmp_path):
@@ -207,21 +196,8 @@ def test_preset_has_minicpm_v_4_6_tower_shapes():
 # ---------------------------------------------------------------------------------------------- the LLM side
 
 
-@pytest.fixture(scope="module")
-def llm_dir(tmp_path_factory):
-    return tiny_minicpm_v(tmp_path_factory.mktemp("tiny_minicpm_v_llm"), 5, image_token_id=IMAGE, tokenizer=True,
-                          vocab_size=VOCAB)
-
-
-@pytest.fixture(scope="module")
-def cat(tmp_path_factory):
-    return cat_image(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def llm_bundle(llm_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("minicpm_v_llm") / "divprune"
-    return compile_model(str(llm_dir), out, CompileOptions(method="divprune", keep=8))
+llm_dir, cat, llm_bundle = llm_side_fixtures(
+    lambda path: tiny_minicpm_v(path, 5, image_token_id=IMAGE, tokenizer=True, vocab_size=VOCAB), "minicpm_v")
 
 
 def test_prompt_is_the_processors(llm_dir):
@@ -261,10 +237,7 @@ def test_pruned_llm_input_is_hf_forward_on_the_same_kept_tokens(llm_bundle, llm_
 def test_generate_cli_and_eval(llm_bundle, llm_dir, cat, tmp_path):
     """`vlmprune generate` answers through Qwen3.5's LLM (transformers); eval's harness holds (its dense splice is
     HF's forward) and the bundle's rows give its reference's figures."""
-    result = run_cli("generate", llm_bundle.bundle, "--model", llm_dir, "--image", cat,
-                     "--prompt", PROMPT, "--max-new-tokens", "3")
-    assert result.exit_code == 0, result.output
-    assert "pruned: 8 image tokens" in result.output and "the checkpoint's chat template" in result.output
+    check_generate_cli(llm_bundle, llm_dir, cat, PROMPT)
     check_eval(llm_bundle, llm_dir, tmp_path, [PROMPT, "describe it."], TOKENS)
 
 
