@@ -26,20 +26,22 @@ crops have) are not there; each slice can be run as an image of the batch.
 
 Where pruning goes: after the connector, on the merged tokens (the features site; Source.spatial_merge 4, or 2 at
 "4x"): divprune, dart, and random / grid with --site features. That is the one site with exact parity against Hugging
-Face's own forward on the same kept set: a kept token's row is the model's own row of that token, bit for bit the
-rows transformers gives (tested), whatever else is kept. Refused in one line before any work (frontend.merged):
-block-site methods, since both the window merger and the connector need whole 2x2 groups of the full grid and a
-method inside the tower keeps single patches; and methods that score by the tower's attention, a [CLS], a head or
-the feature layer, which MiniCPM-V's tower lacks or runs over single patches (or over windows-merged tokens that are
-not the LLM's). Kept tokens carry their index in the merged grid (`positions` "indices"): the LLM's 1-D positions,
-original-positions rule.
+Face's own forward on the same kept set: a kept token's row is the model's own row of that token (equal to the rows
+transformers gives, fp32 to 1e-5, tested), whatever else is kept. Inside the tower there is none: dropping single
+patches breaks the 2x2 groups the window merger and the merger fold, and dropping whole groups after the window merger
+changes the kept tokens' rows too, since the blocks after it attend over the whole quarter grid. Refused in one line
+before any work (frontend.merged): block-site methods, since both the window merger and the connector need whole 2x2
+groups of the full grid and a method inside the tower keeps single patches; and methods that score by the tower's
+attention, a [CLS], a head or the feature layer, which MiniCPM-V's tower lacks or runs over single patches (or over
+window-merged tokens that are not the LLM's). Kept tokens carry their index in the merged grid (`positions`
+"indices"): the LLM's 1-D positions, original-positions rule.
 
 The LLM side: Qwen3.5 (hybrid: gated delta-net linear-attention layers and gated full-attention layers with RoPE;
 MiniCPM-V gives its image rows the text's 1-D positions, no mRoPE grid). `generate` and `eval` splice the kept rows
-into its inputs_embeds between the <image> and </image> its processor writes around one unsliced image's tokens
-(image_prompt; with use_image_id, "<image_id>0</image_id>" before them), the attention layers at the rows' original
-positions; the linear-attention layers' recurrence sees the kept rows side by side, as it would any K image tokens.
-`--with-llm` is refused in one line by the exporters (compiler.llm.lm_source): their decoder graphs are
+into its inputs_embeds between the <image> and </image> its processor writes around one unsliced image's tokens,
+"<image_id>0</image_id>" before them as it writes by default (use_image_id; image_prompt), the attention layers at the
+rows' original positions; the linear-attention layers' recurrence sees the kept rows side by side, as it would any K
+image tokens. `--with-llm` is refused in one line by the exporters (compiler.llm.lm_source): their decoder graphs are
 attention-only with a KV cache, and Qwen3.5's delta-net layers carry a recurrent state their graphs do not have.
 """
 
@@ -208,8 +210,8 @@ class MiniCPMVAdapter(ModelAdapter):
         config = checkpoint.config
         if tuple(config.merge_kernel_size) != (2, 2) or tuple(config.vision_config.window_kernel_size) != (2, 2):
             raise InputError(f"MiniCPM-V merge_kernel_size {list(config.merge_kernel_size)} / window_kernel_size "
-                             f"{list(config.vision_config.window_kernel_size)} are not supported (2x2, as transformers' "
-                             "merger)")
+                             f"{list(config.vision_config.window_kernel_size)} are not supported (2x2, as "
+                             "transformers' merger)")
         tower = build_tower(config.vision_config)
         merger = build_merger(config)
         load_tower_and_connector(checkpoint, tower, TOWER_PREFIXES, merger, MERGER_PREFIXES, "merger")

@@ -147,7 +147,8 @@ def check_methods_listing(name: str) -> None:
 
 def llm_side_fixtures(build: Callable, name: str, **options):
     """The LLM-side fixtures of a family's test module, (llm_dir, cat, llm_bundle), to assign to those names there:
-    build(path) saves its tiny checkpoint with a tokenizer; the bundle is divprune K=8 (options: more CompileOptions)."""
+    build(path) saves its tiny checkpoint with a tokenizer; the bundle is divprune K=8 (options: more
+    CompileOptions)."""
 
     @pytest.fixture(scope="module")
     def llm_dir(tmp_path_factory):
