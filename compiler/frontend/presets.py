@@ -18,7 +18,10 @@
   patch 14, no pooling head; 4x4 average pooling + RMSNorm + 1152 -> 2560; 4096 patches -> 256 tokens);
 - `lfm2-vl-450m-256`: the shapes of LFM2-VL-450M's SigLIP2 NaFlex base tower and projector at one 256x256 tile (12
   blocks, 768 wide, patch 16, no [CLS]; pixel unshuffle 2x2 + LayerNorm + MLP 3072 -> 2560 -> 1024; 256 patches -> 64
-  tokens).
+  tokens);
+- `minicpm-v-4.6-448`: the shapes of MiniCPM-V 4.6's SigLIP-So400m tower, window merger and merger at one unsliced
+  448x448 tile (27 blocks, 1152 wide, patch 14, the window merger after block 7; 1024 patches -> 256 -> 64 tokens of
+  1024).
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ PRESETS["smolvlm-256m-512"] = ("SmolVLM-256M's SigLIP base patch16 tower, pixel 
 PRESETS["lfm2-vl-450m-256"] = ("LFM2-VL-450M's SigLIP2 NaFlex base tower, pixel unshuffle and projector shapes at one "
                                "256x256 tile (256 patches, 64 merged tokens of 1024), seeded")
 
+PRESETS["minicpm-v-4.6-448"] = ("MiniCPM-V 4.6's SigLIP-So400m tower, window merger and merger shapes at one unsliced "
+                                "448x448 tile (1024 patches, 64 merged tokens of 1024), seeded")
+
 
 def load_preset(name: str) -> Source:
     quiet_transformers()
@@ -67,6 +73,8 @@ def load_preset(name: str) -> Source:
         return _smolvlm_256m_512()
     if name == "lfm2-vl-450m-256":
         return _lfm2_vl_450m_256()
+    if name == "minicpm-v-4.6-448":
+        return _minicpm_v_4_6_448()
     return _demo() if name == "demo" else _clip_l_336()
 
 
@@ -244,3 +252,22 @@ def _lfm2_vl_450m_256() -> Source:
     tower, projector = build_tower(config.vision_config), build_projector(config)
     seeded_init(nn.ModuleList([tower, projector]), seed=0)  # LayerNorms at unit scales
     return lfm2_vl_source("lfm2-vl-450m-256", "preset", config, tower, projector, None)
+
+
+def _minicpm_v_4_6_448() -> Source:
+    """MiniCPM-V 4.6's vision side (its config.json): SigLIP-So400m, 27 blocks 1152 wide (MLP 4304, 16 heads,
+    gelu_pytorch_tanh, LayerNorm eps 1e-6), patch 14, a 70x70 position table (980 px), the window merger after block 7
+    (insert_layer_id 6), the merger's 2x2 (LayerNorm, Linear 4608 -> 4608, GELU, Linear 4608 -> 1024: the Qwen3.5
+    LLM's width), at its processor's unsliced 448 px: 32x32 patches, 16x16 after the window merger, 64 tokens."""
+    from transformers import MiniCPMV4_6Config
+
+    from vlmprune.compiler.frontend.minicpm_v import build_merger, build_tower, minicpm_v_source
+
+    vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                  image_size=980, patch_size=14, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
+    text = dict(model_type="qwen3_5_text", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=256, vocab_size=248320)
+    config = MiniCPMV4_6Config(vision_config=vision, text_config=text, insert_layer_id=6, image_size=1120)
+    tower, merger = build_tower(config.vision_config), build_merger(config)
+    seeded_init(nn.ModuleList([tower, merger]), seed=0)  # LayerNorms at unit scales
+    return minicpm_v_source("minicpm-v-4.6-448", "preset", config, tower, merger, None)

@@ -29,6 +29,32 @@ def assert_close(got, expected) -> None:
                                atol=1e-5 * float(torch.as_tensor(expected).abs().max()))
 
 
+def hf_rows_of(family, model, pixel: torch.Tensor, patch: int) -> torch.Tensor:
+    """get_image_features' rows [B, T, D] for B square images [B, 3, S, S], fed as the family's processor feeds them
+    (family.hf_image_inputs), one image's rows a pooler_output entry."""
+    import types
+
+    source = types.SimpleNamespace(image_size=pixel.shape[-1], patch_size=patch)
+    with torch.inference_mode():
+        rows = model.model.get_image_features(**family.hf_image_inputs(None, source, pixel.numpy()))
+    return torch.stack(list(rows.pooler_output))
+
+
+def check_dense_rows(source, hf_rows: Callable[[torch.Tensor], torch.Tensor], *, size: int, tokens: int,
+                     width: int) -> None:
+    """The dense pipeline at one square size: its merged grid's token counts, and at batch 1 and 3 rows equal to HF's
+    own (hf_rows: pixels [B, 3, S, S] -> get_image_features' [B, T, D])."""
+    assert not source.has_cls and source.num_patches == tokens and source.image_size == size
+    side = round(tokens ** 0.5)
+    assert source.details["token_counts"]["merged_grid_thw"] == [1, side, side]
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))
+        with torch.inference_mode():
+            got = source.pipeline(x)
+        assert got.shape == (batch, tokens, width)
+        assert_close(got, hf_rows(x))
+
+
 def check_rows_on_ort(result, model_dir, hf_rows: Callable[[torch.Tensor], torch.Tensor], *, size: int, keep: int,
                       tokens: int, width: int, family: str, readme: str) -> None:
     """A divprune bundle on ort: its outputs, standard ops only and no Conv (the patch embedding is one MatMul), both
@@ -119,6 +145,27 @@ def check_methods_listing(name: str) -> None:
 # ---------------------------------------------------------------------------------------------- the LLM side
 
 
+def llm_side_fixtures(build: Callable, name: str, **options):
+    """The LLM-side fixtures of a family's test module, (llm_dir, cat, llm_bundle), to assign to those names there:
+    build(path) saves its tiny checkpoint with a tokenizer; the bundle is divprune K=8 (options: more
+    CompileOptions)."""
+
+    @pytest.fixture(scope="module")
+    def llm_dir(tmp_path_factory):
+        return build(tmp_path_factory.mktemp(f"tiny_{name}_llm"))
+
+    @pytest.fixture(scope="module")
+    def cat(tmp_path_factory):
+        return cat_image(tmp_path_factory)
+
+    @pytest.fixture(scope="module")
+    def llm_bundle(llm_dir, tmp_path_factory):
+        out = tmp_path_factory.mktemp(f"{name}_llm") / "divprune"
+        return compile_model(str(llm_dir), out, CompileOptions(method="divprune", keep=8, **options))
+
+    return llm_dir, cat, llm_bundle
+
+
 def cat_image(tmp_path_factory):
     """skimage's cat, saved as a PNG for generate's --image."""
     from PIL import Image
@@ -184,6 +231,14 @@ def check_pruned_splice(llm_bundle, llm_dir, image, prompt_text: str, tokens: in
     torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
     assert (logits(offset + np.arange(len(kept))) - hf).abs().max() > 1e-4  # the positions count
     return lambda **overrides: logits(positions, **overrides), hf
+
+
+def check_generate_cli(llm_bundle, llm_dir, image, prompt_text: str, keep: int = 8) -> None:
+    """`vlmprune generate` answers through the bundle and the family's LLM (transformers), with its chat template."""
+    result = run_cli("generate", llm_bundle.bundle, "--model", llm_dir, "--image", image,
+                     "--prompt", prompt_text, "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert f"pruned: {keep} image tokens" in result.output and "the checkpoint's chat template" in result.output
 
 
 def check_eval(llm_bundle, llm_dir, tmp_path, prompts: list[str], tokens: int, keep: int = 8) -> None:

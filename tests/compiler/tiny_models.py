@@ -1,4 +1,5 @@
-"""Tiny checkpoints built offline from configs (Qwen2-VL, Qwen3-VL, LLaVA, InternVL, Gemma 3, SmolVLM, LFM2-VL), for
+"""Tiny checkpoints built offline from configs (Qwen2-VL, Qwen3-VL, LLaVA, InternVL, Gemma 3, SmolVLM, LFM2-VL,
+MiniCPM-V), for
 the tests that need one.
 
 One builder so that every test's tiny Qwen has the same tower shapes (Qwen2-VL: 2 blocks;
@@ -222,8 +223,9 @@ def tiny_smolvlm(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer
     return Path(path)
 
 
-def byte_tokenizer(path: Path, specials: tuple[str, ...], image_token_id: int, chat_template: str, **named) -> None:
-    """A byte-level tokenizer saved at path: bytes 0-255, then specials as ids 256.., <image> at image_token_id
+def byte_tokenizer(path: Path, specials: tuple[str, ...], image_token_id: int, chat_template: str,
+                   image_token: str = "<image>", **named) -> None:
+    """A byte-level tokenizer saved at path: bytes 0-255, then specials as ids 256.., image_token at image_token_id
     (<unusedN> between); named: its bos/eos tokens and extra_special_tokens, by their text."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -231,11 +233,11 @@ def byte_tokenizer(path: Path, specials: tuple[str, ...], image_token_id: int, c
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     vocab.update({s: 256 + i for i, s in enumerate(specials)})
     vocab.update({f"<unused{i}>": i for i in range(len(vocab), image_token_id)})
-    vocab["<image>"] = image_token_id
+    vocab[image_token] = image_token_id
     tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in [*specials, "<image>"]])
+    tok.add_special_tokens([AddedToken(s, special=True) for s in [*specials, image_token]])
     PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, **named).save_pretrained(path)
 
 
@@ -279,6 +281,54 @@ def tiny_lfm2_vl(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer
                        eos_token="<|im_end|>", extra_special_tokens={"image_token": "<image>",
                                                                      "image_start_token": "<|image_start|>",
                                                                      "image_end_token": "<|image_end|>"})
+    return Path(path)
+
+
+# MiniCPM-V 4.6's chat turns (ChatML), the image as its image token (<|image_pad|>, as Qwen3.5's tokenizer names it),
+# which its processor expands to <image_id>0</image_id><image> + the image tokens + </image>.
+MINICPM_V_TEMPLATE = ("{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' }}"
+                      "{%- if message['content'] is string -%}{{ message['content'] }}"
+                      "{%- else -%}{%- for item in message['content'] -%}"
+                      "{%- if item['type'] == 'image' -%}{{ '<|image_pad|>' }}"
+                      "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}"
+                      "{%- endfor -%}{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}"
+                      "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
+MINICPM_V_SPECIALS = ("<|im_start|>", "<|im_end|>", "<image>", "</image>", "<image_id>", "</image_id>", "<slice>",
+                      "</slice>")
+
+
+def tiny_minicpm_v(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer: bool = False, **text) -> Path:
+    """A seeded tiny MiniCPM-V 4.6 (MiniCPMV4_6ForConditionalGeneration) saved (safetensors) at path, its tower and
+    merger spread: 4 SigLIP blocks 32 wide (2 heads), patch 8, a 16x16 position table (128 px, the default tile), the
+    window merger after block 2 (insert_layer_id 1: 16x16 patches -> 8x8), then the merger's 2x2 into 4x4 = 16 tokens;
+    a Qwen3.5 LLM (text: overrides; default 2 layers 48 wide, a linear-attention layer then a full-attention one, vocab
+    128). tokenizer: also a byte-level tokenizer (bytes 0-255, then MINICPM_V_SPECIALS as 256.., the image token at
+    image_token_id) with MINICPM_V_TEMPLATE."""
+    from transformers import MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration
+
+    config = dict(model_type="qwen3_5_text", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=24, vocab_size=128,
+                  layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=2,
+                  linear_key_head_dim=12, linear_value_head_dim=12)
+    config.update(text)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, image_size=128,
+                  patch_size=8)
+    torch.manual_seed(seed)
+    model = MiniCPMV4_6ForConditionalGeneration(MiniCPMV4_6Config(
+        vision_config=vision, text_config=config, insert_layer_id=1, image_size=128, image_token_id=image_token_id))
+    spread(model, ("model.vision_tower.", "model.merger."))
+    with torch.no_grad():  # 1-D rows are left alone above: the position table's rows and the norms' scales
+        model.model.vision_tower.embeddings.position_embedding.weight.normal_(0.0, 0.2)
+        model.model.vision_tower.vit_merger.pre_norm.weight.normal_(1.0, 0.2)
+        model.model.merger.mlp[0].pre_norm.weight.normal_(1.0, 0.2)
+    model.generation_config.eos_token_id = 257  # <|im_end|>
+    model.eval().save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        byte_tokenizer(path, MINICPM_V_SPECIALS, image_token_id, MINICPM_V_TEMPLATE, "<|image_pad|>",
+                       eos_token="<|im_end|>",
+                       extra_special_tokens={"image_token": "<|image_pad|>", "image_start_token": "<image>",
+                                             "image_end_token": "</image>", "image_id_start_token": "<image_id>",
+                                             "image_id_end_token": "</image_id>"})
     return Path(path)
 
 
