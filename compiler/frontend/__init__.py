@@ -15,6 +15,7 @@ from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import ClipFamily
 from vlmprune.compiler.frontend.dinov2 import Dinov2Family
 from vlmprune.compiler.frontend.gemma3 import Gemma3Family
+from vlmprune.compiler.frontend.gemma4 import Gemma4Family
 from vlmprune.compiler.frontend.internvl import InternVLFamily
 from vlmprune.compiler.frontend.lfm2_vl import Lfm2VlFamily
 from vlmprune.compiler.frontend.export import export_onnx
@@ -33,7 +34,8 @@ from vlmprune.compiler.frontend.vit import VitFamily
 # The whole list of families, each with its adapter (None: loaded otherwise, an .onnx file); never discovered.
 FAMILIES: tuple[Family, ...] = (LlavaDinov2Family(), LlavaFamily(), LlavaNextFamily(), ClipFamily(), VitFamily(),
                                 Dinov2Family(), Qwen2VLFamily(), Qwen3VLFamily(), InternVLFamily(),
-                                SmolVLMFamily(), Gemma3Family(), Lfm2VlFamily(), OnnxFamily())
+                                SmolVLMFamily(), Gemma3Family(), Lfm2VlFamily(), Gemma4Family(),
+                                OnnxFamily())
 ADAPTERS: tuple[type[ModelAdapter], ...] = tuple(f.adapter for f in FAMILIES if f.adapter is not None)
 
 __all__ = ["ADAPTERS", "FAMILIES", "PRESETS", "DenseRequest", "Family", "Source", "adapter_for", "check_family_options",
