@@ -382,7 +382,8 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
     offset = len(prompt.before)
     if graphs is None:  # what the family's model takes beside the rows (Gemma 3: its image mask's token types)
         span = slice(offset, offset + len(features))
-        first_call = {**first_call, **vlm.rules.llm_forward_args(embeds.shape[1], span)}
+        first_call = {**first_call, **vlm.rules.llm_forward_args(embeds.shape[1], span),
+                      **vlm.rules.llm_embeds_args(model, prompt.before, len(features), prompt.after)}
     image_positions = np.asarray(image_positions, dtype=np.int64)
     if image_positions.size and image_positions.min() < offset:
         raise ValueError("image positions must start at the placeholder's position")
