@@ -25,9 +25,10 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, cat_image, check_dense_splice, check_eval, check_methods_listing,
-                           check_openvino, check_other_method, check_pruned_splice, check_qnn_or_rk3588,
-                           check_rows_on_ort, check_tensorrt)
+from merged_checks import (OTHER_METHODS, QNN_RK3588_CASES, TENSORRT_CASES, assert_close, cat_image,
+                           check_dense_splice, check_eval, check_methods_listing, check_openvino, check_other_method,
+                           check_pruned_splice, check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt,
+                           refused_methods)
 from tiny_models import tiny_gemma4
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.gemma4 import grid_positions, hf_patches
@@ -135,14 +136,12 @@ def test_divprune_on_ort_rows_are_hf_rows_at_the_kept_indices(divprune_bundle, g
                       tokens=TOKENS, width=WIDTH, family="gemma4", readme="Gemma 4 tokens")
 
 
-@pytest.mark.parametrize("method, options", [("dart", {"pivots": 2}), ("random", {"site": "features"}),
-                                             ("grid", {"site": "features"})])
+@pytest.mark.parametrize(*OTHER_METHODS)
 def test_other_methods_on_ort(gemma4_dir, tmp_path, method, options):
     check_other_method(gemma4_dir, tmp_path / "b", method, options, keep=6, width=WIDTH)
 
 
-@pytest.mark.parametrize("target, method, batch, options", [("orin", "divprune", 3, {}),
-                                                            ("xavier", "dart", 1, {"pivots": 2})])
+@pytest.mark.parametrize(*TENSORRT_CASES)
 def test_tensorrt_targets(gemma4_dir, tmp_path, target, method, batch, options):
     check_tensorrt(gemma4_dir, tmp_path / "b", target, method, batch, options)
 
@@ -152,20 +151,14 @@ def test_openvino(gemma4_dir, tmp_path):
 
 
 @pytest.mark.toolchain
-@pytest.mark.parametrize("target, method", [("qnn", "divprune"), ("rk3588", "divprune")])
+@pytest.mark.parametrize(*QNN_RK3588_CASES)
 def test_qnn_and_rk3588(request, gemma4_dir, tmp_path, target, method):
     """The whole Gemma 4 graph, RoPE and pooling too, on the HTP emulator (int16) and the RKNN simulator (fp16)."""
     check_qnn_or_rk3588(request, gemma4_dir, tmp_path / "b", target, method)
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--method", "cls"], "averages each 3x3 group"),
-    (["--method", "visionzip"], "averages each 3x3 group"),
-    (["--method", "tome"], "averages each 3x3 group"),
-    (["--method", "random"], "averages each 3x3 group"),
-    (["--method", "cls", "--score", "attention"], "not over the pooled tokens"),
-    (["--method", "holov"], "not over the pooled tokens"),
-    (["--method", "cdpruner"], "not over the pooled tokens"),
+    *refused_methods("averages each 3x3 group", "not over the pooled tokens"),
     (["--image-size", "192"], "has a fixed image size"),
     (["--feature-layer", "-2"], "--feature-layer does not apply to gemma4"),
 ])
@@ -239,6 +232,22 @@ def test_generate_dense_splice_is_the_hf_forward(llm_dir, cat):
         causal = vlm.model(input_ids=ids["input_ids"], **gen.hf_image_inputs(vlm, pixel),
                            logits_to_keep=1).logits[0, -1]
     assert (causal - hf).abs().max() > 1e-4  # the bidirectional image block counts
+
+
+def test_spliced_rows_need_their_per_layer_inputs(llm_dir):
+    """Why generate hands Gemma 4 its per-layer embeddings (Family.llm_embeds_args): transformers recovers them from
+    inputs_embeds by reversing the embedding, which image rows defeat."""
+    from vlmprune.compiler import generate as gen
+
+    vlm = gen.load_vlm(str(llm_dir))
+    embed = vlm.model.get_input_embeddings()
+    embeds = torch.cat([embed(torch.tensor([[2, 10]])), torch.randn(1, 3, WIDTH)], dim=1)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="exactly match"):
+        vlm.model(inputs_embeds=embeds)
+    args = vlm.rules.llm_embeds_args(vlm.model, [2, 10], 3, [])
+    assert args["per_layer_inputs"].shape[:2] == (1, 5)
+    with torch.inference_mode():
+        assert torch.isfinite(vlm.model(inputs_embeds=embeds, **args).logits).all()
 
 
 def test_pruned_llm_input_is_hf_forward_on_the_same_kept_tokens(llm_bundle, llm_dir, cat):
