@@ -29,6 +29,9 @@ sees the pruned image where the dense one was, with gaps where the pruned tokens
   that attends to itself both ways (Family.llm_forward_args: token_type_ids 1 there, as its processor
   marks them), between the "\\n\\n<boi>" and "<eoi>\\n\\n" its processor writes for the template's boi
   token (Family.image_prompt).
+- Gemma 4 (Gemma4ForConditionalGeneration): 1-D positions from kept_indices, the rows one image block between boi
+  and eoi (mm_token_type_ids 1 there: bidirectional in its sliding layers where its config asks), and the first
+  forward given its per-layer embeddings (Family.llm_embeds_args), the image rows taking the pad token's.
 - SmolVLM (SmolVLMForConditionalGeneration): 1-D positions from kept_indices, the rows between the
   <fake_token_around_image><global-img> and <fake_token_around_image> its processor writes around
   one unsplit image (Family.image_prompt).
