@@ -29,6 +29,9 @@ sees the pruned image where the dense one was, with gaps where the pruned tokens
   that attends to itself both ways (Family.llm_forward_args: token_type_ids 1 there, as its processor
   marks them), between the "\\n\\n<boi>" and "<eoi>\\n\\n" its processor writes for the template's boi
   token (Family.image_prompt).
+- Gemma 4 (Gemma4ForConditionalGeneration): 1-D positions from kept_indices, the rows one image block between boi
+  and eoi (mm_token_type_ids 1 there: bidirectional in its sliding layers where its config asks), and the first
+  forward given its per-layer embeddings (Family.llm_embeds_args), the image rows taking the pad token's.
 - SmolVLM (SmolVLMForConditionalGeneration): 1-D positions from kept_indices, the rows between the
   <fake_token_around_image><global-img> and <fake_token_around_image> its processor writes around
   one unsplit image (Family.image_prompt).
@@ -375,7 +378,8 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
     offset = len(prompt.before)
     if graphs is None:  # what the family's model takes beside the rows (Gemma 3: its image mask's token types)
         span = slice(offset, offset + len(features))
-        first_call = {**first_call, **vlm.rules.llm_forward_args(embeds.shape[1], span)}
+        first_call = {**first_call, **vlm.rules.llm_forward_args(embeds.shape[1], span),
+                      **vlm.rules.llm_embeds_args(model, prompt.before, len(features), prompt.after)}
     image_positions = np.asarray(image_positions, dtype=np.int64)
     if image_positions.size and image_positions.min() < offset:
         raise ValueError("image positions must start at the placeholder's position")

@@ -15,6 +15,7 @@ from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import ClipFamily
 from vlmprune.compiler.frontend.dinov2 import Dinov2Family
 from vlmprune.compiler.frontend.gemma3 import Gemma3Family
+from vlmprune.compiler.frontend.gemma4 import Gemma4Family
 from vlmprune.compiler.frontend.internvl import InternVLFamily
 from vlmprune.compiler.frontend.lfm2_vl import Lfm2VlFamily
 from vlmprune.compiler.frontend.export import export_onnx
@@ -34,7 +35,8 @@ from vlmprune.compiler.frontend.vit import VitFamily
 # The whole list of families, each with its adapter (None: loaded otherwise, an .onnx file); never discovered.
 FAMILIES: tuple[Family, ...] = (LlavaDinov2Family(), LlavaFamily(), LlavaNextFamily(), ClipFamily(), VitFamily(),
                                 Dinov2Family(), Qwen2VLFamily(), Qwen3VLFamily(), InternVLFamily(),
-                                SmolVLMFamily(), Gemma3Family(), Lfm2VlFamily(), MiniCPMVFamily(), OnnxFamily())
+                                SmolVLMFamily(), Gemma3Family(), Lfm2VlFamily(), MiniCPMVFamily(), Gemma4Family(),
+                                OnnxFamily())
 
 
 def _adapters() -> tuple[type[ModelAdapter], ...]:

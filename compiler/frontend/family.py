@@ -309,6 +309,12 @@ class Family:
         token types of its bidirectional image mask)."""
         return {}
 
+    def llm_embeds_args(self, model, before: list[int], rows: int, after: list[int]) -> dict:
+        """The further arguments of generate's first forward over inputs_embeds (the prompt's ids before and after
+        `rows` spliced image rows) that the model derives from input_ids on its own forward: {} for most families
+        (Gemma 4: its per-layer embeddings, which transformers cannot recover from spliced rows)."""
+        return {}
+
     def llm_graph_image_rows(self, model, features) -> tuple[object, dict]:
         """(the rows of an exported LLM graph's inputs_embeds for an image's rows `features` [T, D], the graph's
         further prefill inputs given at those rows, each [..., T, hidden]: generate puts them at the image span

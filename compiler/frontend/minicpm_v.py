@@ -253,7 +253,7 @@ class MiniCPMVFamily(MergedTokensFamily):
         return ImagePrompt(f"{ids[0]}0{ids[1]}{start}", end)
 
     def readme_section(self, manifest: dict) -> str:
-        counts = manifest["model"].get("token_counts") or {}
+        counts = manifest.model.token_counts
         if not counts:
             return ""
         m, p, s = counts["merged_grid_thw"][1:], counts["patch_grid"], counts["spatial_merge"]

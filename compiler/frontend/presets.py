@@ -51,6 +51,8 @@ PRESETS["smolvlm-256m-512"] = ("SmolVLM-256M's SigLIP base patch16 tower, pixel 
                                "512x512 (1024 patches, 64 merged tokens of 576), seeded")
 PRESETS["lfm2-vl-450m-256"] = ("LFM2-VL-450M's SigLIP2 NaFlex base tower, pixel unshuffle and projector shapes at one "
                                "256x256 tile (256 patches, 64 merged tokens of 1024), seeded")
+PRESETS["gemma4-e2b-768"] = ("Gemma 4 E2B's vision tower, 3x3 pooling and embedder shapes at 768x768 (2304 patches "
+                             "pooled into 256 tokens of 2304), seeded")
 
 PRESETS["minicpm-v-4.6-448"] = ("MiniCPM-V 4.6's SigLIP-So400m tower, window merger and merger shapes at one unsliced "
                                 "448x448 tile (1024 patches, 64 merged tokens of 1024), seeded")
@@ -75,6 +77,8 @@ def load_preset(name: str) -> Source:
         return _lfm2_vl_450m_256()
     if name == "minicpm-v-4.6-448":
         return _minicpm_v_4_6_448()
+    if name == "gemma4-e2b-768":
+        return _gemma4_e2b_768()
     return _demo() if name == "demo" else _clip_l_336()
 
 
@@ -271,3 +275,26 @@ def _minicpm_v_4_6_448() -> Source:
     tower, merger = build_tower(config.vision_config), build_merger(config)
     seeded_init(nn.ModuleList([tower, merger]), seed=0)  # LayerNorms at unit scales
     return minicpm_v_source("minicpm-v-4.6-448", "preset", config, tower, merger, None)
+
+
+def _gemma4_e2b_768() -> Source:
+    """Gemma 4 E2B's vision side (transformers' Gemma4VisionConfig defaults, documented as google/gemma-4-e2b-it's):
+    16 blocks 768 wide (gated MLP 3072, gelu_pytorch_tanh, 12 heads of 64, RMSNorms, 2-D RoPE theta 100), patch 16, a
+    10240-row position table per axis, 3x3 pooling; at its processor's default 280-token budget a square image is 768
+    px (48x48 = 2304 patches -> 256 tokens); the embedder 768 -> 2304 (Gemma4TextConfig's default width, documented as
+    the same checkpoint's). Not read from a downloaded config.json: the sizes are transformers' defaults."""
+    from transformers import Gemma4Config
+
+    from vlmprune.compiler.frontend.gemma4 import build_embedder, build_tower, gemma4_source
+
+    vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
+                  num_key_value_heads=12, head_dim=64, patch_size=16, pooling_kernel_size=3,
+                  position_embedding_size=10240)
+    config = Gemma4Config(vision_config=vision, text_config={}, audio_config=None)  # the text defaults: 2304 wide
+    tower, embedder = build_tower(config.vision_config), build_embedder(config)
+    seeded_init(nn.ModuleList([tower, embedder]), seed=0)
+    with torch.no_grad():  # seeded_init knows nn.LayerNorm; Gemma 4's norms are RMSNorms: unit scales too
+        for module in tower.modules():
+            if type(module).__name__.endswith("RMSNorm") and getattr(module, "with_scale", False):
+                module.weight.fill_(1.0)
+    return gemma4_source("gemma4-e2b-768", "preset", config, tower, embedder, None)

@@ -23,6 +23,22 @@ from vlmprune.targets import qnn_tools
 from vlmprune.targets.runtime import ort_session, run_session
 
 
+# The cases every merged-token family's tests run (parametrize with them): other methods on ort, the TensorRT targets
+# (host parity), the HTP emulator and the RKNN simulator.
+OTHER_METHODS = ("method, options", [("dart", {"pivots": 2}), ("random", {"site": "features"}),
+                                     ("grid", {"site": "features"})])
+TENSORRT_CASES = ("target, method, batch, options", [("orin", "divprune", 3, {}), ("xavier", "dart", 1, {"pivots": 2})])
+QNN_RK3588_CASES = ("target, method", [("qnn", "divprune"), ("rk3588", "divprune")])
+
+
+def refused_methods(inside: str, scored: str) -> list[tuple[list[str], str]]:
+    """(compile arguments, the refusal's words) for the methods a merged-token family refuses: those inside the tower
+    (`inside`: the family's why_not_block words) and those scored by the tower (`scored`: its why_not_scored's)."""
+    block = [(["--method", name], inside) for name in ("cls", "visionzip", "tome", "random")]
+    return block + [(["--method", "cls", "--score", "attention"], scored), (["--method", "holov"], scored),
+                    (["--method", "cdpruner"], scored)]
+
+
 def assert_close(got, expected) -> None:
     """fp32 rows equal to the reference's, to 1e-5 of its largest value."""
     torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(expected), rtol=1e-5,

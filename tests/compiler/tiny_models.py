@@ -353,3 +353,47 @@ def tiny_llava_next_video(path: Path, seed: int = 0, video_token_id: int = 101, 
     spread(model, ("model.vision_tower.", "model.multi_modal_projector."))
     model.eval().save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def tiny_gemma4(path: Path, seed: int = 0, image_token_id: int = 120, boi: int = 121, eoi: int = 122,
+                soft_tokens: int = 70, **text) -> Path:
+    """A seeded tiny Gemma 4 (Gemma4ForConditionalGeneration, no audio tower) saved (safetensors) at path, with a
+    preprocessor_config.json of max_soft_tokens `soft_tokens` (70: a square image is 96 px, 24x24 patches of 4 pooled
+    3x3 into 8x8 = 64 tokens); its tower and embedder spread: 3 blocks 32 wide (2 query heads of 16, 1 key/value
+    head: grouped), a 64-row position table per axis, standardised output. A Gemma 4 LLM (text: overrides; default 2
+    layers 48 wide, one sliding-window layer of 8 then one global, per-layer embeddings of 8, the image block
+    bidirectional, vocab 128; image, boi and eoi tokens 120, 121, 122 by default; video/audio tokens inside the
+    vocabulary, as transformers embeds them to find placeholders)."""
+    import json
+
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    config = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=24, global_head_dim=24, vocab_size=128, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+                  vocab_size_per_layer_input=128, use_bidirectional_attention="vision")
+    config.update(text)
+    config["vocab_size_per_layer_input"] = config["vocab_size"]
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=64,
+                  standardize=True)
+    vocab = config["vocab_size"]
+    ids = dict(image_token_id=image_token_id, boi_token_id=boi, eoi_token_id=eoi, video_token_id=vocab - 4,
+               audio_token_id=vocab - 3, boa_token_id=vocab - 2, eoa_token_index=vocab - 1)
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=config, vision_config=vision, audio_config=None,
+                                                        **ids))
+    spread(model, ("model.vision_tower.", "model.embed_vision."))
+    with torch.no_grad():  # the RMSNorm scales start at one and the standardisation is a fresh buffer: spread them
+        tower = model.model.vision_tower
+        for name, param in tower.named_parameters():
+            if param.ndim == 1:
+                param.normal_(1.0, 0.2)
+        tower.std_bias.normal_(0.0, 0.2)
+        tower.std_scale.normal_(1.0, 0.2)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    (Path(path) / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 4, "pooling_kernel_size": 3,
+         "max_soft_tokens": soft_tokens, "do_normalize": False, "image_mean": [0.0, 0.0, 0.0],
+         "image_std": [1.0, 1.0, 1.0], "do_rescale": True, "rescale_factor": 1 / 255}))
+    return Path(path)
