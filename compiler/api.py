@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -944,3 +945,15 @@ def targets() -> TargetListing:
     for cls in TARGETS.values():
         notes += cls().listing()
     return TargetListing(listed, notes, exporter_lines())
+
+
+# transformers imports torchao whenever it is installed (the [bench] extra), and torchao then logs its CUDA-only
+# libraries that a CPU machine cannot load, and torch's pytree its deprecation notes: import-time chatter about a
+# package no command here uses, which `-q` and a clean stderr should not carry.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_imports() -> None:
+    """Keep QUIET_LOGGERS' import-time warnings off stderr (errors still show)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)

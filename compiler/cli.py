@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import functools
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -167,12 +166,6 @@ def _usage_in_one_line():
 
 
 
-# transformers imports torchao whenever it is installed (the [bench] extra), and torchao then logs its CUDA-only
-# libraries that a CPU machine cannot load, and torch's pytree its deprecation notes: import-time chatter about a
-# package no command here uses, which `-q` and a clean stderr should not carry.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
 class _NonEmptyPath(click.Path):
     """A path that is not "": pathlib reads "" as ".", the current directory, which no one means by -o ""."""
 
@@ -186,8 +179,7 @@ class _NonEmptyPath(click.Path):
 @click.version_option(__version__, prog_name="vlmprune")
 def main():
     """Compile LLaVA-style vision towers into edge artifacts with visual-token pruning in the graph."""
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    api.quiet_imports()
 
 
 def _extra_options(fn):

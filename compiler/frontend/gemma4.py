@@ -285,7 +285,7 @@ class Gemma4Family(MergedTokensFamily):
         return {"per_layer_inputs": model.model.language_model.get_per_layer_inputs(ids)}
 
     def readme_section(self, manifest: dict) -> str:
-        counts = manifest["model"].get("token_counts") or {}
+        counts = manifest.model.token_counts
         if not counts:
             return ""
         m, p, s = counts["merged_grid_thw"][1:], counts["patch_grid"], counts["spatial_merge"]
