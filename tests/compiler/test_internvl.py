@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, cat_image, check_dense_splice, check_eval, check_methods_listing,
-                           check_openvino, check_other_method, check_pruned_splice, check_qnn_or_rk3588,
-                           check_rows_on_ort, check_tensorrt)
+from merged_checks import (OTHER_METHODS, QNN_RK3588_CASES, TENSORRT_CASES, assert_close, cat_image, check_dense_splice,
+                           check_eval, check_methods_listing, check_openvino, check_other_method, check_pruned_splice,
+                           check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt)
 from tiny_models import tiny_internvl
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -89,14 +89,12 @@ def test_divprune_on_ort_rows_are_hf_rows_at_the_kept_indices(divprune_bundle, i
                       tokens=TOKENS, width=WIDTH, family="internvl", readme="InternVL tokens")
 
 
-@pytest.mark.parametrize("method, options", [("dart", {"pivots": 2}), ("random", {"site": "features"}),
-                                             ("grid", {"site": "features"})])
+@pytest.mark.parametrize(*OTHER_METHODS)
 def test_other_methods_on_ort(internvl_dir, tmp_path, method, options):
     check_other_method(internvl_dir, tmp_path / "b", method, options, keep=6, width=WIDTH)
 
 
-@pytest.mark.parametrize("target, method, batch, options", [("orin", "divprune", 3, {}),
-                                                            ("xavier", "dart", 1, {"pivots": 2})])
+@pytest.mark.parametrize(*TENSORRT_CASES)
 def test_tensorrt_targets(internvl_dir, tmp_path, target, method, batch, options):
     check_tensorrt(internvl_dir, tmp_path / "b", target, method, batch, options)
 
@@ -106,7 +104,7 @@ def test_openvino(internvl_dir, tmp_path):
 
 
 @pytest.mark.toolchain
-@pytest.mark.parametrize("target, method", [("qnn", "divprune"), ("rk3588", "divprune")])
+@pytest.mark.parametrize(*QNN_RK3588_CASES)
 def test_qnn_and_rk3588(request, internvl_dir, tmp_path, target, method):
     """The whole InternVL graph, pixel shuffle too, on the HTP emulator (int16) and the RKNN simulator (fp16)."""
     check_qnn_or_rk3588(request, internvl_dir, tmp_path / "b", target, method)

@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, cat_image, check_dense_splice, check_eval, check_methods_listing,
-                           check_openvino, check_other_method, check_pruned_splice, check_qnn_or_rk3588,
-                           check_rows_on_ort, check_tensorrt)
+from merged_checks import (QNN_RK3588_CASES, TENSORRT_CASES, assert_close, cat_image, check_dense_splice, check_eval,
+                           check_methods_listing, check_openvino, check_other_method, check_pruned_splice,
+                           check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt)
 from tiny_models import edited_copy, tiny_lfm2_vl
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -125,8 +125,7 @@ def test_other_methods_and_sizes_on_ort(lfm2_dir, tmp_path, method, options, siz
     assert result.manifest["method"]["num_patches"] == (TOKENS if size is None else 64)
 
 
-@pytest.mark.parametrize("target, method, batch, options", [("orin", "divprune", 3, {}),
-                                                            ("xavier", "dart", 1, {"pivots": 2})])
+@pytest.mark.parametrize(*TENSORRT_CASES)
 def test_tensorrt_targets(lfm2_dir, tmp_path, target, method, batch, options):
     check_tensorrt(lfm2_dir, tmp_path / "b", target, method, batch, options)
 
@@ -136,7 +135,7 @@ def test_openvino(lfm2_dir, tmp_path):
 
 
 @pytest.mark.toolchain
-@pytest.mark.parametrize("target, method", [("qnn", "divprune"), ("rk3588", "divprune")])
+@pytest.mark.parametrize(*QNN_RK3588_CASES)
 def test_qnn_and_rk3588(request, lfm2_dir, tmp_path, target, method):
     """The whole LFM2-VL graph, resampled positions and unshuffle too, on the HTP emulator (int16) and the RKNN
     simulator (fp16)."""

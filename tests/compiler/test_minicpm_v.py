@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, check_dense_rows, check_dense_splice, check_eval,
-                           check_generate_cli, check_methods_listing, check_openvino, check_other_method,
+from merged_checks import (QNN_RK3588_CASES, TENSORRT_CASES, assert_close, check_dense_rows, check_dense_splice,
+                           check_eval, check_generate_cli, check_methods_listing, check_openvino, check_other_method,
                            check_pruned_splice, check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt, hf_rows_of,
                            llm_side_fixtures)
 from tiny_models import edited_copy, tiny_minicpm_v
@@ -126,8 +126,7 @@ def test_other_methods_and_sizes_on_ort(minicpm_dir, tmp_path, method, options, 
     assert result.manifest["method"]["num_patches"] == (TOKENS if size is None else 9)
 
 
-@pytest.mark.parametrize("target, method, batch, options", [("orin", "divprune", 3, {}),
-                                                            ("xavier", "dart", 1, {"pivots": 2})])
+@pytest.mark.parametrize(*TENSORRT_CASES)
 def test_tensorrt_targets(minicpm_dir, tmp_path, target, method, batch, options):
     check_tensorrt(minicpm_dir, tmp_path / "b", target, method, batch, options)
 
@@ -137,7 +136,7 @@ def test_openvino(minicpm_dir, tmp_path):
 
 
 @pytest.mark.toolchain
-@pytest.mark.parametrize("target, method", [("qnn", "divprune"), ("rk3588", "divprune")])
+@pytest.mark.parametrize(*QNN_RK3588_CASES)
 def test_qnn_and_rk3588(request, minicpm_dir, tmp_path, target, method):
     """The whole MiniCPM-V graph, window merger and merger too, on the HTP emulator (int16) and the RKNN simulator
     (fp16)."""

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, cat_image, check_dense_splice, check_eval, check_methods_listing,
-                           check_openvino, check_other_method, check_pruned_splice, check_qnn_or_rk3588,
-                           check_rows_on_ort, check_tensorrt)
+from merged_checks import (QNN_RK3588_CASES, TENSORRT_CASES, assert_close, cat_image, check_dense_splice, check_eval,
+                           check_methods_listing, check_openvino, check_other_method, check_pruned_splice,
+                           check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt)
 from tiny_models import tiny_smolvlm
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -107,8 +107,7 @@ def test_other_methods_and_sizes_on_ort(smolvlm_dir, tmp_path, method, options, 
     assert result.manifest["method"]["num_patches"] == (TOKENS if size is None else 9)
 
 
-@pytest.mark.parametrize("target, method, batch, options", [("orin", "divprune", 3, {}),
-                                                            ("xavier", "dart", 1, {"pivots": 2})])
+@pytest.mark.parametrize(*TENSORRT_CASES)
 def test_tensorrt_targets(smolvlm_dir, tmp_path, target, method, batch, options):
     check_tensorrt(smolvlm_dir, tmp_path / "b", target, method, batch, options)
 
@@ -118,7 +117,7 @@ def test_openvino(smolvlm_dir, tmp_path):
 
 
 @pytest.mark.toolchain
-@pytest.mark.parametrize("target, method", [("qnn", "divprune"), ("rk3588", "divprune")])
+@pytest.mark.parametrize(*QNN_RK3588_CASES)
 def test_qnn_and_rk3588(request, smolvlm_dir, tmp_path, target, method):
     """The whole SmolVLM graph, pixel shuffle too, on the HTP emulator (int16) and the RKNN simulator (fp16)."""
     check_qnn_or_rk3588(request, smolvlm_dir, tmp_path / "b", target, method)
