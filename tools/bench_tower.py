@@ -479,7 +479,7 @@ def main() -> int:
     return 1 if any("DIFFER" in c for c in checks.values()) else 0
 
 
-OPENVINO_PRECISIONS = ("f32", "bf16", "int8")
+OPENVINO_PRECISIONS = ("f32", "bf16", "int8", "int8-bf16")
 
 
 def _openvino_available() -> bool:
@@ -509,13 +509,15 @@ def _add_openvino_rows(paths: dict, folder: Path, source, x_np: np.ndarray, outp
         quantized_in = time.perf_counter() - start
         for precision in OPENVINO_PRECISIONS:
             row = f"openvino {precision}, {name}"
-            compiled = compile_ir(int8_path if precision == "int8" else ir_path, "CPU", PRECISIONS[precision].hint)
+            compiled = compile_ir(int8_path if PRECISIONS[precision].quantized else ir_path, "CPU",
+                                  PRECISIONS[precision].hint)
             result = run_compiled(compiled, x_np)  # warm-up
             out = result[FEATURES] if name == "dense" else (result[FEATURES], result[KEPT])
             checks[row] = (_agreement if precision == "f32" else _low_precision_agreement)(outputs[name], out)
             threads = compiled.get_property("INFERENCE_NUM_THREADS")
             labels[row] = (f"OpenVINO {ov.get_version().split('-')[0]} CPU, {PRECISIONS[precision].what}, "
-                           f"{threads} threads" + (f" (NNCF PTQ in {quantized_in:.0f} s)" if precision == "int8" else ""))
+                           f"{threads} threads" + (f" (NNCF PTQ in {quantized_in:.0f} s)"
+                                                   if PRECISIONS[precision].quantized else ""))
             fns[row] = lambda c=compiled: run_compiled(c, x_np)
 
 

@@ -49,6 +49,12 @@ def int8(tiny_clip_dir, tmp_path_factory):
     return _compile(tiny_clip_dir, root, precision="int8", calibration=str(calib))
 
 
+@pytest.fixture(scope="module")
+def int8_bf16(tiny_clip_dir, tmp_path_factory):
+    """The int8 IR under the bf16 hint, on the built-in calibration photographs."""
+    return _compile(tiny_clip_dir, tmp_path_factory.mktemp("ov-int8-bf16"), precision="int8-bf16")
+
+
 def _ir_ops(path) -> list[str]:
     return [layer.get("type") for layer in ET.parse(path).getroot().iter("layer")]
 
@@ -111,6 +117,24 @@ def test_int8_quantizes_outside_the_score_path(int8, f32_npu):
     assert not np.array_equal(q[FEATURES], f[FEATURES])  # the later block is quantized
 
 
+def test_int8_bf16_runs_the_int8_ir_under_the_bf16_hint(int8_bf16, f32_npu):
+    ops = _ir_ops(int8_bf16.bundle / OPENVINO_INT8_IR)
+    assert ops.count("FakeQuantize") > 0
+    fields = int8_bf16.manifest.target
+    assert fields["ir"] == OPENVINO_INT8_IR and fields["inference_precision_hint"] == "bf16"
+    assert fields["int8"]["calibration_images"]  # the built-in photographs
+    stage = _stage(int8_bf16)
+    assert stage.passed and stage.precision == "int8-bf16" and stage.tolerance == tolerance_for("int8-bf16")
+    assert OPENVINO_INT8_IR in stage.runtime
+    target = get_target("openvino")
+    q = target.runner(int8_bf16.bundle, int8_bf16.manifest)[0](_pixels())
+    f = target.runner(f32_npu.bundle, f32_npu.manifest)[0](_pixels())
+    agreement = np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(q[KEPT], f[KEPT])])
+    assert agreement >= tolerance_for("int8-bf16").index_agreement_min
+    assert not np.array_equal(q[FEATURES], f[FEATURES])
+    assert "int8-bf16" in (int8_bf16.bundle / "README.md").read_text()
+
+
 def test_bf16_boundary_swap_is_reported_not_hidden():
     """A swap at the K-th boundary inside bf16's tie band passes and is named; one outside it fails."""
     tol = tolerance_for("bf16")
@@ -124,7 +148,7 @@ def test_bf16_boundary_swap_is_reported_not_hidden():
 
 def test_bad_options_are_one_line(tmp_path):
     target = get_target("openvino")
-    cases = [({"precision": "fp16"}, "openvino --precision takes f32, bf16, int8"),
+    cases = [({"precision": "fp16"}, "openvino --precision takes f32, bf16, int8, int8-bf16"),
              ({"device": "TPU"}, "openvino --device takes CPU, GPU, NPU"),
              ({"calibration": str(tmp_path)}, "add --precision int8"),
              ({"precision": "int8", "calibration": str(tmp_path)}, "no PNG or JPEG"),
@@ -135,9 +159,13 @@ def test_bad_options_are_one_line(tmp_path):
         assert "\n" not in str(exc.value)
     with pytest.raises(InputError, match="--precision bf16 cannot run method tome: its merge decisions"):
         target.check_options(CompileOptions(target="openvino", method="tome", target_options={"precision": "bf16"}))
-    with pytest.raises(InputError, match="reads the projector output"):
-        target.check_options(CompileOptions(target="openvino", method="divprune",
-                                            target_options={"precision": "int8"}))
+    with pytest.raises(InputError, match="--precision int8-bf16 cannot run method tome"):
+        target.check_options(CompileOptions(target="openvino", method="tome",
+                                            target_options={"precision": "int8-bf16"}))
+    for precision in ("int8", "int8-bf16"):
+        with pytest.raises(InputError, match="reads the projector output"):
+            target.check_options(CompileOptions(target="openvino", method="divprune",
+                                                target_options={"precision": precision}))
 
 
 def test_listed_with_devices_and_precisions():
@@ -145,4 +173,4 @@ def test_listed_with_devices_and_precisions():
 
     listing = api.targets()
     assert any(t.name == "openvino" and t.available for t in listing.targets)
-    assert any("openvino --precision: f32, bf16, int8" in line and "NPU" in line for line in listing.notes)
+    assert any("openvino --precision: f32, bf16, int8, int8-bf16" in line and "NPU" in line for line in listing.notes)
