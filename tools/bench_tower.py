@@ -521,5 +521,16 @@ def _add_openvino_rows(paths: dict, folder: Path, source, x_np: np.ndarray, outp
             fns[row] = lambda c=compiled: run_compiled(c, x_np)
 
 
+def _main() -> int:
+    """main, with the product's one-line errors (a --keep the model cannot take, a missing toolchain) as one line."""
+    from vlmprune.compiler.errors import VlmpruneError
+
+    try:
+        return main()
+    except VlmpruneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main())
