@@ -83,32 +83,22 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def settings_for(source, methods: list[str], keeps: list[int]) -> list[Setting]:
-    """Every method x K, parsed and checked against the tower as `compile` would (one line for one it cannot serve);
-    over an anyres source's crops, under one global budget with the method's default split, as compile does."""
+    """Every method x K, parsed and fitted to the tower by compile's own stages (pipeline.prune_config, fit_config:
+    one line for one it cannot serve); over an anyres source's crops, under one global budget with the method's
+    default split, as compile does."""
     from vlmprune.compiler.frontend import family_for
-    from vlmprune.passes.methods import get_method
-    from vlmprune.passes.methods.base import BLOCK, SiteSpec
-    from vlmprune.passes.methods.crops import CropBudget, crop_params, default_budget
+    from vlmprune.compiler.pipeline import CompileOptions, Loaded, fit_config, prune_config
+    from vlmprune.passes.methods.base import BLOCK
 
     if not methods or not keeps:
         raise InputError("eval needs at least one --method and one --keep")
-    pipe = source.pipeline
-    layout = family_for(source).token_layout(source, {})  # anyres: the crops, under the method's default split
+    loaded = Loaded(source, family_for(source))
     out = []
     for name in methods:
-        method = get_method(name)
-        if layout is not None:
-            method = CropBudget(method)
         for keep in keeps:
-            params = method.parse(keep, {})
-            if layout is not None:
-                params = crop_params(params, layout["crops"], default_budget(method))
-            needs = method.needs(params)
-            prefix = pipe.prefix if needs.site == BLOCK or not pipe.drop_cls else 0
-            method.check(params, SiteSpec(source.num_patches, bool(source.has_cls and prefix), source.num_blocks,
-                                          source.num_blocks, prefix=prefix, merge=source.spatial_merge,
-                                          tower_cls=bool(source.has_cls)))
-            out.append(Setting(method, params, needs.site, source.num_blocks if needs.site == BLOCK else None))
+            config = fit_config(prune_config(CompileOptions(method=name, keep=keep)), loaded, {})
+            site = config.method.needs(config.params).site
+            out.append(Setting(config.method, config.params, site, source.num_blocks if site == BLOCK else None))
     return out
 
 

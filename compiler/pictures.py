@@ -110,11 +110,12 @@ def draw(sel: Selection) -> np.ndarray:
     out = np.round(out).astype(np.uint8)
     targets = {int(t): MERGE_RGB[s % len(MERGE_RGB)] for s, t in enumerate(sorted(sel.merges or {}))}
     for i in kept:
-        _outline(out, cell(i, sel.grid, cell_px), targets.get(i, KEPT_RGB), width * (2 if i in targets else 1))
+        outline(out, cell(i, sel.grid, cell_px), targets.get(i, KEPT_RGB), width * (2 if i in targets else 1))
     return out
 
 
-def _outline(img: np.ndarray, box, color, width: int) -> None:
+def outline(img: np.ndarray, box, color, width: int) -> None:
+    """A box's outline drawn on img in place, width pixels inside it (also report.py's boxes)."""
     t, l, b, r = box
     w = min(width, (b - t) // 2)
     img[t:t + w, l:r] = color
@@ -244,16 +245,13 @@ def reference_merges(manifest: dict, pixel: np.ndarray) -> tuple[Merges | None, 
     if copied >= method.kept_count:
         return None, None, None
     from vlmprune.compiler.errors import VlmpruneError
-    from vlmprune.compiler.pipeline import load_source, options_of
     from vlmprune.compiler.parity.reference import pruner_for
+    from vlmprune.compiler.pipeline import load_bundle
 
-    spec = manifest.model.source
-    try:
-        source, _family = load_source(spec, options_of(manifest, debug=False))
+    try:  # the bundle's source as `check` loads it: where it was compiled from, with the same content
+        source = load_bundle(manifest, how="its reference is what traces the merges")[0].source
     except VlmpruneError as exc:
-        return None, None, f"merges not shown: the model source cannot be loaded here ({exc})"
-    if source.content_hash != manifest.model.sha256:
-        return None, None, f"merges not shown: {spec} has changed since the bundle was compiled"
+        return None, None, f"merges not shown: {exc}"
     if source.pipeline is None:
         return None, None, "merges not shown: an .onnx source has no torch reference to trace them from"
     tracer = _MergeTracer(pruner_for(manifest.record), copied)

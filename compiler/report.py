@@ -199,7 +199,7 @@ def diff_picture(view: np.ndarray, grid: int, kept: list[int], reference: list[i
             box = pictures.cell(p, grid, cell_px)
             t, l, b, r = box
             img[t:b, l:r] = np.round(0.5 * img[t:b, l:r] + 0.5 * np.asarray(color)).astype(np.uint8)
-            pictures._outline(img, box, color, width)
+            pictures.outline(img, box, color, width)
     return Image.fromarray(img)
 
 

@@ -96,7 +96,7 @@ class QnnTarget(Target):
             import onnxruntime_qnn
 
             versions["onnxruntime-qnn"] = onnxruntime_qnn.__version__
-            versions["qnn sdk"] = qnn_tools._qnn_sdk_version()
+            versions["qnn sdk"] = qnn_tools.qnn_sdk_version()
         except ImportError:
             pass
         return versions

@@ -66,7 +66,7 @@ def available() -> tuple[bool, str]:
         return False, "onnxruntime-qnn registered no QNNExecutionProvider device"
     import onnxruntime_qnn
 
-    return True, f"onnxruntime-qnn {onnxruntime_qnn.__version__} (QNN {_qnn_sdk_version()})"
+    return True, f"onnxruntime-qnn {onnxruntime_qnn.__version__} (QNN {qnn_sdk_version()})"
 
 
 def resolve_soc(soc: str | int | None) -> tuple[str, str]:
@@ -82,7 +82,8 @@ def resolve_soc(soc: str | int | None) -> tuple[str, str]:
     raise QnnError(f"unknown --soc {soc!r}; accepted: {', '.join(SOCS)} (or their soc_model ids)")
 
 
-def _qnn_sdk_version() -> str:
+def qnn_sdk_version() -> str:
+    """The QNN SDK onnxruntime-qnn was built with (the target's toolchain line in the manifest)."""
     from onnxruntime_qnn import build_and_package_info
 
     return getattr(build_and_package_info, "qnn_version", "unknown")

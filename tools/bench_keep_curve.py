@@ -14,7 +14,6 @@ verdict per tile and the machine's load (figures on a shared machine are provisi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -38,23 +37,24 @@ def main() -> None:
     from vlmprune.compiler.bundle.manifest import Manifest
     from vlmprune.compiler import pipeline
     from vlmprune.compiler.pipeline import CompileOptions, auto_keep
-    from vlmprune.targets import get_target
 
     tiles = [int(t) for t in args.tiles.split(",")]
-    options = CompileOptions(method=args.method, keep=1, layer=args.layer)
-    target = get_target(options.target)
+    plan = pipeline.validate_options(CompileOptions(method=args.method, keep=1, layer=args.layer))
+    target = plan.target
+    progress = lambda m: print(m, file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="bench-keep-") as scratch:
         scratch = Path(scratch)
         t0 = time.perf_counter()
-        bench = auto_keep._Candidates(args.model, options, target, scratch, lambda m: print(m, file=sys.stderr))
+        loaded = pipeline.load(args.model, plan, progress)
+        dense = pipeline.export_dense(loaded, plan.options, scratch, progress)
+        bench = auto_keep.Candidates(plan, loaded, dense, scratch)
         runs = {}
         for rows in tiles:
             for keep in (rows - 2, rows - 1, rows):
                 folder = scratch / f"k{keep}"
                 folder.mkdir()
-                model, plan, config, _ = bench._graph(keep, folder)
-                fields = target.emit(model, folder, pipeline.emit_context(
-                    config, dataclasses.replace(options, keep=keep), plan.target_options, bench.source, bench.pixel))
+                fused, fitted = bench.graph(keep, folder)
+                fields = bench.emit(fused, fitted, folder).fields
                 run, runtime = target.runner(folder, Manifest({"target": {"name": target.name, **fields}}))
                 runs[keep] = (lambda r: (lambda: r(bench.pixel)))(run)
         print(f"{len(runs)} candidate graphs built in {time.perf_counter() - t0:.1f}s; runtime: {runtime}, "

@@ -1,8 +1,9 @@
 """`--keep auto --latency-ms X`: the largest K whose latency on the target fits a budget.
 
 K is chosen by measurement on the target's own runtime, never guessed from a formula: the
-candidates are the graphs the compile would emit for each K (the dense export made once, the
-product cache's as every compile's; the target's pipeline, fusion and emit per K), run by the
+candidates are the graphs the compile would emit for each K, made by the compile's own stages
+(pipeline.stages: the compile's one dense export and loaded source; fit, lower, fuse and emit per K,
+each K's plan from Plan.with_keep, never a second validation of the options), run by the
 target's runner (Target.runner, what `vlmprune run` uses) on the bundle's own batch (1 for a
 dynamic-batch bundle), without parity: parity runs once, on the bundle finally compiled.
 
@@ -56,17 +57,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import vlmprune.compiler.pipeline.steps as steps  # the compile's own steps, repeated per candidate
-from vlmprune.compiler.pipeline.cpu_meter import CpuMeter
-from vlmprune.compiler.errors import InputError
+import onnx_ir as ir
 
-AUTO = "auto"
+import vlmprune.compiler.pipeline.stages as stages  # the compile's own stages, run per candidate
+from vlmprune.compiler.bundle.manifest import Manifest
+from vlmprune.compiler.contract import WEIGHTS
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.pipeline.cpu_meter import CpuMeter
+# --keep auto's options are validated with every other option (validate_options); re-exported where they are used.
+from vlmprune.compiler.pipeline.options import AUTO, Plan, requested  # noqa: F401
+
 WARMUP = 2
 REPEATS = 5
 # Tile size K + 1 rows are rounded up to: none, by measurement (ROUND_MEASUREMENT).
@@ -82,32 +89,6 @@ FLAT_SPREADS = 2.0
 ROUND_MEASUREMENT = "no tile size made the rounded K faster beyond the timings' spread (ORT CPU, demo tower)"
 
 Curve = list[tuple[int, float]]
-
-
-def requested(options) -> bool:
-    """Whether options ask for --keep auto; one line for a bad combination or value, before any work."""
-    keep, budget = options.keep, options.latency_ms
-    if isinstance(keep, str):
-        if keep.strip().lower() != AUTO:
-            raise InputError(f"--keep must be an integer >= 1 or auto, got {keep!r}")
-        if budget is None:
-            raise InputError("--keep auto needs --latency-ms (the latency budget, ms per call on the target)")
-    elif budget is not None:
-        raise InputError(f"--latency-ms is the budget of --keep auto; with --keep {keep} it would do nothing "
-                         "(use --keep auto, or drop --latency-ms)")
-    else:
-        return False
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
-        raise InputError(f"--latency-ms must be a positive number of milliseconds, got {budget!r}")
-    if not options.prune:
-        raise InputError("--no-prune compiles the dense tower: --keep auto does not apply to it")
-    from vlmprune.targets import TARGETS  # the target declares why its candidates cannot be timed here
-
-    target = TARGETS.get(options.target)
-    why = target.no_timing_why if target is not None else ""
-    if why:
-        raise InputError(f"--keep auto cannot time candidates for target {options.target} here: {why}")
-    return True
 
 
 def envelope(curve: Curve) -> Curve:
@@ -200,17 +181,16 @@ def search(time_k: Callable[[int], Timing | None], first: int, last: int, budget
             return lo, timed
 
 
-def resolve(model: str, options, progress: Callable[[str], None]):
-    """(options with the chosen K, the manifest's keep_auto section): the candidates timed on the target's runner."""
-    budget = float(options.latency_ms)
-    base = dataclasses.replace(options, latency_ms=None)
-    first, plan = _smallest_keep(base, steps.validate_options)
-    target = plan.target
-    ok, why = target.available()
-    if not ok:
-        raise InputError(f"target {target.name} is not available here: {why}")
-    with tempfile.TemporaryDirectory(prefix="vlmprune-keep-auto-") as scratch:
-        bench = _Candidates(model, base, target, Path(scratch), progress)
+def resolve(plan: Plan, loaded: stages.Loaded, dense: stages.DenseExport,
+            progress: Callable[[str], None]) -> tuple[Plan, dict]:
+    """(the plan at the chosen K, the manifest's keep_auto section): the candidates timed on the target's runner.
+
+    plan: validate_options' for --keep auto (its budget, at the smallest K the method takes); loaded: the source
+    the compile loaded; dense: the dense export the compile made (each candidate lowers its own copy of the file)."""
+    budget = plan.budget_ms
+    first, target = plan.options.keep, plan.target
+    with tempfile.TemporaryDirectory(prefix="vlmprune-keep-auto-", dir=dense.path.parent) as scratch:
+        bench = Candidates(plan, loaded, dense, Path(scratch))
         last = bench.limit(first) - 1
         progress(f"keep auto: timing K from {first} to {last} on {target.name} against {budget:g} ms")
         bench.time(first)  # untimed: a process's first session also sets up the runtime itself (thread pool, op library)
@@ -220,7 +200,7 @@ def resolve(model: str, options, progress: Callable[[str], None]):
         load = None if load is None else round(load, 3)
         runtime = bench.runtime
     if not timed:
-        raise InputError(f"method {options.method} took no K from {first} to {last} with these options")
+        raise InputError(f"method {plan.options.method} took no K from {first} to {last} with these options")
     curve = sorted((k, round(t.ms, 4)) for k, t in timed.items())
     if chosen is None:
         k0, ms0 = curve[0]
@@ -233,75 +213,35 @@ def resolve(model: str, options, progress: Callable[[str], None]):
     progress(f"keep auto: K={chosen} ({dict(curve)[chosen]:.3f} ms <= {budget:g} ms)")
     if section["flat"]:
         progress(f"warning: keep auto: {section['flat']}")
-    return dataclasses.replace(base, keep=chosen), section
+    return plan.with_keep(chosen), section
 
 
-def probe(options):
-    """options at the smallest K the method takes (with latency_ms cleared), for validating every other option before
-    any work."""
-    base = dataclasses.replace(options, latency_ms=None)
-    return dataclasses.replace(base, keep=_smallest_keep(base, steps.validate_options)[0])
+class Candidates:
+    """Each K's graph as the compile would emit it (the same stages: fit, lower, fuse, emit), from one dense export,
+    timed by the target's runner."""
 
-
-def _smallest_keep(options, validate) -> tuple[int, object]:
-    """The smallest K of the ladder (1, 2, 4, ...) the method's options take, and its validated plan; an option
-    that is bad at every K is refused as a compile with that K would refuse it."""
-    error = None
-    for k in (2 ** i for i in range(13)):
-        try:
-            return k, validate(dataclasses.replace(options, keep=k))
-        except InputError as exc:
-            error = error or exc
-    raise error
-
-
-class _Candidates:
-    """Each K's graph as the compile would emit it, from one dense export, timed by the target's runner."""
-
-    def __init__(self, model: str, options, target, folder: Path, progress):
-        from vlmprune.compiler.contract import DENSE
-
-        self.options, self.target, self.folder = options, target, folder
-        import types
-
-        timer = types.SimpleNamespace(step=progress)  # the compile's own timer's step (the dense export's lines)
-        self.source, self.family = steps.load_source(model, options)
-        self.family.check_target(self.source, target.name,
-                                 lambda count: target.check_options(dataclasses.replace(options, batch=count)))
-        dense = steps.dense_model(self.source, self.family, options, folder, timer)
-        self.dense_path = folder / DENSE
-        static = dense.graph.inputs[0].shape[0]
+    def __init__(self, plan: Plan, loaded: stages.Loaded, dense: stages.DenseExport, folder: Path):
+        self.plan, self.loaded, self.dense_path, self.folder = plan, loaded, dense.path, Path(folder)
+        self.target = plan.target
+        static = dense.model.graph.inputs[0].shape[0]
         self.batch = static if isinstance(static, int) else 1
-        self.pixel, _ = self.family.parity_pixels(self.source, self.batch)
-        self.runtime = target.name
+        self.pixel, _ = loaded.family.parity_pixels(loaded.source, self.batch)
+        self.runtime = self.target.name
 
-    def _graph(self, keep: int, folder: Path):
-        import onnx_ir as ir
+    def graph(self, keep: int, folder: Path) -> tuple[stages.Fused, Plan]:
+        """The fused graph at K (its dense graph linked into folder), and the fitted plan it was made with."""
+        plan = stages.fit(self.plan.with_keep(keep), self.loaded)
+        lowered = stages.lower(ir.load(_linked(self.dense_path, folder)), self.loaded, plan)
+        return stages.fuse(lowered, plan), plan
 
-        from vlmprune.passes.methods.base import SiteSpec
-        from vlmprune.passes.methods.crops import over_tokens
-        from vlmprune.passes.positions import with_positions
-        from vlmprune.passes.prune import prune_record
-
-        options = dataclasses.replace(self.options, keep=keep)
-        plan = steps.validate_options(options)
-        config = dataclasses.replace(plan.config, head=self.source.head)
-        config = over_tokens(config, self.family.token_layout(self.source, options.family_options))
-        self.family.check_method(self.source, config, SiteSpec)
-        passes = self.target.pipeline(config, options)
-        if self.source.position_table is not None:
-            passes = with_positions(passes, self.source.position_table, self.source.positions)
-        model = passes(ir.load(_linked(self.dense_path, folder))).model
-        record = prune_record(model)
-        fusion = self.target.fusion(config, options, record)
-        if fusion is not None:
-            fusion(model)
-        return model, plan, config, record
+    def emit(self, fused: stages.Fused, plan: Plan, folder: Path) -> stages.Emitted:
+        """The target's artifacts at K in folder, calibrated on the candidates' own batch."""
+        return stages.emit(fused, self.loaded, plan, folder, pixel=self.pixel)
 
     def limit(self, keep: int) -> int:
         """N: the tokens the method ranks (K < N), read off the graph inserted at keep."""
         with tempfile.TemporaryDirectory(dir=self.folder) as folder:
-            _, _, _, record = self._graph(keep, Path(folder))
+            record = self.graph(keep, Path(folder))[0].record
         crops = (record.params.get("crops") or {}).get("count", 1)
         return record.num_patches * crops
 
@@ -312,14 +252,11 @@ class _Candidates:
             return self._time(keep, Path(folder))
 
     def _time(self, keep: int, folder: Path) -> Timing | None:
-        from vlmprune.compiler.bundle.manifest import Manifest
-
         try:
-            model, plan, config, _ = self._graph(keep, folder)
+            fused, plan = self.graph(keep, folder)
         except InputError:
             return None
-        fields = self.target.emit(model, folder, steps.emit_context(
-            config, dataclasses.replace(self.options, keep=keep), plan.target_options, self.source, self.pixel))
+        fields = self.emit(fused, plan, folder).fields
         run, self.runtime = self.target.runner(folder, Manifest({"target": {"name": self.target.name, **fields}}))
         for _ in range(WARMUP):
             run(self.pixel)
@@ -335,10 +272,6 @@ class _Candidates:
 def _linked(dense_path: Path, folder: Path) -> Path:
     """The dense graph and its weights in folder, as hard links where the file system has them (no copy of the
     weights per candidate), else as copies."""
-    import shutil
-
-    from vlmprune.compiler.contract import WEIGHTS
-
     for name in (dense_path.name, WEIGHTS):
         try:
             os.link(dense_path.parent / name, folder / name)

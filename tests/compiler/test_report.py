@@ -179,7 +179,7 @@ def test_tolerance_overrides_per_output_and_rtol():
 
 def test_a_failing_figure_never_reads_as_passing():
     from vlmprune.compiler import parity
-    from vlmprune.compiler.pipeline import _line
+    from vlmprune.compiler.pipeline import parity_line
 
     assert parity.figure_text(0.99999994, 6, at_least=1.0) == "0.9999999"  # 6 digits would read "1"
     assert parity.figure_text(0.99999997, 7, at_least=1.0) == "0.99999997"
@@ -189,7 +189,7 @@ def test_a_failing_figure_never_reads_as_passing():
     tol = parity.tolerance_for("fp32", {"cosine_min": 1.0})
     stage = parity.StageResult("rewritten", "ort", "fp32", tol, False, outputs={
         "image_features": {"cosine_min": 0.99999997, "max_abs": 2e-7, "mean_abs": 1e-8, "passed": False}})
-    assert _line(stage) == ("  rewritten  FAIL  cosine_min 0.99999997, max_abs 2e-07  "
+    assert parity_line(stage) == ("  rewritten  FAIL  cosine_min 0.99999997, max_abs 2e-07  "
                             "(failing: image_features)")  # the progress line
     rows = report.figure_rows(stage)
     page = report.html_report(ParityReport({}, [stage]),
