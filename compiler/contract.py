@@ -32,6 +32,7 @@ ROI_BOXES = "roi_boxes"  # [B, M, 4] float: --roi boxes, (x0, y0, x1, y1) in pix
 ROI_COUNT = "roi_count"  # [B] int64: --roi boxes, the valid leading boxes of roi_boxes
 ROI_INPUTS = (ROI_MASK, ROI_BOXES, ROI_COUNT)  # an --roi graph's inputs: the mask, or the boxes and their count
 DEEPSTACK = "deepstack_embeds"  # LLM prefill input [L, B, S, D_llm] (Qwen3-VL): level l's rows, added after layer l
+IMAGE_ROWS = "image_rows"  # LLM prefill input [B, S, 1] float (Gemma 3): 1 at an image's rows (seen both ways), else 0
 
 # --- files of a bundle ---------------------------------------------------------------------
 MODEL = "model.onnx"  # the target's graph (what a runtime loads)

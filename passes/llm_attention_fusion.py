@@ -21,6 +21,12 @@ selection are untouched: FastV's score row reads layer K's q and K, which stay i
 values of their own, and the later layers' kept tokens keep their original positions because
 the rotary embedding that carries them runs before the matched part.
 
+A decoder whose prefill mask is not plain causal (Gemma 3: a bidirectional image block, sliding-window layers) is
+exported with the mask as an additive bias computed in the graph from its inputs, q·Kᵀ·s + bias; that form becomes
+MultiHeadAttention(q, K, V, attention_bias=bias, unidirectional=0), the bias's nodes left in the graph (computed once
+per layer type, not per layer). Attention logit softcapping has no place in the op: such a decoder is refused before
+the export (compiler.llm.lm_source.check_family).
+
 Why MultiHeadAttention and not GroupQueryAttention: GQA takes K and V before the rotary
 embedding and the heads expansion in [B, S, Hkv·d] and applies the rotary embedding from its
 own cos/sin caches indexed by sequence position; after FastV a layer's cache length is not the
@@ -85,21 +91,26 @@ def _causal_mask_reason(cond: ir.Value) -> str | None:
 
 
 class CausalAttentionFusion(RewriteRuleClassBase):
-    """softmax(mask(q·Kᵀ·s)) V, heads merged -> MultiHeadAttention(q, K, V); masked: the prefill's causal form."""
+    """softmax(mask(q·Kᵀ·s)) V, heads merged -> MultiHeadAttention(q, K, V); masked: the prefill's causal form;
+    biased: an additive mask computed in the graph (q·Kᵀ·s + bias), which becomes the op's attention_bias."""
 
-    def __init__(self, masked: bool):
-        super().__init__(name="CausalAttentionFusion" if masked else "UnmaskedAttentionFusion")
-        self.masked = masked
+    def __init__(self, masked: bool, biased: bool = False):
+        super().__init__(name="BiasedAttentionFusion" if biased else
+                         "CausalAttentionFusion" if masked else "UnmaskedAttentionFusion")
+        self.masked, self.biased = masked, biased
 
-    def pattern(self, op, q, k_t, scale, v, merged, cond=None, fill=None):
+    def pattern(self, op, q, k_t, scale, v, merged, cond=None, fill=None, bias=None):
         scores = op.Mul(op.MatMul(q, k_t), scale)
         if self.masked:
             scores = op.Where(cond, fill, scores)
+        if self.biased:
+            scores = op.Add(scores, bias)
         probs = op.Softmax(scores, _outputs=["probs"])
         out = op.Transpose(op.MatMul(probs, v), _outputs=["out"])
         return op.Reshape(out, merged, _allow_other_attributes=True, _outputs=["result"])
 
-    def check(self, context, q, k_t, scale, v, merged, probs, out, result, cond=None, fill=None, **_) -> MatchResult:
+    def check(self, context, q, k_t, scale, v, merged, probs, out, result, cond=None, fill=None, bias=None,
+              **_) -> MatchResult:
         check = MatchResult()
         if _perm(k_t) != [0, 1, 3, 2] or k_t.producer().op_type != "Transpose":
             return check.fail("Kᵀ is not a Transpose of a 4-D K swapping its last two axes")
@@ -132,19 +143,29 @@ class CausalAttentionFusion(RewriteRuleClassBase):
             value = const_scalar(fill)
             if value is None or not (value == -math.inf or value <= -1e30):
                 return check.fail("the mask's fill is not -inf")
+        if self.biased:  # the op's attention_bias: [B or 1, H or 1, S, L], added to the scaled scores
+            if bias.shape is None or len(bias.shape) != 4:
+                return check.fail("the additive mask is not 4-D [B or 1, H or 1, S, L]")
+            if isinstance(bias.shape[1], int) and bias.shape[1] not in (1, heads):
+                return check.fail("the additive mask's head axis is neither 1 nor the head count")
         return check
 
-    def rewrite(self, op, q, k_t, scale, v, **_):
+    def rewrite(self, op, q, k_t, scale, v, bias=None, **_):
         k = k_t.producer().inputs[0]
         heads = _heads(q, k)
         query = op.Reshape(op.Transpose(q, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
+        if self.biased:  # inputs 3 and 4 (the projections' bias, key_padding_mask) are absent
+            return op.MultiHeadAttention(query, k, v, None, None, bias, num_heads=heads, scale=const_scalar(scale),
+                                         unidirectional=0, _domain=MS_DOMAIN)
         return op.MultiHeadAttention(query, k, v, num_heads=heads, scale=const_scalar(scale),
                                      unidirectional=1 if self.masked else 0, _domain=MS_DOMAIN)
 
 
 def llm_attention_rules() -> list:
-    """The prefill's causal attention and the decode step's unmasked one (one query over the cache)."""
-    return [CausalAttentionFusion.rule(True), CausalAttentionFusion.rule(False)]
+    """The prefill's causal attention, the decode step's unmasked one (one query over the cache), and the prefill
+    attention under an additive mask (Gemma 3's: the bidirectional image block, the sliding window)."""
+    return [CausalAttentionFusion.rule(True), CausalAttentionFusion.rule(False, biased=True),
+            CausalAttentionFusion.rule(False)]
 
 
 def count_fused(model: ir.Model) -> int:

@@ -26,6 +26,9 @@ The LLM side: Gemma 3's LLM attends bidirectionally among the tokens of one imag
 from token_type_ids, 1 at the image tokens) and causally elsewhere; its chat template writes the image as its
 boi token, which the processor expands to "\\n\\n<boi>" + the image tokens + "<eoi>\\n\\n". `generate` and `eval`
 run it so (llm_forward_args, image_prompt): the K kept rows are the one image block, at their original positions.
+`--with-llm` exports its language model (compiler.llm.torch_exporter: Gemma 3's layer, sliding-window layers masked
+in the graph); the prefill graph takes the image block as its `image_rows` input (llm_graph_image_rows: 1 at the K
+kept rows), and the manifest's llm section says so (llm_handoff). FastV is refused for it (compiler.llm.lm_source).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlmprune.compiler import contract
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
@@ -152,6 +156,21 @@ class Gemma3Family(MergedTokensFamily):
         types = torch.zeros(1, length, dtype=torch.long)
         types[0, image] = 1
         return {"token_type_ids": types, "attention_mask": torch.ones(1, length, dtype=torch.long)}
+
+    def llm_graph_image_rows(self, model, features):
+        """The rows themselves, and the exported prefill's image_rows input at them (1: the kept rows are one image
+        block, seen both ways, as token_type_ids 1 makes them in transformers); generate gives 0 at the text rows."""
+        return features, {contract.IMAGE_ROWS: torch.ones(1, len(features), 1)}
+
+    def llm_handoff(self, model: dict) -> dict:
+        """The manifest's llm section: the image rows are one bidirectional block (what a runtime must mask so)."""
+        return {"image_block": {
+            "rows": "every image_features row of one image (prefix, kept and extra rows alike), consecutive",
+            "transformers": "token_type_ids 1 at those rows (and an attention_mask of ones: the kept rows' positions "
+                            "have gaps)",
+            "llm_graph_input": contract.IMAGE_ROWS,
+            "rule": "the image rows attend to each other both ways (Gemma 3's bidirectional image block), every other "
+                    "row causally; sliding-window layers see the last sliding_window rows (token indices)"}}
 
     def readme_section(self, manifest: dict) -> str:
         counts = manifest.model.token_counts

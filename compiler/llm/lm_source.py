@@ -18,9 +18,32 @@ from vlmprune.compiler.errors import InputError
 # (t, h, w) positions, [3, B, T], and hands the layers ordinary cos/sin).
 # Qwen3-VL's language model (qwen3_vl_text): Qwen3's layer (a per-head RMSNorm on the queries and keys, QK_NORM),
 # mRoPE positions, and DeepStack: the vision tower's level-l rows added to the image rows after layer l-1.
-FAMILIES = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+# Gemma 3's language model (gemma3_text, transformers' modeling_gemma3): its layer norms with (1 + weight) (the
+# layer's own modules, so nothing to spell), a per-head q/k norm (QK_NORM), the attention scaled by
+# query_pre_attn_scalar ** -0.5 (the module's own `scaling`), a gelu_pytorch_tanh MLP (the module's own), and:
+# SANDWICH_NORM, four norms a layer (the attention's and the MLP's outputs normed before each residual add);
+# LAYER_TYPES, sliding-window and global layers interleaved (config.layer_types), each type with its own rotary base
+# (rotary_emb(x, positions, layer_type): rope_local_base_freq for the sliding ones) and the sliding ones seeing the
+# last sliding_window tokens only; IMAGE_BLOCK, the image rows attending to each other both ways (transformers builds
+# that from token_type_ids in Gemma3Model.forward): the prefill graph takes which rows are image rows, and the
+# parity reference asks transformers' own mask builder, named here (the module that holds get_block_sequence_ids_for_mask
+# and create_masks_for_vision_model). Its embedding scale (sqrt(hidden)) is the embedding module's, before the graph:
+# inputs_embeds are embeddings as the model's own get_input_embeddings gives them.
+FAMILIES = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "gemma3_text")
 MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
-QK_NORM = frozenset({"qwen3_vl_text"})
+QK_NORM = frozenset({"qwen3_vl_text", "gemma3_text"})
+SANDWICH_NORM = frozenset({"gemma3_text"})
+LAYER_TYPES = frozenset({"gemma3_text"})
+IMAGE_BLOCK = {"gemma3_text": "transformers.models.gemma3.modeling_gemma3"}
+# Decoders known by name and refused, with the reason (the others: "not supported" and the list).
+REFUSED = {"gemma4_text": "Gemma 4's decoder is not Gemma 3's layer: it adds per-layer embeddings read from the token "
+                          "ids (hidden_size_per_layer_input), a per-layer scalar, a value norm, KV shared across layers "
+                          "and mixture-of-experts blocks, none of which the exporter's layer computes"}
+# Decoders whose FastV the exporter refuses, with the reason: FastV's reference (compiler.llm.fastv) runs the layers
+# under one causal mask with one rotary embedding.
+NO_FASTV = {"gemma3_text": "FastV's reference runs every layer causally with one rotary embedding, and Gemma 3's "
+                           "language model has a bidirectional image block, sliding-window layers and two rotary "
+                           "bases; FastV's cut inside the image block is not defined"}
 _CAUSAL_LM_TYPES = ("llama", "qwen2")  # text models with a causal-LM class of their own
 
 
@@ -39,11 +62,46 @@ def decoder_of(model):
 def check_family(config) -> None:
     """One line for a language model whose decoder layer the exporters do not know."""
     model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED:
+        raise InputError(f"language model type {model_type!r} is not supported for export: {REFUSED[model_type]}")
     if model_type not in FAMILIES:
         raise InputError(f"language model type {model_type!r} is not supported for export "
                          f"(supported: {', '.join(FAMILIES)})")
     if getattr(config, "use_sliding_window", False):
         raise InputError("a sliding-window language model is not supported for export")
+    if model_type in LAYER_TYPES:
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise InputError(f"{model_type} with attn_logit_softcapping {config.attn_logit_softcapping} is not "
+                             "supported for export: ONNX Runtime's MultiHeadAttention, which the exported graphs "
+                             "run, has no softcap (Gemma 3's released configs leave it unset)")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise InputError(f"{model_type} with use_bidirectional_attention (an embedding model, not a causal "
+                             "decoder) is not supported for export")
+
+
+def fastv_refusal(config) -> str | None:
+    """Why FastV cannot be compiled into this language model, or None."""
+    return NO_FASTV.get(getattr(config, "model_type", None))
+
+
+def layer_types(config) -> list[str] | None:
+    """Each layer's attention type ("sliding_attention" / "full_attention") where the decoder has them, else None."""
+    return list(config.layer_types) if getattr(config, "model_type", None) in LAYER_TYPES else None
+
+
+def image_block_masks(config, embeds, positions, cache, image_rows):
+    """transformers' own attention masks of a decoder with a bidirectional image block (IMAGE_BLOCK): its mask builder
+    given the image rows ([B, T] bool), as the VLM's forward builds them from token_type_ids; a mask of ones, since
+    positions with gaps otherwise read as packed sequences."""
+    import importlib
+
+    import torch
+
+    hf = importlib.import_module(IMAGE_BLOCK[config.model_type])
+    ids = hf.get_block_sequence_ids_for_mask(image_rows.long())
+    ones = torch.ones(embeds.shape[:2], dtype=torch.long)
+    return hf.create_masks_for_vision_model(config=config, inputs_embeds=embeds, attention_mask=ones, cache=cache,
+                                            position_ids=positions, block_sequence_ids=ids)
 
 
 def check_width(manifest: dict, config) -> None:
@@ -78,8 +136,8 @@ def llm_checkpoint(spec: str):
     checkpoint = Checkpoint(path) if path.is_dir() else None
     if checkpoint is None or checkpoint.model_type not in vlm_classes():
         kind = f"model type {checkpoint.model_type!r}" if checkpoint is not None else "not a checkpoint directory"
-        raise InputError(f"--with-llm needs `demo` or a LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint that holds its "
-                         f"language model; {spec} is {kind}")
+        raise InputError(f"--with-llm needs `demo` or a LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Gemma 3 "
+                         f"checkpoint that holds its language model; {spec} is {kind}")
     return checkpoint
 
 

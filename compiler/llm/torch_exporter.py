@@ -28,6 +28,21 @@ were a sixth of the dense prefill). Both pairs are checked against the reference
 The parity reference (compiler.llm.fastv) runs the Hugging Face decoder
 layers themselves.
 
+Gemma 3's language model (gemma3_text; what differs is declared in compiler.llm.lm_source): the
+layer's own norms and MLP, with its two extra norms (post-attention on the attention's output,
+pre- and post-feedforward around the MLP) before each residual add; the q/k norm per head; the
+module's own scaling (query_pre_attn_scalar); each layer type's own rotary embedding (the sliding
+layers' rope_local_base_freq). Its prefill takes `image_rows` [batch, sequence, 1]: rows marked 1
+that follow each other are one image block and see each other both ways, the rest causally, as
+transformers' Gemma3Model builds the mask from token_type_ids. The sliding window is masked, not
+refused: in prefill an additive mask per layer type (key index > query index - sliding_window,
+token indices as transformers counts them, with the image block inside the window), in decode the
+sliding layers' keys sliced to the last sliding_window rows; the caches keep every row, so any
+prompt and answer length gives the model's own result. Gemma3ForConditionalGeneration applies no
+final logit softcapping (its Gemma3ForCausalLM does), so neither do the graphs; attention
+softcapping (unset in Gemma 3's configs) is refused. Its parity reference is transformers' own text
+model forward under transformers' own masks (image_block_prefill, hf_generate).
+
 This is the default exporter of target ort (`--llm-exporter torch`, compiler.llm.exporter);
 FastV is compiled in only here.
 """
@@ -48,13 +63,16 @@ from vlmprune.compiler.frontend.export import torch_onnx
 from vlmprune.compiler.llm import lm_source
 from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, LlmGraphRunner, tokens_note
 from vlmprune.compiler.llm.fastv import FastVSpec, default_positions, gather_positions
-from vlmprune.compiler.llm.lm_source import QK_NORM, decoder_of, deepstack_levels, uses_mrope
+from vlmprune.compiler.llm.lm_source import (IMAGE_BLOCK, QK_NORM, SANDWICH_NORM, decoder_of, deepstack_levels,
+                                            layer_types, uses_mrope)
 from vlmprune.compiler.parity import figure_text
 
 WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx (and their decomposed forms)
 PREFILL, DECODE = "prefill.onnx", "decode.onnx"  # each layer's attention fused (passes.llm_attention_fusion)
 PREFILL_DECOMPOSED, DECODE_DECOMPOSED = "prefill.decomposed.onnx", "decode.decomposed.onnx"  # standard ops only
 DEEPSTACK = contract.DEEPSTACK  # prefill input [L, batch, sequence, hidden] of a language model with DeepStack
+IMAGE_ROWS = contract.IMAGE_ROWS  # prefill input [batch, sequence, 1] of a language model with a bidirectional image block
+SLIDING = "sliding_attention"  # the layer type whose keys are the last sliding_window tokens (lm_source.layer_types)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -83,14 +101,48 @@ class _Decoder(nn.Module):
         self.groups = self.heads // self.kv_heads
         self.num_layers = config.num_hidden_layers
         self.qk_norm = config.model_type in QK_NORM
+        self.sandwich = config.model_type in SANDWICH_NORM
+        self.image_block = config.model_type in IMAGE_BLOCK
         self.deepstack = deepstack_levels(model)
+        self.types = layer_types(config)  # None: one rotary embedding, every layer global
+        self.window = getattr(config, "sliding_window", None) if self.types is not None else None
 
     @property
     def inner(self):
         return self.lm.model
 
-    def attention(self, layer, x, rope, past=None, causal=True):
-        """(attention output, new k, new v, q, expanded k): the last two for FastV's score row."""
+    def ropes(self, x, positions) -> list:
+        """Each layer's (cos, sin): one rotary embedding for all, or one per layer type (Gemma 3's two bases)."""
+        if self.types is None:
+            rope = self.inner.rotary_emb(x, positions)
+            return [rope] * self.num_layers
+        by_type = {t: self.inner.rotary_emb(x, positions, t) for t in sorted(set(self.types))}
+        return [by_type[t] for t in self.types]
+
+    def biases(self, image_rows, length: int) -> list:
+        """Each layer's additive prefill mask [B, 1, T, T] (0 where a key is seen, -inf where not), for decoders with
+        layer types: causal, or the same image block (image_rows [B, T, 1] > 0.5, consecutive rows one block:
+        transformers' get_block_sequence_ids_for_mask), and for sliding layers only keys less than sliding_window
+        rows back (transformers' sliding_window_overlay: kv > q - window, token indices, not positions). The window
+        is masked, not refused: any prompt length gives the model's own result."""
+        steps = torch.arange(length)
+        seen = (steps[None, :] <= steps[:, None])[None]  # [1, T, T] causal
+        if image_rows is not None:
+            rows = image_rows[..., 0] > 0.5  # [B, T]
+            before = torch.cat([torch.zeros_like(rows[:, :1]), rows[:, :-1]], dim=1)
+            block = torch.cumsum((rows & ~before).long(), dim=1)
+            block = torch.where(rows, block, torch.zeros_like(block))  # 0: text, 1..: the image blocks
+            seen = seen | ((block[:, :, None] == block[:, None, :]) & rows[:, :, None])
+        near = (steps[:, None] - steps[None, :]) < self.window
+        full = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))[:, None]
+        sliding = torch.zeros(seen.shape).masked_fill(~(seen & near), float("-inf"))[:, None]
+        return [sliding if t == SLIDING else full for t in self.types]
+
+    def attention(self, layer, x, rope, past=None, causal=True, bias=None, index=None):
+        """(attention output, new k, new v, q, expanded k): the last two for FastV's score row.
+
+        bias: an additive mask in place of the causal one (prefill of a decoder with layer types); index: the
+        layer's number, whose type says whether a decode step sees only the last sliding_window keys."""
         attn = layer.self_attn
         b, t, _ = x.shape
         q = attn.q_proj(x).view(b, t, self.heads, self.head_dim)
@@ -106,8 +158,12 @@ class _Decoder(nn.Module):
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
         kx, vx = _expand_heads(k, self.groups), _expand_heads(v, self.groups)
+        if past is not None and self.types is not None and self.types[index] == SLIDING:
+            kx, vx = kx[:, :, -self.window:], vx[:, :, -self.window:]  # the new token and window - 1 before it
         scores = torch.matmul(q, kx.transpose(-1, -2)) * attn.scaling
-        if causal:
+        if bias is not None:
+            scores = scores + bias
+        elif causal:
             n = scores.shape[-1]
             steps = torch.arange(n)
             scores = scores.masked_fill(steps[None, :] > steps[:, None], float("-inf"))
@@ -115,8 +171,12 @@ class _Decoder(nn.Module):
         out = torch.matmul(weights, vx).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return attn.o_proj(out), k, v, q, kx
 
-    def layer(self, layer, hidden, rope, past=None, causal=True):
-        out, k, v, q, kx = self.attention(layer, layer.input_layernorm(hidden), rope, past, causal)
+    def layer(self, layer, hidden, rope, past=None, causal=True, bias=None, index=None):
+        out, k, v, q, kx = self.attention(layer, layer.input_layernorm(hidden), rope, past, causal, bias, index)
+        if self.sandwich:  # Gemma 3: each branch's output normed before its residual add, the MLP's input too
+            hidden = hidden + layer.post_attention_layernorm(out)
+            hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+            return hidden, k, v, q, kx
         hidden = hidden + out
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden, k, v, q, kx
@@ -134,15 +194,21 @@ class PrefillGraph(_Decoder):
             spec.check(self.num_layers)
         self.spec = spec
 
-    def forward(self, inputs_embeds, position_ids, deepstack_embeds=None):
-        """deepstack_embeds [L, B, T, D] (Qwen3-VL): level l's rows at the image rows, zero elsewhere, added after
-        layer l (what transformers' _deepstack_process adds at visual_pos_masks)."""
+    def forward(self, inputs_embeds, position_ids, *further):
+        """further: the decoder's further inputs, in the order export_prefill names them: deepstack_embeds
+        [L, B, T, D] (Qwen3-VL): level l's rows at the image rows, zero elsewhere, added after layer l (what
+        transformers' _deepstack_process adds at visual_pos_masks); image_rows [B, T, 1] (Gemma 3): 1 at the rows of
+        an image, which see each other both ways, 0 elsewhere."""
+        further = list(further)
+        deepstack_embeds = further.pop(0) if self.deepstack else None
+        image_rows = further.pop(0) if self.image_block else None
         b, length, width = inputs_embeds.shape
-        rope = self.inner.rotary_emb(inputs_embeds, position_ids)
+        ropes = self.ropes(inputs_embeds, position_ids)
+        biases = self.biases(image_rows, length) if self.types is not None else [None] * self.num_layers
         hidden, presents, kept = inputs_embeds, [], None
         spec = self.spec
         for i, layer in enumerate(self.inner.layers):
-            hidden, k, v, q, kx = self.layer(layer, hidden, rope)
+            hidden, k, v, q, kx = self.layer(layer, hidden, ropes[i], bias=biases[i])
             presents += [k, v]
             if deepstack_embeds is not None and i < self.deepstack:
                 hidden = hidden + deepstack_embeds[i]
@@ -159,7 +225,7 @@ class PrefillGraph(_Decoder):
                                    .expand(b, length - spec.image_end)],
                                   dim=1)
                 hidden = torch.gather(hidden, 1, index.unsqueeze(-1).expand(b, index.shape[1], width))
-                rope = self.inner.rotary_emb(hidden, gather_positions(position_ids, index))  # original positions
+                ropes = self.ropes(hidden, gather_positions(position_ids, index))  # original positions
         logits = self.head(hidden[:, -1:])
         return (logits, kept, *presents) if spec is not None else (logits, *presents)
 
@@ -168,10 +234,11 @@ class DecodeGraph(_Decoder):
     """One token on top of each layer's cache (whatever its length), at an explicit original position."""
 
     def forward(self, inputs_embeds, position_ids, *past):
-        rope = self.inner.rotary_emb(inputs_embeds, position_ids)
+        ropes = self.ropes(inputs_embeds, position_ids)
         hidden, presents = inputs_embeds, []
         for i, layer in enumerate(self.inner.layers):
-            hidden, k, v, _q, _kx = self.layer(layer, hidden, rope, (past[2 * i], past[2 * i + 1]), causal=False)
+            hidden, k, v, _q, _kx = self.layer(layer, hidden, ropes[i], (past[2 * i], past[2 * i + 1]), causal=False,
+                                               index=i)
             presents += [k, v]
         return (self.head(hidden), *presents)
 
@@ -197,10 +264,17 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) ->
                *cache_names(graph.num_layers, "present")]
     position_dims = {1: batch, 2: sequence} if uses_mrope(config) else {0: batch, 1: sequence}
     args, names, dims = (example, positions), ["inputs_embeds", "position_ids"], ({0: batch, 1: sequence}, position_dims)
+    further, further_dims = [], []  # PrefillGraph.forward's *further, in its order
     if graph.deepstack:  # Qwen3-VL: the DeepStack rows, one plane per level
-        args += (torch.zeros(graph.deepstack, 2, start + 2, config.hidden_size),)
+        further.append(torch.zeros(graph.deepstack, 2, start + 2, config.hidden_size))
         names.append(DEEPSTACK)
-        dims += ({1: batch, 2: sequence},)
+        further_dims.append({1: batch, 2: sequence})
+    if graph.image_block:  # Gemma 3: which rows are image rows
+        further.append(torch.zeros(2, start + 2, 1))
+        names.append(IMAGE_ROWS)
+        further_dims.append({0: batch, 1: sequence})
+    if further:  # *further is one argument to torch.export
+        args, dims = (*args, *further), (*dims, tuple(further_dims))
     return _export(graph, args, names, outputs, dims, opset)
 
 
@@ -337,11 +411,17 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
                                  spec.image_len if spec is not None else image_tokens)
     feed = {"inputs_embeds": embeds.numpy(), "position_ids": positions.numpy()}
     levels = deepstack_levels(lm)
+    block = config.model_type in IMAGE_BLOCK
     if levels:  # random DeepStack rows at the image span, zero at the text rows
         deepstack = torch.randn(levels, 2, length, config.hidden_size, generator=torch.Generator().manual_seed(1))
         deepstack[:, :, image_tokens:] = 0
         feed[DEEPSTACK] = deepstack.numpy()
         ref = deepstack_prefill(lm, embeds, positions, deepstack, image_tokens)
+    elif block:  # the image block after one text row: text before it, inside it and after it all checked
+        rows = torch.zeros(2, length, dtype=torch.bool)
+        rows[:, 1:1 + image_tokens] = True
+        feed[IMAGE_ROWS] = rows[..., None].float().numpy()
+        ref = image_block_prefill(lm, embeds, positions, rows)
     else:
         ref = reference_prefill(lm, embeds, spec, positions)
     prefill = ort_session(folder / graphs[0])
@@ -357,15 +437,15 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
         for part, tensor in (("key", layer.keys), ("value", layer.values)):
             worst = max(worst, float(np.abs(got[f"present.{i}.{part}"] - tensor.numpy()).max()))
     kept_ok = spec is None or bool(np.array_equal(got["kept_image_indices"], ref.kept.numpy()))
-    expected = (deepstack_generate(lm, ref, positions) if levels else
+    expected = (deepstack_generate(lm, ref, positions) if levels else hf_generate(lm, ref, positions) if block else
                 reference_generate(lm, embeds, spec, DECODE_STEPS, positions)).numpy()
     decode = ort_session(folder / graphs[1])
     out_names = [o.name for o in decode.get_outputs()]
-    table = lm.get_input_embeddings().weight.detach().numpy()
+    embed = lm.get_input_embeddings()  # the module, not its table: Gemma 3's scales the rows by sqrt(hidden)
     past = {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in got.items() if k.startswith("present.")}
     tokens = [got["logits"][:, 0].argmax(-1)]
     for step in range(1, DECODE_STEPS):
-        feed = {"inputs_embeds": table[tokens[-1]][:, None],
+        feed = {"inputs_embeds": embed(torch.from_numpy(tokens[-1])).numpy()[:, None],
                 "position_ids": (positions[..., -1:] + step).numpy(), **past}
         outs = dict(zip(out_names, decode.run(None, feed)))
         tokens.append(outs["logits"][:, 0].argmax(-1))
@@ -408,6 +488,41 @@ def deepstack_generate(lm, first, positions: torch.Tensor) -> torch.Tensor:
     return torch.stack(tokens, dim=1)
 
 
+def image_block_prefill(lm, embeds: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
+    """The reference prefill of a language model with a bidirectional image block (Gemma 3): transformers' own text
+    model forward under transformers' own masks for those image rows ([B, T] bool; lm_source.image_block_masks),
+    eager attention, a cache that keeps every row (so that the sliding layers' cache compares with the graph's whole
+    present; their masks still see only the window); its logits and cache as reference_prefill gives them."""
+    from transformers import DynamicCache
+
+    from vlmprune.compiler.llm.fastv import Prefill, eager_attention
+    from vlmprune.compiler.llm.lm_source import image_block_masks
+
+    cache = DynamicCache()
+    with eager_attention(lm):
+        masks = image_block_masks(lm.config, embeds, positions, cache, rows)
+        out = lm.model(inputs_embeds=embeds, attention_mask=masks, position_ids=positions, cache=cache,
+                       use_cache=True)
+        logits = lm.lm_head(out.last_hidden_state[:, -1:])[:, 0]
+    return Prefill(logits.float(), cache, positions, None, None)
+
+
+def hf_generate(lm, first, positions: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens [B, DECODE_STEPS] after a prefill, each step transformers' own text model forward on the cache
+    (its own masks: a decode step sees every cached row, the sliding layers the last window of them)."""
+    from vlmprune.compiler.llm.fastv import eager_attention
+
+    tokens, embed = [first.logits.argmax(-1)], lm.get_input_embeddings()
+    position = positions[..., -1:] + 1
+    with eager_attention(lm):
+        for _ in range(DECODE_STEPS - 1):
+            out = lm.model(inputs_embeds=embed(tokens[-1])[:, None], position_ids=position, cache=first.cache,
+                           use_cache=True)
+            tokens.append(lm.lm_head(out.last_hidden_state)[:, 0].float().argmax(-1))
+            position = position + 1
+    return torch.stack(tokens, dim=1)
+
+
 def spec_of(llm: dict) -> FastVSpec | None:
     """The FastVSpec a bundle's llm_graphs section was compiled with (None: a dense decoder)."""
     fastv = llm.get("fastv")
@@ -443,6 +558,13 @@ def readme_section(manifest: dict) -> str:
                 "`kept_positions` (offset by the image's place in the prompt).")
     else:
         positions, step = "[batch, sequence]", "[batch, 1]"
+    if llm.get("image_block"):
+        how += (f" The prefill also takes `{IMAGE_ROWS}` [batch, sequence, 1] (float): 1 at the image's rows, which "
+                "attend to each other both ways (the model's bidirectional image block, token_type_ids 1 in "
+                "transformers), 0 at the text rows.")
+    if llm.get("sliding_window"):
+        how += (f" Its sliding-window layers see the last {llm['sliding_window']} rows (masked in both graphs: any "
+                "length gives the model's own result; the caches keep every row).")
     return f"""
 ## The language model (`--with-llm`)
 
@@ -509,6 +631,13 @@ class GraphRunner(LlmGraphRunner):
         return out["logits"][0, -1], self._past(out)
 
 
+def _refuse_fastv(config) -> None:
+    """One line for FastV on a language model whose FastV the exporter does not compile (lm_source.NO_FASTV)."""
+    why = lm_source.fastv_refusal(config)
+    if why:
+        raise InputError(f"--fastv-layer with language model type {config.model_type!r} is not supported: {why}")
+
+
 class TorchExporter(LlmExporter):
     """torch.onnx (dynamo): prefill + decode in standard ops, original positions, FastV compiled in."""
 
@@ -518,6 +647,13 @@ class TorchExporter(LlmExporter):
     features = "original positions, FastV"
     runtime = "onnxruntime (prefill + decode)"
     atol = PARITY_ATOL
+
+    def check_model(self, spec: str, fastv) -> None:
+        """The default's checks, and FastV on a language model whose FastV is not compiled here, before any work."""
+        super().check_model(spec, fastv)
+        config = lm_source.text_config(spec)
+        if config is not None and fastv is not None:
+            _refuse_fastv(config)
 
     def export(self, model_spec: str, manifest: dict, options, folder: Path, progress, fastv) -> dict:
         """Export the LLM's prefill and decode graphs into folder/llm, check them against the reference.
@@ -533,6 +669,8 @@ class TorchExporter(LlmExporter):
         if spec is not None and deepstack_levels(lm):
             raise InputError("--fastv-layer with a DeepStack language model (Qwen3-VL) is not supported: FastV drops "
                              "image rows that the DeepStack levels still add to after its layer")
+        if spec is not None:
+            _refuse_fastv(config)
         if spec is not None:
             if not isinstance(tokens, int):
                 raise InputError(f"FastV needs a fixed image-token count; this bundle's is {tokens!r}")
@@ -561,6 +699,8 @@ class TorchExporter(LlmExporter):
             "runtime": "ONNX Runtime (com.microsoft.MultiHeadAttention); the .decomposed.onnx pair: standard ops only",
             "family": config.model_type, "mrope": uses_mrope(config), "layers": config.num_hidden_layers,
             "hidden_size": config.hidden_size, "deepstack_levels": deepstack_levels(lm),
+            "image_block": config.model_type in IMAGE_BLOCK, "layer_types": layer_types(config),
+            "sliding_window": getattr(config, "sliding_window", None) if layer_types(config) else None,
             "kv_heads": config.num_key_value_heads, "head_dim": getattr(config, "head_dim", None)
             or config.hidden_size // config.num_attention_heads, "vocab_size": config.vocab_size,
             "files": {k: f"{LLM_DIR}/{written[k]}"

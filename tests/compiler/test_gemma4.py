@@ -292,7 +292,8 @@ def test_with_llm_is_refused_in_one_line_before_any_work(llm_dir, tmp_path):
     """No LLM exporter here knows Gemma 4's decoder (per-layer embeddings, shared KV layers, sliding windows, the
     bidirectional image block): refused before the tower's export, nothing written."""
     result = run_cli("compile", llm_dir, "-o", tmp_path / "b", "--method", "divprune", "--keep", "6", "--with-llm")
-    one_line_error(result, "language model type 'gemma4_text' is not supported for export")
+    one_line_error(result, "language model type 'gemma4_text' is not supported for export: Gemma 4's decoder is not "
+                           "Gemma 3's layer")
     assert "export (torch.onnx" not in result.output and not (tmp_path / "b").exists()
 
 

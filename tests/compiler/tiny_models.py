@@ -131,11 +131,13 @@ def tiny_internvl(path: Path, seed: int = 0, image_token_id: int = 120, **text) 
     return Path(path)
 
 
-def tiny_gemma3(path: Path, seed: int = 0, image_token_id: int = 120, boi: int = 121, eoi: int = 122, **text) -> Path:
+def tiny_gemma3(path: Path, seed: int = 0, image_token_id: int = 120, boi: int = 121, eoi: int = 122,
+                spread_llm: bool = False, **text) -> Path:
     """A seeded tiny Gemma 3 (Gemma3ForConditionalGeneration) saved (safetensors) at path, its tower and projector
     spread: 3 SigLIP blocks 32 wide (2 heads, no pooling head), 128 px at patch 8 (16x16 patches, average-pooled 4x4
     into 4x4 = 16 tokens), a Gemma 3 LLM (text: overrides; default 2 layers 48 wide, one sliding-window layer of 8
-    then one global, vocab 128; image, boi and eoi tokens 120, 121, 122 by default)."""
+    then one global, vocab 128; image, boi and eoi tokens 120, 121, 122 by default). spread_llm: the LLM's matrices
+    spread too, and every norm's scale (zero at init, (1 + w)) drawn, so that a layer spelled out wrongly shows."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     config = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
@@ -151,6 +153,11 @@ def tiny_gemma3(path: Path, seed: int = 0, image_token_id: int = 120, boi: int =
     spread(model, ("model.vision_tower.", "model.multi_modal_projector."))
     with torch.no_grad():  # the connector's RMSNorm scale starts at zero (1 + w): spread it too
         model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0.0, 0.2)
+        if spread_llm:
+            spread(model, ("model.language_model.",))
+            for name, param in model.model.language_model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
     model.eval().save_pretrained(path, safe_serialization=True)
     return Path(path)
 
