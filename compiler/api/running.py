@@ -188,6 +188,7 @@ def run_text(m: Manifest, prompt: str | None, model: str | None, say) -> np.ndar
 
 
 def static_batch(m: Manifest):
+    """The bundle's static batch (an int: one image per slot), else its input's batch dimension (a name: dynamic)."""
     return m.target.get("batch") or m.inputs[0].shape[0]
 
 
