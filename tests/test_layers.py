@@ -8,8 +8,8 @@ no list of modules is kept by hand: a new module is placed by the folder it is p
 Leaves are exempt: a module that imports nothing of vlmprune (compiler/errors.py, contract.py,
 a kernel build helper) depends on no step, so every step may import it.
 
-Entry points are exempt the other way: a package's __main__.py (the console script) is imported by
-no module, so it stands above every step and may import any, the CLI included.
+Entry points are exempt the other way: a package's __main__.py (the console script, `python -m`) is
+imported by no module, so it stands above every step and may import any, the CLI included.
 
 Inside a folder too, imports run one way: no circles (issue 33 §3). A registry package's __init__
 imports its components; a component imports only modules below it (base, a shared helpers
@@ -136,7 +136,7 @@ def test_the_frontend_check_sees_function_local_imports(tmp_path):
 
 def test_entry_points_are_imported_by_no_module():
     """What lets a __main__.py import a later step: nothing imports it, so no step depends on it (a test may)."""
-    assert ENTRY_POINTS == {"vlmprune.compiler.__main__"}
+    assert ENTRY_POINTS == {"vlmprune.compiler.__main__", "vlmprune.compiler.cli.__main__"}
     found = [f"{MODULES[m].relative_to(REPO)}:{line} imports {i}" for m in MODULES
              for line, i in _imports(MODULES[m]) if i in ENTRY_POINTS]
     assert not found, found

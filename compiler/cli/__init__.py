@@ -548,6 +548,3 @@ def _through_api(declared: click.Command) -> click.Command:
 
 
 _add_target_commands()
-
-if __name__ == "__main__":
-    main()

@@ -168,7 +168,7 @@ def test_the_cli_reaches_only_the_api_and_names_no_target_or_exporter():
     from vlmprune.targets import TARGETS
 
     folder = Path(__file__).resolve().parents[2] / "compiler" / "cli"
-    assert sorted(p.name for p in folder.glob("*.py")) == ["__init__.py", "render.py"]
+    assert sorted(p.name for p in folder.glob("*.py")) == ["__init__.py", "__main__.py", "render.py"]
     allowed = {"__init__.py": {"vlmprune.compiler", "vlmprune.compiler.errors", "vlmprune.compiler.contract",
                                "vlmprune.compiler.cli"},
                "render.py": {"vlmprune.compiler", "vlmprune.compiler.api", "vlmprune.compiler.api.running",
