@@ -300,7 +300,9 @@ class Target(abc.ABC):
     def commands(self) -> list:
         """click commands this target adds to `vlmprune` (e.g. building its device artifact); none by default.
 
-        The CLI gives each its one-line error boundary. Targets sharing a module share its commands (by name).
+        Each declares its name, options and help; its callback takes the parameters and `log` (a callable for the
+        lines it says as it works) and returns the lines it ends with. The API runs it (api.target_command), and
+        the CLI through the API. Targets sharing a module share its commands (by name).
         """
         return []
 

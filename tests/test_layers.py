@@ -8,6 +8,9 @@ no list of modules is kept by hand: a new module is placed by the folder it is p
 Leaves are exempt: a module that imports nothing of vlmprune (compiler/errors.py, contract.py,
 a kernel build helper) depends on no step, so every step may import it.
 
+Entry points are exempt the other way: a package's __main__.py (the console script, `python -m`) is
+imported by no module, so it stands above every step and may import any, the CLI included.
+
 Inside a folder too, imports run one way: no circles (issue 33 §3). A registry package's __init__
 imports its components; a component imports only modules below it (base, a shared helpers
 module, the contract), never the package __init__ or a sibling that imports it back.
@@ -76,9 +79,12 @@ def test_every_folder_has_its_row_in_the_layout_table():
     assert sorted(folders - set(FLOW)) == [] and sorted(set(FLOW) - folders) == []
 
 
+ENTRY_POINTS = {m for m, p in MODULES.items() if p.name == "__main__.py"}
+
+
 def _crossings():
     for module, path in MODULES.items():
-        if path.name in STANDALONE:
+        if path.name in STANDALONE or module in ENTRY_POINTS:
             continue
         for line, imported in _imports(path):
             if imported not in MODULES or imported in LEAVES:
@@ -126,6 +132,14 @@ def test_the_frontend_check_sees_function_local_imports(tmp_path):
     module.write_text("def f():\n    from vlmprune.compiler.frontend import images\n"
                       "    import vlmprune.compiler.frontend.roi_input\n")
     assert [i for _, i in _imports(module)] == [FRONTEND, f"{FRONTEND}.images", f"{FRONTEND}.roi_input"]
+
+
+def test_entry_points_are_imported_by_no_module():
+    """What lets a __main__.py import a later step: nothing imports it, so no step depends on it (a test may)."""
+    assert ENTRY_POINTS == {"vlmprune.compiler.__main__", "vlmprune.compiler.cli.__main__"}
+    found = [f"{MODULES[m].relative_to(REPO)}:{line} imports {i}" for m in MODULES
+             for line, i in _imports(MODULES[m]) if i in ENTRY_POINTS]
+    assert not found, found
 
 
 def test_standalone_scripts_import_nothing_of_vlmprune():

@@ -17,6 +17,7 @@ import pytest
 from cli_helpers import one_line_error, run_cli
 from test_generate import tiny_vlm
 from vlmprune.compiler import api
+from vlmprune.compiler.cli import render
 from vlmprune.compiler.accuracy import evaluate_dataset, parse_method_spec, plans_for
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.quality import stats
@@ -350,7 +351,7 @@ def test_a_typed_dataset_is_scored_per_type_against_its_majority_and_random_keep
         want = stats.difference_interval([mine[i] for i in count], [theirs[i] for i in count])
         assert (row["by_type"]["count"]["vs_random"]["difference"], *row["by_type"]["count"]["vs_random"]["ci"]) \
             == pytest.approx(want)
-    lines = api.EvalResult(out).lines()
+    lines = render.eval_lines(api.EvalResult(out))
     assert "accuracy per question type:" in lines
     header = lines[lines.index("accuracy per question type:") + 1].split()
     assert header == ["method", "K", "where", "color", "count"]

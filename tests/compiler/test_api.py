@@ -1,4 +1,4 @@
-"""The Python API (compiler/api.py): the README's example as written, and each call's typed result against the
+"""The Python API (compiler/api/): the README's example as written, and each call's typed result against the
 CLI that is a thin layer over it."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from vlmprune.compiler import api
+from vlmprune.compiler.cli import render
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.bundle.manifest import Manifest
 from vlmprune.compiler.parity import ParityReport
@@ -69,7 +70,7 @@ def test_run_returns_arrays_and_the_kept_indices_run_json_prints(bundle, photo):
     data = json.loads(printed.stdout)
     assert result.kept.tolist() == data["kept_indices"]
     assert result.to_json() == data
-    assert run_cli("run", bundle, "--image", photo).stdout.splitlines() == result.lines()
+    assert run_cli("run", bundle, "--image", photo).stdout.splitlines() == render.run_lines(result)
 
 
 def test_run_takes_the_pixel_values_as_an_array_and_reports_the_benchmark_as_data(bundle, photo):
@@ -98,17 +99,17 @@ def test_inspect_returns_the_manifest_and_prints_what_the_cli_prints(bundle):
     assert json.loads(printed.stdout) == json.loads(json.dumps(result.to_json()))
     plain = api.inspect(bundle, ops=False)
     assert plain.ops is None
-    assert run_cli("inspect", bundle).stdout.splitlines() == plain.lines()
+    assert run_cli("inspect", bundle).stdout.splitlines() == render.inspect_lines(plain)
 
 
 def test_listings_are_data_and_the_cli_prints_their_lines():
     methods = api.methods()
     assert [m.name for m in methods][0] == "cls" and all(m.targets for m in methods)
-    assert run_cli("methods").stdout.splitlines() == [line for m in methods for line in m.lines()] + \
-        api.unavailable_methods()
+    assert run_cli("methods").stdout.splitlines() == [line for m in methods for line in render.method_lines(m)] + \
+        render.unavailable_lines(api.unavailable_methods())
     listing = api.targets()
     assert "ort" in [t.name for t in listing.targets if t.available]
-    assert run_cli("targets").stdout.splitlines() == listing.lines()
+    assert run_cli("targets").stdout.splitlines() == render.targets_lines(listing)
 
 
 @pytest.mark.parametrize("call,args,message,keywords", [
@@ -157,23 +158,33 @@ def test_eval_refuses_a_k_that_is_not_an_integer_before_any_work(tmp_path):
 
 
 def test_the_cli_reaches_only_the_api_and_names_no_target_or_exporter():
-    """cli.py is a thin layer: it imports the API (and errors, the version, the contract's defaults), and every target, exporter or family
-    it shows comes from their declarations, so a new one needs no CLI edit."""
+    """The CLI is a thin layer: its commands (cli/__init__.py) import the API (and errors, the version, the
+    contract's defaults) and render.py, which turns the API's results into lines with the formatters of the modules
+    whose data they are; every target, exporter or family either shows comes from their declarations, so a new one
+    needs no CLI edit."""
     import ast
 
     from vlmprune.compiler.llm.export import EXPORTERS
     from vlmprune.targets import TARGETS
 
-    path = Path(__file__).resolve().parents[2] / "compiler" / "cli.py"
-    tree = ast.parse(path.read_text())
-    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name for n in ast.walk(tree)
-                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-    assert {m for m in imported if m and m.startswith("vlmprune")} == {"vlmprune.compiler", "vlmprune.compiler.errors",
-                                                                         "vlmprune.compiler.contract"}
+    folder = Path(__file__).resolve().parents[2] / "compiler" / "cli"
+    assert sorted(p.name for p in folder.glob("*.py")) == ["__init__.py", "__main__.py", "render.py"]
+    allowed = {"__init__.py": {"vlmprune.compiler", "vlmprune.compiler.errors", "vlmprune.compiler.contract",
+                               "vlmprune.compiler.cli"},
+               "render.py": {"vlmprune.compiler", "vlmprune.compiler.api", "vlmprune.compiler.api.running",
+                             "vlmprune.compiler.bundle.manifest", "vlmprune.compiler.parity", "vlmprune.targets",
+                             "vlmprune.compiler.pipeline.timings", "vlmprune.compiler.llm.export",
+                             "vlmprune.compiler.ops", "vlmprune.compiler.evaluate", "vlmprune.compiler.accuracy"}}
     names = set(TARGETS) | set(EXPORTERS) | {"tensorrt", "TensorRT", "Edge-LLM", "onnxruntime-genai"}
-    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-    named = sorted({name for name in names for text in strings if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)})
-    assert named == [], named
+    for name, modules in allowed.items():
+        tree = ast.parse((folder / name).read_text())
+        imported = {n.module if isinstance(n, ast.ImportFrom) else a.name for n in ast.walk(tree)
+                    if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        assert {m for m in imported if m and m.startswith("vlmprune")} == modules, name
+        strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        named = sorted({target for target in names for text in strings
+                        if re.search(rf"(?<![\w-]){re.escape(target)}(?![\w-])", text)})
+        assert named == [], (name, named)
 
 
 def test_the_llm_options_are_the_declarations():
@@ -183,3 +194,61 @@ def test_the_llm_options_are_the_declarations():
     assert texts["exporters"] == ["torch", "genai"]  # ort, the one target with a choice, declares these
     assert texts["with_llm"] == ("Also export the language model into llm/ (ort: torch.onnx prefill + decode; "
                                  "orin: TensorRT Edge-LLM 0.11.0 exporter).")
+
+
+# ------------------------------------------------------------------ the package's shape
+
+API_DIR = Path(api.__file__).parent
+
+
+def _vlmprune_imports(path: Path) -> list[str]:
+    """Every vlmprune module path imports, a function's own imports included."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vlmprune"):
+            found += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.startswith("vlmprune")]
+    return found
+
+
+def test_the_api_is_one_small_module_per_command():
+    """compiler/api.py had grown to ~960 lines holding every command: each command now has its module, none
+    over 300 lines, and the package re-exports the calls a script makes."""
+    modules = sorted(API_DIR.glob("*.py"))
+    assert len(modules) >= 8
+    too_long = {p.name: n for p in modules if (n := len(p.read_text().splitlines())) > 300}
+    assert not too_long, too_long
+    for name in ("compile", "check", "run", "inspect", "compare", "generate", "eval", "methods", "targets",
+                 "build_engine"):
+        assert callable(getattr(api, name)) and name in api.__all__, name
+
+
+def test_the_api_imports_nothing_of_the_cli():
+    """The CLI is a client of the API: the API returns data, the CLI's render.py turns it into lines."""
+    found = {p.name: i for p in sorted(API_DIR.glob("*.py")) for i in _vlmprune_imports(p)
+             if i == "vlmprune.compiler.cli" or i.startswith("vlmprune.compiler.cli.")}
+    assert not found, found
+    assert all(not hasattr(cls, "lines") for cls in (api.CompileResult, api.RunResult, api.InspectResult,
+                                                     api.EvalResult, api.CompareResult, api.MethodInfo,
+                                                     api.TargetListing))
+
+
+def test_the_import_check_sees_the_cli(tmp_path):
+    """_vlmprune_imports finds an import of the CLI at the top and inside a function alike."""
+    module = tmp_path / "m.py"
+    module.write_text("from vlmprune.compiler import cli\ndef f():\n    import vlmprune.compiler.cli.render\n")
+    assert {"vlmprune.compiler.cli", "vlmprune.compiler.cli.render"} <= set(_vlmprune_imports(module))
+
+
+def test_a_target_command_refuses_what_it_does_not_take():
+    with pytest.raises(InputError) as unknown:
+        api.target_command("no-such-command")
+    assert str(unknown.value).startswith("no target adds a command 'no-such-command'; they add: build-engine")
+    with pytest.raises(InputError) as bad:
+        api.build_engine("b", colour="red")
+    assert str(bad.value).startswith("build-engine takes no colour; it takes bundle_dir, ")
+    with pytest.raises(InputError, match="^build-engine needs bundle_dir$"):
+        api.target_command("build-engine")

@@ -53,12 +53,13 @@ def test_benchmark_json_at_the_batch_given(bundle, photos):
 def test_the_qnn_emulators_time_is_named_emulator_time_not_latency(qnn_ready, tiny_llava_dir, compiled, photos):
     """The emulator's ~1.6 s per image was printed as "latency ms": no HTP will show it (Target.emulated_time)."""
     from vlmprune.compiler import api
+    from vlmprune.compiler.cli.render import run_lines
 
     bundle = compiled(tiny_llava_dir, keep=16, target="qnn").bundle
     result = api.run(bundle, images=[photos[0]], benchmark=True, warmup=0, iterations=1)
     assert result.benchmark["measures"].startswith("emulator time: onnxruntime-qnn's HTP emulator")
     assert set(result.benchmark["latency_ms"]) == {"min", "mean", "p50", "p90", "p99", "max"}  # the keys stay
-    lines = result.lines()
+    lines = run_lines(result)
     assert not any(line.startswith(("latency", "throughput")) for line in lines), lines
     assert any(line.startswith("emulator time ms: min") for line in lines), lines
     assert any(line.startswith("(times are emulator time: ") and "not the HTP's latency" in line for line in lines)

@@ -288,7 +288,7 @@ def test_compile_summary_lines(tiny_llava_dir, tmp_path):
 
 def test_a_failing_llm_figure_reads_as_failing():
     """A logits gap just over its tolerance must not print as the tolerance itself."""
-    from vlmprune.compiler.api import llm_parity_line as _llm_parity_line
+    from vlmprune.compiler.cli.render import llm_parity_line as _llm_parity_line
 
     parity = {"passed": False, "logits_max_abs": 1.00004e-4, "tolerance": 1e-4, "tokens_identical": True,
               "decode_steps": 3}

@@ -265,10 +265,11 @@ def test_an_empty_output_path_is_refused_not_read_as_the_current_directory(tmp_p
 def test_run_prints_the_value_of_a_small_integer_output():
     """`run` on a prumerge+ bundle once printed `num_tokens: shape [1]`, not how many tokens the image kept."""
     from vlmprune.compiler.api import RunResult
+    from vlmprune.compiler.cli.render import run_lines
 
     result = RunResult(Path("b"), "onnxruntime", np.zeros((1, 3, 8, 8), np.float32),
                        {"image_features": np.zeros((1, 65, 4), np.float32), "num_tokens": np.array([57])})
-    lines = result.lines()
+    lines = run_lines(result)
     assert f"num_tokens: shape [1] dtype {np.array([57]).dtype}, value [57]" in lines
     assert "image_features: shape [1, 65, 4] dtype float32" in lines
     assert result.to_json()["outputs"]["num_tokens"]["value"] == [57]

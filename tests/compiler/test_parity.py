@@ -181,7 +181,7 @@ def test_a_stage_whose_kept_sets_all_differ_compares_the_tokens_both_kept():
 
 def test_the_stage_line_names_the_tie_resolved_images_in_number():
     """The stage line once said "image 0, 1: it diverges ...", naming two images as one."""
-    from vlmprune.compiler.api import _stage_line
+    from vlmprune.compiler.cli.render import stage_line as _stage_line
 
     stage = {"passed": False, "precision": "int8", "index_agreement": 0.6, "tie_resolved_images": [0, 1],
              "first_divergent_step": [3, 4]}

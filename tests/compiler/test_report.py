@@ -206,12 +206,13 @@ def test_a_failing_figure_never_reads_as_passing():
 
 def test_the_compile_summary_shows_a_failing_cosine_as_failing():
     from vlmprune.compiler.api import CompileResult
+    from vlmprune.compiler.cli.render import compile_lines
     from vlmprune.compiler.bundle.manifest import Manifest
 
     manifest = Manifest({"model": {}, "method": {"name": "none"}, "target": {},
                          "parity": {"stages": {"export": {"passed": False, "runtime": "ort", "precision": "fp32",
                                                           "cosine_min": 0.999989996, "max_abs": 1.00004e-4}}}})
-    lines = CompileResult("b", manifest, None, 1.0).lines()
+    lines = compile_lines(CompileResult("b", manifest, None, 1.0))
     assert "parity export     FAIL  cosine 0.999989996, max-abs 0.000100004" in lines
 
 
@@ -242,6 +243,7 @@ def test_reports_print_the_scale_relative_max_abs_bound():
     what bound it was held to."""
     from vlmprune.compiler import parity
     from vlmprune.compiler.api import CompileResult
+    from vlmprune.compiler.cli.render import compile_lines
 
     ref = np.zeros((1, 2, 4))
     ref[0, 0, 0] = 108.0
@@ -261,7 +263,7 @@ def test_reports_print_the_scale_relative_max_abs_bound():
     assert parity.stage_line(stage) == "export     PASS  cosine_min 1, max_abs 0.000108 (≤ 0.00118)"
     manifest = Manifest({"model": {}, "method": {"name": "none"}, "target": {},
                          "parity": {"stages": {"export": parity.stage_summary(stage)}}})
-    assert "parity export     PASS  cosine 1, max-abs 0.000108 (≤ 0.00118)" in CompileResult("b", manifest, None, 1).lines()
+    assert "parity export     PASS  cosine 1, max-abs 0.000108 (≤ 0.00118)" in compile_lines(CompileResult("b", manifest, None, 1))
 
 
 def test_check_quiet_failure_names_its_figure_and_bound(checked):
@@ -281,12 +283,13 @@ def test_the_compile_summary_keeps_a_methods_own_parenthesis_and_its_k(own):
     tower's end, after block 5/5)`): the line was cut at the method's own first parenthesis, not at the one the
     pipeline adds."""
     from vlmprune.compiler.api import CompileResult
+    from vlmprune.compiler.cli.render import compile_lines
     from vlmprune.compiler.bundle.manifest import Manifest
 
     method = {"name": "random", "summary": f"{own} (after block 5/5, 576 patch tokens)", "site": "block",
               "layer": 5, "num_blocks": 5, "num_patches": 576, "params": {"keep": 32}}
     manifest = Manifest({"model": {}, "method": method, "target": {}, "parity": {"stages": {}}})
-    lines = CompileResult("b", manifest, None, 1.0).lines()
+    lines = compile_lines(CompileResult("b", manifest, None, 1.0))
     assert lines[0] == f"tokens: 576 patch tokens -> {own} (at the tower's end, after block 5/5)", lines
 
 

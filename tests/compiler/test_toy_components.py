@@ -16,6 +16,7 @@ import pytest
 
 from tiny_models import edited_copy
 from vlmprune.compiler import api, frontend
+from vlmprune.compiler.cli import render
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.family import CLS_TOKEN, PATCH_TOKENS, Family
 from vlmprune.compiler.frontend.vit import VitAdapter
@@ -187,7 +188,7 @@ def test_a_toy_llm_exporter_is_one_registry_line(monkeypatch, tmp_path, tiny_vit
         tokens = result.manifest.llm.image_tokens  # the hand-off the exporter was given: [CLS] + 16 kept
         assert tokens == 17
         assert result.manifest.llm_graphs == {"exporter_id": "toy-llm", "files": ["llm/toy.json"], "image_tokens": 17}
-        assert "parity llm        PASS  17 image tokens written" in result.lines()
+        assert "parity llm        PASS  17 image tokens written" in render.compile_lines(result)
         assert "## The toy language model" in (bundle / "README.md").read_text()
         report = api.check(bundle)
         assert report.passed and report.stages[-1].outputs["image_tokens"]["passed"]

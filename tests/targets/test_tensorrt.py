@@ -304,6 +304,27 @@ def test_build_engine_refuses_a_bundle_of_another_target(tmp_path, no_tensorrt, 
     assert result.stderr.strip() == f"error: {demo_bundle.bundle} targets ort, not TensorRT (orin, xavier)"
 
 
+def test_build_engine_goes_through_the_api(bundles, no_tensorrt, monkeypatch):
+    """`vlmprune build-engine` is the API's build_engine (api.target_command): without TensorRT both say one line,
+    the CLI with exit code 2; --print-command's line is the one the API returns."""
+    from vlmprune.compiler import api
+
+    out = bundles["orin"].bundle
+    with pytest.raises(engine_lib.EngineError) as raised:  # a ToolchainError: one line, exit code 2
+        api.build_engine(out)
+    assert f"error: {raised.value}" == NO_TRT_LINE
+    asked = []
+    through = api.target_command
+    monkeypatch.setattr(api, "target_command", lambda name, **kw: asked.append(name) or through(name, **kw))
+    result = CliRunner().invoke(main, ["build-engine", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines() == [NO_TRT_LINE] and result.stdout == ""
+    assert asked == ["build-engine"]  # the CLI asked the API, which did the work
+    printed = CliRunner().invoke(main, ["build-engine", str(out), "--print-command"])
+    assert printed.exit_code == 0 and printed.stdout.splitlines() == api.build_engine(out, print_command=True)
+    assert asked == ["build-engine"] * 2
+
+
 def test_standalone_engine_script(bundles, no_tensorrt):
     out = bundles["xavier"].bundle
     script = out / "vlmprune_engine.py"

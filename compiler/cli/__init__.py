@@ -1,7 +1,8 @@
-"""The `vlmprune` command line: one thin command per verb over the Python API (compiler/api.py).
+"""The `vlmprune` command line: one thin command per verb over the Python API (compiler/api/).
 
-Each command parses its options, calls one api function and prints its result; what a command
-computes lives in the API, so a script gets the same results without shelling out.
+Each command parses its options, calls one api function and prints its result (the lines are
+render.py's); what a command computes lives in the API, so a script gets the same results without
+shelling out. The targets' own commands (build-engine) go through the API too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import click
 
 from vlmprune.compiler.contract import DEFAULT_KEEP, DEFAULT_OPSET
 from vlmprune.compiler import __version__, api
+from vlmprune.compiler.cli import render
 from vlmprune.compiler.errors import VlmpruneError
 
 
@@ -264,9 +266,9 @@ def compile(model, target, method, keep, latency_ms, layer, no_prune, batch, ops
         if as_json:
             emit(json.dumps(result.to_json(), indent=2))
     if not as_json:
-        _echo(result.lines())
+        _echo(render.compile_lines(result))
         if timings:
-            _echo(result.timing_lines())
+            _echo(render.timing_lines(result))
     if not result.passed:
         click.echo(f"error: parity failed (see {result.bundle / 'parity.json'})", err=True)
         sys.exit(1)
@@ -347,13 +349,13 @@ def inspect(bundle_dir, as_json, ops):
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return
-    _echo(result.lines())
+    _echo(render.inspect_lines(result))
 
 
 @main.command()
 def targets():
     """List the targets and whether each one's toolchain is available here."""
-    _echo(api.targets().lines())
+    _echo(render.targets_lines(api.targets()))
 
 
 @main.command()
@@ -396,7 +398,7 @@ def run(bundle_dir, image_files, video, load_inputs, save_outputs, show, benchma
         if as_json:
             emit(json.dumps(result.to_json(), indent=2))
             return
-    _echo(result.lines())
+    _echo(render.run_lines(result))
 
 
 def _stderr(line: str) -> None:
@@ -414,15 +416,15 @@ def compare(bundle_dirs, image, output, columns, force):
     """Draw what each BUNDLE keeps on the same IMAGE, side by side, named with its method and K."""
     with _stdout_for_data():  # as in run: a runtime's native chatter goes to stderr
         result = api.compare(bundle_dirs, image=image, output=output, columns=columns, force=force, progress=_stderr)
-    _echo(result.lines())
+    _echo(render.compare_lines(result))
 
 
 @main.command()
 def methods():
     """List the pruning methods: what each needs from the model, its options, and how each target runs it."""
     for method in api.methods():
-        _echo(method.lines())
-    _echo(api.unavailable_methods())
+        _echo(render.method_lines(method))
+    _echo(render.unavailable_lines(api.unavailable_methods()))
 
 
 @main.command()
@@ -522,19 +524,27 @@ def eval_command(model, images_dir, prompts_file, dataset, limit, layers, target
         if as_json:
             emit(json.dumps(result.to_json(), indent=2))
             return
-    _echo(result.lines())
+    _echo(render.eval_lines(result))
 
 
 def _add_target_commands() -> None:
-    """Register the commands each target contributes (Target.commands; e.g. build-engine), with the CLI's
-    one-line error boundary; targets that share a module share its commands, registered once."""
-    for command in api.target_commands():
-        if command.name not in main.commands:
-            command.callback = _one_line_errors(command.callback)
-            main.add_command(command)
+    """Register the commands each target contributes (Target.commands; e.g. build-engine): each with the options
+    and help its target declares, run through the API (api.target_command) inside the CLI's one-line error
+    boundary, its lines on stdout; targets that share a module share its commands, registered once."""
+    for declared in api.target_commands():
+        if declared.name not in main.commands:
+            main.add_command(_through_api(declared))
+
+
+def _through_api(declared: click.Command) -> click.Command:
+    name = declared.name
+
+    @_one_line_errors
+    def callback(**params):
+        _echo(api.target_command(name, progress=click.echo, **params))
+
+    return click.Command(name, params=declared.params, help=declared.help, short_help=declared.short_help,
+                         callback=callback)
 
 
 _add_target_commands()
-
-if __name__ == "__main__":
-    main()
