@@ -19,6 +19,11 @@ method that merges inside the blocks (Method.in_blocks: tome) has its block rang
 as its place, "in blocks 1-4" or "in every block": it is run once whatever layers are asked for,
 and no random keep stands at that place (compare it by its tower speedup).
 
+A dataset of clips (its rows name a `video`: a folder of frames or a video file) is swept on video bundles:
+every bundle compiled for clips of `--video-frames F` (the family's own option, as `compile` takes it), each
+clip sampled to F frames as `run --video` samples it (Family.load_video), the dense row the same clip unpruned.
+The methods must be ones a video bundle takes (evs, dycoke, ...; `compile` refuses the others in one line).
+
 A prompt-aware bundle (a `text_embeds` input: cdpruner, dart --text-pivots, --prompt-weight)
 gets each sample's question as its prompt, the question's non-image token rows of the
 checkpoint's embedding table, as `generate` feeds it (compiler.prompt.bundle_feed); its
@@ -198,12 +203,16 @@ def last_block(place: str) -> int:
     return schedule.split(place)[-1][0]
 
 
-def describe(plan: Plan, model_hash: str, target: str, max_new_tokens: int, target_options: dict) -> dict:
-    """What decides a plan's answers: the store key hashes exactly this."""
+def describe(plan: Plan, model_hash: str, target: str, max_new_tokens: int, target_options: dict,
+             family_options: dict | None = None) -> dict:
+    """What decides a plan's answers: the store key hashes exactly this (the family's options only where given, so
+    that an image sweep's keys are what they were before clips were swept)."""
     from vlmprune.passes.methods import get_method
 
     out = {"model": model_hash, "target": target, "target_options": target_options, "max_new_tokens": max_new_tokens,
            "method": plan.label}
+    if family_options:
+        out["family_options"] = dict(sorted(family_options.items()))
     if plan.method is not None:
         method = get_method(plan.method)
         params = method.parse(plan.keep, plan.method_options)
@@ -216,7 +225,7 @@ def describe(plan: Plan, model_hash: str, target: str, max_new_tokens: int, targ
 
 
 def bundle_for(model: str, plan: Plan, key: str, target: str, target_options: dict, folder: Path,
-               progress) -> tuple[Path, bool]:
+               progress, family_options: dict | None = None) -> tuple[Path, bool]:
     """The plan's bundle under folder/<key>: reused when it is whole and of this model, else compiled
     (through the product cache). Returns the bundle and whether its parity passed."""
     from vlmprune.compiler.bundle import load_manifest
@@ -234,7 +243,8 @@ def bundle_for(model: str, plan: Plan, key: str, target: str, target_options: di
         shutil.rmtree(out)
     options = CompileOptions(target=target, prune=plan.method is not None, method=plan.method or DEFAULT_METHOD,
                              keep=plan.keep or 1, layer=plan.layer if isinstance(plan.layer, int) else None,
-                             method_options=dict(plan.method_options), target_options=dict(target_options))
+                             method_options=dict(plan.method_options), target_options=dict(target_options),
+                             family_options=dict(family_options or {}))
     progress(f"compiling {plan.label}" + (f" K={plan.keep} ({plan.where})" if plan.method else "") + f" for {target}")
     folder.mkdir(parents=True, exist_ok=True)
     result = compile_model(model, out, options, lambda _m: None)
@@ -255,6 +265,20 @@ class BundleWorker:
         self.max_new_tokens = max_new_tokens
         self.prompted = text_input_dim(self.manifest) is not None  # a text_embeds input: each question its prompt
 
+    def pixels(self, sample):
+        """A sample's input as the bundle takes it: an image preprocessed, or a clip sampled to the bundle's frames
+        (the family's load_video, as `run --video` reads one)."""
+        from vlmprune.compiler import generate as gen
+        from vlmprune.compiler.frontend import family_of
+
+        family = family_of(self.manifest)
+        if sample.video != family.takes_video(self.manifest):
+            raise InputError(f"{sample.image}: a {'clip' if sample.video else 'still image'}, and the bundle "
+                             f"{self.bundle} takes {'clips' if family.takes_video(self.manifest) else 'images'}")
+        if sample.video:
+            return family.load_video(self.manifest, Path(sample.image))[0]
+        return gen.load_pixels(self.vlm, Path(sample.image))[0]
+
     def __call__(self, chunk: list) -> list[dict]:
         from vlmprune.compiler import generate as gen
         from vlmprune.compiler.prompt import bundle_feed
@@ -262,8 +286,8 @@ class BundleWorker:
         out, pixel_of, tokens_of = [], {}, {}
         for sample in chunk:
             prompt = gen.build_prompt(self.vlm, sample.question)
-            if sample.image not in pixel_of:  # each image of the chunk loaded once
-                pixel_of = {sample.image: gen.load_pixels(self.vlm, Path(sample.image))[0]}
+            if sample.image not in pixel_of:  # each image (or clip) of the chunk loaded once
+                pixel_of = {sample.image: self.pixels(sample)}
             # The tower once per image, or, for a prompt-aware bundle, once per question: its tokens depend on it.
             at = (sample.image, sample.question if self.prompted else None)
             if at not in tokens_of:
@@ -291,10 +315,13 @@ def default_store() -> Path:
 def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[int], layers=(), *, limit=None,
                      target: str | None = None, target_options: dict | None = None, max_new_tokens: int = 4,
                      store: Path | None = None, executor=None, progress=lambda _m: None, bar: bool | None = None,
-                     on_chunk=None) -> dict:
+                     on_chunk=None, video_frames: int | None = None, family_options: dict | None = None) -> dict:
     """The accuracy report: dense, then per method x K x layer (and the baselines) exact match, retained, intervals.
 
-    target: None, the host runtime (targets.HOST_TARGET), whose runner runs every bundle here."""
+    target: None, the host runtime (targets.HOST_TARGET), whose runner runs every bundle here.
+    video_frames: a dataset of clips: the frames each bundle takes per clip (compile --video-frames F); needed
+    there, refused for a dataset of images. family_options: the family's other options its bundles are compiled
+    with, as `compile` takes them (--image-size, --grid)."""
     from vlmprune.compiler import generate as gen
     from vlmprune.compiler.quality.executors import InProcess
     from vlmprune.targets import HOST_TARGET
@@ -305,12 +332,16 @@ def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
     target_options = dict(target_options or {})
     samples = read_dataset(dataset, limit)
+    video = samples[0].video
+    family_options = {**{k: v for k, v in (family_options or {}).items() if v is not None},
+                      **clip_options(samples, video_frames, dataset)}
     plans = plans_for(methods, keeps, parse_layers(layers))
     executor = executor or InProcess()
     store = Store(store or default_store())
     try:
-        source = gen.load_vlm(model).source  # the content hash keys every cell; one line for a model eval cannot run
-        for keep in keeps:  # before any compile
+        # the content hash keys every cell; one line for a model eval cannot run (or one that takes no clips)
+        source = gen.load_vlm(model, options=family_options).source
+        for keep in keeps if not video else ():  # before any compile (a clip's K: compile checks it)
             if not keep < source.num_patches:
                 raise InputError(f"--keep must satisfy 1 <= keep < {source.num_patches} (the tower has "
                                  f"{source.num_patches} patch tokens), got {keep}")
@@ -320,9 +351,10 @@ def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[
         with summarised(lambda made: made[0] if len(made) == 1 else
                         f"{len(made)} bundles under {folder}"):
             for plan in plans:
-                description = describe(plan, source.content_hash, target, max_new_tokens, target_options)
+                description = describe(plan, source.content_hash, target, max_new_tokens, target_options,
+                                       family_options)
                 key = setting_key(description)
-                bundles[key] = bundle_for(model, plan, key, target, target_options, folder, progress)
+                bundles[key] = bundle_for(model, plan, key, target, target_options, folder, progress, family_options)
                 settings.append(Setting(key, description, functools.partial(BundleWorker, spec, str(bundles[key][0]),
                                                                             max_new_tokens),
                                         plan.label + (f" K={plan.keep} ({plan.where})" if plan.method else "")))
@@ -337,8 +369,26 @@ def evaluate_dataset(model: str, dataset: Path, methods: list[str], keeps: list[
             raise
     finally:
         store.close()
-    return report_of(model, source.content_hash, dataset, samples, plans, settings, bundles, result, target,
-                     max_new_tokens, executor.name, store.path)
+    report = report_of(model, source.content_hash, dataset, samples, plans, settings, bundles, result, target,
+                       max_new_tokens, executor.name, store.path)
+    if video:
+        report["video_frames"] = family_options["video_frames"]
+    return report
+
+
+def clip_options(samples: list, video_frames: int | None, dataset) -> dict:
+    """The family options a dataset's bundles are compiled with: {"video_frames": F} for a dataset of clips, {} for
+    one of images; one line where --video-frames is missing for clips or given for images."""
+    video = samples[0].video  # read_dataset: all images or all clips
+    if video_frames is not None and (isinstance(video_frames, bool) or not isinstance(video_frames, int)
+                                     or video_frames < 1):
+        raise InputError(f"--video-frames must be an integer >= 1, got {video_frames!r}")
+    if video and video_frames is None:
+        raise InputError(f"--dataset {dataset}: its rows name videos: pass --video-frames F (the frames of a clip "
+                         "each compiled bundle takes)")
+    if not video and video_frames is not None:
+        raise InputError(f"--video-frames applies to a dataset of videos; the rows of {dataset} name images")
+    return {"video_frames": video_frames} if video else {}
 
 
 def _baseline(name: str | None) -> bool:

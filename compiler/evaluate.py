@@ -23,6 +23,13 @@ that the splice itself would have moved.
 target's runner here (the ort library, the QNN emulator), for the figures of what deploys
 (a quantized target's selection may differ from the reference's; its parity.json says where).
 
+Clips (`--video PATH`, repeatable: a folder of frames or a video file) take the images' place for a video bundle
+(`compile --video-frames F`; `eval BUNDLE --video PATH --prompt TEXT`): each clip sampled to the bundle's F frames
+by its family (Family.load_video, as `run --video` reads it), the dense side the model's own video features
+(get_video_features) at their video positions, the bundle's kept rows at theirs, and the harness check the
+model's own forward on pixel_values_videos. A clip's rows come from the bundle's graph, so clips need a bundle;
+all bundles of one eval take the same F.
+
 On a tiny random model the figures are only arithmetic; on a real checkpoint they say how
 far the method moves the model's answers on those images and prompts: KL near 0 and
 agreement near 1 mean the pruned model answers as the dense one does.
@@ -39,6 +46,7 @@ import torch
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler import generate as gen
+from vlmprune.compiler.frontend import family_of
 from vlmprune.compiler.prompt import bundle_feed, rows_for_ids, text_input_dim
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".gif")
@@ -82,6 +90,39 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+def prompt_lines(texts) -> list[str]:
+    """--prompt TEXT values (repeatable), each a prompt: one line for none or an empty one."""
+    prompts = [str(t) for t in texts]
+    if not prompts or any(not t.strip() for t in prompts):
+        raise InputError("--prompt is empty" if prompts else "eval needs a prompt: --prompt TEXT or --prompts FILE")
+    return prompts
+
+
+def clip_bundles(manifests: list, videos: list[Path]) -> int | None:
+    """The frames of every bundle's clip when eval runs clips (None for images), each bundle checked: a clip's rows
+    come from a video bundle's own graph, so clips need one, and all of them take the same F (one line otherwise)."""
+    from vlmprune.compiler.frontend import family_of
+
+    takes = [(path, family_of(m).takes_video(m), m.model.video_frames) for path, m in manifests]
+    if not videos:
+        clip = next((path for path, video, _ in takes if video), None)
+        if clip is not None:
+            raise InputError(f"--bundle {clip} takes a clip of {dict((p, f) for p, _, f in takes)[clip]} frames: "
+                             "pass --video PATH (a folder of frames or a video file) in place of --images")
+        return None
+    if not manifests:
+        raise InputError("eval --video compares a video bundle's answers with dense: pass the bundle (eval BUNDLE "
+                         "--video PATH --prompt TEXT, or --bundle BUNDLE)")
+    still = next((path for path, video, _ in takes if not video), None)
+    if still is not None:
+        raise InputError(f"--bundle {still} takes images, not clips: --video needs bundles compiled --video-frames F")
+    frames = {f for _, _, f in takes}
+    if len(frames) > 1:
+        raise InputError(f"the bundles take clips of {' and '.join(map(str, sorted(frames)))} frames: one eval "
+                         "compares bundles of one frame count")
+    return frames.pop()
+
+
 def settings_for(source, methods: list[str], keeps: list[int]) -> list[Setting]:
     """Every method x K, parsed and fitted to the tower by compile's own stages (pipeline.prune_config, fit_config:
     one line for one it cannot serve); over an anyres source's crops, under one global budget with the method's
@@ -118,10 +159,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str], keeps: list[int],
+def evaluate(model: str, images_dir: Path | None, prompts_file: Path | None, methods: list[str], keeps: list[int],
              max_new_tokens: int = 8, progress=lambda _m: None, bundles: list[Path] = (),
-             image_size: int | None = None, grid: str | None = None, reference: bool = False) -> dict:
+             image_size: int | None = None, grid: str | None = None, reference: bool = False,
+             videos: list[Path] = (), prompt_texts: list[str] = ()) -> dict:
     """The report behind `vlmprune eval`: per method and K, KL and agreement over every image x prompt.
+
+    videos: clips in place of images_dir (video bundles only; see the module docstring); prompt_texts: prompts
+    given one by one (--prompt) in place of prompts_file.
 
     bundles: compiled bundles of the same model, evaluated beside the references (their own
     tower run by their target's runner here), one row each.
@@ -134,8 +179,14 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
-    images, prompts = list_images(images_dir), read_prompts(prompts_file)
+    videos = [Path(v) for v in videos]
+    prompts = read_prompts(prompts_file) if prompts_file is not None else prompt_lines(prompt_texts)
+    images = videos or list_images(images_dir)
     manifests = [(Path(b), load_manifest(b, verify=True)) for b in bundles]
+    frames = clip_bundles(manifests, videos)
+    if videos and (methods or keeps):
+        raise InputError("-m/-k run each method's reference on images; a clip's pruned rows come from its video "
+                         "bundle (compile --video-frames F -m METHOD, then eval BUNDLE --video PATH)")
     for _, manifest in manifests:  # MODEL named as a bundle records it, but moved since
         source_of(manifest, model, "pass its new path as MODEL")
     vlm = gen.load_vlm(model, image_size, grid, bundle=manifests[0][1] if manifests else None)
@@ -148,8 +199,16 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
                                                      f"not compiled from {model} (its content hash differs)"))
         _same_input(path, manifest, source)
     built = [gen.build_prompt(vlm, p) for p in prompts]
-    pixels = [gen.load_pixels(vlm, image)[0] for image in images]
-    progress(f"{len(images)} images x {len(prompts)} prompts, {len(settings) + len(manifests)} settings, "
+    if videos:  # each clip sampled to the bundles' frames, as the family reads one for `run --video`
+        first = manifests[0][1]
+        loaded = [family_of(first).load_video(first, clip) for clip in videos]
+        pixels = [pixel for pixel, _ in loaded]
+        for _, notes in loaded:
+            progress("; ".join(notes))
+    else:
+        pixels = [gen.load_pixels(vlm, image)[0] for image in images]
+    noun = f"clips of {frames} frames" if videos else "images"
+    progress(f"{len(images)} {noun} x {len(prompts)} prompts, {len(settings) + len(manifests)} settings, "
              f"{max_new_tokens} greedy tokens each")
     dense_runs, harness = {}, []
     for i, pixel in enumerate(pixels):
@@ -185,6 +244,7 @@ def evaluate(model: str, images_dir: Path, prompts_file: Path, methods: list[str
         progress(f"  {name} K={keep} ({origin}): KL mean {rows[-1]['kl_mean']:.4g}"
                  + ("" if llm == "transformers" else f"; language model: {llm}"))
     return {"model": vlm.spec, "images": [p.name for p in images], "prompts": prompts,
+            **({"videos": [str(p) for p in videos], "video_frames": frames} if videos else {}),
             "image_start": [len(p.before) for p in built],  # per prompt: FastV's --image-start for it
             "max_new_tokens": max_new_tokens, "dense_image_tokens": int(dense_runs[0, 0].image_tokens),
             "pruned_with": "reference: each method's plain-torch reference (the parity reference of its bundles); "

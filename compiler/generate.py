@@ -131,12 +131,15 @@ def supported() -> str:
     return f"{', '.join(names[:-1])} and {names[-1]} checkpoints (their ...ForConditionalGeneration)"
 
 
-def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, bundle=None) -> Vlm:
+def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, bundle=None,
+             options: dict | None = None) -> Vlm:
     """`demo`, or a local LLaVA / LLaVA-NeXT / Qwen2-VL directory; anything else is one line.
 
     image_size: Qwen2-VL's static size (default 448); grid: LLaVA-NeXT's crops grid (default its largest).
     bundle: a manifest the model must be the source of: its family is checked before any weight is read,
     and its --image-size / --grid are the defaults.
+    options: other options the families declare, as `compile` takes them (eval --dataset's --video-frames: the
+    source of the bundles it compiles), refused in one line for a family that does not declare them.
     """
     from vlmprune.compiler.frontend.adapter import Checkpoint
     from vlmprune.compiler.frontend.llava import LlavaAdapter
@@ -149,6 +152,9 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
         _bundle_family(spec, LlavaAdapter.family, bundle)
         if image_size is not None or grid is not None:
             raise InputError("--image-size and --grid do not apply to `demo` (a LLaVA-1.5 model)")
+        for name, value in (options or {}).items():
+            if value is not None:
+                raise InputError(f"--{name.replace('_', '-')} does not apply to `demo` (a LLaVA-1.5 model)")
         model = demo_model()
         source = LlavaAdapter.from_model("demo", model)
         return Vlm(model, None, None, source, "demo", source.family)
@@ -167,7 +173,7 @@ def load_vlm(spec: str, image_size: int | None = None, grid: str | None = None, 
     mine = owner.id
     _bundle_family(spec, mine, bundle, checkpoint.model_type)
     # the flags given, and every option the family declares (--video-frames), the bundle's own values their defaults
-    given = {**{name: None for name in owner.options}, "image_size": image_size, "grid": grid}
+    given = {**{name: None for name in owner.options}, **(options or {}), "image_size": image_size, "grid": grid}
     for name in given:  # the bundle's own --image-size / --grid are the defaults
         if family is not None and given[name] is None and name in owner.options:
             given[name] = bundle.model.get(name)

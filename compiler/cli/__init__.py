@@ -469,10 +469,17 @@ def generate(bundle_dir, model, image, video, prompt, dense, max_new_tokens, ref
 @main.command("eval")
 @click.argument("model")
 @click.option("--images", "images_dir", default=None, help="A directory of images (with --prompts).")
+@click.option("--video", "videos", multiple=True,
+              help="A clip for a video bundle (compile --video-frames F), in place of --images: a folder of frames or "
+                   "a video file, sampled evenly to its F frames (repeatable).")
 @click.option("--prompts", "prompts_file", default=None, help="A text file, one prompt per line (with --images).")
+@click.option("--prompt", "prompt_texts", multiple=True, help="A prompt, in place of --prompts (repeatable).")
 @click.option("--dataset", type=click.Path(path_type=Path), default=None,
-              help="Accuracy instead: JSON Lines of {image, question, answers}; each method x K x layer, dense, "
-                   "random keep and a uniform grid compiled once and run as bundles.")
+              help="Accuracy instead: JSON Lines of {image or video, question, answers} (a file, or a folder holding "
+                   "questions.jsonl); each method x K x layer, dense, random keep and a uniform grid compiled once "
+                   "and run as bundles.")
+@click.option("--video-frames", type=int, default=None,
+              help="--dataset of videos: compile its bundles for clips of F frames.")
 @click.option("--limit", type=int, default=None, help="--dataset: the first N samples.")
 @click.option("--layer", "-l", "layers", multiple=True,
               help="--dataset: prune after block L (from 1), at the tower's `end` (default), or in steps after "
@@ -496,7 +503,8 @@ def generate(bundle_dir, model, image, video, prompt, dense, max_new_tokens, ref
 @click.option("--max-new-tokens", type=int, default=None,
               help="Greedy tokens per answer (default 8; 4 with --dataset).")
 @click.option("--image-size", type=int, default=None,
-              help="Qwen2-VL / Qwen2.5-VL: the static image size (a multiple of 28). Default: the bundle's, else 448.")
+              help="Qwen2-VL / Qwen2.5-VL: the static image size (a multiple of 28). Default: the bundle's, else 448 "
+                   "(--dataset: its bundles compiled at it).")
 @click.option("--grid", default=None,
               help="LLaVA-NeXT: the crops' grid ROWSxCOLS. Default: the bundle's, else the model's largest.")
 @click.option("--reference", is_flag=True,
@@ -508,12 +516,15 @@ def generate(bundle_dir, model, image, video, prompt, dense, max_new_tokens, ref
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @_target_options
 @_one_line_errors
-def eval_command(model, images_dir, prompts_file, dataset, limit, layers, target, ray, ray_workers, store, methods,
-                 keeps, bundles, max_new_tokens, image_size, grid, reference, as_json, report, force, quiet, **extra):
+def eval_command(model, images_dir, videos, prompts_file, prompt_texts, dataset, video_frames, limit, layers, target,
+                 ray, ray_workers, store, methods, keeps, bundles, max_new_tokens, image_size, grid, reference, as_json,
+                 report, force, quiet, **extra):
     """Pruned against dense on MODEL's own LLM (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL): per method and K,
-    first-token KL and greedy agreement (--images, --prompts), or exact-match accuracy on bundles (--dataset)."""
+    first-token KL and greedy agreement (--images or --video, --prompts or --prompt), or exact-match accuracy on
+    bundles (--dataset). MODEL may be a compiled bundle: its model answers, the bundle is a --bundle row."""
     with _stdout_for_data() as emit:
         result = api.eval(model, images=images_dir, prompts=prompts_file, methods=methods, keeps=keeps,
+                          video=videos, prompt=prompt_texts, video_frames=video_frames,
                           bundles=bundles, max_new_tokens=max_new_tokens, image_size=image_size, grid=grid,
                           report=report, force=force, progress=_progress(quiet or as_json), dataset=dataset,
                           limit=limit, layers=layers, target=target, ray=ray, ray_workers=ray_workers, store=store,

@@ -180,8 +180,9 @@ def eval_lines(result: EvalResult) -> list[str]:
 
         return accuracy_table(data)
     starts = sorted(set(data["image_start"]))
+    inputs = f"clips of {data['video_frames']} frames" if data.get("video_frames") else "images"
     return [*table(data),
-            f"({len(data['images'])} images x {len(data['prompts'])} prompts; dense: "
+            f"({len(data['images'])} {inputs} x {len(data['prompts'])} prompts; dense: "
             f"{data['dense_image_tokens']} image tokens; harness check KL {data['harness_kl_max']:.2g})",
             f"(the image starts at prompt token {', '.join(map(str, starts))}: FastV's --image-start for "
             f"{'these prompts' if len(starts) == 1 else 'the prompts, in order of value'})"]

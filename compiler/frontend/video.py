@@ -65,9 +65,14 @@ def load_clip(path: str | Path, frames: int, size: int, mean, std) -> tuple[np.n
     return np.stack([preprocess(f, size, mean, std) for f in rgb]), described
 
 
-def clip_made_here(frames: int, size: int = 224, cut: int | None = None, square: int | None = None) -> np.ndarray:
-    """uint8 [F, size, size, 3]: a still photograph with a bright square moving left to right, and from frame `cut`
-    (default F // 2) another photograph: a still scene, a small moving object, and a scene cut."""
+SQUARE_COLORS = {"yellow": (255, 220, 0), "red": (230, 30, 30), "blue": (30, 60, 230), "green": (30, 200, 60)}
+
+
+def clip_made_here(frames: int, size: int = 224, cut: int | None = None, square: int | None = None,
+                   color: tuple[int, int, int] = SQUARE_COLORS["yellow"], leftward: bool = False) -> np.ndarray:
+    """uint8 [F, size, size, 3]: a still photograph with a bright square moving left to right (right to left where
+    leftward), and from frame `cut` (default F // 2) another photograph: a still scene, a small moving object, and a
+    scene cut."""
     import torch
     import torch.nn.functional as F
 
@@ -85,10 +90,23 @@ def clip_made_here(frames: int, size: int = 224, cut: int | None = None, square:
     for i in range(frames):
         frame = scenes[0 if i < cut else 1].copy()
         x = round(i * (size - square) / max(1, frames - 1))
+        x = size - square - x if leftward else x
         y = size // 2 - square // 2
-        frame[y:y + square, x:x + square] = (255, 220, 0)
+        frame[y:y + square, x:x + square] = color
         out.append(frame)
     return np.stack(out)
+
+
+def seeded_clip(seed: int, frames: int, size: int = 224) -> tuple[np.ndarray, dict]:
+    """A clip made here whose square's colour, direction and scene cut a seed draws, and those facts
+    ({"color", "direction", "cut"}): clips that differ in what a question about them can ask (eval's video datasets,
+    whose answers are then known, not guessed)."""
+    rng = np.random.default_rng(seed)
+    color = list(SQUARE_COLORS)[int(rng.integers(len(SQUARE_COLORS)))]
+    direction = "left" if rng.integers(2) else "right"
+    cut = int(rng.integers(1, frames)) if frames > 1 else 1
+    clip = clip_made_here(frames, size, cut, color=SQUARE_COLORS[color], leftward=direction == "left")
+    return clip, {"color": color, "direction": direction, "cut": cut}
 
 
 def write_frames(clip: np.ndarray, folder: str | Path) -> Path:
