@@ -31,7 +31,9 @@ scratch, with a word-level tokenizer over easy-vqa's vocabulary and LLaVA-1.5's 
   temporary folder and renamed into place, its marker last; a complete one is reused unless --force.
 
 Reproducibility: on one machine, the same seed gives the same weights, byte for byte, with 1
-or 2 threads (tests/tools/test_train_easyvqa.py). The 0.738 / 0.773 / 0.808 spread of earlier retrains
+or 2 threads (tests/tools/test_train_easyvqa.py); on an Intel CPU that needs oneMKL's strict CNR mode
+(MKL_CBWR=AUTO,STRICT, set on import unless MKL_CBWR is already set), else its fp32 gemm splits the long
+reductions of the weight gradients by thread. The 0.738 / 0.773 / 0.808 spread of earlier retrains
 came from different machines, not from the script: this workplace's CPU varies between sessions
 (an AMX Xeon one day, an AMD EPYC the next), and PyTorch picks its vector kernels by the CPU
 (ATEN_CPU_CAPABILITY: a run forced to AVX2 instead of AVX-512 on one machine gives other weights), so
@@ -46,6 +48,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 import shutil
 import sys
@@ -54,7 +57,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
+# oneMKL's strict CNR mode: its fp32 gemm gives the same bits whatever the thread count. Without it, on an Intel
+# Xeon (AMX, AVX-512) a Linear's weight gradient (grad_out^T @ input: a small output, a long reduction over the
+# batch's tokens, from about 2,048) splits the reduction between threads, so --threads 1 and 2 trained different
+# weights (the same test passed on an AMD EPYC). MKL reads it once, at its first call: set it here,
+# before this process's first matmul.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import easyvqa_jsonl  # noqa: E402
@@ -514,7 +524,8 @@ def environment() -> dict:
 
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
             "processor": _cpu_model(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "threads": torch.get_num_threads()}
+            "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "mkl_cbwr": os.environ.get("MKL_CBWR")}
 
 
 def _cpu_model() -> str:
