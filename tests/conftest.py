@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import toolchain
-import torch
+# oneMKL reads MKL_CBWR at its first call, and tools/train_easyvqa.py sets it on import: set here too, before any
+# test's first matmul, so that its weights-do-not-depend-on-the-thread-count test holds in a full run (where another
+# module may reach MKL first), not only when its file runs alone.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import pytest  # noqa: E402
+import toolchain  # noqa: E402
+import torch  # noqa: E402
 
 import vlmprune.compiler  # noqa: F401
 

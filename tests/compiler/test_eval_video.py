@@ -17,6 +17,7 @@ import pytest
 from cli_helpers import one_line_error, run_cli
 from tiny_models import tiny_qwen
 from vlmprune.compiler import api
+from vlmprune.compiler.cli import render
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.video import seeded_clip, write_frames
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -64,7 +65,7 @@ def test_eval_bundle_on_clips_is_generates_answer_against_the_models_own_video_p
         assert sample["dense_tokens"] == dense.answer.tokens
         assert sample["exact"] == (answer.answer.tokens == dense.answer.tokens)
     assert any(s["kl"] > 0 for s in row["samples"])  # half the clip's tokens dropped moves the distribution
-    assert "2 clips of 8 frames x 2 prompts" in "\n".join(result.lines())
+    assert "2 clips of 8 frames x 2 prompts" in "\n".join(render.eval_lines(result))
 
 
 def test_eval_video_bad_input_is_one_line(evs_bundle, clips, qwen_dir, tmp_path):
