@@ -11,21 +11,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from test_layers import MODULES  # the same module map the layering test checks
+
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = {"compiler": "vlmprune.compiler", "passes": "vlmprune.passes", "targets": "vlmprune.targets",
-         "kernels": "vlmprune.kernels"}
-
-
-def _modules() -> dict[str, Path]:
-    found = {}
-    for folder, package in ROOTS.items():
-        for path in sorted((REPO / folder).rglob("*.py")):
-            parts = [p for p in path.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
-            found[".".join([package, *parts])] = path
-    return found
-
-
-MODULES = _modules()
 
 
 def _private(name: str) -> bool:

@@ -21,17 +21,6 @@ import probe_types  # noqa: E402
 ARGS = ["--train-images", "24", "--test-images", "12", "--epochs", "1", "--threads", "2", "-q"]
 
 
-@pytest.fixture(scope="module")
-def tower(tmp_path_factory):
-    import torch
-    from transformers import Dinov2Config, Dinov2Model
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tower")
-    Dinov2Model(Dinov2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                             image_size=112, patch_size=14)).save_pretrained(path)  # [CLS] + 64 patches
-    return path
-
 
 @pytest.fixture(scope="module")
 def runs(tower, tmp_path_factory):

@@ -20,17 +20,6 @@ import train_easyvqa  # noqa: E402
 TINY_LM = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
 
 
-@pytest.fixture(scope="module")
-def tower(tmp_path_factory):
-    import torch
-    from transformers import Dinov2Config, Dinov2Model
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tower")
-    Dinov2Model(Dinov2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                             image_size=112, patch_size=14)).save_pretrained(path)  # [CLS] + 64 patches
-    return path
-
 
 def _train(out: Path, tower: Path, **kw) -> dict:
     return train_easyvqa.train_easyvqa(out, tower, train_n=64, epochs=1, test_n=16, lm=TINY_LM,
