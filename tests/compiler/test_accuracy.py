@@ -392,7 +392,7 @@ def test_an_interrupt_during_the_compiles_summarises_the_bundles(setup, tmp_path
     model, data, _, _ = setup
     made = []
 
-    def compile_some(model, plan, key, target, target_options, folder, progress):
+    def compile_some(model, plan, key, target, target_options, folder, progress, family_options=None):
         if len(made) == 7:
             raise KeyboardInterrupt
         made.append(folder / key)

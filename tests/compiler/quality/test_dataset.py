@@ -115,7 +115,9 @@ def _error(path, limit=None) -> str:
 def test_bad_files(tmp_path):
     missing = tmp_path / "nope.jsonl"
     assert _error(missing) == f"--dataset {missing}: no such file"
-    assert _error(tmp_path) == f"--dataset {tmp_path}: no such file"  # a folder is not a dataset
+    # a folder is a dataset only with its questions.jsonl
+    assert _error(tmp_path) == (f"--dataset {tmp_path}: a folder without questions.jsonl "
+                                "(JSON Lines of image or video, question, answers)")
     empty = _jsonl(tmp_path / "empty.jsonl", ["", "  "])
     assert _error(empty) == f"--dataset {empty}: no samples in it"
     binary = tmp_path / "bin.jsonl"
