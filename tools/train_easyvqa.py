@@ -93,6 +93,15 @@ def _inspection_split(split: str, seed: int, count: int | None = None) -> list[d
     return [{**r, "image": str((folder / r["image"]).resolve())} for r in rows]
 
 
+def _inspection_images(train_n: int) -> int:
+    """Training images for the first train_n questions (two a image): the split's default, or more where train_n
+    asks for more. The generator seeds each image by its index, so a larger split starts with the default's images
+    and their features stay cached."""
+    import inspection_vqa
+
+    return max(inspection_vqa.DEFAULT_COUNT["train"], -(-train_n // 2))
+
+
 def _inspection_more(rows: list[dict], count: int) -> list[dict]:
     """`count` further questions about each training image, read from its scene (ids `train-00012-0` name it)."""
     import inspection_vqa
@@ -110,7 +119,7 @@ class Dataset:
     """What the training reads for one dataset: its splits, default sizes and where its model and tower live."""
 
     name: str
-    splits: Callable[[], tuple[list[dict], list[dict]]]  # (train rows, test rows)
+    splits: Callable[[int], tuple[list[dict], list[dict]]]  # training questions asked for -> (train rows, test rows)
     model: str  # the default output folder under $VLMPRUNE_CACHE/models
     tower: str  # the default tower folder under $VLMPRUNE_CACHE/models
     train: int  # default training questions
@@ -125,7 +134,7 @@ class Dataset:
 
 
 DATASETS = {d.name: d for d in (
-    Dataset("easyvqa", lambda: (easyvqa_jsonl.records("train"), easyvqa_jsonl.records("test")),
+    Dataset("easyvqa", lambda _n: (easyvqa_jsonl.records("train"), easyvqa_jsonl.records("test")),
             "easyvqa-llava-dinov2", "dinov2-s14-imgfocus", train=10000, epochs=4, test=500),
     # 448 px: 1024 image tokens a sample, four times easy-vqa's. History: 2,000 images, one question a sequence, in
     # batches of 32 (375 updates) learned only each type's answer prior (dense 0.289); in batches of 8 (1,500
@@ -138,7 +147,7 @@ DATASETS = {d.name: d for d in (
     # 44 minutes on 2 busy cores (the features cached); dense 0.404 against 0.356 (count 0.791, region 0.188,
     # label 0.275, defect 0.582).
     # The benchmark's data is the generator's seed 0, whatever the training seed: one test set for every model.
-    Dataset("inspection", lambda: (_inspection_split("train", 0), _inspection_split("test", 0)),
+    Dataset("inspection", lambda n: (_inspection_split("train", 0, _inspection_images(n)), _inspection_split("test", 0)),
             "inspection-llava-dinov2", "dinov2-s14-imgfocus-448", train=8000, epochs=3, test=500, batch=8, lr=1e-3,
             pack=True, more=6, extra=_inspection_more),
 )}
@@ -442,7 +451,7 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
     started = time.perf_counter()
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    train_all, test_all = data.splits()
+    train_all, test_all = data.splits(train_n)
     train_rows, test_rows = train_all[:train_n], test_all[:test_n]
     if data.more and data.extra:
         train_rows = train_rows + data.extra(train_rows, data.more)
@@ -547,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a Dinov2Model directory; default: $VLMPRUNE_CACHE/models/dinov2-s14-imgfocus "
                              "(-448 for inspection)")
     parser.add_argument("--train", type=int, default=None, help="training questions (the first N; easyvqa 10000, "
-                        "inspection 8000, before the 6 more per image)")
+                        "inspection 8000, two a image, before the 6 more per image; above 8000 the inspection "
+                        "split grows to N/2 images)")
     parser.add_argument("--epochs", type=int, default=None, help="easyvqa 4, inspection 3")
     parser.add_argument("--test", type=int, default=None, help="test questions for the dense accuracy (the first M; "
                         "easyvqa 500, inspection 500)")

@@ -105,7 +105,7 @@ def test_inspection_scenes_train_with_per_type_accuracy(tower, tmp_path, monkeyp
 
     monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
     data = train_easyvqa.Dataset(
-        "inspection", lambda: (train_easyvqa._inspection_split("train", 0, 12), train_easyvqa._inspection_split("test", 0, 6)),
+        "inspection", lambda _n: (train_easyvqa._inspection_split("train", 0, 12), train_easyvqa._inspection_split("test", 0, 6)),
         "m", "t", train=24, epochs=1, test=12, pack=True, lm={**TINY_LM, "num_hidden_layers": 2},
         more=3, extra=train_easyvqa._inspection_more)
     record = train_easyvqa.train_easyvqa(tmp_path / "model", tower, log=lambda line: None, dataset=data)
@@ -117,6 +117,21 @@ def test_inspection_scenes_train_with_per_type_accuracy(tower, tmp_path, monkeyp
     for row in types.values():
         assert 0 <= row["dense_accuracy"] <= 1 and row["majority_answer"] in sum(inspection_vqa.ANSWERS.values(), ())
     assert (tmp_path / "cache" / "datasets" / "inspection-test-s0-n6" / "questions.jsonl").is_file()
+
+
+def test_inspection_training_split_grows_with_the_questions_asked_for(tmp_path, monkeypatch):
+    """--train above the default split's two questions a image makes a larger split (N/2 images), not a silent
+    cap at the default's; at or below it the default split (and its cached features) is used."""
+    import inspection_vqa
+
+    monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(inspection_vqa.DEFAULT_COUNT, "train", 4)
+    monkeypatch.setitem(inspection_vqa.DEFAULT_COUNT, "test", 2)
+    assert train_easyvqa._inspection_images(8) == 4 and train_easyvqa._inspection_images(3) == 4
+    train, test = train_easyvqa.DATASETS["inspection"].splits(11)
+    assert len({r["image"] for r in train}) == 6 and len(train) == 12 and len({r["image"] for r in test}) == 2
+    small, _ = train_easyvqa.DATASETS["inspection"].splits(8)
+    assert [r["id"] for r in small] == [r["id"] for r in train[:8]]  # the larger split starts with the default's
 
 
 def test_majority_ties_go_to_the_first_answer_in_sorted_order():
