@@ -67,7 +67,15 @@ EXPORTER = "onnxruntime-genai"
 MODEL, CONFIG = LLM_MODEL, "genai_config.json"
 FAMILIES = ("llama", "qwen2")  # checked here with the builder's LlamaModel / QwenModel (1-D RoPE)
 PRECISIONS = ("fp32",)  # what the parity check below holds to PARITY_ATOL on the CPU
-PARITY_ATOL = 1e-4  # fp32 logits, as compiler.llm.torch_exporter's
+PARITY_ATOL = 1e-4  # fp32 logits, as compiler.llm.torch_exporter's: the bound's absolute floor
+# The contract's fp32 bound is that floor plus a term relative to the output's scale (1e-5 · max|want|): the builder's
+# graph runs ONNX Runtime's own GroupQueryAttention and norm kernels, whose fp32 rounding grows with the logits.
+PARITY_RTOL_SCALE = 1e-5
+
+
+def logits_bound(scale: float) -> float:
+    """The contract's fp32 bound on the logits' max-abs, for reference logits whose largest magnitude is scale."""
+    return PARITY_ATOL + PARITY_RTOL_SCALE * scale
 DECODE_STEPS = 3
 PROMPT_TOKENS = 12
 LOG = "genai_builder.log"  # in the temporary directory, kept (and named) only on failure
@@ -170,12 +178,15 @@ def export_genai(lm, folder: Path, precision: str = "fp32", execution_provider: 
     if parity:
         info["parity"] = genai_parity(lm, folder)
         p = info["parity"]
-        gap = figure_text(p["logits_max_abs"], 3, at_most=PARITY_ATOL)  # a failing figure must read as failing
+        gap = figure_text(p["logits_max_abs"], 3, at_most=p["tolerance"])  # a failing figure must read as failing
         progress(f"  llm (genai) {'PASS' if p['passed'] else 'FAIL'}  logits max-abs {gap}, "
                  f"greedy tokens {'identical' if p['tokens_identical'] else 'DIFFER'} (batch 1 and 2)")
         if not p["passed"]:
+            per_batch = ", ".join(f"{b}: {r['logits_max_abs']:.3g}" for b, r in p["per_batch"].items())
             raise ParityError(f"onnxruntime-genai's graph of the language model disagrees with its PyTorch "
-                              f"reference (logits max-abs {gap}, tolerance {PARITY_ATOL}, "
+                              f"reference (logits max-abs {gap}, tolerance {p['tolerance']:.3g} at max |logit| "
+                              f"{p['logits_scale']:.3g}, per batch "
+                              f"{per_batch}, "
                               f"greedy tokens {'identical' if p['tokens_identical'] else 'differ'})")
     return info
 
@@ -332,7 +343,7 @@ def genai_parity(lm, folder: Path, batches=(1, 2), steps: int = DECODE_STEPS, le
     _inner, config = decoder_of(lm)
     session = genai_session(folder)
     table = lm.get_input_embeddings().weight.detach().float().numpy()
-    per_batch, worst, same, runtime = {}, 0.0, True, None
+    per_batch, worst, scale, same, runtime = {}, 0.0, 0.0, True, None
     for batch in batches:
         embeds = torch.randn(batch, length, config.hidden_size, generator=torch.Generator().manual_seed(seed + batch))
         mask = torch.ones(batch, length, dtype=torch.long)
@@ -347,7 +358,8 @@ def genai_parity(lm, folder: Path, batches=(1, 2), steps: int = DECODE_STEPS, le
             expected.append(step.logits[:, -1].argmax(-1))
         expected = torch.stack(expected, dim=1).numpy()
         outs = run_genai(session, embeds.numpy(), head_dim=head_dim_of(config))
-        gap = float(np.abs(outs["logits"][:, -1] - ref.logits[:, -1].float().numpy()).max())
+        want = ref.logits[:, -1].float().numpy()
+        gap, scale = float(np.abs(outs["logits"][:, -1] - want).max()), max(scale, float(np.abs(want).max()))
         tokens = [outs["logits"][:, -1].argmax(-1)]
         for _ in range(steps - 1):
             outs = run_genai(session, table[tokens[-1]][:, None], presents_to_past(outs))
@@ -360,9 +372,9 @@ def genai_parity(lm, folder: Path, batches=(1, 2), steps: int = DECODE_STEPS, le
             runtime = genai_runtime_check(folder, embeds.numpy(), expected)
     return {"runtime": "onnxruntime (plain InferenceSession, CPU, ORT_ENABLE_ALL)", "batches": list(batches),
             "prompt_tokens": length, "seed": seed, "positions": "contiguous 0..T-1",
-            "logits_max_abs": worst, "tolerance": PARITY_ATOL, "decode_steps": steps, "tokens_identical": same,
-            "per_batch": per_batch, "genai_runtime": runtime,
-            "passed": worst <= PARITY_ATOL and same and (not runtime["works"] or runtime["tokens_identical"])}
+            "logits_max_abs": worst, "logits_scale": scale, "tolerance": logits_bound(scale), "decode_steps": steps,
+            "tokens_identical": same, "per_batch": per_batch, "genai_runtime": runtime,
+            "passed": worst <= logits_bound(scale) and same and (not runtime["works"] or runtime["tokens_identical"])}
 
 
 def genai_runtime_check(folder: Path, embeds: np.ndarray, expected: np.ndarray) -> dict:
@@ -474,9 +486,10 @@ class GenaiExporter(LlmExporter):
     def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
         """The graph's parity again (plain ONNX Runtime vs Hugging Face at contiguous positions, batch 1 and 2)."""
         got = genai_parity(lm_source.language_model(model_spec), bundle_dir / LLM_DIR)
-        outputs = {"logits": {"note": f"max-abs {got['logits_max_abs']:.3g} (≤ {PARITY_ATOL:g}), batch "
+        outputs = {"logits": {"note": f"max-abs {got['logits_max_abs']:.3g} (≤ {got['tolerance']:.3g}), batch "
                                       f"{' and '.join(map(str, got['batches']))}, {got['prompt_tokens']} prompt "
-                                      f"tokens, contiguous positions", "passed": got["logits_max_abs"] <= PARITY_ATOL},
+                                      f"tokens, contiguous positions",
+                              "passed": got["logits_max_abs"] <= got["tolerance"]},
                    "greedy tokens": tokens_note(got)}
         return got["passed"], outputs
 
