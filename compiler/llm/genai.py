@@ -71,6 +71,7 @@ PARITY_ATOL = 1e-4  # fp32 logits, as compiler.llm.torch_exporter's: the bound's
 # The contract's fp32 bound is that floor plus a term relative to the output's scale (1e-5 · max|want|): the builder's
 # graph runs ONNX Runtime's own GroupQueryAttention and norm kernels, whose fp32 rounding grows with the logits.
 PARITY_RTOL_SCALE = 1e-5
+GQA_HEAD_MULTIPLE = 16  # ONNX Runtime 1.32's CPU GroupQueryAttention refuses other head sizes when it runs
 
 
 def logits_bound(scale: float) -> float:
@@ -105,6 +106,10 @@ def check_genai_options(lm, precision: str = "fp32", execution_provider: str = "
     if tokenizer is None and _eos(config) is None:
         raise InputError("--llm-exporter genai: onnxruntime-genai's builder needs an end-of-sequence token id; the "
                          "language model's config has none (eos_token_id) and no tokenizer was given")
+    if head_dim_of(config) % GQA_HEAD_MULTIPLE:
+        raise InputError(f"--llm-exporter genai: head size {head_dim_of(config)} is not a multiple of "
+                         f"{GQA_HEAD_MULTIPLE}, which ONNX Runtime's GroupQueryAttention (the builder's attention) "
+                         f"needs on the CPU; use --llm-exporter torch")
     if precision not in PRECISIONS:
         raise InputError(f"--llm-exporter genai: precision {precision!r} is not supported "
                          f"(supported: {', '.join(PRECISIONS)}; the parity check runs fp32 on the CPU)")
