@@ -119,7 +119,7 @@ def test_a_manifest_missing_a_section_is_one_line(demo_bundle, tmp_path, section
     one_line_error(run_cli("inspect", str(out)), line)
 
 
-# Issue 33 §2: the library reads manifests through the views. Where a raw subscript may stay, and why.
+# The library reads manifests through the views. Where a raw subscript may stay, and why.
 RAW_ALLOWED = {
     "compiler/bundle/manifest.py": "Manifest itself: its views are the one place that spells the keys",
     "targets/trt_engine.py": "the TensorRT targets' on-device script: it runs on the Jetson with TensorRT alone and "
