@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from vlmprune.compiler import api
+import vlmprune.compiler.cli.render as render
 from vlmprune.compiler.cli.boundary import echo_lines, one_line_errors, progress_printer, stdout_for_data
 
 
@@ -50,7 +51,7 @@ def check(bundle_dir, batch, report, junit, atol, rtol, cosine, force, as_json, 
         if as_json:
             emit(json.dumps(result.to_json(), indent=2))
     if not as_json:
-        echo_lines(result.lines())  # each stage with its figures and bounds: -q leaves only these lines
+        echo_lines(render.check_lines(result))  # each stage with its figures and bounds
     if not result.passed:
         failed = [s.stage for s in result.stages if not s.passed]
         click.echo(f"error: parity failed at {', '.join(failed)}", err=True)

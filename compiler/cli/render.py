@@ -11,7 +11,8 @@ from vlmprune.compiler.api import (CompareResult, CompileResult, EvalResult, Ins
                                    RunResult, TargetInfo, TargetListing)
 from vlmprune.compiler.api.running import is_small
 from vlmprune.compiler.bundle.manifest import MethodSection
-from vlmprune.compiler.parity import DEFAULT_TOLERANCES, compared_text, figure_text, summary_bounds
+from vlmprune.compiler.parity import (DEFAULT_TOLERANCES, ParityReport, compared_text, figure_text,
+                                      stage_line as parity_stage_line, summary_bounds)
 from vlmprune.targets import placement
 
 # ---------------------------------------------------------------------- compile
@@ -117,6 +118,15 @@ def placement_summary(manifest: Manifest) -> list[str]:
     """Per graph, how much of it the target placed where (targets that report placement), one line each."""
     return [placement.summary_line(name, summary)
             for name, summary in manifest.target.get("placement_summary", {}).items()]
+
+
+# ---------------------------------------------------------------------- check
+
+
+def check_lines(report: ParityReport) -> list[str]:
+    """What `vlmprune check` prints: one line per stage, its verdict and figures against their bounds (the report
+    is the parity package's data; -q leaves only these lines)."""
+    return [parity_stage_line(stage) for stage in report.stages]
 
 
 # ---------------------------------------------------------------------- run, compare, inspect
