@@ -22,14 +22,14 @@ def compile_lines(result: CompileResult) -> list[str]:
     """The summary `vlmprune compile` prints: tokens in and out, each parity stage's figures, placement."""
     manifest, method = result.manifest, result.manifest.method
     out = []
-    counts = manifest.model.get("token_counts")
+    counts = manifest.model.token_counts
     if counts:  # a merging tower: its patches are not the tokens the LLM sees
-        t, h, w = counts["merged_grid_thw"]
+        t, h, w = manifest.model.merged_grid_thw
         out.append(f"image {counts['image_size']}x{counts['image_size']}: {counts['patch_grid'][0]}x"
                    f"{counts['patch_grid'][1]} = {counts['patches']} patches, merged "
                    f"{counts['spatial_merge']}x{counts['spatial_merge']} into {h}x{w}"
-                   + (f" per temporal patch: a clip of {counts['video_frames']} frames, {t} temporal patches, "
-                      f"{counts['tokens']} tokens" if counts.get("video_frames") else f" = {counts['tokens']} tokens"))
+                   + (f" per temporal patch: a clip of {manifest.model.video_frames} frames, {t} temporal patches, "
+                      f"{counts['tokens']} tokens" if manifest.model.video_frames else f" = {counts['tokens']} tokens"))
     if not method.pruned:
         out.append("tokens: dense (no pruning)")
     elif method.site == "block":
