@@ -19,10 +19,11 @@ def _ignore_interrupts() -> None:
 def main() -> None:
     try:
         from vlmprune.compiler import cli
+        from vlmprune.compiler.cli import boundary
     except KeyboardInterrupt:
         sys.stderr.write("interrupted; nothing was written\n")  # bundle.interrupted_line([]), unimported
         sys.exit(130)
-    cli.on_command_end = _ignore_interrupts
+    boundary.on_command_end = _ignore_interrupts
     try:
         cli.main()
     finally:  # also where click itself ended it (--help, a usage error)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmprune.compiler.bundle.manifest import Tensor
 from vlmprune.compiler.errors import InputError
 
 
@@ -69,13 +70,13 @@ def format_benchmark(result: dict, runtime: str) -> list[str]:
                   f"{result['throughput_images_per_s']:.2f} images/s at batch {result['batch']}"]
 
 
-def load_inputs(path: Path, manifest: dict) -> np.ndarray:
-    """The bundle's input from an .npz file: the array named like the input, or the file's only array.
+def load_inputs(path: Path, spec: Tensor) -> np.ndarray:
+    """The bundle's input (spec: the manifest's first input, the pixels) from an .npz file: the array named like the
+    input, or the file's only array.
 
     It must have the input's rank, channels, image size and (for a static batch) batch,
     and be float32 (another float type is refused rather than silently converted).
     """
-    spec = manifest.inputs[0]
     path = Path(path)
     if not path.is_file():
         raise InputError(f"--load-inputs {path}: no such file")
@@ -98,15 +99,15 @@ def load_inputs(path: Path, manifest: dict) -> np.ndarray:
         why = ("it holds pickled Python objects, which are never loaded" if "pickle" in str(exc)
                else (str(exc).splitlines() or [type(exc).__name__])[0])
         raise InputError(f"{not_npz} ({why})") from None
-    return check_inputs(array, manifest, f"--load-inputs {path}")
+    return check_inputs(array, spec, f"--load-inputs {path}")
 
 
-def check_inputs(array: np.ndarray, manifest: dict, what: str = "inputs") -> np.ndarray:
-    """array, if it is the bundle's input: its rank, channels, image size, static batch, float32 and finite.
+def check_inputs(array: np.ndarray, spec: Tensor, what: str = "inputs") -> np.ndarray:
+    """array, if it is the bundle's input (spec: the manifest's first input, the pixels): its rank, channels, image
+    size, static batch, float32 and finite.
 
     what names where it came from in the message (the .npz file, or the Python API's inputs=).
     """
-    spec = manifest.inputs[0]
     shape = spec.shape
     if array.dtype != np.float32:
         raise InputError(f"{what}: {spec.name} is {array.dtype}, the bundle takes float32")

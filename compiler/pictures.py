@@ -26,6 +26,8 @@ import io
 
 import numpy as np
 
+from vlmprune.compiler.bundle.manifest import KeepAutoSection, Manifest
+
 DIM = 0.3  # pruned patches keep this fraction of their brightness
 KEPT_RGB = (255, 214, 0)  # outline of a kept patch
 HATCH_RGB = (255, 255, 255)  # forced-keep hatching
@@ -168,19 +170,20 @@ def with_caption(picture: np.ndarray, title: str, legend: str):
     return canvas
 
 
-def legend_for(manifest: dict, sel: Selection, note: str | None = None) -> str:
+def legend_for(manifest: Manifest, sel: Selection, note: str | None = None) -> str:
     """What the colours mean for this bundle, in one paragraph."""
     method = manifest.method
     n = sel.grid * sel.grid
-    unit = "tokens" if manifest.model.get("token_counts") else "patches"
+    unit = "tokens" if manifest.model.token_counts else "patches"
     parts = [f"kept {len(sel.kept)} of {n} {unit} (yellow outline); pruned {unit} dimmed"]
     if sel.merges:
         merged = sum(len(v) for v in sel.merges.values())
         parts.append(f"{len(sel.merges)} merge targets (coloured outline), {merged} patches merged into them "
                      "(tinted in the target's colour)")
-    rows = (manifest.llm.rows or {}) if manifest.llm is not None else {}  # the hand-off's row count, where it has one
-    extra = rows["extra"] if "extra" in rows else \
-        method.get("tokens_out", 0) - method.get("kept_count", len(sel.kept)) - int(bool(method.has_cls))
+    extra = manifest.llm.extra_rows if manifest.llm is not None else None  # the hand-off's row count, where it has one
+    if extra is None:
+        kept = len(sel.kept) if method.kept_count is None else method.kept_count
+        extra = (method.tokens_out or 0) - kept - int(bool(method.has_cls))
     if extra > 0:
         parts.append(f"+{extra} token{'s' if extra > 1 else ''} with no patch position (e.g. a summary of the "
                      "pruned patches)")
@@ -191,7 +194,7 @@ def legend_for(manifest: dict, sel: Selection, note: str | None = None) -> str:
     return "; ".join(parts)
 
 
-def title_for(name: str, manifest: dict) -> str:
+def title_for(name: str, manifest: Manifest) -> str:
     method = manifest.method
     if not method.pruned:
         return f"{name}: {method.summary}"
@@ -232,7 +235,7 @@ def png_bytes(image) -> bytes:
 Merges = list[dict[int, np.ndarray]]  # per image: merge target patch -> the patches merged into it
 
 
-def reference_merges(manifest: dict, pixel: np.ndarray) -> tuple[Merges | None, np.ndarray | None, str | None]:
+def reference_merges(manifest: Manifest, pixel: np.ndarray) -> tuple[Merges | None, np.ndarray | None, str | None]:
     """(per image {target patch: merged patches}, the reference's kept indices, a note) for pixel [B, 3, S, S].
 
     (None, None, None) when the method's kept tokens are plain copies (nothing was merged
@@ -304,12 +307,11 @@ class _MergeTracer:
         return result.tokens.detach(), result.kept, result.trace
 
 
-def token_grid(manifest: dict) -> int:
+def token_grid(manifest: Manifest) -> int:
     """Side of the square grid the kept indices index: patches, or merged tokens for a merging tower."""
-    counts = manifest.model.get("token_counts")
     size = manifest.preprocess.size
-    if counts:  # e.g. Qwen2-VL: kept indices count merged tokens (spatial_merge² patches each)
-        t, h, w = counts["merged_grid_thw"]
+    if manifest.model.token_counts:  # e.g. Qwen2-VL: kept indices count merged tokens (spatial_merge² patches each)
+        t, h, w = manifest.model.merged_grid_thw
         if t != 1 or h != w or size % h:
             from vlmprune.compiler.errors import InputError
 
@@ -339,12 +341,11 @@ def check_one_grid(kept, grid: int) -> None:
                          "(several crops per image): pictures draw one grid and cannot show it yet")
 
 
-def video_selections(manifest: dict, pixel: np.ndarray, kept: np.ndarray, name: str) -> list[Selection]:
+def video_selections(manifest: Manifest, pixel: np.ndarray, kept: np.ndarray, name: str) -> list[Selection]:
     """A video bundle's run (one clip, [F, 3, S, S]): one Selection per temporal patch, drawn on its first frame,
     with the kept tokens of that patch (kept indices count the clip's tokens frame by frame)."""
-    counts = manifest.model["token_counts"]
-    t, h, w = counts["merged_grid_thw"]
-    per_frame, frames = h * w, counts["video_frames"]
+    t, h, w = manifest.model.merged_grid_thw
+    per_frame, frames = h * w, manifest.model.video_frames
     step = frames // t
     kept = np.asarray(kept).reshape(-1)
     sels = []
@@ -357,7 +358,7 @@ def video_selections(manifest: dict, pixel: np.ndarray, kept: np.ndarray, name: 
     return sels
 
 
-def selections_for_run(manifest: dict, pixel: np.ndarray, kept: np.ndarray, name: str,
+def selections_for_run(manifest: Manifest, pixel: np.ndarray, kept: np.ndarray, name: str,
                        forced: np.ndarray | None = None) -> tuple[list[Selection], str | None]:
     """One Selection per image of a `vlmprune run`: the bundle's kept indices, merges traced from the reference;
     forced: bool [B, N], the ROI's forced patches (hatched), where the run fed one."""
@@ -389,7 +390,7 @@ CURVE_RGB = (31, 119, 180)  # --keep auto: the measured K -> latency points
 CHOSEN_RGB = (26, 127, 55)  # --keep auto: the K chosen
 
 
-def latency_curve(section: dict, size: tuple[int, int] = (600, 360)):
+def latency_curve(section: KeepAutoSection, size: tuple[int, int] = (600, 360)):
     """The K -> latency curve `--keep auto` measured (the manifest's keep_auto), as a PIL image: every timed K as a
     point (K on a log2 axis, as the ladder spaces them), the budget as a dashed line, the chosen K ringed."""
     from PIL import Image, ImageDraw, ImageFont
@@ -397,8 +398,8 @@ def latency_curve(section: dict, size: tuple[int, int] = (600, 360)):
     font = ImageFont.load_default()
     w, h = size
     left, right, top, bottom = 64, 24, 30, 46
-    curve = sorted((int(k), float(ms)) for k, ms in section["curve"])
-    budget, chosen = float(section["budget_ms"]), int(section["chosen"])
+    curve = sorted((int(k), float(ms)) for k, ms in section.curve)
+    budget, chosen = float(section.budget_ms), int(section.chosen)
     ks = [k for k, _ in curve]
     lo_k, hi_k = np.log2(ks[0]), np.log2(ks[-1])
     top_ms = max(budget, *(ms for _, ms in curve)) * 1.1

@@ -24,6 +24,7 @@ from xml.etree import ElementTree as ET
 import numpy as np
 
 from vlmprune.compiler import pictures
+from vlmprune.compiler.bundle.manifest import KeepAutoSection, Manifest
 from vlmprune.compiler.parity import ParityReport, StageResult, Tolerance, figure_text
 from vlmprune.compiler.parity.reference import KEPT
 
@@ -251,7 +252,7 @@ figcaption { font-size: 12px; color: #57606a; max-width: 340px; }
 """
 
 
-def html_report(report: ParityReport, manifest: dict, bundle_name: str, images: np.ndarray | None) -> str:
+def html_report(report: ParityReport, manifest: Manifest, bundle_name: str, images: np.ndarray | None) -> str:
     """The whole report as one HTML document (images: the parity inputs, [B, 3, S, S], or None to skip pictures)."""
     e = html.escape
     method = manifest.method
@@ -284,29 +285,27 @@ def html_report(report: ParityReport, manifest: dict, bundle_name: str, images: 
         out.append("<ul>" + "".join(f"<li>{e(line)}</li>" for line in explained) + "</ul>")
     else:
         out.append('<p class="info">Every stage kept exactly the reference\'s patches on every parity image.</p>')
-    out += _keep_auto_section(manifest)
+    out += _keep_auto_section(manifest.keep_auto)
     out += _pictures_section(report, manifest, images)
     out.append("</body></html>")
     return "\n".join(out) + "\n"
 
 
-def _keep_auto_section(manifest: dict) -> list[str]:
+def _keep_auto_section(section: KeepAutoSection | None) -> list[str]:
     """--keep auto: the K -> latency curve K was chosen on (the manifest's keep_auto), as a picture and its figures."""
-    section = manifest.keep_auto
     if not section:
         return []
     e = html.escape
-    load = section.get("load")
-    loaded = "" if load is None else f"; other processes used {load:.0%} of the CPUs meanwhile"
-    rows = "".join(f"<tr><td>{k}</td><td>{ms:.3f}</td></tr>" for k, ms in section["curve"])
+    loaded = "" if section.load is None else f"; other processes used {section.load:.0%} of the CPUs meanwhile"
+    rows = "".join(f"<tr><td>{k}</td><td>{ms:.3f}</td></tr>" for k, ms in section.curve)
     return ["<h2>K chosen by latency (--keep auto)</h2>",
-            f'<p>K = {section["chosen"]}: the largest timed K within {section["budget_ms"]:g} ms, timed on '
-            f'{e(section["timed_on"])}{e(loaded)}.</p>',
+            f'<p>K = {section.chosen}: the largest timed K within {section.budget_ms:g} ms, timed on '
+            f'{e(section.timed_on)}{e(loaded)}.</p>',
             f'<figure><img alt="latency vs K" src="{_data_uri(pictures.latency_curve(section))}"></figure>',
             f'<table class="figures"><thead><tr><th>K</th><th>ms</th></tr></thead><tbody>{rows}</tbody></table>']
 
 
-def _pictures_section(report: ParityReport, manifest: dict, images: np.ndarray | None) -> list[str]:
+def _pictures_section(report: ParityReport, manifest: Manifest, images: np.ndarray | None) -> list[str]:
     e = html.escape
     ref = report.reference
     out = ["<h2>Kept patches per parity image</h2>"]
@@ -367,8 +366,9 @@ def _pictures_section(report: ParityReport, manifest: dict, images: np.ndarray |
     return out
 
 
-def parity_images(report: ParityReport, manifest: dict) -> np.ndarray | None:
-    """The parity inputs again (deterministic from what the report recorded), or None if they differ here."""
+def parity_images(report: ParityReport) -> np.ndarray | None:
+    """The parity inputs again (deterministic from what the report recorded: the images are named, seeded and
+    preprocessed there, so the manifest adds nothing), or None if they differ here."""
     from vlmprune.compiler.frontend.images import parity_inputs
 
     inputs = report.inputs
@@ -382,7 +382,7 @@ def parity_images(report: ParityReport, manifest: dict) -> np.ndarray | None:
 # ------------------------------------------------------------------ JUnit
 
 
-def junit_xml(report: ParityReport, manifest: dict, bundle_name: str, seconds: float) -> bytes:
+def junit_xml(report: ParityReport, manifest: Manifest, bundle_name: str, seconds: float) -> bytes:
     """One <testcase> per stage and output; failures carry the failing figures, errors a stage that could not run."""
     cases = []
     for stage in report.stages:

@@ -224,7 +224,7 @@ class OpenVinoTarget(Target):
     def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
         """One stage, `openvino`: the bundle's IR at its precision, on its device or on CPU where that is absent."""
         fields = manifest.target
-        precision = PRECISIONS[fields.get("precision", DEFAULT_PRECISION)]
+        precision = PRECISIONS[fields.precision or DEFAULT_PRECISION]
         run, runtime = self.runner(bundle_dir, manifest)
         return [StageSpec("openvino", runtime, precision.parity, run)]
 
@@ -233,7 +233,7 @@ class OpenVinoTarget(Target):
         ov = openvino()
 
         fields = manifest.target
-        name = fields.get("precision", DEFAULT_PRECISION)
+        name = fields.precision or DEFAULT_PRECISION
         precision, wanted = PRECISIONS[name], fields.get("device", DEFAULT_DEVICE)
         device = wanted if wanted in present_devices() else CHECK_DEVICE
         graph = Path(bundle_dir) / precision.ir
@@ -387,7 +387,7 @@ def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray, extra=None) -
 def _readme(manifest: dict) -> str:
     fields = manifest.target
     inp = manifest.inputs[0]
-    name = fields.get("precision", DEFAULT_PRECISION)
+    name = fields.precision or DEFAULT_PRECISION
     precision, device = PRECISIONS[name], fields.get("device", DEFAULT_DEVICE)
     shape = [1 if isinstance(d, str) else d for d in inp.shape]
     # the NPU plugin picks its own precision (f16); the hint is for CPU and GPU
@@ -406,7 +406,7 @@ Files: `{precision.ir}` + its `.bin` (OpenVINO IR; {precision.what}); `{OPENVINO
 {checked}
 ## Run (Linux or Windows, x86-64; Intel CPU, Arc / Core Ultra iGPU, Core Ultra NPU)
 
-    pip install openvino=={fields.get('toolchain', {}).get('openvino', '2026.4')} numpy
+    pip install openvino=={fields.toolchain.get('openvino', '2026.4')} numpy
     python - <<'PY'
     import numpy as np, openvino as ov
     core = ov.Core()

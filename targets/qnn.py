@@ -183,8 +183,8 @@ class QnnTarget(Target):
         fields = manifest.target
         batch = fields.get("batch", 1)
         soc, soc_model = fields.get("soc", qnn_tools.DEFAULT_SOC), fields.get("soc_model", qnn_tools.DEFAULT_SOC_MODEL)
-        precision = fields.get("precision", DEFAULT_PRECISION)
-        version = fields.get("toolchain", {}).get("onnxruntime-qnn", "")
+        precision = fields.precision or DEFAULT_PRECISION
+        version = fields.toolchain.get("onnxruntime-qnn", "")
 
         def on_htp(name: str):
             def run(pixel, feeds=None):

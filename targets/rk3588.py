@@ -234,7 +234,7 @@ class Rk3588Target(Target):
             sha = _file_sha(bundle_dir / artifact)
             cached = any(key[0] == sha for key in self._simulated)
             how = "built and simulated with the export" if cached else "rebuilt from model.onnx"
-            runtime = f"rknn-toolkit2 {fields.get('toolchain', {}).get('rknn-toolkit2', '2.5.0')} simulator, " \
+            runtime = f"rknn-toolkit2 {fields.toolchain.get('rknn-toolkit2', '2.5.0')} simulator, " \
                       f"{PLATFORM} {precision} ({artifact}; {how}) (simulated)"
             specs.append(StageSpec(f"rknn-{precision}", runtime, tolerance,
                                    self._runner(bundle_dir, manifest, precision, sha, context)))
@@ -303,7 +303,7 @@ def _readme(manifest: dict) -> str:
     summaries = [placement.summary_line(p, s) for p, s in fields.get("placement_summary", {}).items()]
     out_names = ", ".join(f"`{o.name}` {o.shape} {o.dtype}" for o in outputs)
     n_out, out_order = len(outputs), ", ".join(o.name for o in outputs)
-    version = manifest.target["toolchain"].get("rknn-toolkit2", "2.5.0")
+    version = manifest.target.toolchain.get("rknn-toolkit2", "2.5.0")
     return f"""# vlmprune bundle: target `rk3588` (Rockchip RK3588 NPU, rknn-toolkit2 {version})
 
 Model: {manifest.model.source} — {manifest.method.summary}

@@ -469,7 +469,7 @@ JetPack (`/usr/local/cuda`); TensorRT is found in `/usr/include/aarch64-linux-gn
                   + ("this bundle is dense (no pruning).\n" if not manifest.method.pruned else
                      f"the {manifest.method.name} selection runs as standard TensorRT layers.\n"))
     contract = trt_passes.PLUGIN_CONTRACT
-    precision = target.get("precision", "fp16")
+    precision = target.precision or "fp16"
     quant = target.get("quantization")
     qdq_files = (f"- `{QDQ_MODEL}` + `{QDQ_WEIGHTS}`: the int8 engine's graph, explicit Q/DQ on "
                  f"{quant['quantized_nodes']} MatMul/Gemm/Conv (weights: {quant['weights']}; activations: "

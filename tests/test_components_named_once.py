@@ -1,4 +1,4 @@
-"""Issue 33 §1: nothing names a component outside its own module.
+"""Components declare, the pipeline asks: nothing names a component outside its own module.
 
 Every registered target id, method id, family id and LLM exporter id is searched for as a whole string constant
 (ast) in the library's source (compiler/, passes/, targets/). It may appear in its own module and in its registry;

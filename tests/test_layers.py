@@ -11,7 +11,7 @@ a kernel build helper) depends on no step, so every step may import it.
 Entry points are exempt the other way: a package's __main__.py (the console script, `python -m`) is
 imported by no module, so it stands above every step and may import any, the CLI included.
 
-Inside a folder too, imports run one way: no circles (issue 33 §3). A registry package's __init__
+Inside a folder too, imports run one way: no circles. A registry package's __init__
 imports its components; a component imports only modules below it (base, a shared helpers
 module, the contract), never the package __init__ or a sibling that imports it back.
 """
@@ -103,7 +103,7 @@ def test_imports_run_down_the_data_flow(path, line, own, theirs, imported):
 
 FRONTEND = "vlmprune.compiler.frontend"
 # Below the frontend in what they know, though after it in the flow: the passes and the methods see a graph and the
-# contract's vocabulary, the targets a graph, an emit context and the feeds their caller built (issue 33 §2).
+# contract's vocabulary, the targets a graph, an emit context and the feeds their caller built.
 MODEL_BLIND = ("passes", "targets")
 
 

@@ -1,7 +1,7 @@
 """A private name stays in its module: no module of the package imports another's `_name` or reads `module._name`.
 
 A leading underscore says "no promise outside this file"; a second module that uses the name makes the
-promise anyway, silently (issue 33 §3: the pipeline's stages once reached other modules as private helpers).
+promise anyway, silently (the pipeline's stages once reached other modules as private helpers).
 What two modules share gets a public name and a docstring. Tests of a module may still read its private
 helpers: they are its own tests. Function-local imports count as any other.
 """

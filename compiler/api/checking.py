@@ -71,7 +71,7 @@ def check(bundle: str | Path, *, batch: int | None = None, atol=(), rtol=(), cos
         if report and Path(report).suffix.lower() == ".json":
             write_file(report, (json.dumps(data, indent=2) + "\n").encode(), force)
         elif report:
-            write_file(report, reports.html_report(result, manifest, name, reports.parity_images(result, manifest))
+            write_file(report, reports.html_report(result, manifest, name, reports.parity_images(result))
                        .encode(), force)
         if junit:
             write_file(junit, reports.junit_xml(result, manifest, name, seconds), force)

@@ -125,9 +125,9 @@ def run(bundle: str | Path, *, images: Iterable[str | Path] = (), inputs: str | 
         for note in notes:
             say(note)
     elif isinstance(inputs, np.ndarray):
-        pixel = bench.check_inputs(inputs, m, "inputs")
+        pixel = bench.check_inputs(inputs, m.inputs[0], "inputs")
     else:
-        pixel = bench.load_inputs(inputs, m)
+        pixel = bench.load_inputs(inputs, m.inputs[0])
         say(f"{inputs}: {m.inputs[0].name} {list(pixel.shape)} float32")
     text = run_text(m, prompt, model, say)
     region = roi.run_roi(m.method.roi, roi_boxes, roi_mask)  # --roi bundles: the flags' region, or none

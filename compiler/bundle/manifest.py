@@ -88,6 +88,7 @@ class ModelSection(Section):
     # The families' own fields, for the readers that need one (details has them all).
     token_counts = property(lambda self: self._data.get("token_counts") or {})  # a merging tower's grids and counts
     video_frames = property(lambda self: self.token_counts.get("video_frames"))  # compile --video-frames F
+    merged_grid_thw = property(lambda self: self.token_counts.get("merged_grid_thw"))  # the merged tokens' t, h, w
     deepstack = property(lambda self: self._data.get("deepstack"))  # Qwen3-VL's DeepStack planes
     grid = property(lambda self: self._data.get("grid"))  # anyres: the crops grid ("RxC"), its crop count
     crops = property(lambda self: self._data.get("crops"))
@@ -160,6 +161,17 @@ class LlmSection(Section):
     positions = property(lambda self: self._data["positions"])
     text_resumes_at = property(lambda self: self._data.get("text_resumes_at"))
     num_tokens = property(lambda self: self._data.get("num_tokens"))  # K varies per image: how to read the rows
+    extra_rows = property(lambda self: (self._data["rows"] or {}).get("extra"))  # rows with no patch position
+
+
+class KeepAutoSection(Section):
+    """--keep auto (compiler.pipeline.auto_keep): the K -> latency curve K was chosen on, and where it was timed."""
+
+    chosen = property(lambda self: self._data["chosen"])
+    budget_ms = property(lambda self: self._data["budget_ms"])
+    curve = property(lambda self: self._data["curve"])  # [[K, ms], ...], every K timed
+    timed_on = property(lambda self: self._data["timed_on"])
+    load = property(lambda self: self._data.get("load"))  # other processes' CPU share while it was timed
 
 
 class ParitySection(Section):
@@ -226,7 +238,7 @@ class Manifest(dict):
     compile_options = property(lambda self: self["compile_options"])
     cls_section = property(lambda self: self.get("cls", {}))  # whether image_features starts with [CLS]
     llm = property(lambda self: LlmSection(self["llm"]) if self.get("llm") is not None else None)  # the handoff
-    keep_auto = property(lambda self: self.get("keep_auto"))  # --keep auto: the K -> latency curve K was chosen on
+    keep_auto = property(lambda self: KeepAutoSection(self["keep_auto"]) if self.get("keep_auto") else None)
     llm_graphs = property(lambda self: self.get("llm_graphs"))  # the language model's graphs, with --with-llm
     parity = property(lambda self: ParitySection(self["parity"]) if "parity" in self else None)
 

@@ -11,7 +11,8 @@ from vlmprune.compiler.api import (CompareResult, CompileResult, EvalResult, Ins
                                    RunResult, TargetInfo, TargetListing)
 from vlmprune.compiler.api.running import is_small
 from vlmprune.compiler.bundle.manifest import MethodSection
-from vlmprune.compiler.parity import DEFAULT_TOLERANCES, compared_text, figure_text, summary_bounds
+from vlmprune.compiler.parity import (DEFAULT_TOLERANCES, ParityReport, compared_text, figure_text,
+                                      stage_line as parity_stage_line, summary_bounds)
 from vlmprune.targets import placement
 
 # ---------------------------------------------------------------------- compile
@@ -21,14 +22,14 @@ def compile_lines(result: CompileResult) -> list[str]:
     """The summary `vlmprune compile` prints: tokens in and out, each parity stage's figures, placement."""
     manifest, method = result.manifest, result.manifest.method
     out = []
-    counts = manifest.model.get("token_counts")
+    counts = manifest.model.token_counts
     if counts:  # a merging tower: its patches are not the tokens the LLM sees
-        t, h, w = counts["merged_grid_thw"]
+        t, h, w = manifest.model.merged_grid_thw
         out.append(f"image {counts['image_size']}x{counts['image_size']}: {counts['patch_grid'][0]}x"
                    f"{counts['patch_grid'][1]} = {counts['patches']} patches, merged "
                    f"{counts['spatial_merge']}x{counts['spatial_merge']} into {h}x{w}"
-                   + (f" per temporal patch: a clip of {counts['video_frames']} frames, {t} temporal patches, "
-                      f"{counts['tokens']} tokens" if counts.get("video_frames") else f" = {counts['tokens']} tokens"))
+                   + (f" per temporal patch: a clip of {manifest.model.video_frames} frames, {t} temporal patches, "
+                      f"{counts['tokens']} tokens" if manifest.model.video_frames else f" = {counts['tokens']} tokens"))
     if not method.pruned:
         out.append("tokens: dense (no pruning)")
     elif method.site == "block":
@@ -117,6 +118,15 @@ def placement_summary(manifest: Manifest) -> list[str]:
     """Per graph, how much of it the target placed where (targets that report placement), one line each."""
     return [placement.summary_line(name, summary)
             for name, summary in manifest.target.get("placement_summary", {}).items()]
+
+
+# ---------------------------------------------------------------------- check
+
+
+def check_lines(report: ParityReport) -> list[str]:
+    """What `vlmprune check` prints: one line per stage, its verdict and figures against their bounds (the report
+    is the parity package's data; -q leaves only these lines)."""
+    return [parity_stage_line(stage) for stage in report.stages]
 
 
 # ---------------------------------------------------------------------- run, compare, inspect

@@ -176,7 +176,7 @@ class Gemma3Family(MergedTokensFamily):
         counts = manifest.model.token_counts
         if not counts:
             return ""
-        m, p = counts["merged_grid_thw"][1:], counts["patch_grid"]
+        m, p = manifest.model.merged_grid_thw[1:], counts["patch_grid"]
         return ("\n## Gemma 3 tokens\n\n"
                 f"`image_features` rows are tokens of the {m[0]}x{m[1]} pooled grid (each the average of a "
                 f"{counts['spatial_merge']}x{counts['spatial_merge']} group of the {p[0]}x{p[1]} patches, then "

@@ -288,7 +288,7 @@ class Gemma4Family(MergedTokensFamily):
         counts = manifest.model.token_counts
         if not counts:
             return ""
-        m, p, s = counts["merged_grid_thw"][1:], counts["patch_grid"], counts["spatial_merge"]
+        m, p, s = manifest.model.merged_grid_thw[1:], counts["patch_grid"], counts["spatial_merge"]
         return ("\n## Gemma 4 tokens\n\n"
                 f"`image_features` rows are tokens of the {m[0]}x{m[1]} pooled grid (each the average of a {s}x{s} "
                 f"group of the {p[0]}x{p[1]} patches, then the embedder), raster order; kept_indices index that grid. "

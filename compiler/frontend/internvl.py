@@ -178,7 +178,7 @@ class InternVLFamily(MergedTokensFamily):
         counts = manifest.model.token_counts
         if not counts:
             return ""
-        m = counts["merged_grid_thw"][1:]
+        m = manifest.model.merged_grid_thw[1:]
         return ("\n## InternVL tokens\n\n"
                 f"`image_features` rows are tokens of the {m[0]}x{m[1]} merged grid (each a pixel-shuffled 2x2 group "
                 f"of the {counts['patch_grid'][0]}x{counts['patch_grid'][1]} patches), raster order; kept_indices "

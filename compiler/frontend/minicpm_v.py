@@ -256,7 +256,7 @@ class MiniCPMVFamily(MergedTokensFamily):
         counts = manifest.model.token_counts
         if not counts:
             return ""
-        m, p, s = counts["merged_grid_thw"][1:], counts["patch_grid"], counts["spatial_merge"]
+        m, p, s = manifest.model.merged_grid_thw[1:], counts["patch_grid"], counts["spatial_merge"]
         return ("\n## MiniCPM-V tokens\n\n"
                 f"`image_features` rows are tokens of the {m[0]}x{m[1]} merged grid (each a {s}x{s} group of the "
                 f"{p[0]}x{p[1]} patches: the tower's window merger, then the merger), raster order; kept_indices index "

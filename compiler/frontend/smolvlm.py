@@ -155,7 +155,7 @@ class SmolVLMFamily(MergedTokensFamily):
         counts = manifest.model.token_counts
         if not counts:
             return ""
-        m, s = counts["merged_grid_thw"][1:], counts["spatial_merge"]
+        m, s = manifest.model.merged_grid_thw[1:], counts["spatial_merge"]
         return ("\n## SmolVLM tokens\n\n"
                 f"`image_features` rows are tokens of the {m[0]}x{m[1]} merged grid (each a pixel-shuffled {s}x{s} "
                 f"group of the {counts['patch_grid'][0]}x{counts['patch_grid'][1]} patches), raster order; "

@@ -509,10 +509,13 @@ def _indices(reference: Reference, cand: np.ndarray, tol: Tolerance, k_ties: lis
 
 @dataclasses.dataclass
 class ParityReport:
+    """Every stage's figures against the reference, as data (to_json, summary), as Polygraphy's comparison results
+    are: what a person reads of it is rendered above the parity package (compiler/cli/render.py's check_lines,
+    compiler/report.py's HTML page and JUnit file)."""
+
     inputs: dict
     stages: list[StageResult]
     reference: dict | None = None  # reference_summary(): what the report draws stages against
-
 
     @property
     def passed(self) -> bool:
@@ -528,10 +531,6 @@ class ParityReport:
 
     def summary(self) -> dict:
         return {s.stage: stage_summary(s) for s in self.stages}
-
-    def lines(self) -> list[str]:
-        """One line per stage, as `vlmprune check` prints them."""
-        return [stage_line(s) for s in self.stages]
 
 
 def reference_summary(reference: Reference) -> dict | None:

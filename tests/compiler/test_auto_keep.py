@@ -152,11 +152,14 @@ def test_impossible_budget_is_one_line_and_leaves_no_bundle(tiny_llava_dir, tmp_
 
 def test_latency_curve_picture_draws_points_budget_and_choice():
     from vlmprune.compiler import pictures
+    from vlmprune.compiler.bundle.manifest import KeepAutoSection
 
-    image = np.asarray(pictures.latency_curve({"budget_ms": 5.0, "chosen": 16, "curve": [list(p) for p in CURVE]}))
+    image = np.asarray(pictures.latency_curve(KeepAutoSection({"budget_ms": 5.0, "chosen": 16,
+                                                                "curve": [list(p) for p in CURVE]})))
     colors = {tuple(c) for c in image.reshape(-1, 3)}
     assert {pictures.BUDGET_RGB, pictures.CURVE_RGB, pictures.CHOSEN_RGB} <= colors
-    one_point = np.asarray(pictures.latency_curve({"budget_ms": 5.0, "chosen": 4, "curve": [[4, 3.0]]}))
+    one_point = np.asarray(pictures.latency_curve(KeepAutoSection({"budget_ms": 5.0, "chosen": 4,
+                                                                    "curve": [[4, 3.0]]})))
     assert pictures.CHOSEN_RGB in {tuple(c) for c in one_point.reshape(-1, 3)}
 
 

@@ -146,8 +146,9 @@ def test_an_empty_prompt_is_refused_before_any_work(tmp_path, command):
 
 
 def test_user_facing_text_says_what_things_are_not_which_seed_or_issue_brought_them():
-    """`vlmprune methods` said "seed 001's coarse stage", docs/quality.md "the methods and options of issue 20": a user
-    has neither the seeds nor the issues. Every command's help, the listings, a refusal, README and the guides."""
+    """`vlmprune methods` once named the internal work item its coarse stage came from, docs/quality.md the tracker
+    number of its methods and options: a user has neither the work items nor the tracker. Every command's help, the
+    listings, a refusal, README and the guides."""
     import re
 
     from vlmprune.compiler.errors import InputError
@@ -257,8 +258,8 @@ def test_native_writes_to_stdout_go_to_stderr_while_a_command_works():
 
     code = """if True:
         import ctypes, os
-        from vlmprune.compiler.cli import _stdout_for_data
-        with _stdout_for_data() as emit:
+        from vlmprune.compiler.cli.boundary import stdout_for_data
+        with stdout_for_data() as emit:
             os.write(1, b"native write\\n")
             ctypes.CDLL(None).puts(b"native puts")
             print("stray print")
@@ -347,6 +348,27 @@ def test_the_console_script_is_the_interrupt_boundary():
     assert pyproject["project"]["scripts"] == {"vlmprune": "vlmprune.compiler.__main__:main"}
 
 
+def test_each_command_lives_in_a_module_of_its_own():
+    """The group (cli/__init__.py) holds no command: each command, or a small family of them, is its own module
+    under compiler/cli/, so a command is read and changed without the others; the targets' commands come from
+    target_cmds. A command's callback is the boundary's wrapper (functools.wraps keeps the module it came from)."""
+    import sys
+
+    from vlmprune.compiler import cli
+
+    modules = {}
+    for name, command in main.commands.items():
+        module = command.callback.__module__
+        assert module.startswith("vlmprune.compiler.cli.") and module != "vlmprune.compiler.cli", (name, module)
+        modules.setdefault(module, []).append(name)
+    assert modules["vlmprune.compiler.cli.compile_cmd"] == ["compile"]
+    assert modules["vlmprune.compiler.cli.target_cmds"] == ["build-engine"]
+    assert max(len(names) for names in modules.values()) <= 3, modules
+    source = Path(sys.modules[cli.__name__].__file__).read_text()
+    assert "@click.command" not in source and "@main.command" not in source
+    assert len(source.splitlines()) < 120
+
+
 def test_ctrl_c_while_the_cli_imports_is_one_line(tmp_path):
     """A real SIGINT, sent by the process to itself at a fixed point of the CLI's import (as vlmprune.targets
     starts importing, after torch and before any command). Sent from outside at a moment in time instead, it
@@ -400,7 +422,7 @@ def test_ctrl_c_after_the_bundle_line_leaves_a_complete_bundle_said_so(tiny_clip
 def test_an_interrupt_landing_as_the_command_ends_is_the_interrupt_line_not_clicks(demo_bundle, monkeypatch):
     """The deterministic half of the race above: a Ctrl-C delivered while on_command_end is being entered
     (before the console script's SIG_IGN takes effect) is our line and 130, never click's `Aborted!` and 1."""
-    from vlmprune.compiler import cli
+    from vlmprune.compiler.cli import boundary
 
     calls = []
 
@@ -409,7 +431,7 @@ def test_an_interrupt_landing_as_the_command_ends_is_the_interrupt_line_not_clic
         if len(calls) == 1:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "on_command_end", end_interrupted_once)
+    monkeypatch.setattr(boundary, "on_command_end", end_interrupted_once)
     res = CliRunner().invoke(main, ["inspect", str(demo_bundle.bundle)])
     assert (res.exit_code, res.output.splitlines()[-1]) == (130, "interrupted; nothing was written"), res.output
     assert "Aborted" not in res.output and len(calls) == 2

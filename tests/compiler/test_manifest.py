@@ -119,7 +119,7 @@ def test_a_manifest_missing_a_section_is_one_line(demo_bundle, tmp_path, section
     one_line_error(run_cli("inspect", str(out)), line)
 
 
-# Issue 33 §2: the library reads manifests through the views. Where a raw subscript may stay, and why.
+# The library reads manifests through the views. Where a raw subscript may stay, and why.
 RAW_ALLOWED = {
     "compiler/bundle/manifest.py": "Manifest itself: its views are the one place that spells the keys",
     "targets/trt_engine.py": "the TensorRT targets' on-device script: it runs on the Jetson with TensorRT alone and "
@@ -165,3 +165,136 @@ def test_no_raw_manifest_subscript_outside_manifest():
             if rel not in RAW_ALLOWED:
                 found += [f"{rel}:{line}" for line in raw_manifest_subscripts(path.read_text())]
     assert not found, "raw manifest subscripts (read the Manifest views instead):\n" + "\n".join(found)
+
+
+# The merging tower's counts (m.model.token_counts) that the model view names as fields of its own.
+TOKEN_COUNT_FIELDS = ("video_frames", "merged_grid_thw")
+
+
+def view_fields() -> dict[str, set[str]]:
+    """The keys each typed view names, by the attribute that reaches it (m.method, m.model.token_counts, ...).
+
+    A subscript of a view by one of these spells a key the view already spells: the view's field is read instead.
+    A target's own fields (m.target.get("qdq_model")) are no view's, so they stay subscripts."""
+    from vlmprune.compiler.bundle import manifest as views
+
+    def named(cls) -> set[str]:
+        return {name for name, value in vars(cls).items() if isinstance(value, property)}
+
+    return {"target": named(views.TargetSection), "model": named(views.ModelSection),
+            "method": named(views.MethodSection), "preprocess": named(views.PreprocessSection),
+            "llm": named(views.LlmSection), "parity": named(views.ParitySection),
+            "keep_auto": named(views.KeepAutoSection), "token_counts": set(TOKEN_COUNT_FIELDS)}
+
+
+def test_the_token_count_fields_are_the_model_views():
+    from vlmprune.compiler.bundle.manifest import ModelSection
+
+    for name in TOKEN_COUNT_FIELDS:
+        assert getattr(ModelSection({"token_counts": {name: "read"}}), name) == "read", name
+
+
+def _own_nodes(scope):
+    """The nodes of one scope (the module, or a function), not those of the functions defined inside it."""
+    import ast
+
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo += list(ast.iter_child_nodes(node))
+
+
+def view_subscripts(source: str) -> list[int]:
+    """Lines where a manifest view (manifest.method, m.model.token_counts, or a name the same function bound to
+    one) is subscripted, or read with .get, by a key its view names."""
+    import ast
+
+    fields = view_fields()
+
+    def section_of(node, aliases: dict[str, str]) -> str | None:
+        """The view a node reads: `<manifest or m>.<section>` (a chain: x.manifest.method), or a name bound to one."""
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Attribute) and node.attr in fields:
+            base = node.value
+            if isinstance(base, ast.Attribute) and base.attr in fields:  # m.model.token_counts
+                return node.attr if section_of(base, aliases) else None
+            name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+            return node.attr if name in ("manifest", "m") else None
+        return None
+
+    tree = ast.parse(source)
+    found = []
+    for scope in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        nodes = list(_own_nodes(scope))
+        aliases: dict[str, str] = {}
+        for node in nodes:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                section = section_of(node.value, {})
+                if section:
+                    aliases[node.targets[0].id] = section
+        for node in nodes:
+            section = key = None
+            if isinstance(node, ast.Subscript):
+                section, key = section_of(node.value, aliases), node.slice
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  and node.args):
+                section, key = section_of(node.func.value, aliases), node.args[0]
+            if section and isinstance(key, ast.Constant) and key.value in fields[section]:
+                found.append(node.lineno)
+    return sorted(found)
+
+
+def test_the_view_scan_finds_fields_read_past_their_view():
+    raw = ('a = manifest.model.get("token_counts")\n'
+           'b = m.model.token_counts["merged_grid_thw"]\n'
+           'method = manifest.method\nc = method.get("kept_count", 3)\n'
+           'd = result.manifest.keep_auto["curve"]\n'
+           'e = m.target.get("qdq_model")\nf = manifest.model.token_counts\ng = other.method["keep"]\n'
+           'h = manifest.llm.rows["prefix"]\n'
+           'def f(method):\n    return method.get("keep")\n'
+           'def g(manifest):\n    counts = manifest.model.token_counts\n    return counts["video_frames"], counts["tokens"]\n')
+    assert view_subscripts(raw) == [1, 2, 4, 5, 14]
+
+
+def test_no_view_field_read_past_its_view():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for folder in ("compiler", "passes", "targets", "tools"):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            if rel not in RAW_ALLOWED:
+                found += [f"{rel}:{line}" for line in view_subscripts(path.read_text())]
+    assert not found, "fields read past their view (read the view's field instead):\n" + "\n".join(found)
+
+
+# The readers of finished bundles that take the Manifest (or the typed record they need: an input's Tensor, the
+# keep_auto section), never the raw dict: what they read is what the views name.
+TYPED_READERS = ("compiler/benchmark.py", "compiler/report.py", "compiler/pictures.py")
+
+
+def untyped_manifest_parameters(source: str) -> list[int]:
+    """Lines of a parameter named manifest (or m) that is not annotated Manifest."""
+    import ast
+
+    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.arg) and node.arg in ("manifest", "m")
+                  and not (isinstance(node.annotation, ast.Name) and node.annotation.id == "Manifest"))
+
+
+def test_the_parameter_scan_finds_a_dict_manifest():
+    source = "def a(manifest: dict):\n    pass\ndef b(x, manifest: Manifest, m=None):\n    pass\n"
+    assert untyped_manifest_parameters(source) == [1, 3]
+
+
+def test_reports_pictures_and_benchmarks_take_the_manifest_typed():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = [f"{rel}:{line}" for rel in TYPED_READERS
+             for line in untyped_manifest_parameters((root / rel).read_text())]
+    assert not found, "manifest parameters not typed Manifest:\n" + "\n".join(found)

@@ -188,3 +188,23 @@ def test_the_stage_line_names_the_tie_resolved_images_in_number():
     assert "images 0, 1: they diverge at a greedy step whose two best candidates tie" in _stage_line("qdq", stage)
     stage["tie_resolved_images"] = [1]
     assert "image 1: it diverges at a greedy step" in _stage_line("qdq", stage)
+
+
+def test_the_parity_report_is_data_and_the_cli_renders_its_lines():
+    """The parity package holds the figures, not text: `vlmprune check`'s lines are the CLI's (render.check_lines),
+    one per stage, each the stage's verdict against its bounds."""
+    from vlmprune.compiler.cli import render
+
+    tol = parity.tolerance_for("fp32")
+    ref = np.random.default_rng(0).normal(size=(1, 4, 8))
+    good = parity.StageResult("export", "ort", "fp32", tol, True, outputs={"image_features": parity.compare_tokens(
+        ref, ref, tol)})
+    off = ref.copy()
+    off[0, 1, 2] += 1.0
+    bad = parity.StageResult("rewritten", "ort", "fp32", tol, False, outputs={"image_features": parity.compare_tokens(
+        ref, off, tol)})
+    report = parity.ParityReport({}, [good, bad])
+    assert not hasattr(report, "lines")  # no text in the parity package's record
+    lines = render.check_lines(report)
+    assert [line.split()[:2] for line in lines] == [["export", "PASS"], ["rewritten", "FAIL"]]
+    assert lines[1].endswith("(failing: image_features)") and lines == [parity.stage_line(good), parity.stage_line(bad)]

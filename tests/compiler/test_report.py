@@ -227,13 +227,13 @@ def test_check_says_where_its_files_went_and_json_stays_alone(checked, tmp_path)
 
 
 def test_an_internal_error_exits_3_not_parity_failed_1(capsys):
-    from vlmprune.compiler.cli import _one_line_errors
+    from vlmprune.compiler.cli.boundary import one_line_errors
 
     def broken():
         return 1 // None
 
     with pytest.raises(SystemExit) as exited:
-        _one_line_errors(broken)()
+        one_line_errors(broken)()
     assert exited.value.code == 3
     assert capsys.readouterr().err.startswith("error: internal error (TypeError: unsupported operand type(s) for //")
 

@@ -1,4 +1,5 @@
-"""Issue 33 §1: a component is one module and one registry line, for each of the four registries.
+"""Components declare, the pipeline asks: a component is one module and one registry line, for each of the four
+registries.
 
 Each test declares a toy component here, in the test, adds it to its registry alone (the methods', the targets',
 the families' or the LLM exporters' table, undone after the test), and runs it through the pipeline: a tiny tower
