@@ -32,6 +32,8 @@ sees the pruned image where the dense one was, with gaps where the pruned tokens
 - Gemma 4 (Gemma4ForConditionalGeneration): 1-D positions from kept_indices, the rows one image block between boi
   and eoi (mm_token_type_ids 1 there: bidirectional in its sliding layers where its config asks), and the first
   forward given its per-layer embeddings (Family.llm_embeds_args), the image rows taking the pad token's.
+- InternVL3 (InternVLForConditionalGeneration): 1-D positions from kept_indices, the rows between the <img> and
+  </img> its processor writes for the template's <IMG_CONTEXT> (Family.image_prompt).
 - SmolVLM (SmolVLMForConditionalGeneration): 1-D positions from kept_indices, the rows between the
   <fake_token_around_image><global-img> and <fake_token_around_image> its processor writes around
   one unsplit image (Family.image_prompt).
@@ -49,7 +51,8 @@ family's convention (Family.chat: LLaVA's `USER: <image>\\n{prompt} ASSISTANT:` 
 im_start/im_end turns with `<|vision_start|><|image_pad|><|vision_end|>`; Family.image_prompt's). The
 placeholder is expanded to the image rows fed (for Qwen: as many <|image_pad|> as rows, between
 vision_start and vision_end), with the text the family's processor writes around them
-(Family.image_prompt: SmolVLM's fake-token and global-image markers, Gemma 3's boi and eoi).
+(Family.image_prompt: InternVL's <img> and </img>, SmolVLM's fake-token and global-image markers, Gemma 3's boi and
+eoi).
 A checkpoint without a tokenizer (the demo, tiny test models) is given the prompt's UTF-8
 bytes as token ids (a vocabulary of at least 256 is needed; Qwen's vision_start/vision_end
 keep their own ids), and its answer is printed as token ids.

@@ -21,6 +21,13 @@ cls --score attention, cdpruner's feature layer), since that attention runs over
 patches, not over the merged tokens. The patch Conv is spelled as one MatMul (as Qwen2-VL's is), so the
 site finder counts the merged tokens at the features site. Kept tokens carry their index in the 16x16
 merged grid (`positions` "indices"): the Qwen2 LLM's 1-D positions, original-positions rule.
+
+The LLM side: its chat template writes a tile as <IMG_CONTEXT>, which the processor expands to <img> + the tile's
+tokens + </img>; `generate` and `eval` write the kept rows so (image_prompt), at their original positions.
+`--with-llm` on ort exports its Qwen2 language model (compiler.llm.torch_exporter, the layer it knows; read from the
+VLM's own decoder by compiler.llm.lm_source), FastV included; the bundle hands over nothing beyond the rows and their
+positions. InternVL3.5's Qwen3 language model is refused in one line (lm_source.check_family), as is orin's Edge-LLM
+exporter (it takes LLaVA's and Qwen2.5-VL's checkpoints only).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import PATCH_TOKENS
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
 from vlmprune.compiler.frontend.merged import MergedTokensFamily, load_tower_and_connector
 from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, built, sha256_files,
                                                sha256_state)
@@ -41,6 +48,7 @@ from vlmprune.compiler.frontend.tower import BlockParts, TowerParts, VisionPipel
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 MODEL_TYPES = ("internvl",)
+START, END = "<img>", "</img>"  # the processor's marks around one tile's rows (its tokenizer's start/end_image_token)
 
 
 def square(value, what: str) -> int:
@@ -174,6 +182,14 @@ class InternVLFamily(MergedTokensFamily):
     why_not_scored = ("scores the merged tokens by the tower's attention or patches, and InternVL's attention runs "
                       "over [CLS] + single patches, not over the merged tokens")
 
+    def image_prompt(self, tokenizer) -> ImagePrompt:
+        """What InternVL's processor writes in place of the <IMG_CONTEXT> its chat template writes for one tile
+        (transformers' InternVLProcessor.replace_image_token): the tile's rows between its start and end image
+        tokens, the markers as its tokenizer names them. Without them the LLM reads rows it was never trained to
+        see unbracketed."""
+        return ImagePrompt(getattr(tokenizer, "start_image_token", None) or START,
+                           getattr(tokenizer, "end_image_token", None) or END)
+
     def readme_section(self, manifest: dict) -> str:
         counts = manifest.model.token_counts
         if not counts:
@@ -183,4 +199,5 @@ class InternVLFamily(MergedTokensFamily):
                 f"`image_features` rows are tokens of the {m[0]}x{m[1]} merged grid (each a pixel-shuffled 2x2 group "
                 f"of the {counts['patch_grid'][0]}x{counts['patch_grid'][1]} patches), raster order; kept_indices "
                 "index that grid. One tile per image: InternVL's processor tiles large images into 448 px tiles "
-                "plus a thumbnail; run each tile as an image of the batch.\n")
+                f"plus a thumbnail; run each tile as an image of the batch. The prompt wraps a tile's rows in "
+                f"`{START}` ... `{END}`, as its processor does.\n")

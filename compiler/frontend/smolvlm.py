@@ -25,6 +25,12 @@ method there keeps single patches; and methods that score by the tower's attenti
 (holov, cls --score attention, cdpruner's feature layer), which SmolVLM's tower lacks or runs over single
 patches. Kept tokens carry their index in the merged grid (`positions` "indices"): the Llama LLM's 1-D
 positions, original-positions rule.
+
+The LLM side: `generate` and `eval` write the kept rows at their original positions between the markers its
+processor writes around one unsplit image (image_prompt). `--with-llm` on ort exports its Llama language model
+(compiler.llm.torch_exporter, the layer it knows; read from the VLM's text_model by compiler.llm.lm_source), FastV
+included; the bundle hands over nothing beyond the rows and their positions. Orin's Edge-LLM exporter refuses it (it
+takes LLaVA's and Qwen2.5-VL's checkpoints only).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 
-# Hugging Face model_type values whose decoder layer the exporters know: Llama and Qwen2, and the
+# Hugging Face model_type values whose decoder layer the exporters know: Llama and Qwen2 (the language models of
+# LLaVA, LLaVA-NeXT, InternVL3 and SmolVLM checkpoints, read from the VLM's own decoder), and the
 # language models of Qwen2-VL / Qwen2.5-VL (Qwen2's layer; their rotary embedding takes mRoPE's
 # (t, h, w) positions, [3, B, T], and hands the layers ordinary cos/sin).
 # Qwen3-VL's language model (qwen3_vl_text): Qwen3's layer (a per-head RMSNorm on the queries and keys, QK_NORM),
@@ -136,8 +137,8 @@ def llm_checkpoint(spec: str):
     checkpoint = Checkpoint(path) if path.is_dir() else None
     if checkpoint is None or checkpoint.model_type not in vlm_classes():
         kind = f"model type {checkpoint.model_type!r}" if checkpoint is not None else "not a checkpoint directory"
-        raise InputError(f"--with-llm needs `demo` or a LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Gemma 3 "
-                         f"checkpoint that holds its language model; {spec} is {kind}")
+        raise InputError(f"--with-llm needs `demo` or a VLM checkpoint that holds its language model ({vlm_names()}); "
+                         f"{spec} is {kind}")
     return checkpoint
 
 
@@ -147,6 +148,15 @@ def vlm_classes() -> dict[str, str]:
     from vlmprune.compiler.frontend import FAMILIES
 
     return {t: name for f in FAMILIES for t, name in f.language_model.items()}
+
+
+def vlm_names() -> str:
+    """The families that declare a full VLM (Family.language_model), in their own words, for llm_checkpoint's line:
+    the decoder each holds is checked after (check_family), with its reason where it is refused."""
+    from vlmprune.compiler.contract import PATCH_TOKENS
+    from vlmprune.compiler.frontend import FAMILIES
+
+    return ", ".join(dict.fromkeys(f.has[PATCH_TOKENS] for f in FAMILIES if f.language_model))
 
 
 def text_config(spec: str):
@@ -162,7 +172,7 @@ def text_config(spec: str):
 
 
 def language_model(spec: str):
-    """The causal LM of MODEL (`demo`, a LLaVA(-NeXT) or Qwen2-VL / Qwen2.5-VL checkpoint): the VLM's own, no copy."""
+    """The causal LM of MODEL (`demo` or a checkpoint of a family that declares its VLM): the VLM's own, no copy."""
     from vlmprune.compiler.frontend.source import no_init_weights, quiet_transformers
 
     quiet_transformers()

@@ -25,6 +25,17 @@ def spread(model, prefixes: tuple[str, ...] = (), suffixes: tuple[str, ...] = ()
                 param.normal_(0.0, std)
 
 
+def spread_decoder(model, prefix: str) -> None:
+    """A Llama- or Qwen2-layer language model's weights (under prefix) spread for a parity test: its matrices and
+    biases drawn (Qwen2's q/k/v biases start at zero), and every RMSNorm's scale drawn around 1 (transformers starts
+    them at 1 exactly), so that a projection, a bias or a norm spelled out wrongly shows in the logits."""
+    spread(model, (prefix,))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith(prefix) and param.ndim == 1:
+                param.normal_(1.0, 0.3) if "norm" in name else param.normal_(0.0, 0.2)
+
+
 def tiny_qwen(path: Path, family: str = "qwen2_vl", seed: int = 0, ids: dict | None = None, **text) -> Path:
     """A seeded tiny Qwen2-VL or Qwen2.5-VL saved (safetensors) at path, its tower's weights spread.
 
@@ -107,11 +118,26 @@ def tiny_qwen3_vl(path: Path, seed: int = 0, ids: dict | None = None, **text) ->
     return Path(path)
 
 
-def tiny_internvl(path: Path, seed: int = 0, image_token_id: int = 120, **text) -> Path:
+# InternVL3's chat template as transformers' conversion writes it into its -hf checkpoints: ChatML turns, an image as
+# <IMG_CONTEXT> and a newline (its processor expands <IMG_CONTEXT> to <img> + the tile's tokens + </img>).
+INTERNVL_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+                     "{% if message['content'] is string %}{{ message['content'] }}"
+                     "{% else %}{% for content in message['content'] %}"
+                     "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+                     "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+                     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+                     "{% endfor %}{% endif %}{{'<|im_end|>\n'}}{% endfor %}"
+                     "{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}")
+
+
+def tiny_internvl(path: Path, seed: int = 0, image_token_id: int = 120, spread_llm: bool = False,
+                  tokenizer: bool = False, **text) -> Path:
     """A seeded tiny InternVL3 (InternVLForConditionalGeneration) saved (safetensors) at path, its tower and projector
     spread: 3 vision blocks 32 wide (2 heads, layer scales 0.5), 112 px at patch 14 ([CLS] + 8x8 patches, pixel-
     shuffled 2x2 into 4x4 = 16 tokens), a Qwen2 LLM (text: overrides; default 1 layer, 48 wide, vocab 128,
-    image_token_id 120 by default)."""
+    image_token_id 120 by default). spread_llm: the LLM's weights spread too (spread_decoder). tokenizer: also a
+    byte-level tokenizer (bytes 0-255, then <|im_start|>, <|im_end|>, <img>, </img>, <video>; <IMG_CONTEXT> at
+    image_token_id, named as InternVL's tokenizer names them) with INTERNVL_TEMPLATE."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
 
     config = dict(model_type="qwen2", hidden_size=48, intermediate_size=96, num_hidden_layers=1,
@@ -127,7 +153,16 @@ def tiny_internvl(path: Path, seed: int = 0, image_token_id: int = 120, **text) 
         embeddings = model.model.vision_tower.embeddings
         embeddings.cls_token.normal_(0.0, 0.2)
         embeddings.position_embeddings.normal_(0.0, 0.2)
+    if spread_llm:
+        spread_decoder(model, "model.language_model.")
+    if tokenizer:
+        model.generation_config.eos_token_id = 257  # <|im_end|>
     model.eval().save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        byte_tokenizer(path, ("<|im_start|>", "<|im_end|>", "<img>", "</img>", "<video>"), image_token_id,
+                       INTERNVL_TEMPLATE, image_token="<IMG_CONTEXT>", eos_token="<|im_end|>",
+                       extra_special_tokens={"context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>",
+                                             "end_image_token": "</img>", "video_token": "<video>"})
     return Path(path)
 
 
@@ -201,12 +236,14 @@ def gemma3_processor(path: Path, image_size: int = 128, tokens: int = 16) -> dic
             "eos": ids["<eos>"], "bos": ids["<bos>"]}
 
 
-def tiny_smolvlm(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer: bool = False, **text) -> Path:
+def tiny_smolvlm(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer: bool = False,
+                 spread_llm: bool = False, **text) -> Path:
     """A seeded tiny SmolVLM (SmolVLMForConditionalGeneration) saved (safetensors) at path, its tower and connector
     spread: 3 vision blocks 32 wide (2 heads), 128 px at patch 8 (16x16 patches, pixel-shuffled 4x4 into 4x4 = 16
     tokens, as SmolVLM-256M's scale_factor 4), a Llama LLM (text: overrides; default 1 layer, 48 wide, vocab 128).
     tokenizer: also a byte-level tokenizer (bytes 0-255, then <|im_start|>, <end_of_utterance>,
-    <fake_token_around_image>, <global-img>; <image> at image_token_id) with SmolVLM's chat template."""
+    <fake_token_around_image>, <global-img>; <image> at image_token_id) with SmolVLM's chat template.
+    spread_llm: the LLM's weights spread too (spread_decoder)."""
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
 
     config = dict(model_type="llama", hidden_size=48, intermediate_size=96, num_hidden_layers=1,
@@ -220,6 +257,8 @@ def tiny_smolvlm(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer
     spread(model, ("model.vision_model.", "model.connector."))
     with torch.no_grad():  # the position table is an Embedding (1-D rows spread above, but keep it explicit)
         model.model.vision_model.embeddings.position_embedding.weight.normal_(0.0, 0.2)
+    if spread_llm:
+        spread_decoder(model, "model.text_model.")
     model.generation_config.eos_token_id = 257  # <end_of_utterance>
     model.eval().save_pretrained(path, safe_serialization=True)
     if tokenizer:
