@@ -66,7 +66,7 @@ from vlmprune.compiler.cli.boundary import echo_lines, one_line_errors, progress
 def eval_command(model, images_dir, videos, prompts_file, prompt_texts, dataset, video_frames, limit, layers, target,
                  ray, ray_workers, store, methods, keeps, bundles, max_new_tokens, image_size, grid, reference, as_json,
                  report, force, quiet, **extra):
-    """Pruned against dense on MODEL's own LLM (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL): per method and K,
+    """Pruned against dense on MODEL's own LLM (a VLM whose family declares its language model): per method and K,
     first-token KL and greedy agreement (--images or --video, --prompts or --prompt), or exact-match accuracy on
     bundles (--dataset). MODEL may be a compiled bundle: its model answers, the bundle is a --bundle row."""
     with stdout_for_data() as emit:

@@ -14,8 +14,8 @@ from vlmprune.compiler.cli.boundary import one_line_errors, progress_printer, st
 @click.command()
 @click.argument("bundle_dir", type=click.Path(path_type=Path))
 @click.option("--model", default=None,
-              help="The checkpoint whose LLM answers (a LLaVA-1.5, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL directory, or "
-                   "`demo`). Default: the bundle's own source.")
+              help="The checkpoint whose LLM answers (a VLM directory of a family that declares its language "
+                   "model, or `demo`). Default: the bundle's own source.")
 @click.option("--image", default=None, help="The image file.")
 @click.option("--video", default=None, help="A video bundle (compile --video-frames F): a folder of frames or a short "
                                              "video file, sampled evenly to its F frames (in place of --image).")
