@@ -39,7 +39,7 @@ def tiny(family: str, seed: int = 0, **overrides):
 def built(request, tmp_path_factory):
     lm = tiny(request.param, seed=3)
     # The bound is small against the logits only where the weights are drawn as configured: say so if they are not.
-    spread = float(lm.get_input_embeddings().weight.std())
+    spread = float(lm.get_input_embeddings().weight.detach().std())
     assert abs(spread - COMMON["initializer_range"]) < 0.01, f"embedding std {spread:.4g}: weights not initialised"
     tokenizer = None
     if request.param == "llama":  # the path form of a checkpoint's tokenizer
