@@ -564,16 +564,19 @@ def main(argv: list[str] | None = None) -> int:
                         "easyvqa 500, inspection 500)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the weights do not depend on it)")
+    parser.add_argument("--lm-layers", type=int, default=None,
+                        help=f"the language model's decoder layers (default {LM['num_hidden_layers']}, or the dataset's)")
     parser.add_argument("--force", action="store_true", help="retrain and replace an existing model")
     args = parser.parse_args(argv)
     data = DATASETS[args.dataset]
     tower = args.tower or cache_dir() / "models" / data.tower
-    if min(v for v in (args.train, args.epochs, args.test, args.threads, 1) if v is not None) < 1:
-        print("error: --train, --epochs, --test and --threads must be at least 1", file=sys.stderr)
+    if min(v for v in (args.train, args.epochs, args.test, args.threads, args.lm_layers, 1) if v is not None) < 1:
+        print("error: --train, --epochs, --test, --threads and --lm-layers must be at least 1", file=sys.stderr)
         return 2
     try:
         record = train_easyvqa(args.output or default_output(args.dataset), tower, args.train, args.epochs, args.test,
                                args.seed, threads=args.threads, force=args.force,
+                               lm=None if args.lm_layers is None else {"num_hidden_layers": args.lm_layers},
                                log=lambda line: print(line, flush=True), dataset=args.dataset)
     except (FileExistsError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -87,6 +87,8 @@ def test_refusals(tmp_path, capsys):
     assert train_easyvqa.main(["-o", str(tmp_path / "mine"), "--tower", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"error: {tmp_path / 'mine'} exists but is not a finished easyvqa model; "
                                        "pass --force to replace it\n")
+    assert train_easyvqa.main(["-o", str(tmp_path / "z"), "--tower", str(tmp_path), "--lm-layers", "0"]) == 2
+    assert "--lm-layers must be at least 1" in capsys.readouterr().err and not (tmp_path / "z").exists()
 
 
 def test_weights_do_not_depend_on_the_thread_count(trained, tower, tmp_path):
