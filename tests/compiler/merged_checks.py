@@ -273,3 +273,25 @@ def check_eval(llm_bundle, llm_dir, tmp_path, prompts: list[str], tokens: int, k
     for a, b in zip(reference["samples"], compiled["samples"]):
         assert np.isfinite(a["kl"]) and a["kl"] > 0
         assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]
+
+
+def check_generate_through_graphs(bundle_dir, model_dir, image, prompt_text: str, keep: int) -> str:
+    """`vlmprune generate` on a --with-llm bundle decodes with llm/prefill.onnx + decode.onnx by default and gives
+    the greedy tokens (and first logits) of HF's own language model on the same pruned features (--reference);
+    then the CLI's run of it. Returns the CLI's output for the family's own checks."""
+    from vlmprune.compiler import generate as gen
+
+    graph = gen.generate(bundle_dir, str(model_dir), image, prompt_text, max_new_tokens=6)
+    assert graph.llm == "the bundle's LLM graphs (llm/prefill.onnx + llm/decode.onnx, ONNX Runtime)"
+    reference = gen.generate(bundle_dir, str(model_dir), image, prompt_text, max_new_tokens=6, reference=True)
+    assert reference.llm.startswith("transformers (--reference")
+    assert graph.kept == reference.kept and len(graph.kept) == keep
+    assert graph.answer.position_ids == reference.answer.position_ids
+    torch.testing.assert_close(graph.answer.first_logits, reference.answer.first_logits, rtol=0, atol=1e-4)
+    assert graph.answer.tokens == reference.answer.tokens and len(graph.answer.tokens) >= 2
+    result = run_cli("generate", bundle_dir, "--model", model_dir, "--image", image, "--prompt", prompt_text,
+                     "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert "language model: the bundle's LLM graphs" in result.output
+    assert f"pruned: {keep} image tokens" in result.output
+    return result.output

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import cat_image
+from merged_checks import cat_image, check_generate_through_graphs
 from tiny_models import edited_copy, tiny_gemma3
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -152,22 +152,8 @@ def test_the_sliding_window_counts(llm_dir, tmp_path):
 
 
 def test_generate_answers_through_the_bundles_graphs_with_hfs_greedy_tokens(bundle, llm_dir, cat):
-    """`vlmprune generate` on the pruned bundle decodes with llm/prefill.onnx + decode.onnx by default, and gives the
-    greedy tokens (and first logits) of HF's own forward on the same pruned features (--reference: transformers)."""
-    from vlmprune.compiler import generate as gen
-
-    graph = gen.generate(bundle.bundle, str(llm_dir), cat, PROMPT, max_new_tokens=6)
-    assert graph.llm == "the bundle's LLM graphs (llm/prefill.onnx + llm/decode.onnx, ONNX Runtime)"
-    reference = gen.generate(bundle.bundle, str(llm_dir), cat, PROMPT, max_new_tokens=6, reference=True)
-    assert reference.llm.startswith("transformers (--reference")
-    assert graph.kept == reference.kept and len(graph.kept) == KEEP
-    assert graph.answer.position_ids == reference.answer.position_ids
-    torch.testing.assert_close(graph.answer.first_logits, reference.answer.first_logits, rtol=0, atol=1e-4)
-    assert graph.answer.tokens == reference.answer.tokens and len(graph.answer.tokens) >= 2
-    result = run_cli("generate", bundle.bundle, "--model", llm_dir, "--image", cat, "--prompt", PROMPT,
-                     "--max-new-tokens", "3")
-    assert result.exit_code == 0, result.output
-    assert "language model: the bundle's LLM graphs" in result.output and "pruned: 8 image tokens" in result.output
+    """`vlmprune generate` decodes with the bundle's graphs and gives HF's greedy tokens on the same pruned features."""
+    check_generate_through_graphs(bundle.bundle, llm_dir, cat, PROMPT, KEEP)
 
 
 def test_fastv_is_refused_in_one_line_before_any_work(llm_dir, tmp_path):

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import cat_image
+from merged_checks import cat_image, check_generate_through_graphs
 from tiny_models import edited_copy, tiny_internvl, tiny_smolvlm
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -194,24 +194,10 @@ def test_graphs_are_hf_forward_and_greedy_on_the_same_kept_tokens(case, cat):
 
 
 def test_generate_answers_through_the_bundles_graphs_with_hfs_greedy_tokens(case, cat):
-    """`vlmprune generate` on the pruned bundle decodes with llm/prefill.onnx + decode.onnx by default, and gives the
-    greedy tokens (and first logits) of HF's own language model on the same pruned features (--reference)."""
-    from vlmprune.compiler import generate as gen
-
+    """`vlmprune generate` decodes with the bundle's graphs and gives HF's greedy tokens on the same pruned features,
+    through the checkpoint's own chat template."""
     _family, ckpt, bundle = case
-    graph = gen.generate(bundle.bundle, str(ckpt), cat, PROMPT, max_new_tokens=6)
-    assert graph.llm == "the bundle's LLM graphs (llm/prefill.onnx + llm/decode.onnx, ONNX Runtime)"
-    reference = gen.generate(bundle.bundle, str(ckpt), cat, PROMPT, max_new_tokens=6, reference=True)
-    assert reference.llm.startswith("transformers (--reference")
-    assert graph.kept == reference.kept and len(graph.kept) == KEEP
-    assert graph.answer.position_ids == reference.answer.position_ids
-    torch.testing.assert_close(graph.answer.first_logits, reference.answer.first_logits, rtol=0, atol=1e-4)
-    assert graph.answer.tokens == reference.answer.tokens and len(graph.answer.tokens) >= 2
-    result = run_cli("generate", bundle.bundle, "--model", ckpt, "--image", cat, "--prompt", PROMPT,
-                     "--max-new-tokens", "3")
-    assert result.exit_code == 0, result.output
-    output = result.output
-    assert "language model: the bundle's LLM graphs" in output and f"pruned: {KEEP} image tokens" in output
+    output = check_generate_through_graphs(bundle.bundle, ckpt, cat, PROMPT, KEEP)
     assert "the checkpoint's chat template" in output
 
 
