@@ -295,3 +295,22 @@ def check_generate_through_graphs(bundle_dir, model_dir, image, prompt_text: str
     assert "language model: the bundle's LLM graphs" in result.output
     assert f"pruned: {keep} image tokens" in result.output
     return result.output
+
+
+
+def check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position: int, steps: int = 6) -> None:
+    """After a prefill that matched (hf and cache: HF's last logits and cache; logits and state: the bundle's prefill
+    graph's), `steps` greedy decode steps from position on: each step's logits from the bundle's decode graph
+    (graphs.step) equal HF's forward on its own cache, and both pick the same token."""
+    token = int(hf.argmax())
+    assert int(np.argmax(logits)) == token
+    for _ in range(steps):
+        with torch.inference_mode():
+            step = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=cache,
+                         use_cache=True)
+            hf, cache = step.logits[0, -1].float(), step.cache
+            row = embed(torch.tensor([[token]]))
+        logits, state = graphs.step(row.numpy(), np.array([[position]]), state)
+        np.testing.assert_allclose(logits, hf.numpy(), rtol=0, atol=1e-4)
+        token, position = int(hf.argmax()), position + 1
+        assert int(np.argmax(logits)) == token

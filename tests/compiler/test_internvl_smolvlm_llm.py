@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import cat_image, check_generate_through_graphs
+from merged_checks import cat_image, check_generate_through_graphs, check_greedy_steps
 from tiny_models import edited_copy, tiny_internvl, tiny_smolvlm
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -179,18 +179,7 @@ def test_graphs_are_hf_forward_and_greedy_on_the_same_kept_tokens(case, cat):
     other, _ = graphs.prefill(embeds.numpy(), packed.numpy())
     assert np.abs(other - hf.numpy()).max() > 1e-3  # the original positions count
 
-    token, position = int(hf.argmax()), int(position_ids[0, -1]) + 1
-    assert int(np.argmax(logits)) == token
-    for _ in range(6):
-        with torch.inference_mode():
-            step = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
-                         cache=cache, use_cache=True)
-            hf, cache = step.logits[0, -1].float(), step.cache
-            row = embed(torch.tensor([[token]]))
-        logits, state = graphs.step(row.numpy(), np.array([[position]]), state)
-        np.testing.assert_allclose(logits, hf.numpy(), rtol=0, atol=1e-4)
-        token, position = int(hf.argmax()), position + 1
-        assert int(np.argmax(logits)) == token
+    check_greedy_steps(model, embed, graphs, state, hf, cache, logits, int(position_ids[0, -1]) + 1)
 
 
 def test_generate_answers_through_the_bundles_graphs_with_hfs_greedy_tokens(case, cat):
