@@ -10,8 +10,17 @@ group of patches (channels ordered (row, column, width)) into one of 16x16 = 256
 What the graph computes, image by image equal to the model's own get_image_features (tested against
 transformers, fp32): the tower (hidden_states[vision_feature_layer], the final layernorm only for -1
 and only where use_mean_pooling is off), the shuffle as transformers writes it (4-D views and permutes
-only), the projector. A bundle takes one 448 tile per image: InternVL's processor tiling (crop_to_patches
-into up to 12 tiles plus a thumbnail) is not compiled; each tile is an image of the batch.
+only), the projector. By default a bundle takes one 448 tile per image, each tile an image of the batch.
+
+Tiles (`--grid RxC`, static at compile time, R·C at most the processor's max_patches, 12): InternVL's processor
+(GotOcr2ImageProcessor's crop_to_patches) resizes an image to the grid of the aspect closest to its own, cuts R·C
+tiles in raster order and adds the whole image resized as a thumbnail when R·C > 1; the bundle's input is those C
+tiles of one image as the tower's batch [C, 3, S, S] (images.canvas_tiles: the processor itself, asked for the
+grid's R·C tiles after a centre crop to the grid's aspect, so equal to its pixel_values for an image of that
+aspect). Each tile runs the tower and connector alone, as get_image_features does; K is one budget over the tiles
+(passes.methods.crops, the layout LLaVA-NeXT's crops use: divprune and dart per tile, split `equal`); kept_indices
+c·N + i, which is also the row's place among the image's C·N dense rows. A target running batch 1 only (rk3588, qnn)
+is refused in one line, as for LLaVA-NeXT's crops.
 
 Where pruning goes: after the connector, on the merged tokens (the features site; Source.spatial_merge
 2): divprune, dart, and random / grid with --site features. Refused in one line before any work:
@@ -22,8 +31,8 @@ patches, not over the merged tokens. The patch Conv is spelled as one MatMul (as
 site finder counts the merged tokens at the features site. Kept tokens carry their index in the 16x16
 merged grid (`positions` "indices"): the Qwen2 LLM's 1-D positions, original-positions rule.
 
-The LLM side: its chat template writes a tile as <IMG_CONTEXT>, which the processor expands to <img> + the tile's
-tokens + </img>; `generate` and `eval` write the kept rows so (image_prompt), at their original positions.
+The LLM side: its chat template writes an image as <IMG_CONTEXT>, which the processor expands to <img> + the rows of
+all its tiles end to end + </img> (one pair per image, tiles or not); `generate` and `eval` write the kept rows so (image_prompt), at their original positions.
 `--with-llm` on ort exports its Qwen2 language model (compiler.llm.torch_exporter, the layer it knows; read from the
 VLM's own decoder by compiler.llm.lm_source), FastV included; the bundle hands over nothing beyond the rows and their
 positions. InternVL3.5's Qwen3 language model is refused in one line (lm_source.check_family), as is orin's Edge-LLM
@@ -198,6 +207,21 @@ def tile_image(path: str, tiles: dict, size: int, mean, std) -> tuple[np.ndarray
     return canvas_tiles(rgb, tiles, size, mean, std), text
 
 
+def tiles_text(manifest: dict) -> str:
+    """The bundle README's lines on what one call takes: one tile per image, or one image's tiles (--grid)."""
+    model = manifest.model
+    if not model.crops:
+        return ("One tile per image: InternVL's processor tiles large images into tiles plus a thumbnail; compile "
+                "with --grid ROWSxCOLS to take them, or run each tile as an image of the batch. ")
+    rows, cols = parse_grid(model.grid)
+    n = model.token_counts.get("tokens")
+    thumbnail = ", then the thumbnail (the whole image resized)" if model.crops > rows * cols else ""
+    return (f"Input: one image per call, as InternVL's processor tiles an image of the {rows}x{cols} grid's aspect "
+            f"(crop_to_patches): the {rows * cols} tiles in raster order{thumbnail}, {model.crops} in all. kept_indices "
+            f"c * {n} + i: token i of tile c, also the row's place among the image's {model.crops * n} dense rows "
+            "(positions offset + kept_indices). ")
+
+
 def set_tiles(source: Source, grid: tuple[int, int]) -> None:
     """Fix the source to one grid of tiles (--grid): its input is then the processor's tiles of one image, the
     rows·cols tiles in raster order then the thumbnail when there is more than one tile, as the tower's batch.
@@ -363,6 +387,5 @@ class InternVLFamily(MergedTokensFamily):
         return ("\n## InternVL tokens\n\n"
                 f"`image_features` rows are tokens of the {m[0]}x{m[1]} merged grid (each a pixel-shuffled 2x2 group "
                 f"of the {counts['patch_grid'][0]}x{counts['patch_grid'][1]} patches), raster order; kept_indices "
-                "index that grid. One tile per image: InternVL's processor tiles large images into 448 px tiles "
-                f"plus a thumbnail; run each tile as an image of the batch. The prompt wraps a tile's rows in "
+                "index that grid. " + tiles_text(manifest) + "The prompt wraps an image's rows (all its tiles') in "
                 f"`{START}` ... `{END}`, as its processor does.\n")
