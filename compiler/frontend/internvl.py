@@ -211,7 +211,7 @@ def tiles_text(manifest: dict) -> str:
     """The bundle README's lines on what one call takes: one tile per image, or one image's tiles (--grid)."""
     model = manifest.model
     if not model.crops:
-        return ("One tile per image: InternVL's processor tiles large images into tiles plus a thumbnail; compile "
+        return ("kept_indices index that grid. One tile per image: InternVL's processor tiles large images into tiles plus a thumbnail; compile "
                 "with --grid ROWSxCOLS to take them, or run each tile as an image of the batch. ")
     rows, cols = parse_grid(model.grid)
     n = model.token_counts.get("tokens")
@@ -386,6 +386,6 @@ class InternVLFamily(MergedTokensFamily):
         m = manifest.model.merged_grid_thw[1:]
         return ("\n## InternVL tokens\n\n"
                 f"`image_features` rows are tokens of the {m[0]}x{m[1]} merged grid (each a pixel-shuffled 2x2 group "
-                f"of the {counts['patch_grid'][0]}x{counts['patch_grid'][1]} patches), raster order; kept_indices "
-                "index that grid. " + tiles_text(manifest) + "The prompt wraps an image's rows (all its tiles') in "
+                f"of the {counts['patch_grid'][0]}x{counts['patch_grid'][1]} patches), raster order, tile by tile. "
+                + tiles_text(manifest) + "The prompt wraps an image's rows (all its tiles') in "
                 f"`{START}` ... `{END}`, as its processor does.\n")

@@ -147,6 +147,8 @@ def test_grid_2x2_bundle(bundle_2x2, llm_dir):
     assert m["inputs"][0]["shape"] == [5, 3, SIZE, SIZE] and m["outputs"][0]["shape"] == [1, 12, WIDTH]
     assert m["model"]["crops"] == 5 and m["llm"]["dense_image_tokens"] == 5 * TOKENS
     assert json.loads((bundle_2x2.bundle / "manifest.json").read_text())["model"]["grid"] == "2x2"
+    readme = (bundle_2x2.bundle / "README.md").read_text()
+    assert "the 4 tiles in raster order, then the thumbnail" in readme and "kept_indices c * 16 + i" in readme
     _rows_are_hf_rows(bundle_2x2, AutoModelForImageTextToText.from_pretrained(llm_dir).eval(), 5, 12)
 
 
