@@ -32,7 +32,8 @@ site finder counts the merged tokens at the features site. Kept tokens carry the
 merged grid (`positions` "indices"): the Qwen2 LLM's 1-D positions, original-positions rule.
 
 The LLM side: its chat template writes an image as <IMG_CONTEXT>, which the processor expands to <img> + the rows of
-all its tiles end to end + </img> (one pair per image, tiles or not); `generate` and `eval` write the kept rows so (image_prompt), at their original positions.
+all its tiles end to end + </img> (one pair per image, tiles or not); `generate` and `eval` write the kept rows so
+(image_prompt), at their original positions.
 `--with-llm` on ort exports its Qwen2 language model (compiler.llm.torch_exporter, the layer it knows; read from the
 VLM's own decoder by compiler.llm.lm_source), FastV included; the bundle hands over nothing beyond the rows and their
 positions. InternVL3.5's Qwen3 language model is refused in one line (lm_source.check_family), as is orin's Edge-LLM
@@ -211,15 +212,16 @@ def tiles_text(manifest: dict) -> str:
     """The bundle README's lines on what one call takes: one tile per image, or one image's tiles (--grid)."""
     model = manifest.model
     if not model.crops:
-        return ("kept_indices index that grid. One tile per image: InternVL's processor tiles large images into tiles plus a thumbnail; compile "
-                "with --grid ROWSxCOLS to take them, or run each tile as an image of the batch. ")
+        return ("kept_indices index that grid. One tile per image: InternVL's processor tiles large images into "
+                "tiles plus a thumbnail; compile with --grid ROWSxCOLS to take them, or run each tile as an image of "
+                "the batch. ")
     rows, cols = parse_grid(model.grid)
     n = model.token_counts.get("tokens")
     thumbnail = ", then the thumbnail (the whole image resized)" if model.crops > rows * cols else ""
     return (f"Input: one image per call, as InternVL's processor tiles an image of the {rows}x{cols} grid's aspect "
-            f"(crop_to_patches): the {rows * cols} tiles in raster order{thumbnail}, {model.crops} in all. kept_indices "
-            f"c * {n} + i: token i of tile c, also the row's place among the image's {model.crops * n} dense rows "
-            "(positions offset + kept_indices). ")
+            f"(crop_to_patches): the {rows * cols} tiles in raster order{thumbnail}, {model.crops} in all. "
+            f"kept_indices c * {n} + i: token i of tile c, also the row's place among the image's "
+            f"{model.crops * n} dense rows (positions offset + kept_indices). ")
 
 
 def set_tiles(source: Source, grid: tuple[int, int]) -> None:
@@ -268,8 +270,9 @@ class InternVLFamily(MergedTokensFamily):
     id = "internvl"
     adapter = InternVLAdapter
     options = {
-        "grid": (str, "Tiled models (internvl): compile the processor's ROWSxCOLS tiles of one image, at most its "
-                      "max_patches (input [ROWS*COLS + 1, 3, S, S]: the tiles, then the thumbnail). Default: one tile."),
+        "grid": (str, "Tiled models (internvl): compile the processor's ROWSxCOLS tiles of one image, at most "
+                      "its max_patches (input [ROWS*COLS + 1, 3, S, S]: the tiles, then the thumbnail). Default: "
+                      "one tile."),
         "crop_budget": (str, "Tiled models (internvl): split --keep over the tiles `equal` (the only split for "
                              "divprune and dart)."),
     }
