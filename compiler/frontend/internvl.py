@@ -51,7 +51,7 @@ from torch import nn
 from vlmprune.compiler.contract import CROP_BUDGETS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import CROPS, PATCH_TOKENS, ImagePrompt, IndicesPositions, image_positions
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt, IndicesPositions, image_positions
 from vlmprune.compiler.frontend.images import canvas_tiles, parity_crops, parse_grid, read_rgb
 from vlmprune.compiler.frontend.merged import MergedTokensFamily, load_tower_and_connector
 from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, built, sha256_files,
@@ -276,7 +276,7 @@ class InternVLFamily(MergedTokensFamily):
         "crop_budget": (str, "Tiled models (internvl): split --keep over the tiles `equal` (the only split for "
                              "divprune and dart)."),
     }
-    has = {PATCH_TOKENS: "InternVL3", CROPS: "InternVL3 (--grid)"}
+    has = {PATCH_TOKENS: "InternVL3"}  # not CROPS: that capability is cls's scored split, refused here
     positions = TilesPositions()
     language_model = {"internvl": "InternVLForConditionalGeneration"}
     why_not_block = ("InternVL's connector pixel-shuffles each 2x2 group of the full patch grid into one token after "
