@@ -512,7 +512,10 @@ def bundle_tokens(bundle_dir: Path, manifest, pixel: np.ndarray, vlm: Vlm | None
     runner, runtime = get_target(manifest.target.name).runner(Path(bundle_dir), manifest)
     outputs = runner(pixel, feeds)
     kept = outputs[handoff.KEPT][0] if handoff.KEPT in outputs else None
-    features = torch.from_numpy(np.ascontiguousarray(outputs[llm["features_output"]][0]))
+    features = outputs[llm["features_output"]]
+    # A dense bundle over one image's tiles (InternVL --grid) gives them tile by tile: the image is all its rows.
+    features = features.reshape(-1, features.shape[-1]) if kept is None and manifest.model.crops else features[0]
+    features = torch.from_numpy(np.ascontiguousarray(features))
     if handoff.NUM_TOKENS in outputs:  # K varies per image: its valid rows only, the zero padding dropped
         rows = int(outputs[handoff.NUM_TOKENS][0])
         features = features[:rows]

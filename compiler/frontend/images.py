@@ -57,6 +57,14 @@ def parity_inputs(batch: int, size: int, mean, std, seed: int = 0) -> tuple[np.n
     return np.stack(images), {"images": names, "seed": seed, "size": size, "mean": list(mean), "std": list(std)}
 
 
+def parse_grid(text: str) -> tuple[int, int]:
+    """`RxC` (--grid: the crops' or tiles' grid, rows x cols) -> (rows, cols); one line for anything else."""
+    parts = str(text).lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise InputError(f"--grid is ROWSxCOLS (e.g. 2x2), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 UPSCALE_WARNING = 4.0  # a short side upscaled more than this is mostly interpolation, not picture
 
 
@@ -182,8 +190,11 @@ def anyres_crops(image: np.ndarray, crops: dict, size: int, mean, std, fill: boo
     return pixel.astype(np.float32)
 
 
-def parity_crops(images: int, crops: dict, size: int, mean, std, seed: int = 0) -> tuple[np.ndarray, dict]:
-    """parity_inputs for an anyres source: `images` photos, each as its C crops: [images·C, 3, size, size]."""
+def parity_crops(images: int, crops: dict, size: int, mean, std, seed: int = 0, cut=anyres_crops,
+                 ) -> tuple[np.ndarray, dict]:
+    """parity_inputs for an anyres or tiled source: `images` photos, each as its C crops: [images·C, 3, size, size].
+
+    cut: how the model's processor cuts a photo (anyres_crops: LLaVA-NeXT's; canvas_tiles: InternVL's)."""
     out, names = [], []
     height, width = crops["resolution"]
     for i in range(images):
@@ -191,7 +202,7 @@ def parity_crops(images: int, crops: dict, size: int, mean, std, seed: int = 0) 
         raw = real_image(name)
         if raw is None:
             raw, name = _synthetic(seed + i, max(height, width)), f"synthetic(seed={seed + i})"
-        out.append(anyres_crops(raw, crops, size, mean, std))
+        out.append(cut(raw, crops, size, mean, std))
         names.append(f"skimage.data.{name}" if not name.startswith("synthetic") else name)
     return np.concatenate(out), {"images": names, "seed": seed, "size": size, "mean": list(mean), "std": list(std),
                                  "crops": crops["count"], "grid": crops["grid"], "resolution": [height, width]}
@@ -207,3 +218,33 @@ def load_image_crops(path: str, crops: dict, size: int, mean, std) -> tuple[np.n
             f"{size}x{size} after the whole image resized to {size}x{size} ({crops['count']} crops); the LLM "
             f"runtime unpads by the original size {rgb.shape[0]}x{rgb.shape[1]} (README)")
     return anyres_crops(rgb, crops, size, mean, std, fill=False), text
+
+
+def canvas_tiles(image: np.ndarray, crops: dict, size: int, mean, std, fill: bool = True) -> np.ndarray:
+    """uint8 HxWx3 -> [C, 3, size, size]: InternVL's processor tiles (GotOcr2ImageProcessor's crop_to_patches) for
+    the bundle's one grid: the rows x cols tiles in raster order, then the thumbnail (the whole image resized to
+    size x size) when there is more than one tile.
+
+    The processor picks the grid closest to the image's aspect among those of min..max_patches tiles; asked for
+    exactly rows·cols tiles, it picks the bundle's grid for an image of that grid's aspect. fill: the photo is
+    first centre-cropped to the grid's aspect (cols : rows), so that any photo gives the bundle's grid, as a
+    static graph needs; the processor then resizes it to the grid's resolution itself.
+    """
+    from PIL import Image
+    from transformers import GotOcr2ImageProcessorPil
+
+    rows, cols = crops["grid"]
+    h, w = image.shape[:2]
+    if fill:
+        scale = min(h / rows, w / cols)
+        ch, cw = max(1, round(rows * scale)), max(1, round(cols * scale))
+        top, left = (h - ch) // 2, (w - cw) // 2
+        image = image[top: top + ch, left: left + cw]
+    processor = GotOcr2ImageProcessorPil(size={"height": size, "width": size}, crop_to_patches=True,
+                                         min_patches=rows * cols, max_patches=rows * cols, image_mean=list(mean),
+                                         image_std=list(std))
+    pil = Image.fromarray(np.ascontiguousarray(image[..., :3]))
+    pixel = processor(images=pil, return_tensors="np")["pixel_values"]
+    if pixel.shape[0] != crops["count"]:
+        raise AssertionError(f"the processor gave {pixel.shape[0]} tiles, the grid has {crops['count']}")
+    return pixel.astype(np.float32)

@@ -10,8 +10,17 @@ group of patches (channels ordered (row, column, width)) into one of 16x16 = 256
 What the graph computes, image by image equal to the model's own get_image_features (tested against
 transformers, fp32): the tower (hidden_states[vision_feature_layer], the final layernorm only for -1
 and only where use_mean_pooling is off), the shuffle as transformers writes it (4-D views and permutes
-only), the projector. A bundle takes one 448 tile per image: InternVL's processor tiling (crop_to_patches
-into up to 12 tiles plus a thumbnail) is not compiled; each tile is an image of the batch.
+only), the projector. By default a bundle takes one 448 tile per image, each tile an image of the batch.
+
+Tiles (`--grid RxC`, static at compile time, R·C at most the processor's max_patches, 12): InternVL's processor
+(GotOcr2ImageProcessor's crop_to_patches) resizes an image to the grid of the aspect closest to its own, cuts R·C
+tiles in raster order and adds the whole image resized as a thumbnail when R·C > 1; the bundle's input is those C
+tiles of one image as the tower's batch [C, 3, S, S] (images.canvas_tiles: the processor itself, asked for the
+grid's R·C tiles after a centre crop to the grid's aspect, so equal to its pixel_values for an image of that
+aspect). Each tile runs the tower and connector alone, as get_image_features does; K is one budget over the tiles
+(passes.methods.crops, the layout LLaVA-NeXT's crops use: divprune and dart per tile, split `equal`); kept_indices
+c·N + i, which is also the row's place among the image's C·N dense rows. A target running batch 1 only (rk3588, qnn)
+is refused in one line, as for LLaVA-NeXT's crops.
 
 Where pruning goes: after the connector, on the merged tokens (the features site; Source.spatial_merge
 2): divprune, dart, and random / grid with --site features. Refused in one line before any work:
@@ -22,8 +31,9 @@ patches, not over the merged tokens. The patch Conv is spelled as one MatMul (as
 site finder counts the merged tokens at the features site. Kept tokens carry their index in the 16x16
 merged grid (`positions` "indices"): the Qwen2 LLM's 1-D positions, original-positions rule.
 
-The LLM side: its chat template writes a tile as <IMG_CONTEXT>, which the processor expands to <img> + the tile's
-tokens + </img>; `generate` and `eval` write the kept rows so (image_prompt), at their original positions.
+The LLM side: its chat template writes an image as <IMG_CONTEXT>, which the processor expands to <img> + the rows of
+all its tiles end to end + </img> (one pair per image, tiles or not); `generate` and `eval` write the kept rows so
+(image_prompt), at their original positions.
 `--with-llm` on ort exports its Qwen2 language model (compiler.llm.torch_exporter, the layer it knows; read from the
 VLM's own decoder by compiler.llm.lm_source), FastV included; the bundle hands over nothing beyond the rows and their
 positions. InternVL3.5's Qwen3 language model is refused in one line (lm_source.check_family), as is orin's Edge-LLM
@@ -32,14 +42,17 @@ exporter (it takes LLaVA's and Qwen2.5-VL's checkpoints only).
 
 from __future__ import annotations
 
-from typing import ClassVar
+import json
 
+import numpy as np
 import torch
 from torch import nn
 
+from vlmprune.compiler.contract import CROP_BUDGETS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt, IndicesPositions, image_positions
+from vlmprune.compiler.frontend.images import canvas_tiles, parity_crops, parse_grid, read_rgb
 from vlmprune.compiler.frontend.merged import MergedTokensFamily, load_tower_and_connector
 from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, built, sha256_files,
                                                sha256_state)
@@ -48,7 +61,8 @@ from vlmprune.compiler.frontend.tower import BlockParts, TowerParts, VisionPipel
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 MODEL_TYPES = ("internvl",)
-START, END = "<img>", "</img>"  # the processor's marks around one tile's rows (its tokenizer's start/end_image_token)
+START, END = "<img>", "</img>"  # the processor's marks around one image's rows (its tokenizer's start/end_image_token)
+MAX_PATCHES = 12  # the processor's max_patches where its preprocessor_config.json does not say (InternVL3's own)
 
 
 def square(value, what: str) -> int:
@@ -126,7 +140,8 @@ class PixelShuffleProjector(nn.Module):
 
 
 def internvl_source(spec: str, kind: str, config, tower: nn.Module, projector: nn.Module, content_hash: str | None,
-                    feature_layer: int | None = None, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Source:
+                    feature_layer: int | None = None, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                    max_patches: int = MAX_PATCHES) -> Source:
     """The Source of a loaded InternVL tower and connector (checkpoints and presets alike)."""
     vcfg = config.vision_config
     image_size, patch = square(vcfg.image_size, "image_size"), square(vcfg.patch_size, "patch_size")
@@ -149,7 +164,8 @@ def internvl_source(spec: str, kind: str, config, tower: nn.Module, projector: n
     details = {"model_type": "internvl", "feature_layer": fl, "select_strategy": strategy,
                "vision_layers": vcfg.num_hidden_layers, "projector": True, "token_counts": tokens,
                "connector": f"pixel shuffle {merge}x{merge} (downsample_ratio {ratio:g}) + MLP projector",
-               "input": "one tile per image (InternVL's processor tiling is not compiled: each tile is an image)"}
+               "input": "one tile per image (--grid ROWSxCOLS compiles the processor's tiles of one image)",
+               "max_patches": max_patches}
     return Source(spec, kind, InternVLAdapter.family, content_hash or sha256_state(pipeline), image_size, patch,
                   True, tuple(mean), tuple(std), pipeline=pipeline, spatial_merge=merge, details=details)
 
@@ -167,7 +183,85 @@ class InternVLAdapter(ModelAdapter):
                                  ("model.multi_modal_projector.", "multi_modal_projector."))
         mean, std = checkpoint.preprocessing(IMAGENET_MEAN, IMAGENET_STD)
         return internvl_source(str(checkpoint.path.resolve()), "hf", config, tower, projector,
-                               sha256_files(checkpoint.files()), feature_layer, mean, std)
+                               sha256_files(checkpoint.files()), feature_layer, mean, std, max_patches(checkpoint))
+
+
+def max_patches(checkpoint: Checkpoint) -> int:
+    """The most tiles the checkpoint's processor cuts an image into (preprocessor_config.json), else InternVL3's 12."""
+    pre = checkpoint.path / "preprocessor_config.json"
+    if not pre.is_file():
+        return MAX_PATCHES
+    try:
+        return int(json.loads(pre.read_text()).get("max_patches", MAX_PATCHES))
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise InputError(f"{pre}: no readable max_patches ({exc})") from None
+
+
+def tile_image(path: str, tiles: dict, size: int, mean, std) -> tuple[np.ndarray, str]:
+    """An image file -> ([C, 3, size, size] the processor's tiles for the bundle's grid, a description)."""
+    rgb, depth = read_rgb(path)
+    rows, cols = tiles["grid"]
+    thumbnail = " + the thumbnail (the whole crop resized)" if tiles["count"] > rows * cols else ""
+    text = (f"{rgb.shape[1]}x{rgb.shape[0]} image{depth}: centre-cropped to the {rows}x{cols} grid's aspect "
+            f"({cols}:{rows}), InternVL's processor tiles: resized to {cols * size}x{rows * size}, cut into "
+            f"{rows * cols} tiles of {size}x{size}{thumbnail} ({tiles['count']} tiles)")
+    return canvas_tiles(rgb, tiles, size, mean, std), text
+
+
+def tiles_text(manifest: dict) -> str:
+    """The bundle README's lines on what one call takes: one tile per image, or one image's tiles (--grid)."""
+    model = manifest.model
+    if not model.crops:
+        return ("kept_indices index that grid. One tile per image: InternVL's processor tiles large images into "
+                "tiles plus a thumbnail; compile with --grid ROWSxCOLS to take them, or run each tile as an image of "
+                "the batch. ")
+    rows, cols = parse_grid(model.grid)
+    n = model.token_counts.get("tokens")
+    thumbnail = ", then the thumbnail (the whole image resized)" if model.crops > rows * cols else ""
+    return (f"Input: one image per call, as InternVL's processor tiles an image of the {rows}x{cols} grid's aspect "
+            f"(crop_to_patches): the {rows * cols} tiles in raster order{thumbnail}, {model.crops} in all. "
+            f"kept_indices c * {n} + i: token i of tile c, also the row's place among the image's "
+            f"{model.crops * n} dense rows (positions offset + kept_indices). ")
+
+
+def set_tiles(source: Source, grid: tuple[int, int]) -> None:
+    """Fix the source to one grid of tiles (--grid): its input is then the processor's tiles of one image, the
+    rows·cols tiles in raster order then the thumbnail when there is more than one tile, as the tower's batch.
+
+    Each tile goes through the tower and connector alone (InternVL's get_image_features), so its merged tokens are
+    a tile's; kept_indices c·N + i index tile c's token i, which is also the token's place in the image's dense
+    rows (the LLM reads the tiles' rows end to end between one <img> and </img>).
+    """
+    rows, cols = grid
+    limit = source.details.get("max_patches", MAX_PATCHES)
+    if rows * cols > limit:
+        raise InputError(f"--grid {rows}x{cols}: {rows * cols} tiles, and this model's processor cuts at most "
+                         f"{limit} (max_patches)")
+    side = source.image_size // (source.patch_size * source.spatial_merge)
+    count = rows * cols + (1 if rows * cols > 1 else 0)
+    source.crops = {"grid": [rows, cols], "count": count, "side": side, "thumbnail": count > rows * cols,
+                    "resolution": [rows * source.image_size, cols * source.image_size]}
+    source.details.update(grid=f"{rows}x{cols}", crops=count, resolution=source.crops["resolution"],
+                          input=(f"the processor's tiles of one image: {rows}x{cols} tiles of {source.image_size} px"
+                                 + (" + the thumbnail" if count > 1 else "") + f" [{count}, 3, S, S]"))
+    source.details["token_counts"] = {**source.details["token_counts"], "tiles": count,
+                                      "image_tokens": count * side * side}
+
+
+class TilesPositions(IndicesPositions):
+    """1-D original positions over all of one image's tiles: the dense image is the tiles' rows end to end
+    (count · N), and kept_indices c·N + i is each kept row's place in it."""
+
+    meaning = ("kept_indices[b, j] is c·N + i for token i (raster order) of tile c (the processor's tiles in order, "
+               "the thumbnail last; one tile without --grid) of row prefix + j of image_features")
+
+    def dense_image_tokens(self, model: dict, dense: int | None) -> int | None:
+        count = model.get("crops")
+        return dense * count if dense and count else dense
+
+    def place_pruned(self, source: Source, features, kept, kept_positions, prefix: int, extra: int):
+        dense = prefix + source.num_patches * ((source.crops or {}).get("count") or 1)
+        return features, lambda offset: image_positions(offset, dense, prefix, kept, extra)
 
 
 class InternVLFamily(MergedTokensFamily):
@@ -175,12 +269,110 @@ class InternVLFamily(MergedTokensFamily):
 
     id = "internvl"
     adapter = InternVLAdapter
-    has = {PATCH_TOKENS: "InternVL3"}
+    options = {
+        "grid": (str, "Tiled models (internvl): compile the processor's ROWSxCOLS tiles of one image, at most "
+                      "its max_patches (input [ROWS*COLS + 1, 3, S, S]: the tiles, then the thumbnail). Default: "
+                      "one tile."),
+        "crop_budget": (str, "Tiled models (internvl): split --keep over the tiles `equal` (the only split for "
+                             "divprune and dart)."),
+    }
+    has = {PATCH_TOKENS: "InternVL3"}  # not CROPS: that capability is cls's scored split, refused here
+    positions = TilesPositions()
     language_model = {"internvl": "InternVLForConditionalGeneration"}
     why_not_block = ("InternVL's connector pixel-shuffles each 2x2 group of the full patch grid into one token after "
                      "the tower, so pruning single patches inside it breaks the shuffle")
     why_not_scored = ("scores the merged tokens by the tower's attention or patches, and InternVL's attention runs "
                       "over [CLS] + single patches, not over the merged tokens")
+
+    def check_options(self, given: dict) -> None:
+        budget = given.get("crop_budget")
+        if budget is not None and budget not in CROP_BUDGETS:
+            raise InputError(f"--crop-budget is {' or '.join(CROP_BUDGETS)}, got {budget!r}")
+        if given.get("grid") is not None:
+            parse_grid(given["grid"])
+
+    def fix(self, source: Source, options: dict, *, prune: bool, batch: int | None, cls: str | None) -> None:
+        """--grid: the tiles of one image are the graph's batch, so --batch is refused with it; --crop-budget needs
+        tiles to split over, and a pruned bundle."""
+        grid = options.get("grid")
+        if grid is None:
+            if options.get("crop_budget") is not None:
+                raise InputError("--crop-budget splits K over an image's tiles: it needs --grid ROWSxCOLS")
+            return super().fix(source, options, prune=prune, batch=batch, cls=cls)
+        set_tiles(source, parse_grid(grid))
+        count = source.crops["count"]
+        if batch is not None:
+            raise InputError(f"--batch does not apply with --grid: the input is the {count} tiles of one image "
+                             f"[{count}, 3, {source.image_size}, {source.image_size}]; run one image per call")
+        if not prune and options.get("crop_budget") is not None:
+            raise InputError("--no-prune takes no --crop-budget")
+        super().fix(source, options, prune=prune, batch=batch, cls=cls)
+
+    def check_target(self, source: Source, target: str, check_batch) -> None:
+        """The tiles of one image are the graph's batch: refuse, before the export, a target that cannot run it."""
+        if source.crops is None:
+            return super().check_target(source, target, check_batch)
+        count = source.crops["count"]
+        try:
+            check_batch(count)
+        except InputError as exc:
+            why = str(exc).split(": ")[0]
+            raise InputError(f"target {target} cannot run --grid tiles: the input is the {count} tiles of one image "
+                             f"as a batch of {count}, and {why}") from None
+
+    def token_layout(self, source: Source, options: dict) -> dict | None:
+        """With --grid, the method runs over the tiles under one global budget (passes.methods.crops)."""
+        return None if source.crops is None else {"crops": source.crops, "budget": options.get("crop_budget")}
+
+    def export_batch(self, source: Source, batch: int | None) -> int | None:
+        return batch if source.crops is None else source.crops["count"]
+
+    def parity_pixels(self, source: Source, images: int) -> tuple[np.ndarray, dict]:
+        if source.crops is None:
+            return super().parity_pixels(source, images)
+        photos = max(2, images // source.crops["count"])  # one photo per chunk of C tiles, two at least
+        return parity_crops(photos, source.crops, source.image_size, source.mean, source.std, cut=canvas_tiles)
+
+    def cannot_draw(self, manifest: dict) -> str | None:
+        return "a tiled bundle (several tiles per image)" if manifest.model.crops else None
+
+    def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
+        """With --grid, one image per call: the processor's tiles of it for the bundle's grid."""
+        model = manifest.model
+        if not model.crops:
+            return super().load_images(manifest, image_files, static)
+        if len(image_files) != 1:
+            raise InputError(f"this bundle takes one image per call (its {static} tiles): pass --image once")
+        pre = manifest.preprocess
+        tiles = {"grid": list(parse_grid(model.grid)), "count": model.crops}
+        try:
+            pixel, described = tile_image(image_files[0], tiles, pre.size, pre.mean, pre.std)
+        except Exception as exc:
+            raise InputError(f"{image_files[0]}: cannot read the image ({exc})") from None
+        return pixel, [f"{image_files[0]}: {described}"]
+
+    def llm_source(self, checkpoint, options: dict) -> Source:
+        source = self.adapter().load(checkpoint, None)
+        if options.get("grid") is not None:
+            set_tiles(source, parse_grid(options["grid"]))
+        return source
+
+    def other_input(self, model: dict, source: Source) -> str | None:
+        if model.get("grid") != source.details.get("grid"):
+            return (f"compiled for --grid {model.get('grid')}, eval runs {source.details.get('grid')} "
+                    f"(pass --grid {model.get('grid')})")
+        return None
+
+    def llm_pixels(self, source: Source, image: str, preprocess: dict | None) -> tuple[np.ndarray, str]:
+        """With --grid, the tiles [C, 3, S, S] of one image at the source's grid."""
+        if source.crops is None:
+            return super().llm_pixels(source, image, preprocess)
+        return tile_image(image, source.crops, source.image_size, source.mean, source.std)
+
+    def hf_image_features(self, out):
+        """One image's rows: its tiles' rows end to end (get_image_features gives them tile by tile)."""
+        features = out.pooler_output if hasattr(out, "pooler_output") else out
+        return features.reshape(-1, features.shape[-1])
 
     def image_prompt(self, tokenizer) -> ImagePrompt:
         """What InternVL's processor writes in place of the <IMG_CONTEXT> its chat template writes for one tile
@@ -197,7 +389,6 @@ class InternVLFamily(MergedTokensFamily):
         m = manifest.model.merged_grid_thw[1:]
         return ("\n## InternVL tokens\n\n"
                 f"`image_features` rows are tokens of the {m[0]}x{m[1]} merged grid (each a pixel-shuffled 2x2 group "
-                f"of the {counts['patch_grid'][0]}x{counts['patch_grid'][1]} patches), raster order; kept_indices "
-                "index that grid. One tile per image: InternVL's processor tiles large images into 448 px tiles "
-                f"plus a thumbnail; run each tile as an image of the batch. The prompt wraps a tile's rows in "
+                f"of the {counts['patch_grid'][0]}x{counts['patch_grid'][1]} patches), raster order, tile by tile. "
+                + tiles_text(manifest) + "The prompt wraps an image's rows (all its tiles') in "
                 f"`{START}` ... `{END}`, as its processor does.\n")

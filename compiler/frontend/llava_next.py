@@ -53,7 +53,7 @@ from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
 from vlmprune.compiler.frontend.family import (BLOCK, CROPS, FRAME_TOWER, PATCH_TOKENS, VIDEO, Family,
                                                IndicesPositions)
-from vlmprune.compiler.frontend.images import anyres_crops, load_image_crops, parity_crops, read_rgb
+from vlmprune.compiler.frontend.images import anyres_crops, load_image_crops, parity_crops, parse_grid, read_rgb
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
 from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of, load_state,
                                                read_safetensors, sha256_files)
@@ -63,14 +63,6 @@ from vlmprune.compiler.frontend.video import ClipInput
 
 # --crop-budget: how K is split over the crops (passes.methods.crops); the names live in the contract
 PROPORTIONAL, EQUAL, BUDGETS = CROP_PROPORTIONAL, CROP_EQUAL, CROP_BUDGETS
-
-
-def parse_grid(text: str) -> tuple[int, int]:
-    """`RxC` -> (rows, cols); one line for anything else."""
-    parts = str(text).lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise InputError(f"--grid is ROWSxCOLS (e.g. 2x2), got {text!r}")
-    return int(parts[0]), int(parts[1])
 
 
 class AnyresPipeline(VisionPipeline):

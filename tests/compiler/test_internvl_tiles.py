@@ -1,0 +1,225 @@
+"""InternVL3 with --grid: the processor's tiles of one image (crop_to_patches, + the thumbnail) compiled as the
+tower's batch, K split over the tiles, the kept rows handed to the LLM as one image between <img> and </img>.
+
+What is checked against transformers itself (the tiny InternVL3 of tiny_models.tiny_internvl, 112 px tiles of 16
+merged tokens):
+- canvas_tiles gives exactly the pixel_values of the InternVL image processor (GotOcr2ImageProcessor,
+  crop_to_patches, max_patches 12) on a real photo of a non-square aspect, tiles in the same order;
+- the dense pipeline over the tiles is get_image_features on the same tiles;
+- --grid 1x2 and 2x2 divprune bundles on ort pass parity; their rows are HF's rows at kept_indices (c·16 + i over
+  the image's tiles); the manifest counts the tiles and the image's dense tokens;
+- generate's splice of a 2x2 bundle's kept rows gives the logits of HF's own forward given its own rows of the same
+  kept tokens at the same positions;
+- a grid over max_patches, --batch or --crop-budget proportional with the tiles, --crop-budget without --grid and
+  a batch-1 target are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from cli_helpers import one_line_error, run_cli
+from merged_checks import assert_close, cat_image
+from tiny_models import tiny_internvl
+from vlmprune.compiler.errors import InputError
+from vlmprune.compiler.frontend import load_source
+from vlmprune.compiler.frontend.images import canvas_tiles
+from vlmprune.compiler.frontend.internvl import set_tiles
+from vlmprune.compiler.pipeline import CompileOptions, compile_model
+
+SIZE, TOKENS, WIDTH = 112, 16, 48
+VOCAB, IMAGE = 320, 300
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _photo(width: int, height: int) -> np.ndarray:
+    from PIL import Image
+    from skimage import data
+
+    return np.asarray(Image.fromarray(data.astronaut()).resize((width, height), Image.BICUBIC))
+
+
+def _processor(size: int):
+    from transformers import GotOcr2ImageProcessorPil
+
+    # InternVL3's preprocessor_config: crop_to_patches, 1..12 tiles, ImageNet mean and std
+    return GotOcr2ImageProcessorPil(size={"height": size, "width": size}, crop_to_patches=True, min_patches=1,
+                                    max_patches=12, image_mean=list(MEAN), image_std=list(STD))
+
+
+def test_tiles_are_the_processors_pixel_values():
+    """A 1344x896 photo: the processor picks 3 columns x 2 rows of 448 tiles + the thumbnail; --grid 2x3 cuts the
+    same 7 tiles in the same order; the transposed grid does not."""
+    photo = _photo(1344, 896)
+    from PIL import Image
+
+    expected = _processor(448)(images=Image.fromarray(photo), return_tensors="np")
+    assert list(expected["num_patches"]) == [7]
+    got = canvas_tiles(photo, {"grid": [2, 3], "count": 7}, 448, MEAN, STD)
+    assert got.shape == (7, 3, 448, 448)
+    np.testing.assert_array_equal(got, expected["pixel_values"])
+    other = canvas_tiles(photo, {"grid": [3, 2], "count": 7}, 448, MEAN, STD)
+    assert np.abs(other - expected["pixel_values"]).max() > 0.5
+
+
+@pytest.fixture(scope="module")
+def internvl_dir(tmp_path_factory):
+    return tiny_internvl(tmp_path_factory.mktemp("tiny_internvl_tiles"), 3)
+
+
+@pytest.fixture(scope="module")
+def hf_model(internvl_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(internvl_dir).eval()
+
+
+def _hf_rows(model, pixel: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.model.get_image_features(pixel_values=pixel).pooler_output
+
+
+def test_dense_tiles_are_hf_image_features(internvl_dir, hf_model):
+    source = load_source(str(internvl_dir))
+    set_tiles(source, (2, 2))
+    assert source.crops == {"grid": [2, 2], "count": 5, "side": 4, "thumbnail": True, "resolution": [224, 224]}
+    pixel = torch.from_numpy(canvas_tiles(_photo(300, 280), source.crops, SIZE, MEAN, STD))
+    with torch.inference_mode():
+        got = source.pipeline(pixel)
+    assert got.shape == (5, TOKENS, WIDTH)
+    assert_close(got, _hf_rows(hf_model, pixel))
+
+
+def _compile(model_dir, out, grid: str, **options):
+    result = compile_model(str(model_dir), out, CompileOptions(method="divprune", keep=options.pop("keep", 10),
+                                                               family_options={"grid": grid}, **options))
+    assert result.report.passed, result.manifest["parity"]
+    return result
+
+
+def _rows_are_hf_rows(result, model, tiles: int, keep: int) -> None:
+    """The bundle's rows on ort are HF's rows of the image (its tiles end to end) at kept_indices."""
+    import onnxruntime as ort
+
+    m = result.manifest
+    grid = [int(v) for v in m["model"]["grid"].split("x")]
+    pixel = canvas_tiles(_photo(400, 260), {"grid": grid, "count": tiles}, SIZE, MEAN, STD)
+    session = ort.InferenceSession(str(result.bundle / "model.decomposed.onnx"), providers=["CPUExecutionProvider"])
+    features, kept = session.run(["image_features", "kept_indices"], {"pixel_values": pixel})
+    assert features.shape == (1, keep, WIDTH) and kept.shape == (1, keep)
+    assert kept.min() >= 0 and kept.max() < tiles * TOKENS and len(set(kept[0].tolist())) == keep
+    assert len(set((kept[0] // TOKENS).tolist())) == tiles  # the equal split keeps tokens of every tile
+    hf = _hf_rows(model, torch.from_numpy(pixel)).reshape(tiles * TOKENS, WIDTH)
+    assert_close(torch.from_numpy(features[0]), hf[torch.from_numpy(kept[0])])
+
+
+def test_grid_1x2_bundle(internvl_dir, hf_model, tmp_path):
+    result = _compile(internvl_dir, tmp_path / "b", "1x2")
+    m = result.manifest
+    assert m["inputs"][0]["shape"] == [3, 3, SIZE, SIZE]  # two tiles + the thumbnail
+    assert m["model"]["grid"] == "1x2" and m["model"]["crops"] == 3 and m["model"]["resolution"] == [112, 224]
+    assert m["model"]["token_counts"]["tiles"] == 3 and m["model"]["token_counts"]["image_tokens"] == 3 * TOKENS
+    assert m["method"]["params"]["crops"] == {"grid": [1, 2], "count": 3, "side": 4, "budget": "equal"}
+    assert m["llm"]["dense_image_tokens"] == 3 * TOKENS and m["llm"]["text_resumes_at"] == 3 * TOKENS
+    assert m["compile_options"]["family_options"] == {"grid": "1x2"}
+    _rows_are_hf_rows(result, hf_model, 3, 10)
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory):
+    return tiny_internvl(tmp_path_factory.mktemp("tiny_internvl_tiles_llm"), 5, image_token_id=IMAGE,
+                         vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def bundle_2x2(llm_dir, tmp_path_factory):
+    return _compile(llm_dir, tmp_path_factory.mktemp("internvl_tiles") / "b", "2x2", keep=12)
+
+
+def test_grid_2x2_bundle(bundle_2x2, llm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    m = bundle_2x2.manifest
+    assert m["inputs"][0]["shape"] == [5, 3, SIZE, SIZE] and m["outputs"][0]["shape"] == [1, 12, WIDTH]
+    assert m["model"]["crops"] == 5 and m["llm"]["dense_image_tokens"] == 5 * TOKENS
+    assert json.loads((bundle_2x2.bundle / "manifest.json").read_text())["model"]["grid"] == "2x2"
+    readme = (bundle_2x2.bundle / "README.md").read_text()
+    assert "the 4 tiles in raster order, then the thumbnail" in readme and "kept_indices c * 16 + i" in readme
+    _rows_are_hf_rows(bundle_2x2, AutoModelForImageTextToText.from_pretrained(llm_dir).eval(), 5, 12)
+
+
+def test_generate_with_pruned_tiles_is_hf_forward(bundle_2x2, llm_dir, tmp_path_factory):
+    """The 2x2 bundle's 12 kept rows, spliced by generate at their places among the image's 80 dense rows (between
+    one <img> and </img>), give the logits of HF's own forward given its own rows of those 12 tokens there."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from vlmprune.compiler import generate as gen
+    image = cat_image(tmp_path_factory)
+    vlm = gen.load_vlm(str(llm_dir), bundle=bundle_2x2.manifest)
+    assert vlm.source.crops["count"] == 5
+    pixel, described = gen.load_pixels(vlm, image)
+    assert pixel.shape == (5, 3, SIZE, SIZE) and "5 tiles" in described
+    prompt = gen.build_prompt(vlm, "what is in the image?")
+    bundle = gen.bundle_tokens(bundle_2x2.bundle, bundle_2x2.manifest, pixel, vlm)
+    kept = np.asarray(bundle.kept)
+    offset = len(prompt.before)
+    positions, text_start = gen.bundle_positions(bundle, offset)
+    np.testing.assert_array_equal(positions, offset + kept)
+    assert text_start == offset + 5 * TOKENS and kept.max() >= 4 * TOKENS  # the thumbnail's rows are placed last
+    ours = gen.answer(vlm, prompt, bundle.features, positions, text_start, 1)
+
+    rows = _hf_rows(vlm.model, torch.from_numpy(pixel)).reshape(-1, WIDTH)[kept]
+    ids = torch.tensor([prompt.before + [IMAGE] * len(kept) + prompt.after])
+
+    def logits(image_positions):
+        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), image_positions,
+                                                        text_start + np.arange(len(prompt.after))]))[None]
+        with torch.inference_mode():
+            return vlm.model(input_ids=ids, position_ids=position_ids, logits_to_keep=1,
+                             mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=rows[None])},
+                             ).logits[0, -1].float()
+
+    hf = logits(positions)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    assert (logits(offset + np.arange(len(kept))) - hf).abs().max() > 1e-4  # the positions count
+
+
+def test_dense_generate_over_tiles_is_hf_forward(llm_dir, tmp_path_factory):
+    """generate's dense splice of all 5 tiles' 80 rows gives HF's own forward on the same tiles."""
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.evaluate import hf_first_logits
+
+    vlm = gen.load_vlm(str(llm_dir), grid="2x2")
+    pixel, _ = gen.load_pixels(vlm, cat_image(tmp_path_factory))
+    prompt = gen.build_prompt(vlm, "what is in the image?")
+    rows = gen.dense_image(vlm, pixel)
+    assert rows.rows.shape == (5 * TOKENS, WIDTH)
+    positions, text_start = rows.place(len(prompt.before))
+    ours = gen.answer(vlm, prompt, rows.rows, positions, text_start, 1)
+    hf = hf_first_logits(vlm, prompt, pixel, 5 * TOKENS)
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    one_tile = hf_first_logits(vlm, prompt, pixel[:1], TOKENS)
+    assert (one_tile - hf).abs().max() > 1e-4  # the other tiles count
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(family_options={"grid": "4x4"}), "16 tiles, and this model's processor cuts at most 12"),
+    (dict(family_options={"grid": "2x2"}, batch=2), "--batch does not apply with --grid"),
+    (dict(family_options={"grid": "2x2", "crop_budget": "proportional"}), "use --crop-budget equal"),
+    (dict(family_options={"crop_budget": "equal"}), "it needs --grid ROWSxCOLS"),
+    (dict(family_options={"grid": "two"}), "--grid is ROWSxCOLS"),
+    (dict(family_options={"grid": "1x2"}, target="rk3588"), "target rk3588 cannot run --grid tiles"),
+])
+def test_refusals(internvl_dir, tmp_path, options, message):
+    with pytest.raises(InputError, match=message):
+        compile_model(str(internvl_dir), tmp_path / "b", CompileOptions(method="divprune", keep=10, **options))
+    assert not (tmp_path / "b").exists()
+
+
+def test_cli_refusal_is_one_line(internvl_dir, tmp_path):
+    one_line_error(run_cli("compile", internvl_dir, "--method", "divprune", "--keep", "10", "--grid", "5x3",
+                           "-o", tmp_path / "b"), "15 tiles")
