@@ -200,9 +200,22 @@ class Family:
             source.pipeline.drop_cls = cls == "drop"
             source.details["select_strategy"] = f"{source.details.get('select_strategy')} (--cls {cls})"
 
+    crop_noun: ClassVar[str] = "crops"  # what check_crops_batch calls one image's crops
+
     def check_target(self, source: Source, target: str, check_batch: Callable[[int], None]) -> None:
         """Refuse, before the export, a target that cannot run this source's input (check_batch: the target's
         check of a static batch). Every batch a compile may choose is the target's own to check, by default."""
+
+    def check_crops_batch(self, source: Source, target: str, check_batch: Callable[[int], None], what: str) -> None:
+        """For families whose crops (or tiles) of one image are the graph's batch: the target's refusal of that batch,
+        said as what the input is (what: "an anyres model", "--grid tiles"...)."""
+        count = source.crops["count"]
+        try:
+            check_batch(count)
+        except InputError as exc:
+            why = str(exc).split(": ")[0]
+            raise InputError(f"target {target} cannot run {what}: {'its' if what.startswith('an ') else 'the'} input "
+                             f"is the {count} {self.crop_noun} of one image as a batch of {count}, and {why}") from None
 
     def token_layout(self, source: Source, options: dict) -> dict | None:
         """The layout pruning runs over when it is not one image's patch tokens (passes.methods.crops), or None."""

@@ -308,17 +308,13 @@ class InternVLFamily(MergedTokensFamily):
             raise InputError("--no-prune takes no --crop-budget")
         super().fix(source, options, prune=prune, batch=batch, cls=cls)
 
+    crop_noun = "tiles"
+
     def check_target(self, source: Source, target: str, check_batch) -> None:
         """The tiles of one image are the graph's batch: refuse, before the export, a target that cannot run it."""
         if source.crops is None:
             return super().check_target(source, target, check_batch)
-        count = source.crops["count"]
-        try:
-            check_batch(count)
-        except InputError as exc:
-            why = str(exc).split(": ")[0]
-            raise InputError(f"target {target} cannot run --grid tiles: the input is the {count} tiles of one image "
-                             f"as a batch of {count}, and {why}") from None
+        self.check_crops_batch(source, target, check_batch, "--grid tiles")
 
     def token_layout(self, source: Source, options: dict) -> dict | None:
         """With --grid, the method runs over the tiles under one global budget (passes.methods.crops)."""

@@ -484,13 +484,7 @@ class LlavaNextFamily(ClipInput, Family):
         """The crops of one image are the graph's batch: refuse, before the export, a target that cannot run it."""
         if source.crops is None:  # a clip (ClipInput)
             return super().check_target(source, target, check_batch)
-        count = source.crops["count"]
-        try:
-            check_batch(count)
-        except InputError as exc:
-            why = str(exc).split(": ")[0]
-            raise InputError(f"target {target} cannot run an anyres model: its input is the {count} crops of one "
-                             f"image as a batch of {count}, and {why}") from None
+        self.check_crops_batch(source, target, check_batch, "an anyres model")
 
     def token_layout(self, source: Source, options: dict) -> dict | None:
         """The method runs over the crops under one global budget (passes.methods.crops)."""
