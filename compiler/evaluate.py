@@ -253,7 +253,8 @@ def evaluate(model: str, images_dir: Path | None, prompts_file: Path | None, met
 
 
 def _same_input(path: Path, manifest: dict, source) -> None:
-    """A bundle of the model at another --image-size (Qwen2-VL) or --grid (LLaVA-NeXT) takes other pixels: one line."""
+    """A bundle of the model at another --image-size or --grid (the options its family declares) takes other pixels:
+    one line."""
     from vlmprune.compiler.frontend import family_for
 
     differs = family_for(source).other_input(manifest.model, source)

@@ -281,7 +281,14 @@ class Family:
         return self.adapter().load(checkpoint, None)
 
     def other_input(self, model: dict, source: Source) -> str | None:
-        """How a bundle (its manifest's model) takes other pixels than this source (another option value), or None."""
+        """How a bundle (its manifest's model) takes other pixels than this source (another option value), or None:
+        the compile-time options a family declares (--image-size, --grid) must be the ones the source runs."""
+        if "image_size" in self.options and model["image_size"] != source.image_size:
+            return (f"compiled at --image-size {model['image_size']}, eval runs at {source.image_size} "
+                    f"(pass --image-size {model['image_size']})")
+        if "grid" in self.options and model.get("grid") != source.details.get("grid"):
+            return (f"compiled for --grid {model.get('grid')}, eval runs {source.details.get('grid')} "
+                    f"(pass --grid {model.get('grid')})")
         return None
 
     def llm_pixels(self, source: Source, image: str, preprocess: dict | None) -> tuple[np.ndarray, str]:

@@ -353,12 +353,6 @@ class InternVLFamily(MergedTokensFamily):
             set_tiles(source, parse_grid(options["grid"]))
         return source
 
-    def other_input(self, model: dict, source: Source) -> str | None:
-        if model.get("grid") != source.details.get("grid"):
-            return (f"compiled for --grid {model.get('grid')}, eval runs {source.details.get('grid')} "
-                    f"(pass --grid {model.get('grid')})")
-        return None
-
     def llm_pixels(self, source: Source, image: str, preprocess: dict | None) -> tuple[np.ndarray, str]:
         """With --grid, the tiles [C, 3, S, S] of one image at the source's grid."""
         if source.crops is None:

@@ -459,12 +459,6 @@ class LlavaNextFamily(ClipInput, Family):
             source.regrid(options["grid"])
         return source
 
-    def other_input(self, model: dict, source: Source) -> str | None:
-        if model.get("grid") != source.details.get("grid"):
-            return (f"compiled for --grid {model.get('grid')}, eval runs {source.details.get('grid')} "
-                    f"(pass --grid {model.get('grid')})")
-        return None
-
     def llm_pixels(self, source: Source, image: str, preprocess: dict | None) -> tuple[np.ndarray, str]:
         """The crops [C, 3, S, S] of one image at the source's grid (a bundle's preprocess is one image's, unused)."""
         rgb, depth = read_rgb(image)

@@ -95,8 +95,3 @@ class MergedTokensFamily(Family):
             return self.adapter().load(checkpoint, None, image_size=options.get("image_size"))
         return super().llm_source(checkpoint, options)
 
-    def other_input(self, model: dict, source: Source) -> str | None:
-        if "image_size" in self.options and model["image_size"] != source.image_size:
-            return (f"compiled at --image-size {model['image_size']}, eval runs at {source.image_size} "
-                    f"(pass --image-size {model['image_size']})")
-        return None

@@ -450,12 +450,6 @@ class Qwen2VLFamily(ClipInput, Family):
             self.fix(source, {"video_frames": options["video_frames"]}, prune=False, batch=None, cls=None)
         return source
 
-    def other_input(self, model: dict, source: Source) -> str | None:
-        if model["image_size"] != source.image_size:
-            return (f"compiled at --image-size {model['image_size']}, eval runs at {source.image_size} "
-                    f"(pass --image-size {model['image_size']})")
-        return None
-
     def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
         """The processor's patches and image_grid_thw of the already-resized image; of a video source, the video
         processor's patches and video_grid_thw of the clip's frames [F, 3, S, S]."""

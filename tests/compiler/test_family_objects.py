@@ -171,3 +171,23 @@ def test_positions_rule_is_the_manifest_llm_section(tmp_path):
         assert llm["dense_image_tokens"] == dense and llm["text_resumes_at"] == rule.text_resumes_at(model, dense, 0)
     assert llm_section(Manifest({**base, "model": {"family": "qwen2_vl", **models["qwen2_vl"]}}))["text_resumes_at"] == 2
     assert llm_section(Manifest({**base, "model": {"family": "llava_next", **models["llava_next"]}}))["dense_image_tokens"] == 14  # 2² base + 2 rows of (2·2 + newline)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: type(f).__name__)
+def test_a_bundle_at_another_declared_option_is_named_in_one_line(family):
+    """eval --bundle: a bundle compiled at another --image-size or --grid than the source runs takes other pixels.
+    Each family is held to the compile-time options it declares, and to nothing else."""
+    import types
+
+    source = types.SimpleNamespace(image_size=224, details={"grid": "2x2"})
+    assert family.other_input({"image_size": 224, "grid": "2x2"}, source) is None
+    other_size = family.other_input({"image_size": 336, "grid": "2x2"}, source)
+    other_grid = family.other_input({"image_size": 224, "grid": "1x3"}, source)
+    if "image_size" in family.options:
+        assert other_size == "compiled at --image-size 336, eval runs at 224 (pass --image-size 336)"
+    else:
+        assert other_size is None
+    if "grid" in family.options:
+        assert other_grid == "compiled for --grid 1x3, eval runs 2x2 (pass --grid 1x3)"
+    else:
+        assert other_grid is None
