@@ -72,14 +72,14 @@ PARITY_ATOL = 1e-4  # fp32 logits, as compiler.llm.torch_exporter's: the bound's
 # graph runs ONNX Runtime's own GroupQueryAttention and norm kernels, whose fp32 rounding grows with the logits.
 PARITY_RTOL_SCALE = 1e-5
 GQA_HEAD_MULTIPLE = 16  # ONNX Runtime 1.32's CPU GroupQueryAttention refuses other head sizes when it runs
+DECODE_STEPS = 3
+PROMPT_TOKENS = 12
+LOG = "genai_builder.log"  # in the temporary directory, kept (and named) only on failure
 
 
 def logits_bound(scale: float) -> float:
     """The contract's fp32 bound on the logits' max-abs, for reference logits whose largest magnitude is scale."""
     return PARITY_ATOL + PARITY_RTOL_SCALE * scale
-DECODE_STEPS = 3
-PROMPT_TOKENS = 12
-LOG = "genai_builder.log"  # in the temporary directory, kept (and named) only on failure
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                     "chat_template.json")
@@ -375,11 +375,12 @@ def genai_parity(lm, folder: Path, batches=(1, 2), steps: int = DECODE_STEPS, le
         worst, same = max(worst, gap), same and ok
         if runtime is None:
             runtime = genai_runtime_check(folder, embeds.numpy(), expected)
+    bound = logits_bound(scale)
     return {"runtime": "onnxruntime (plain InferenceSession, CPU, ORT_ENABLE_ALL)", "batches": list(batches),
             "prompt_tokens": length, "seed": seed, "positions": "contiguous 0..T-1",
-            "logits_max_abs": worst, "logits_scale": scale, "tolerance": logits_bound(scale), "decode_steps": steps,
+            "logits_max_abs": worst, "logits_scale": scale, "tolerance": bound, "decode_steps": steps,
             "tokens_identical": same, "per_batch": per_batch, "genai_runtime": runtime,
-            "passed": worst <= logits_bound(scale) and same and (not runtime["works"] or runtime["tokens_identical"])}
+            "passed": worst <= bound and same and (not runtime["works"] or runtime["tokens_identical"])}
 
 
 def genai_runtime_check(folder: Path, embeds: np.ndarray, expected: np.ndarray) -> dict:
