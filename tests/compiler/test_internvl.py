@@ -20,32 +20,12 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
+from internvl_fixtures import IMAGE, SIZE, TOKENS, WIDTH, hf_model, hf_rows, internvl_dir, llm_dir  # noqa: F401
 from merged_checks import (OTHER_METHODS, QNN_RK3588_CASES, TENSORRT_CASES, assert_close, cat_image, check_dense_splice,
                            check_eval, check_methods_listing, check_openvino, check_other_method, check_pruned_splice,
                            check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt)
-from tiny_models import tiny_internvl
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
-
-SIZE, TOKENS, WIDTH = 112, 16, 48
-VOCAB, IMAGE = 320, 300  # the LLM-side model: a vocabulary wide enough for UTF-8 bytes as token ids
-
-
-@pytest.fixture(scope="module")
-def internvl_dir(tmp_path_factory):
-    return tiny_internvl(tmp_path_factory.mktemp("tiny_internvl"), 3)
-
-
-@pytest.fixture(scope="module")
-def hf_model(internvl_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(internvl_dir).eval()
-
-
-def _hf_rows(model, pixel: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.model.get_image_features(pixel_values=pixel).pooler_output
 
 
 def test_dense_path_is_hf_image_features(internvl_dir, hf_model):
@@ -59,13 +39,13 @@ def test_dense_path_is_hf_image_features(internvl_dir, hf_model):
         with torch.inference_mode():
             got = source.pipeline(x)
         assert got.shape == (batch, TOKENS, WIDTH)
-        assert_close(got, _hf_rows(hf_model, x))
+        assert_close(got, hf_rows(hf_model, x))
 
 
 def test_the_check_has_teeth(internvl_dir, hf_model):
     """Without the layer scales, or with the shuffle's groups taken in another order, it is not InternVL."""
     x = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(7))
-    expected = _hf_rows(hf_model, x)
+    expected = hf_rows(hf_model, x)
     source = load_source(str(internvl_dir))
     connector = source.pipeline.projector
     with torch.inference_mode():
@@ -85,7 +65,7 @@ def divprune_bundle(internvl_dir, tmp_path_factory):
 
 
 def test_divprune_on_ort_rows_are_hf_rows_at_the_kept_indices(divprune_bundle, internvl_dir, hf_model):
-    check_rows_on_ort(divprune_bundle, internvl_dir, lambda pixel: _hf_rows(hf_model, pixel), size=SIZE, keep=8,
+    check_rows_on_ort(divprune_bundle, internvl_dir, lambda pixel: hf_rows(hf_model, pixel), size=SIZE, keep=8,
                       tokens=TOKENS, width=WIDTH, family="internvl", readme="InternVL tokens")
 
 
@@ -145,11 +125,6 @@ def test_preset_has_internvl3_1b_tower_shapes():
 
 
 @pytest.fixture(scope="module")
-def llm_dir(tmp_path_factory):
-    return tiny_internvl(tmp_path_factory.mktemp("tiny_internvl_llm"), 5, image_token_id=IMAGE, vocab_size=VOCAB)
-
-
-@pytest.fixture(scope="module")
 def cat(tmp_path_factory):
     return cat_image(tmp_path_factory)
 
@@ -167,7 +142,7 @@ def test_generate_dense_splice_is_the_hf_forward(llm_dir, cat):
 def test_pruned_llm_input_is_hf_forward_on_the_same_kept_tokens(llm_bundle, llm_dir, cat):
     """The bundle's 8 kept rows, spliced by generate at their original positions, give the logits of HF's own
     forward given its own tower's rows of those 8 tokens at those positions; other positions give others."""
-    check_pruned_splice(llm_bundle, llm_dir, cat, "what is in the image?", TOKENS, IMAGE, _hf_rows)
+    check_pruned_splice(llm_bundle, llm_dir, cat, "what is in the image?", TOKENS, IMAGE, hf_rows)
 
 
 def test_with_llm_on_ort_and_generate_cli(llm_bundle, llm_dir, cat):

@@ -23,17 +23,15 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
+from internvl_fixtures import (IMAGE, MEAN, SIZE, STD, TOKENS, WIDTH, hf_model, hf_rows, internvl_dir,  # noqa: F401
+                               llm_dir)
 from merged_checks import assert_close, cat_image
-from tiny_models import tiny_internvl
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.images import canvas_tiles
 from vlmprune.compiler.frontend.internvl import set_tiles
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
-SIZE, TOKENS, WIDTH = 112, 16, 48
-VOCAB, IMAGE = 320, 300
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def _photo(width: int, height: int) -> np.ndarray:
@@ -66,23 +64,6 @@ def test_tiles_are_the_processors_pixel_values():
     assert np.abs(other - expected["pixel_values"]).max() > 0.5
 
 
-@pytest.fixture(scope="module")
-def internvl_dir(tmp_path_factory):
-    return tiny_internvl(tmp_path_factory.mktemp("tiny_internvl_tiles"), 3)
-
-
-@pytest.fixture(scope="module")
-def hf_model(internvl_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(internvl_dir).eval()
-
-
-def _hf_rows(model, pixel: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.model.get_image_features(pixel_values=pixel).pooler_output
-
-
 def test_dense_tiles_are_hf_image_features(internvl_dir, hf_model):
     source = load_source(str(internvl_dir))
     set_tiles(source, (2, 2))
@@ -91,7 +72,7 @@ def test_dense_tiles_are_hf_image_features(internvl_dir, hf_model):
     with torch.inference_mode():
         got = source.pipeline(pixel)
     assert got.shape == (5, TOKENS, WIDTH)
-    assert_close(got, _hf_rows(hf_model, pixel))
+    assert_close(got, hf_rows(hf_model, pixel))
 
 
 def _compile(model_dir, out, grid: str, **options):
@@ -113,7 +94,7 @@ def _rows_are_hf_rows(result, model, tiles: int, keep: int) -> None:
     assert features.shape == (1, keep, WIDTH) and kept.shape == (1, keep)
     assert kept.min() >= 0 and kept.max() < tiles * TOKENS and len(set(kept[0].tolist())) == keep
     assert len(set((kept[0] // TOKENS).tolist())) == tiles  # the equal split keeps tokens of every tile
-    hf = _hf_rows(model, torch.from_numpy(pixel)).reshape(tiles * TOKENS, WIDTH)
+    hf = hf_rows(model, torch.from_numpy(pixel)).reshape(tiles * TOKENS, WIDTH)
     assert_close(torch.from_numpy(features[0]), hf[torch.from_numpy(kept[0])])
 
 
@@ -127,12 +108,6 @@ def test_grid_1x2_bundle(internvl_dir, hf_model, tmp_path):
     assert m["llm"]["dense_image_tokens"] == 3 * TOKENS and m["llm"]["text_resumes_at"] == 3 * TOKENS
     assert m["compile_options"]["family_options"] == {"grid": "1x2"}
     _rows_are_hf_rows(result, hf_model, 3, 10)
-
-
-@pytest.fixture(scope="module")
-def llm_dir(tmp_path_factory):
-    return tiny_internvl(tmp_path_factory.mktemp("tiny_internvl_tiles_llm"), 5, image_token_id=IMAGE,
-                         vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +147,7 @@ def test_generate_with_pruned_tiles_is_hf_forward(bundle_2x2, llm_dir, tmp_path_
     assert text_start == offset + 5 * TOKENS and kept.max() >= 4 * TOKENS  # the thumbnail's rows are placed last
     ours = gen.answer(vlm, prompt, bundle.features, positions, text_start, 1)
 
-    rows = _hf_rows(vlm.model, torch.from_numpy(pixel)).reshape(-1, WIDTH)[kept]
+    rows = hf_rows(vlm.model, torch.from_numpy(pixel)).reshape(-1, WIDTH)[kept]
     ids = torch.tensor([prompt.before + [IMAGE] * len(kept) + prompt.after])
 
     def logits(image_positions):
