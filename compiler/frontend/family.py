@@ -221,6 +221,18 @@ class Family:
         """The layout pruning runs over when it is not one image's patch tokens (passes.methods.crops), or None."""
         return None
 
+    def crops_layout(self, source: Source, options: dict) -> dict:
+        """token_layout for a family whose crops (or tiles) of one image are the graph's batch: the crops, the
+        --crop-budget split, and how the compiled method's line names them (crop_noun, crops_order)."""
+        return {"crops": source.crops, "budget": options.get("crop_budget"), "noun": self.crop_noun,
+                "order": self.crops_order(source.crops)}
+
+    def crops_order(self, crops: dict) -> str:
+        """How one image's crops lie in the batch, in the method's line and record: the family's own words, since
+        the whole image comes first in one family's crops and last in another's tiles."""
+        rows, cols = crops["grid"]
+        return f"{rows}x{cols} grid"
+
     def check_method(self, source: Source, config, site_spec: type) -> None:
         """Catch what the insertion would reject before the export (site_spec: the methods' SiteSpec)."""
         method, params = config.method, config.params

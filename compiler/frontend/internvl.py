@@ -20,7 +20,8 @@ grid's R·C tiles after a centre crop to the grid's aspect, so equal to its pixe
 aspect). Each tile runs the tower and connector alone, as get_image_features does; K is one budget over the tiles
 (passes.methods.crops, the layout LLaVA-NeXT's crops use: divprune and dart per tile, split `equal`); kept_indices
 c·N + i, which is also the row's place among the image's C·N dense rows. A target running batch 1 only (rk3588, qnn)
-is refused in one line, as for LLaVA-NeXT's crops.
+is refused in one line, as for LLaVA-NeXT's crops. The method's line says the tiles as this family lays them out
+(crops_order: the grid's tiles in raster order, then the thumbnail).
 
 Where pruning goes: after the connector, on the merged tokens (the features site; Source.spatial_merge
 2): divprune, dart, and random / grid with --site features. Refused in one line before any work:
@@ -318,7 +319,13 @@ class InternVLFamily(MergedTokensFamily):
 
     def token_layout(self, source: Source, options: dict) -> dict | None:
         """With --grid, the method runs over the tiles under one global budget (passes.methods.crops)."""
-        return None if source.crops is None else {"crops": source.crops, "budget": options.get("crop_budget")}
+        return None if source.crops is None else self.crops_layout(source, options)
+
+    def crops_order(self, crops: dict) -> str:
+        """The grid's tiles in raster order, then the thumbnail (the whole image resized): InternVL's processor puts
+        the whole image last, and the method's line says so."""
+        rows, cols = crops["grid"]
+        return f"{rows}x{cols} grid, then the thumbnail" if crops["thumbnail"] else f"{rows}x{cols} grid"
 
     def export_batch(self, source: Source, batch: int | None) -> int | None:
         return batch if source.crops is None else source.crops["count"]

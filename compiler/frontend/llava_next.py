@@ -484,7 +484,12 @@ class LlavaNextFamily(ClipInput, Family):
         """The method runs over the crops under one global budget (passes.methods.crops)."""
         if source.crops is None:  # a clip: the frames' tokens, frame by frame
             return None
-        return {"crops": source.crops, "budget": options.get("crop_budget")}
+        return self.crops_layout(source, options)
+
+    def crops_order(self, crops: dict) -> str:
+        """The base image (the whole picture at S x S) first, then the grid's crops."""
+        rows, cols = crops["grid"]
+        return f"base + {rows}x{cols} grid"
 
     def export_batch(self, source: Source, batch: int | None) -> int | None:
         if source.crops is None:  # a clip (ClipInput)

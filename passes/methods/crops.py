@@ -46,10 +46,12 @@ from vlmprune.passes.methods.selection import gather_rows
 
 
 
-def crop_params(params: dict, crops: dict, budget: str) -> dict:
-    """The method's parameters with the crops and the split: {"crops": {grid, count, side, budget}}."""
+def crop_params(params: dict, crops: dict, budget: str, noun: str | None = None, order: str | None = None) -> dict:
+    """The method's parameters with the crops and the split: {"crops": {grid, count, side, budget}}, and, where the
+    family says them, what it calls one crop (noun) and how its crops lie in the batch (order), for describe."""
+    words = {key: value for key, value in (("noun", noun), ("order", order)) if value is not None}
     return {**params, "crops": {"grid": list(crops["grid"]), "count": crops["count"], "side": crops["side"],
-                                "budget": budget}}
+                                "budget": budget, **words}}
 
 
 def default_budget(method: Method) -> str:
@@ -63,7 +65,8 @@ def over_tokens(config, layout: dict | None):
         return config
     budget = layout["budget"] or default_budget(config.method)
     return dataclasses.replace(config, method=CropBudget(config.method),
-                               params=crop_params(config.params, layout["crops"], budget))
+                               params=crop_params(config.params, layout["crops"], budget, layout.get("noun"),
+                                                  layout.get("order")))
 
 
 def split_budget(mass: torch.Tensor, keep: int, per_crop: int) -> torch.Tensor:
@@ -182,10 +185,13 @@ class CropBudget(Method):
         return batch // params["crops"]["count"] if isinstance(batch, int) else batch
 
     def describe(self, params: dict) -> str:
+        """The inner method's line, over the crops as their family names and orders them (its crops_order: the
+        base image first, or the thumbnail last); a record without them says the grid alone."""
         count, _, _, budget = self._spec(params)
-        rows, cols = params["crops"]["grid"]
-        return (f"{self.inner.describe(self._inner_params(params, params['keep']))}, over {count} crops "
-                f"(base + {rows}x{cols} grid; {budget} budget)")
+        crops = params["crops"]
+        rows, cols = crops["grid"]
+        return (f"{self.inner.describe(self._inner_params(params, params['keep']))}, over {count} "
+                f"{crops.get('noun', 'crops')} ({crops.get('order', f'{rows}x{cols} grid')}; {budget} budget)")
 
     def fusion_rules(self, spellings, record=None) -> list:
         # Per-crop methods are the method's own emission per crop: its fusions apply to each. The scored

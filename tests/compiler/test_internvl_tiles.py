@@ -104,7 +104,11 @@ def test_grid_1x2_bundle(internvl_dir, hf_model, tmp_path):
     assert m["inputs"][0]["shape"] == [3, 3, SIZE, SIZE]  # two tiles + the thumbnail
     assert m["model"]["grid"] == "1x2" and m["model"]["crops"] == 3 and m["model"]["resolution"] == [112, 224]
     assert m["model"]["token_counts"]["tiles"] == 3 and m["model"]["token_counts"]["image_tokens"] == 3 * TOKENS
-    assert m["method"]["params"]["crops"] == {"grid": [1, 2], "count": 3, "side": 4, "budget": "equal"}
+    assert m["method"]["params"]["crops"] == {"grid": [1, 2], "count": 3, "side": 4, "budget": "equal",
+                                              "noun": "tiles", "order": "1x2 grid, then the thumbnail"}
+    # The method's line says the family's layout: the thumbnail last, not LLaVA-NeXT's base image first.
+    assert "over 3 tiles (1x2 grid, then the thumbnail; equal budget)" in m["method"]["summary"]
+    assert "base" not in m["method"]["summary"]
     assert m["llm"]["dense_image_tokens"] == 3 * TOKENS and m["llm"]["text_resumes_at"] == 3 * TOKENS
     assert m["compile_options"]["family_options"] == {"grid": "1x2"}
     _rows_are_hf_rows(result, hf_model, 3, 10)

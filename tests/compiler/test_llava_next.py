@@ -178,7 +178,8 @@ def test_pruned_bundles_match_the_reference(llava_next_dir, tmp_path, method, ta
     summary = 1 if method == "cls" else 0
     assert shapes == {"image_features": [1, 30 + summary, 48], "kept_indices": [1, 30], "kept_positions": [1, 30, 3]}
     assert m["method"]["params"]["crops"] == {"grid": [2, 2], "count": 5, "side": 4,
-                                              "budget": budget or ("proportional" if method == "cls" else "equal")}
+                                              "budget": budget or ("proportional" if method == "cls" else "equal"),
+                                              "noun": "crops", "order": "base + 2x2 grid"}
     stages = {s.stage: s for s in result.report.stages}
     assert stages["rewritten"].indices["agreement"] == 1.0
     assert stages["rewritten"].outputs["kept_positions"]["passed"]
