@@ -53,7 +53,8 @@ from vlmprune.compiler.cli.boundary import echo_lines, one_line_errors, progress
               help="Qwen2-VL / Qwen2.5-VL: the static image size (a multiple of 28). Default: the bundle's, else 448 "
                    "(--dataset: its bundles compiled at it).")
 @click.option("--grid", default=None,
-              help="LLaVA-NeXT: the crops' grid ROWSxCOLS. Default: the bundle's, else the model's largest.")
+              help="Models with crops or tiles (LLaVA-NeXT, InternVL3): their grid ROWSxCOLS. Default: the bundle's, "
+                   "else the family's (LLaVA-NeXT: the model's largest; InternVL3: one tile).")
 @click.option("--reference", is_flag=True,
               help="--bundle rows: answer with MODEL's LLM in transformers, not a --with-llm bundle's own LLM graphs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON on stdout.")

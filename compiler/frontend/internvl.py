@@ -19,9 +19,12 @@ tiles of one image as the tower's batch [C, 3, S, S] (images.canvas_tiles: the p
 grid's R·C tiles after a centre crop to the grid's aspect, so equal to its pixel_values for an image of that
 aspect). Each tile runs the tower and connector alone, as get_image_features does; K is one budget over the tiles
 (passes.methods.crops, the layout LLaVA-NeXT's crops use: divprune and dart per tile, split `equal`); kept_indices
-c·N + i, which is also the row's place among the image's C·N dense rows. A target running batch 1 only (rk3588, qnn)
-is refused in one line, as for LLaVA-NeXT's crops. The method's line says the tiles as this family lays them out
-(crops_order: the grid's tiles in raster order, then the thumbnail).
+c·N + i, which is also the row's place among the image's C·N dense rows. The tiles are a static batch that ort,
+orin and xavier (TensorRT; host parity through their ONNX Runtime stand-in) and openvino run as they run any other;
+a target running batch 1 only (rk3588, qnn) is refused in one line, as for LLaVA-NeXT's crops. The method's line says
+the tiles as this family lays them out (crops_order: the grid, then the thumbnail). `--with-llm` takes a tiled
+bundle's rows as any other's, and generate and eval (`--grid`, default the bundle's) cut the same tiles
+(llm_pixels) and place the kept rows among the image's C·N (TilesPositions).
 
 Where pruning goes: after the connector, on the merged tokens (the features site; Source.spatial_merge
 2): divprune, dart, and random / grid with --site features. Refused in one line before any work:

@@ -7,7 +7,13 @@ merged tokens):
   crop_to_patches, max_patches 12) on a real photo of a non-square aspect, tiles in the same order;
 - the dense pipeline over the tiles is get_image_features on the same tiles;
 - --grid 1x2 and 2x2 divprune bundles on ort pass parity; their rows are HF's rows at kept_indices (c·16 + i over
-  the image's tiles); the manifest counts the tiles and the image's dense tokens;
+  the image's tiles); the manifest counts the tiles and the image's dense tokens; the method's line says the tiles
+  as InternVL lays them out (the thumbnail last);
+- --grid 1x2 on orin and xavier (host parity, their ONNX Runtime stand-in) and openvino (the CPU plugin): every
+  stage passes and the rows are HF's at kept_indices;
+- --grid 1x2 --with-llm: the LLM graphs' parity, generate through them gives HF's language model's tokens, eval's
+  harness and the bundle's figures equal divprune's reference over the same tiles, `eval --grid 1x2` runs, and
+  another --grid beside the bundle is refused in one line;
 - generate's splice of a 2x2 bundle's kept rows gives the logits of HF's own forward given its own rows of the same
   kept tokens at the same positions;
 - a grid over max_patches, --batch or --crop-budget proportional with the tiles, --crop-budget without --grid and
@@ -22,10 +28,10 @@ import numpy as np
 import pytest
 import torch
 
-from cli_helpers import one_line_error, run_cli
+from cli_helpers import eval_inputs, one_line_error, run_cli
 from internvl_fixtures import (IMAGE, MEAN, SIZE, STD, TOKENS, WIDTH, hf_model, hf_rows, internvl_dir,  # noqa: F401
                                llm_dir)
-from merged_checks import assert_close, cat_image
+from merged_checks import assert_close, cat_image, check_eval, check_generate_through_graphs
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.images import canvas_tiles
@@ -76,21 +82,23 @@ def test_dense_tiles_are_hf_image_features(internvl_dir, hf_model):
 
 
 def _compile(model_dir, out, grid: str, **options):
-    result = compile_model(str(model_dir), out, CompileOptions(method="divprune", keep=options.pop("keep", 10),
-                                                               family_options={"grid": grid}, **options))
+    options = {"method": "divprune", "keep": 10, **options}
+    result = compile_model(str(model_dir), out, CompileOptions(family_options={"grid": grid}, **options))
     assert result.report.passed, result.manifest["parity"]
     return result
 
 
 def _rows_are_hf_rows(result, model, tiles: int, keep: int) -> None:
-    """The bundle's rows on ort are HF's rows of the image (its tiles end to end) at kept_indices."""
-    import onnxruntime as ort
+    """The bundle's rows, run as its target's last parity stage here runs them (ort and orin / xavier: model.onnx
+    on ONNX Runtime, TensorRT's stand-in with the plugins' host twin; openvino: the IR on the CPU plugin), are HF's
+    rows of the image (its tiles end to end) at kept_indices."""
+    from vlmprune.targets import get_target
 
     m = result.manifest
     grid = [int(v) for v in m["model"]["grid"].split("x")]
     pixel = canvas_tiles(_photo(400, 260), {"grid": grid, "count": tiles}, SIZE, MEAN, STD)
-    session = ort.InferenceSession(str(result.bundle / "model.decomposed.onnx"), providers=["CPUExecutionProvider"])
-    features, kept = session.run(["image_features", "kept_indices"], {"pixel_values": pixel})
+    out = get_target(m["target"]["name"]).stages(result.bundle, m)[-1].run(pixel)
+    features, kept = out["image_features"], out["kept_indices"]
     assert features.shape == (1, keep, WIDTH) and kept.shape == (1, keep)
     assert kept.min() >= 0 and kept.max() < tiles * TOKENS and len(set(kept[0].tolist())) == keep
     assert len(set((kept[0] // TOKENS).tolist())) == tiles  # the equal split keeps tokens of every tile
@@ -111,6 +119,28 @@ def test_grid_1x2_bundle(internvl_dir, hf_model, tmp_path):
     assert "base" not in m["method"]["summary"]
     assert m["llm"]["dense_image_tokens"] == 3 * TOKENS and m["llm"]["text_resumes_at"] == 3 * TOKENS
     assert m["compile_options"]["family_options"] == {"grid": "1x2"}
+    _rows_are_hf_rows(result, hf_model, 3, 10)
+
+
+@pytest.mark.parametrize("target, method, options", [("orin", "divprune", {}), ("xavier", "dart", {"pivots": 2})])
+def test_grid_on_tensorrt_targets(internvl_dir, hf_model, tmp_path, target, method, options):
+    """orin and xavier take the tiles as the engine's static batch of 3: every host parity stage passes, and the
+    graph (their ONNX Runtime stand-in) gives HF's rows at kept_indices over both tiles and the thumbnail."""
+    result = _compile(internvl_dir, tmp_path / "b", "1x2", target=target, method=method, method_options=options)
+    m = result.manifest
+    assert m["target"]["name"] == target and m["inputs"][0]["shape"] == [3, 3, SIZE, SIZE]
+    assert m["method"]["params"]["crops"]["count"] == 3
+    stages = [s.stage for s in result.report.stages]
+    assert len(stages) >= 3 and all(s.passed for s in result.report.stages), stages
+    _rows_are_hf_rows(result, hf_model, 3, 10)
+
+
+def test_grid_on_openvino(internvl_dir, hf_model, tmp_path):
+    """openvino (the CPU plugin here): the IR's parity stage passes, and its rows are HF's at kept_indices."""
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install 'vlmprune[openvino]')")
+    result = _compile(internvl_dir, tmp_path / "b", "1x2", target="openvino")
+    assert "openvino" in [s.stage for s in result.report.stages]
+    assert result.manifest["inputs"][0]["shape"] == [3, 3, SIZE, SIZE]
     _rows_are_hf_rows(result, hf_model, 3, 10)
 
 
@@ -202,3 +232,45 @@ def test_refusals(internvl_dir, tmp_path, options, message):
 def test_cli_refusal_is_one_line(internvl_dir, tmp_path):
     one_line_error(run_cli("compile", internvl_dir, "--method", "divprune", "--keep", "10", "--grid", "5x3",
                            "-o", tmp_path / "b"), "15 tiles")
+
+
+@pytest.fixture(scope="module")
+def llm_bundle_1x2(llm_dir, tmp_path_factory):
+    """--grid 1x2 --with-llm on ort: the tiles' kept rows and the Qwen2 language model's graphs in one bundle."""
+    return _compile(llm_dir, tmp_path_factory.mktemp("internvl_tiles_llm") / "b", "1x2", keep=8, with_llm=True)
+
+
+def test_with_llm_over_tiles_and_generate_through_its_graphs(llm_bundle_1x2, llm_dir, tmp_path_factory):
+    """The LLM graphs pass their parity; generate through them gives HF's own language model's greedy tokens on the
+    same kept rows, placed among the image's 48 dense rows (the tiles' and the thumbnail's)."""
+    from vlmprune.compiler import generate as gen
+
+    m = llm_bundle_1x2.manifest
+    assert m["llm_graphs"]["parity"]["passed"] and m["llm_graphs"]["parity"]["tokens_identical"]
+    assert m["llm"]["dense_image_tokens"] == 3 * TOKENS and m["llm"]["text_resumes_at"] == 3 * TOKENS
+    image = cat_image(tmp_path_factory)
+    check_generate_through_graphs(llm_bundle_1x2.bundle, llm_dir, image, "what is in the image?", 8)
+    run = gen.generate(llm_bundle_1x2.bundle, str(llm_dir), image, "what is in the image?", max_new_tokens=1)
+    assert len(set((np.asarray(run.kept) // TOKENS).tolist())) == 3  # rows of both tiles and of the thumbnail
+
+
+def test_eval_over_tiles(llm_bundle_1x2, llm_dir, tmp_path):
+    """eval at the bundle's grid: its dense harness is HF's forward over the 3 tiles' 48 rows, and the bundle's rows
+    (answered by its LLM graphs) give the figures of divprune's reference over the same tiles."""
+    check_eval(llm_bundle_1x2, llm_dir, tmp_path, ["what is in the image?", "describe it."], 3 * TOKENS)
+
+
+def test_eval_cli_grid_and_another_grid_refused(llm_bundle_1x2, llm_dir, tmp_path):
+    """`eval --grid 1x2` runs the references over the tiles; --grid 2x2 beside a 1x2 bundle is one line."""
+    from skimage import data
+
+    images, prompts = eval_inputs(tmp_path, {"cat.png": data.chelsea()}, ["what is in the image?"])
+    report = tmp_path / "r.json"
+    result = run_cli("eval", llm_dir, "--images", images, "--prompts", prompts, "-m", "divprune", "-k", "8",
+                     "--grid", "1x2", "--max-new-tokens", "1", "--report", report, "-q")
+    assert result.exit_code == 0, result.output
+    out = json.loads(report.read_text())
+    assert out["dense_image_tokens"] == 3 * TOKENS and out["harness_kl_max"] < 1e-8
+    assert out["results"][0]["samples"][0]["image_tokens"] == 8
+    one_line_error(run_cli("eval", llm_dir, "--images", images, "--prompts", prompts, "--bundle",
+                           llm_bundle_1x2.bundle, "--grid", "2x2", "-q"), "compiled for --grid 1x2")
