@@ -2,7 +2,7 @@
 """A LLaVA on a real DINOv2 tower, trained here on easy-vqa or the inspection scenes: the models pruning is measured with.
 
     python tools/train_easyvqa.py [--dataset easyvqa|inspection] [-o DIR] [--tower TOWER_DIR] [--train N]
-                                  [--epochs E] [--test M] [--seed S] [--threads T] [--force]
+                                  [--epochs E] [--test M] [--seed S] [--threads T] [--lr LR] [--batch B] [--force]
 
 A LlavaForConditionalGeneration (family `llava_dinov2`): the tower (a Dinov2Model directory, e.g. from
 tools/dinov2_from_onnx.py; frozen), LLaVA's 2-layer MLP projector and a small Llama trained from
@@ -432,11 +432,13 @@ def answers(model, processor, samples: list[dict], batch: int = 16) -> list[str]
 
 def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: int | None = None,
                   test_n: int | None = None, seed: int = 0, lm: dict | None = None, threads: int = 2,
-                  force: bool = False, log=print, dataset: str | Dataset = "easyvqa") -> dict:
+                  force: bool = False, log=print, dataset: str | Dataset = "easyvqa", lr: float | None = None,
+                  batch: int | None = None) -> dict:
     """Train, evaluate and publish the checkpoint at out; its training.json record (the existing one if reused).
 
-    dataset: a name of DATASETS or a Dataset; train_n, epochs and test_n default to the dataset's own."""
+    dataset: a name of DATASETS or a Dataset; train_n, epochs, test_n, lr and batch default to the dataset's own."""
     data = DATASETS[dataset] if isinstance(dataset, str) else dataset
+    data = dataclasses.replace(data, lr=data.lr if lr is None else lr, batch=data.batch if batch is None else batch)
     dataset = data.name
     train_n, epochs, test_n = (data.train if train_n is None else train_n, data.epochs if epochs is None else epochs,
                                data.test if test_n is None else test_n)
@@ -480,7 +482,8 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
         record = {
             "dataset": dataset, **accuracy_record(got, test_rows, train_all),
             "train_questions": len(train_rows), "train_images": len(images),
-            "epochs": epochs, "seed": seed, "threads": threads, "language_model": lm, "packed": data.pack,
+            "epochs": epochs, "batch": data.batch, "lr": data.lr, "seed": seed, "threads": threads,
+            "language_model": lm, "packed": data.pack,
             "tower": str(Path(tower).resolve()), "final_loss": losses[-1] if losses else None,
             "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
             "environment": environment(),
@@ -566,18 +569,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the weights do not depend on it)")
     parser.add_argument("--lm-layers", type=int, default=None,
                         help=f"the language model's decoder layers (default {LM['num_hidden_layers']}, or the dataset's)")
+    parser.add_argument("--lr", type=float, default=None, help="AdamW's peak learning rate (easyvqa 2e-3, inspection 1e-3)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences per update (easyvqa 32 questions, inspection 8 packed images)")
     parser.add_argument("--force", action="store_true", help="retrain and replace an existing model")
     args = parser.parse_args(argv)
     data = DATASETS[args.dataset]
     tower = args.tower or cache_dir() / "models" / data.tower
-    if min(v for v in (args.train, args.epochs, args.test, args.threads, args.lm_layers, 1) if v is not None) < 1:
-        print("error: --train, --epochs, --test, --threads and --lm-layers must be at least 1", file=sys.stderr)
+    for flag in ("train", "epochs", "test", "threads", "lm_layers", "batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            print(f"error: --{flag.replace('_', '-')} must be at least 1, got {value}", file=sys.stderr)
+            return 2
+    if args.lr is not None and not 0 < args.lr < 1:
+        print(f"error: --lr must be in (0, 1), got {args.lr}", file=sys.stderr)
         return 2
     try:
         record = train_easyvqa(args.output or default_output(args.dataset), tower, args.train, args.epochs, args.test,
                                args.seed, threads=args.threads, force=args.force,
                                lm=None if args.lm_layers is None else {"num_hidden_layers": args.lm_layers},
-                               log=lambda line: print(line, flush=True), dataset=args.dataset)
+                               log=lambda line: print(line, flush=True), dataset=args.dataset, lr=args.lr,
+                               batch=args.batch)
     except (FileExistsError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -88,7 +88,11 @@ def test_refusals(tmp_path, capsys):
     assert capsys.readouterr().err == (f"error: {tmp_path / 'mine'} exists but is not a finished easyvqa model; "
                                        "pass --force to replace it\n")
     assert train_easyvqa.main(["-o", str(tmp_path / "z"), "--tower", str(tmp_path), "--lm-layers", "0"]) == 2
-    assert "--lm-layers must be at least 1" in capsys.readouterr().err and not (tmp_path / "z").exists()
+    assert capsys.readouterr().err == "error: --lm-layers must be at least 1, got 0\n" and not (tmp_path / "z").exists()
+    assert train_easyvqa.main(["-o", str(tmp_path / "z"), "--tower", str(tmp_path), "--batch", "0"]) == 2
+    assert capsys.readouterr().err == "error: --batch must be at least 1, got 0\n" and not (tmp_path / "z").exists()
+    assert train_easyvqa.main(["-o", str(tmp_path / "z"), "--tower", str(tmp_path), "--lr", "2"]) == 2
+    assert capsys.readouterr().err == "error: --lr must be in (0, 1), got 2.0\n" and not (tmp_path / "z").exists()
 
 
 def test_weights_do_not_depend_on_the_thread_count(trained, tower, tmp_path):
@@ -114,6 +118,7 @@ def test_inspection_scenes_train_with_per_type_accuracy(tower, tmp_path, monkeyp
     assert record["dataset"] == "inspection" and record["test_questions"] == 12 and record["train_images"] == 12
     assert record["train_questions"] == 24 + 12 * 3  # the split's two a image, and three more read from each scene
     assert record["packed"] and record["language_model"]["num_hidden_layers"] == 2  # the dataset's override
+    assert (record["batch"], record["lr"]) == (data.batch, data.lr)  # the dataset's own, recorded
     types = record["per_type"]
     assert set(types) <= set(inspection_vqa.TYPES) and sum(t["questions"] for t in types.values()) == 12
     for row in types.values():
@@ -222,3 +227,12 @@ def test_features_are_cached_per_chunk_and_reused(tower, tmp_path, monkeypatch):
     assert [("cached" in line) for line in said] == [False, False, True, True, False]
     assert len(list((tmp_path / "cache" / "features").glob("*.pt"))) == 3
     assert all((first[p] == again[p]).all() for p in paths[:4])
+
+
+def test_lr_and_batch_override_the_datasets_and_are_recorded(trained, tower, tmp_path):
+    """--lr and --batch reach the optimiser (other weights than the dataset's defaults give) and training.json."""
+    _, record = trained
+    assert (record["lr"], record["batch"]) == (2e-3, 32)  # easy-vqa's own
+    other = _train(tmp_path / "other", tower, lr=5e-3, batch=8)
+    assert (other["lr"], other["batch"]) == (5e-3, 8)
+    assert other["weights_sha256"] != record["weights_sha256"]
