@@ -1,4 +1,4 @@
-"""Family `internvl`: InternVL3 (InternVLForConditionalGeneration, transformers' native `internvl` model_type).
+"""Family `internvl`: InternVL3 and 3.5 (InternVLForConditionalGeneration, transformers' native `internvl` model_type).
 
 Its vision tower (InternVisionModel: a [CLS] token, learned absolute positions, pre-norm blocks with
 layer scales lambda_1 / lambda_2, optional q/k RMS norms) runs through VisionPipeline, as CLIP's does;
@@ -38,10 +38,12 @@ merged grid (`positions` "indices"): the Qwen2 LLM's 1-D positions, original-pos
 The LLM side: its chat template writes an image as <IMG_CONTEXT>, which the processor expands to <img> + the rows of
 all its tiles end to end + </img> (one pair per image, tiles or not); `generate` and `eval` write the kept rows so
 (image_prompt), at their original positions.
-`--with-llm` on ort exports its Qwen2 language model (compiler.llm.torch_exporter, the layer it knows; read from the
-VLM's own decoder by compiler.llm.lm_source), FastV included; the bundle hands over nothing beyond the rows and their
-positions. InternVL3.5's Qwen3 language model is refused in one line (lm_source.check_family), as is orin's Edge-LLM
-exporter (it takes LLaVA's and Qwen2.5-VL's checkpoints only).
+`--with-llm` on ort exports its language model (compiler.llm.torch_exporter, the layers it knows; read from the
+VLM's own decoder by compiler.llm.lm_source), FastV included: InternVL3's Qwen2 and InternVL3.5's Qwen3 (per-head q/k
+norms), each also through onnxruntime-genai's builder (--llm-exporter genai); the bundle hands over nothing beyond the
+rows and their positions. InternVL3.5's MoE checkpoints (Qwen3-MoE) are refused in one line (lm_source.check_family),
+as is orin's Edge-LLM exporter (it takes LLaVA's and Qwen2.5-VL's checkpoints only; a Qwen3 language model with its
+reason, edgellm.TEXT_REFUSED).
 """
 
 from __future__ import annotations

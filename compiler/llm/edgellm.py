@@ -58,6 +58,12 @@ ONNX_NAME = LLM_MODEL  # what tensorrt-edgellm-export writes and its runtime loa
 LOG_NAME = "edgellm_export.log"
 EXPORTER = f"TensorRT Edge-LLM {edgellm_env.EDGELLM_VERSION} (tensorrt-edgellm-export)"
 TEXT_FAMILIES = ("llama", "qwen2")  # language models of LLaVA checkpoints that go through Edge-LLM's default LLM path
+# Language models TensorRT Edge-LLM itself lists that this exporter refuses, with the reason: what vlmprune checks of
+# Edge-LLM's graph without TensorRT (the weight map, _expected; the graph cut at the plugins, standard_ops_parity) is
+# Llama's and Qwen2's layer, so a layer with more weights than those would ship with them unchecked.
+TEXT_REFUSED = {"qwen3": "TensorRT Edge-LLM lists Qwen3, but the checks vlmprune runs on its graph here (the weight "
+                         "map, and the graph cut at the plugins against the PyTorch math) have no per-head "
+                         "q_norm/k_norm, so Qwen3's layer would ship unchecked; use target ort"}
 # Checkpoints Edge-LLM's exporter knows as VLMs (their LLM goes through --skip-visual): what the families declare.
 VLM_FAMILIES = tuple(t for family in FAMILIES for t in family.whole_vlm_llm)
 PLUGIN_DOMAIN = "trt_edgellm"
@@ -153,6 +159,9 @@ def _resolve(model):
     """(kind, causal LM or None, checkpoint dir or None, text config): one line for anything Edge-LLM is not given."""
     if not isinstance(model, (str, os.PathLike)):
         config = getattr(model, "config", None)
+        if getattr(config, "model_type", None) in TEXT_REFUSED:
+            raise InputError(f"TensorRT Edge-LLM export: language model type {config.model_type!r} is not supported: "
+                             f"{TEXT_REFUSED[config.model_type]}")
         if getattr(config, "model_type", None) not in TEXT_FAMILIES:
             raise InputError(f"TensorRT Edge-LLM export: language model type "
                              f"{getattr(config, 'model_type', None)!r} is not supported here "
@@ -161,24 +170,38 @@ def _resolve(model):
         return "lm", model, None, config
     spec = str(model)
     path = Path(spec)
-    if spec != "demo" and path.is_dir() and (path / "config.json").is_file():
-        raw = json.loads((path / "config.json").read_text())
-        model_type = raw.get("model_type")
-        if model_type in VLM_FAMILIES:
-            from transformers import AutoConfig
+    if checkpoint_kind(spec) == "vlm":
+        from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-            text = getattr(config, "text_config", None) or config
-            return "vlm", None, path, text
-        if model_type != "llava":
-            raise InputError(f"--with-llm for orin (TensorRT Edge-LLM) takes `demo`, a LLaVA checkpoint (Llama or "
-                             f"Qwen2 language model) or a Qwen2.5-VL checkpoint; {spec} is model type {model_type!r}")
-        text_type = (raw.get("text_config") or {}).get("model_type", "llama")
-        if text_type not in TEXT_FAMILIES:
-            raise InputError(f"--with-llm for orin (TensorRT Edge-LLM): {spec}'s language model type {text_type!r} "
-                             f"is not supported (supported: {', '.join(TEXT_FAMILIES)})")
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        text = getattr(config, "text_config", None) or config
+        return "vlm", None, path, text
     lm = language_model(spec)  # one line for anything else; it checks the family (check_family) too
     return "lm", lm, (path if spec != "demo" and path.is_dir() else None), lm.config
+
+
+def checkpoint_kind(spec: str) -> str | None:
+    """From MODEL's config.json alone (no weights): "vlm" for a checkpoint Edge-LLM's exporter takes whole, "llava" for
+    a LLaVA one, None for `demo` or what is not a checkpoint directory (language_model says); one line for anything
+    else, so that the refusal comes before the tower's export."""
+    path = Path(spec)
+    if spec == "demo" or not path.is_dir() or not (path / "config.json").is_file():
+        return None
+    raw = json.loads((path / "config.json").read_text())
+    model_type = raw.get("model_type")
+    text_type = (raw.get("text_config") or {}).get("model_type", "llama")
+    if text_type in TEXT_REFUSED:  # InternVL3.5's Qwen3: the reason, not only the checkpoint's family
+        raise InputError(f"--with-llm for orin (TensorRT Edge-LLM): {spec}'s language model type {text_type!r} "
+                         f"is not supported: {TEXT_REFUSED[text_type]}")
+    if model_type in VLM_FAMILIES:
+        return "vlm"
+    if model_type != "llava":
+        raise InputError(f"--with-llm for orin (TensorRT Edge-LLM) takes `demo`, a LLaVA checkpoint (Llama or "
+                         f"Qwen2 language model) or a Qwen2.5-VL checkpoint; {spec} is model type {model_type!r}")
+    if text_type not in TEXT_FAMILIES:
+        raise InputError(f"--with-llm for orin (TensorRT Edge-LLM): {spec}'s language model type {text_type!r} "
+                         f"is not supported (supported: {', '.join(TEXT_FAMILIES)})")
+    return "llava"
 
 
 def _chat_template(source: Path | None) -> tuple[str | None, str]:
@@ -705,7 +728,9 @@ class EdgeLlmExporter(LlmExporter):
         return edgellm_env.creatable()
 
     def check_model(self, spec: str, fastv) -> None:
-        """Nothing before the tower's export: the exporter's families are checked by _resolve, at export."""
+        """MODEL's config alone against what the exporter takes (checkpoint_kind), before the tower's export; the
+        language model itself is checked by _resolve, at export."""
+        checkpoint_kind(spec)
 
     def export(self, model_spec: str, manifest: dict, options, folder: Path, progress, fastv) -> dict:
         from vlmprune.compiler.errors import ToolchainError

@@ -65,7 +65,7 @@ from vlmprune.compiler.parity import figure_text
 
 EXPORTER = "onnxruntime-genai"
 MODEL, CONFIG = LLM_MODEL, "genai_config.json"
-FAMILIES = ("llama", "qwen2")  # checked here with the builder's LlamaModel / QwenModel (1-D RoPE)
+FAMILIES = ("llama", "qwen2", "qwen3")  # checked here with the builder's LlamaModel / QwenModel / Qwen3Model (1-D RoPE)
 PRECISIONS = ("fp32",)  # what the parity check below holds to PARITY_ATOL on the CPU
 PARITY_ATOL = 1e-4  # fp32 logits, as compiler.llm.torch_exporter's: the bound's absolute floor
 # The contract's fp32 bound is that floor plus a term relative to the output's scale (1e-5 · max|want|): the builder's

@@ -17,6 +17,8 @@ from vlmprune.compiler.errors import InputError
 # LLaVA, LLaVA-NeXT, InternVL3 and SmolVLM checkpoints, read from the VLM's own decoder), and the
 # language models of Qwen2-VL / Qwen2.5-VL (Qwen2's layer; their rotary embedding takes mRoPE's
 # (t, h, w) positions, [3, B, T], and hands the layers ordinary cos/sin).
+# Qwen3 (the language model of InternVL3.5 checkpoints): Qwen2's layer without the q/k/v biases, and an RMSNorm over
+# each head's queries and keys before the rotation (QK_NORM); 1-D positions, a causal-LM class of its own.
 # Qwen3-VL's language model (qwen3_vl_text): Qwen3's layer (a per-head RMSNorm on the queries and keys, QK_NORM),
 # mRoPE positions, and DeepStack: the vision tower's level-l rows added to the image rows after layer l-1.
 # Gemma 3's language model (gemma3_text, transformers' modeling_gemma3): its layer norms with (1 + weight) (the
@@ -30,22 +32,25 @@ from vlmprune.compiler.errors import InputError
 # parity reference asks transformers' own mask builder, named here (the module that holds get_block_sequence_ids_for_mask
 # and create_masks_for_vision_model). Its embedding scale (sqrt(hidden)) is the embedding module's, before the graph:
 # inputs_embeds are embeddings as the model's own get_input_embeddings gives them.
-FAMILIES = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "gemma3_text")
 MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
-QK_NORM = frozenset({"qwen3_vl_text", "gemma3_text"})
+QK_NORM = frozenset({"qwen3", "qwen3_vl_text", "gemma3_text"})
 SANDWICH_NORM = frozenset({"gemma3_text"})
 LAYER_TYPES = frozenset({"gemma3_text"})
 IMAGE_BLOCK = {"gemma3_text": "transformers.models.gemma3.modeling_gemma3"}
 # Decoders known by name and refused, with the reason (the others: "not supported" and the list).
 REFUSED = {"gemma4_text": "Gemma 4's decoder is not Gemma 3's layer: it adds per-layer embeddings read from the token "
                           "ids (hidden_size_per_layer_input), a per-layer scalar, a value norm, KV shared across layers "
-                          "and mixture-of-experts blocks, none of which the exporter's layer computes"}
+                          "and mixture-of-experts blocks, none of which the exporter's layer computes",
+            "qwen3_moe": "Qwen3-MoE's decoder (InternVL3.5's MoE checkpoints) replaces the MLP with a mixture of "
+                         "experts (a router picking num_experts_per_tok of num_experts MLPs per token), which the "
+                         "exporter's layer does not compute"}
 # Decoders whose FastV the exporter refuses, with the reason: FastV's reference (compiler.llm.fastv) runs the layers
 # under one causal mask with one rotary embedding.
 NO_FASTV = {"gemma3_text": "FastV's reference runs every layer causally with one rotary embedding, and Gemma 3's "
                            "language model has a bidirectional image block, sliding-window layers and two rotary "
                            "bases; FastV's cut inside the image block is not defined"}
-_CAUSAL_LM_TYPES = ("llama", "qwen2")  # text models with a causal-LM class of their own
+_CAUSAL_LM_TYPES = ("llama", "qwen2", "qwen3")  # text models with a causal-LM class of their own
 
 
 def uses_mrope(config) -> bool:
@@ -54,7 +59,8 @@ def uses_mrope(config) -> bool:
 
 
 def decoder_of(model):
-    """(inner decoder model, its config) of a Llama- or Qwen2-family causal LM; one line for anything else."""
+    """(inner decoder model, its config) of a causal LM whose decoder layer the exporters know; one line for anything
+    else."""
     config = getattr(model, "config", None)
     check_family(config)
     return model.model, config

@@ -1,13 +1,15 @@
-"""InternVL3's and SmolVLM's language models exported `--with-llm` (target ort, the torch exporter), against Hugging
-Face itself.
+"""InternVL3's, InternVL3.5's and SmolVLM's language models exported `--with-llm` (target ort, the torch exporter),
+against Hugging Face itself.
 
-Their decoders are layers the exporter already knows (InternVL3: Qwen2, q/k/v biases; SmolVLM: Llama), read from the
+Their decoders are layers the exporter knows (InternVL3: Qwen2, q/k/v biases; InternVL3.5: Qwen3, a per-head RMSNorm
+on the queries and keys before the rotation, head size 32 apart from hidden / heads; SmolVLM: Llama), read from the
 VLM's own decoder (lm_source.language_model); what is theirs is the prompt around the image (Family.image_prompt:
 InternVL's <img> ... </img>, SmolVLM's <fake_token_around_image><global-img> ... <fake_token_around_image>) and the
 kept rows' original 1-D positions. Each family gets a tiny checkpoint built offline with a byte-level tokenizer and
 its chat template (tiny_models, seed 7): 2 LLM layers 48 wide, 2 query heads on 1 KV head (GQA), the embedding tied
 to the head as the released InternVL3-1B and SmolVLM-256M have it, their rotary bases (1M, 100k), vocabulary 320, and
-every LLM weight spread (matrices, Qwen2's biases, each RMSNorm's scale around 1), so that a layer spelled wrongly
+every LLM weight spread (matrices, Qwen2's biases, each RMSNorm's scale around 1, Qwen3's q_norm / k_norm among
+them), so that a layer spelled wrongly
 shows. What is checked:
 - InternVL3's prompt is its processor's: the template's <IMG_CONTEXT> expanded as transformers' InternVLProcessor
   expands one tile (SmolVLM's is checked in test_smolvlm);
@@ -22,8 +24,10 @@ shows. What is checked:
 - FastV compiles into their prefill (--image-start: the prompt tokens before the image, as generate prints it): its
   first logits, kept tokens and greedy tokens are FastV's reference's, not the dense decoder's;
 - refused in one line before any work: FastV at a layer past the decoder's last but one, and an InternVL checkpoint
-  whose language model is a decoder the exporter does not know (InternVL3.5's Qwen3); --with-llm on a bare tower names
-  the checkpoints that hold a language model, InternVL3 and SmolVLM among them.
+  whose language model is a decoder the exporter does not know (InternVL3.5's MoE checkpoints: Qwen3-MoE); --with-llm
+  on a bare tower names the checkpoints that hold a language model, InternVL3 and SmolVLM among them.
+InternVL3.5's further checks (its caches against HF's, the q/k norms counting, onnxruntime-genai, orin) are in
+test_internvl35_llm.
 """
 
 from __future__ import annotations
@@ -38,14 +42,15 @@ import torch
 
 from cli_helpers import one_line_error, run_cli
 from merged_checks import cat_image, check_generate_through_graphs, check_greedy_steps
-from tiny_models import edited_copy, tiny_internvl, tiny_smolvlm
+from tiny_models import edited_copy, tiny_internvl, tiny_internvl35, tiny_smolvlm
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
 VOCAB, IMAGE, TOKENS, KEEP, LAYERS = 320, 300, 16, 8, 2
 PROMPT = "what is in the image?"
 LLM = dict(vocab_size=VOCAB, num_hidden_layers=LAYERS, num_key_value_heads=1, tie_word_embeddings=True)
 # family -> (its tiny checkpoint's builder, its LLM's model_type, its rotary base)
-FAMILIES = {"internvl": (tiny_internvl, "qwen2", 1e6), "smolvlm": (tiny_smolvlm, "llama", 1e5)}
+FAMILIES = {"internvl": (tiny_internvl, "qwen2", 1e6), "internvl35": (tiny_internvl35, "qwen3", 1e6),
+            "smolvlm": (tiny_smolvlm, "llama", 1e5)}
 
 
 def _pixels(family: str, pixel: np.ndarray) -> torch.Tensor:
@@ -237,12 +242,13 @@ def test_fastv_past_the_decoders_layers_is_refused_in_one_line(case, tmp_path):
 
 
 def test_an_internvl_whose_llm_the_exporter_does_not_know_is_refused_in_one_line(tmp_path):
-    """InternVL3.5's checkpoints hold a Qwen3 decoder (q/k norms on a 1-D rotary), which no exporter here spells:
-    refused from the config alone, before the tower's export."""
+    """InternVL3.5's MoE checkpoints hold a Qwen3-MoE decoder (a router over expert MLPs), which no exporter here
+    spells: refused from the config alone, before the tower's export, with the reason."""
     ckpt = tiny_internvl(tmp_path / "ckpt", 7, image_token_id=IMAGE, vocab_size=VOCAB)
-    qwen3 = edited_copy(ckpt, tmp_path / "qwen3", lambda c: c["text_config"].update(model_type="qwen3"))
-    result = run_cli("compile", qwen3, "-o", tmp_path / "b", "--method", "divprune", "--keep", "6", "--with-llm")
-    one_line_error(result, "language model type 'qwen3' is not supported for export (supported: llama, qwen2")
+    moe = edited_copy(ckpt, tmp_path / "moe", lambda c: c["text_config"].update(model_type="qwen3_moe"))
+    result = run_cli("compile", moe, "-o", tmp_path / "b", "--method", "divprune", "--keep", "6", "--with-llm")
+    one_line_error(result, "language model type 'qwen3_moe' is not supported for export: Qwen3-MoE's decoder")
+    assert "mixture of experts" in result.output
     assert "export (torch.onnx" not in result.output and not (tmp_path / "b").exists()
 
 

@@ -110,7 +110,8 @@ def test_parity_with_the_hugging_face_model_at_contiguous_positions(built, batch
 @pytest.mark.parametrize("family,config,kwargs,needle", [
     ("qwen2", {}, {"precision": "fp16"}, "precision 'fp16' is not supported (supported: fp32"),
     ("qwen2", {}, {"execution_provider": "cuda"}, "execution provider 'cuda' is not supported"),
-    ("mistral", {}, {}, "type 'mistral' is not supported by the onnxruntime-genai exporter (supported: llama, qwen2)"),
+    ("mistral", {}, {},
+     "type 'mistral' is not supported by the onnxruntime-genai exporter (supported: llama, qwen2, qwen3)"),
     ("qwen2", {"eos_token_id": None}, {}, "needs an end-of-sequence token id; the language model's config has none"),
     # 48 wide over 2 heads: ONNX Runtime's CPU GroupQueryAttention fails at its first run (head_size % 16 == 8)
     ("llama", {"hidden_size": 48, "num_attention_heads": 2, "num_key_value_heads": 1}, {},

@@ -1,4 +1,4 @@
-"""Tiny checkpoints built offline from configs (Qwen2-VL, Qwen3-VL, LLaVA, InternVL, Gemma 3, SmolVLM, LFM2-VL,
+"""Tiny checkpoints built offline from configs (Qwen2-VL, Qwen3-VL, LLaVA, InternVL3 / 3.5, Gemma 3, SmolVLM, LFM2-VL,
 MiniCPM-V), for
 the tests that need one.
 
@@ -26,9 +26,10 @@ def spread(model, prefixes: tuple[str, ...] = (), suffixes: tuple[str, ...] = ()
 
 
 def spread_decoder(model, prefix: str) -> None:
-    """A Llama- or Qwen2-layer language model's weights (under prefix) spread for a parity test: its matrices and
-    biases drawn (Qwen2's q/k/v biases start at zero), and every RMSNorm's scale drawn around 1 (transformers starts
-    them at 1 exactly), so that a projection, a bias or a norm spelled out wrongly shows in the logits."""
+    """A Llama-, Qwen2- or Qwen3-layer language model's weights (under prefix) spread for a parity test: its matrices
+    and biases drawn (Qwen2's q/k/v biases start at zero), and every RMSNorm's scale drawn around 1 (transformers
+    starts them at 1 exactly; Qwen3's per-head q_norm / k_norm among them), so that a projection, a bias or a norm
+    spelled out wrongly shows in the logits."""
     spread(model, (prefix,))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -164,6 +165,14 @@ def tiny_internvl(path: Path, seed: int = 0, image_token_id: int = 120, spread_l
                        extra_special_tokens={"context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>",
                                              "end_image_token": "</img>", "video_token": "<video>"})
     return Path(path)
+
+
+def tiny_internvl35(path: Path, seed: int = 0, **kwargs) -> Path:
+    """tiny_internvl with InternVL3.5's language model: Qwen3 (per-head q_norm / k_norm, no q/k/v biases), its head
+    size 32 set apart from hidden / heads (48 / 2), as Qwen3's released configs set it (Qwen3-0.6B: 128 against
+    1024 / 16), and a multiple of 16 so that onnxruntime-genai's GroupQueryAttention runs it on the CPU. kwargs:
+    tiny_internvl's (text overrides included)."""
+    return tiny_internvl(path, seed, **{"model_type": "qwen3", "head_dim": 32, **kwargs})
 
 
 def tiny_gemma3(path: Path, seed: int = 0, image_token_id: int = 120, boi: int = 121, eoi: int = 122,
