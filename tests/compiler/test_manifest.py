@@ -14,7 +14,7 @@ from vlmprune.compiler import bundle
 from vlmprune.compiler.contract import FEATURES, KEPT, MANIFEST, PIXELS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.bundle.manifest import Manifest, manifest_digest
-from vlmprune.passes.methods import METHODS
+from vlmprune.passes.methods import METHODS, method_of
 from vlmprune.passes.methods.dense import Dense
 
 
@@ -36,7 +36,7 @@ def test_typed_fields_read_a_real_bundle_and_keep_its_json(demo_bundle):
         "cls", 192, 2, "block")
     assert (m.method.tokens_in, m.method.tokens_out, m.method.has_cls, m.method.prefix, m.method.params) == (
         method["tokens_in"], method["tokens_out"], method["has_cls"], method["prefix"], method["params"])
-    assert m.method.params["lambda"] == 0.3 and isinstance(m.method.method(), METHODS["cls"])
+    assert m.method.params["lambda"] == 0.3 and isinstance(method_of(m.method), METHODS["cls"])
     assert [(t.name, t.shape, t.dtype) for t in m.inputs] == [(PIXELS, raw["inputs"][0]["shape"], "float")]
     assert m.output_names == [FEATURES, KEPT] == [t.name for t in m.outputs]
     assert (m.preprocess.mean, m.preprocess.std, m.preprocess.size) == (
@@ -57,7 +57,7 @@ def test_a_dense_bundle_records_the_dense_method(compiled, tiny_llava_dir):
     assert isinstance(m, Manifest)
     assert m["method"] == {"name": "none", "summary": "dense (no pruning)"}  # as every dense bundle so far
     assert not m.method.pruned and m.method.prefix is None
-    dense = m.method.method()
+    dense = method_of(m.method)
     assert isinstance(dense, Dense) and not dense.prunes and dense.summary == m.method.summary
     assert all(cls.prunes for cls in METHODS.values())
 
