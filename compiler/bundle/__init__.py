@@ -319,7 +319,7 @@ def _publish_into(tmp: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_manifest(bundle_dir: Path, manifest: dict):
+def write_manifest(bundle_dir: Path, manifest: Manifest):
     """Record every file's sha256 (the manifest itself excepted), then the manifest's own digest; the Manifest."""
     files = {}
     for path in sorted(p for p in bundle_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, _LOCK)):

@@ -37,7 +37,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def manifest_digest(manifest: ContractManifest) -> str:
+def manifest_digest(manifest: Manifest) -> str:
     """sha256 of the manifest's canonical JSON, its own digest field left out."""
     body = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
