@@ -330,7 +330,7 @@ def write_manifest(bundle_dir: Path, manifest: Manifest):
     return manifest
 
 
-def source_of(manifest, model: str | None = None, how: str = "pass --model PATH") -> str:
+def source_of(manifest: Manifest, model: str | None = None, how: str = "pass --model PATH") -> str:
     """The model to load for a bundle: model where given (its source moved; the content hash is still compared
     after loading), else the recorded source, which must still be where it was compiled from."""
     recorded = manifest.model.source

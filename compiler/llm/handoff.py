@@ -32,7 +32,7 @@ from vlmprune.compiler.parity.reference import FEATURES, KEPT, KEPT_POSITIONS  #
 from vlmprune.compiler.parity.reference import NUM_TOKENS  # [B]: valid rows where K varies per image
 
 
-def llm_section(manifest) -> dict:
+def llm_section(manifest: Manifest) -> dict:
     """The manifest's `llm` section, from its outputs, method and model fields (see the module docstring)."""
     outputs = {o.name: o for o in manifest.outputs}
     features = outputs.get(FEATURES) or manifest.outputs[0]

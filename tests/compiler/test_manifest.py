@@ -276,12 +276,12 @@ def test_no_view_field_read_past_its_view():
 TYPED_READERS = ("compiler/benchmark.py", "compiler/report.py", "compiler/pictures.py")
 
 
-def untyped_manifest_parameters(source: str) -> list[int]:
-    """Lines of a parameter named manifest (or m) that is not annotated Manifest."""
+def untyped_manifest_parameters(source: str, names: tuple[str, ...] = ("manifest", "m")) -> list[int]:
+    """Lines of a parameter named manifest (or m, or one of names) that is not annotated Manifest."""
     import ast
 
     return sorted(node.lineno for node in ast.walk(ast.parse(source))
-                  if isinstance(node, ast.arg) and node.arg in ("manifest", "m")
+                  if isinstance(node, ast.arg) and node.arg in names
                   and not (isinstance(node.annotation, ast.Name) and node.annotation.id == "Manifest"))
 
 
@@ -350,7 +350,19 @@ def test_no_library_function_takes_the_manifest_as_a_dict():
     assert not found, "manifest parameters typed dict (take compiler.contract.Manifest):\n" + "\n".join(found)
 
 
-def _masked(manifest: dict) -> dict:
+def test_every_library_parameter_named_manifest_is_a_manifest():
+    """Not only no dict: a parameter named manifest in the library (compiler, passes, targets) is annotated Manifest,
+    so that what a function reads of it is what the views name (trt_engine.py excepted: DICT_ALLOWED)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = [f"{path.relative_to(root)}:{line}" for folder in ("compiler", "passes", "targets")
+             for path in sorted((root / folder).rglob("*.py")) if str(path.relative_to(root)) not in DICT_ALLOWED
+             for line in untyped_manifest_parameters(path.read_text(), ("manifest",))]
+    assert not found, "manifest parameters not annotated Manifest:\n" + "\n".join(found)
+
+
+def _masked(raw: dict) -> dict:
     """The manifest with the values that depend on the machine, not on vlmprune's code, masked (keys and order kept):
     the versions of Python, torch and the toolchain, the weights' and files' digests, parity's measured figures."""
 
@@ -363,12 +375,12 @@ def _masked(manifest: dict) -> dict:
             return [floats(v) for v in value]
         return value
 
-    out = dict(manifest)
-    out["host"] = {k: "<host>" for k in manifest["host"]}
-    out["target"] = {**manifest["target"], "toolchain": {k: "<version>" for k in manifest["target"]["toolchain"]}}
-    out["model"] = {**manifest["model"], "sha256": "<sha256>"}
-    out["parity"] = floats(manifest["parity"])
-    out["files"] = {k: "<sha256>" for k in manifest["files"]}
+    out = dict(raw)
+    out["host"] = {k: "<host>" for k in raw["host"]}
+    out["target"] = {**raw["target"], "toolchain": {k: "<version>" for k in raw["target"]["toolchain"]}}
+    out["model"] = {**raw["model"], "sha256": "<sha256>"}
+    out["parity"] = floats(raw["parity"])
+    out["files"] = {k: "<sha256>" for k in raw["files"]}
     out["manifest_sha256"] = "<sha256>"
     return out
 
