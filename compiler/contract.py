@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +79,7 @@ ROLES = (SCORE, SELECT, TOKENS)
 DEFAULT_KEEP = 192  # compile's K (--keep)
 DEFAULT_OPSET = 18  # the ONNX opset of the exports, the tower's and the language model's (--opset)
 PROBE_KEEP = 64  # the K a method is parsed with where only its declarations are asked (needs, fused ops)
+DENSE_METHOD = "none"  # the manifest's method name of a dense bundle (--no-prune; passes.methods.dense.Dense)
 
 # --- numeric floors the methods share (their references and their graphs alike) ---------------
 NORM_EPS = 1e-12  # a row's L2 norm floor (torch.nn.functional.normalize's eps)
@@ -249,3 +251,179 @@ class PruneRecord:
                      **{k: section[k] for k in fields if k in section})
         summary, suffix = section.get("summary", ""), record._summary_suffix()
         return dataclasses.replace(record, summary=summary[:-len(suffix)] if summary.endswith(suffix) else summary)
+
+
+# --- the manifest (manifest.json) as read-only typed views ------------------------------------
+# The manifest's JSON object itself (a dict subclass), so what is written to disk and what bundles on disk hold do
+# not change; the views only name the fields a reader uses (`m.target.name`, `m.method.pruned`,
+# `m.inputs[0].shape`) so that no reader spells a key twice. A view is also a read-only Mapping of its section: a
+# target's own fields (what its emit recorded) are read as `m.target.get("qdq_model")`. They live here, the lowest
+# layer, so that every step (the targets and passes too) takes a typed Manifest; loading a bundle's manifest and
+# verifying its digests is compiler.bundle.manifest's (its Manifest subclasses this one).
+
+class Section(Mapping):
+    """A read-only view of one manifest section; subclasses name its fields."""
+
+    def __init__(self, data: Mapping):
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._data!r})"
+
+
+class TargetSection(Section):
+    """What the target recorded: its name, options, toolchain, and its emit's own fields (get them by key)."""
+
+    name = property(lambda self: self._data["name"])
+    summary = property(lambda self: self._data["summary"])
+    options = property(lambda self: self._data.get("options", {}))
+    toolchain = property(lambda self: self._data.get("toolchain", {}))
+    fused = property(lambda self: self._data.get("fused", False))  # the selection runs as one custom op
+    fused_ops = property(lambda self: self._data.get("fused_ops", []))
+    precision = property(lambda self: self._data.get("precision"))
+
+
+class ModelSection(Section):
+    """The source model: where it was loaded from, its family, content hash and geometry, and the family's details."""
+
+    source = property(lambda self: self._data["source"])
+    kind = property(lambda self: self._data["kind"])  # "preset", "hf" or "onnx"
+    family = property(lambda self: self._data.get("family"))
+    sha256 = property(lambda self: self._data["sha256"])
+    image_size = property(lambda self: self._data.get("image_size"))
+    patch_size = property(lambda self: self._data.get("patch_size"))
+    positions = property(lambda self: self._data.get("positions"))
+    # The families' own fields, for the readers that need one (details has them all).
+    token_counts = property(lambda self: self._data.get("token_counts") or {})  # a merging tower's grids and counts
+    video_frames = property(lambda self: self.token_counts.get("video_frames"))  # compile --video-frames F
+    merged_grid_thw = property(lambda self: self.token_counts.get("merged_grid_thw"))  # the merged tokens' t, h, w
+    deepstack = property(lambda self: self._data.get("deepstack"))  # Qwen3-VL's DeepStack planes
+    grid = property(lambda self: self._data.get("grid"))  # anyres: the crops grid ("RxC"), its crop count
+    crops = property(lambda self: self._data.get("crops"))
+    resolution = property(lambda self: self._data.get("resolution"))  # anyres: [height, width] of the grid
+
+    @property
+    def details(self) -> dict:
+        """The family's own fields (grid, crops, token_counts, ...), everything but the common ones."""
+        common = {"source", "kind", "family", "sha256", "image_size", "patch_size", "positions",
+                  "feature_layer_override"}
+        return {k: v for k, v in self._data.items() if k not in common}
+
+
+class MethodSection(Section):
+    """The method that pruned the tower, or the dense record (name DENSE_METHOD) for a dense bundle; the method object
+    is passes.methods.method_of(section)."""
+
+    name = property(lambda self: self._data["name"])
+    summary = property(lambda self: self._data["summary"])
+    pruned = property(lambda self: self._data["name"] != DENSE_METHOD)  # False: a dense bundle (--no-prune)
+    params = property(lambda self: self._data.get("params", {}))
+    keep = property(lambda self: self._data.get("keep"))
+    site = property(lambda self: self._data.get("site"))
+    layer = property(lambda self: self._data.get("layer"))
+    num_blocks = property(lambda self: self._data.get("num_blocks"))
+    formulation = property(lambda self: self._data.get("formulation"))
+    tokens_in = property(lambda self: self._data.get("tokens_in"))
+    tokens_out = property(lambda self: self._data.get("tokens_out"))
+    num_patches = property(lambda self: self._data.get("num_patches"))
+    has_cls = property(lambda self: self._data.get("has_cls"))
+    kept_count = property(lambda self: self._data.get("kept_count"))
+    steps = property(lambda self: self._data.get("steps", []))  # --schedule: each step's layer, keep, token counts
+    # --roi: its inputs' layout (passes.methods.roi.layout: kind, height, width, patch, grid, inputs, max_boxes)
+    roi = property(lambda self: self._data.get("roi"))
+
+    @property
+    def prefix(self) -> int | None:
+        """Tokens before the patch tokens (PruneRecord.prefix_of: older bundles too); None for a dense bundle."""
+        if not self.pruned:
+            return None
+        return PruneRecord.prefix_of(self._data)
+
+
+class Tensor(Section):
+    """One graph input or output: name, shape (ints and symbolic names), dtype."""
+
+    name = property(lambda self: self._data["name"])
+    shape = property(lambda self: self._data["shape"])
+    dtype = property(lambda self: self._data["dtype"])
+
+
+class PreprocessSection(Section):
+    mean = property(lambda self: self._data["mean"])
+    std = property(lambda self: self._data["std"])
+    size = property(lambda self: self._data["size"])
+
+
+class LlmSection(Section):
+    """The LLM hand-off (compiler.llm.handoff.llm_section): how the image rows splice into the language model."""
+
+    features_output = property(lambda self: self._data["features_output"])
+    image_tokens = property(lambda self: self._data.get("image_tokens"))  # an int, or a symbolic name (variable K)
+    dense_image_tokens = property(lambda self: self._data.get("dense_image_tokens"))
+    hidden_size = property(lambda self: self._data.get("hidden_size"))
+    dtype = property(lambda self: self._data.get("dtype"))
+    rows = property(lambda self: self._data["rows"])  # {"prefix", "kept", "extra"}
+    positions = property(lambda self: self._data["positions"])
+    text_resumes_at = property(lambda self: self._data.get("text_resumes_at"))
+    num_tokens = property(lambda self: self._data.get("num_tokens"))  # K varies per image: how to read the rows
+    extra_rows = property(lambda self: (self._data["rows"] or {}).get("extra"))  # rows with no patch position
+
+
+class KeepAutoSection(Section):
+    """--keep auto (compiler.pipeline.auto_keep): the K -> latency curve K was chosen on, and where it was timed."""
+
+    chosen = property(lambda self: self._data["chosen"])
+    budget_ms = property(lambda self: self._data["budget_ms"])
+    curve = property(lambda self: self._data["curve"])  # [[K, ms], ...], every K timed
+    timed_on = property(lambda self: self._data["timed_on"])
+    load = property(lambda self: self._data.get("load"))  # other processes' CPU share while it was timed
+
+
+class ParitySection(Section):
+    passed = property(lambda self: self._data["passed"])
+    stages = property(lambda self: self._data.get("stages", []))
+
+
+class Manifest(dict):
+    """manifest.json: the dict as written, with typed views of its sections (read-only; Manifest.load in
+    compiler.bundle.manifest reads and verifies a bundle's)."""
+
+    def extended(self, **sections) -> Manifest:
+        """A new manifest with these sections added after the ones it has (the file keeps that order): how the
+        compile adds what it learns in turn (the hand-off, the LLM graphs, parity) without writing into a dict."""
+        return type(self)({**self, **sections})
+
+    target = property(lambda self: TargetSection(self["target"]))
+    model = property(lambda self: ModelSection(self["model"]))
+    method = property(lambda self: MethodSection(self["method"]))
+    inputs = property(lambda self: [Tensor(t) for t in self["inputs"]])
+    outputs = property(lambda self: [Tensor(t) for t in self["outputs"]])
+    output_names = property(lambda self: [t["name"] for t in self["outputs"]])
+    preprocess = property(lambda self: PreprocessSection(self["preprocess"]))
+    compile_options = property(lambda self: self["compile_options"])
+    cls_section = property(lambda self: self.get("cls", {}))  # whether image_features starts with [CLS]
+    llm = property(lambda self: LlmSection(self["llm"]) if self.get("llm") is not None else None)  # the handoff
+    keep_auto = property(lambda self: KeepAutoSection(self["keep_auto"]) if self.get("keep_auto") else None)
+    llm_graphs = property(lambda self: self.get("llm_graphs"))  # the language model's graphs, with --with-llm
+    parity = property(lambda self: ParitySection(self["parity"]) if "parity" in self else None)
+
+    @property
+    def record(self) -> PruneRecord | None:
+        """The prune record the bundle was compiled from (what its decomposed graph holds), None for a dense one."""
+        if not self.method.pruned:
+            return None
+        text = next((t for t in self.inputs if t.name == TEXT), None)
+        return PruneRecord.from_manifest(
+            self["method"], text=None if text is None else {"name": TEXT, "dim": text.shape[2]},
+            num_tokens=NUM_TOKENS if NUM_TOKENS in self.output_names else None)
+    files = property(lambda self: self.get("files", {}))  # bundle-relative path -> sha256
+    version = property(lambda self: self["vlmprune_version"])

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler import generate as gen
 from vlmprune.compiler.frontend import family_of
@@ -252,7 +253,7 @@ def evaluate(model: str, images_dir: Path | None, prompts_file: Path | None, met
             "harness_kl_max": max(harness), "results": rows}
 
 
-def _same_input(path: Path, manifest: dict, source) -> None:
+def _same_input(path: Path, manifest: Manifest, source) -> None:
     """A bundle of the model at another --image-size or --grid (the options its family declares) takes other pixels:
     one line."""
     from vlmprune.compiler.frontend import family_for
@@ -300,7 +301,7 @@ def _reference_rows(vlm, setting: Setting):
     return rows_of
 
 
-def _bundle_rows(bundle_dir: Path, manifest: dict, vlm):
+def _bundle_rows(bundle_dir: Path, manifest: Manifest, vlm):
     @_per_image(text_input_dim(manifest) is not None)
     def rows_of(pixel, prompt):
         # a prompt-aware bundle: the prompt's rows

@@ -67,6 +67,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError, option
 from vlmprune.compiler.frontend import family_of
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, image_positions
@@ -493,7 +494,7 @@ class BundleTokens:
     place: Callable[[int], tuple[np.ndarray, int]] | None = None
 
 
-def bundle_tokens(bundle_dir: Path, manifest, pixel: np.ndarray, vlm: Vlm | None = None,
+def bundle_tokens(bundle_dir: Path, manifest: Manifest, pixel: np.ndarray, vlm: Vlm | None = None,
                   feeds: dict[str, np.ndarray] | None = None) -> BundleTokens:
     """Run the bundle's tower on one preprocessed image (load_pixels) with its target's runner here.
 
@@ -540,7 +541,7 @@ def bundle_positions(tokens: BundleTokens, offset: int) -> tuple[np.ndarray, int
                                    rows["extra"])
 
 
-def default_model(manifest) -> str:
+def default_model(manifest: Manifest) -> str:
     """The bundle's own source, when it is a full VLM (the demo preset, or a LLaVA / LLaVA-NeXT / Qwen2-VL
     directory)."""
     from vlmprune.compiler.bundle import source_of
@@ -569,7 +570,7 @@ class GenerateResult:
         return len(self.prompt.before)
 
 
-def fastv_mismatch(manifest, image_start: int) -> str | None:
+def fastv_mismatch(manifest: Manifest, image_start: int) -> str | None:
     """A warning when the bundle's FastV graph was compiled for another image start than this prompt's.
 
     FastV's image span is compiled into the prefill graph, so a prompt that puts the image elsewhere
@@ -582,7 +583,7 @@ def fastv_mismatch(manifest, image_start: int) -> str | None:
             f"prompt puts the image at token {image_start}: recompile with --image-start {image_start}")
 
 
-def bundle_llm(bundle_dir: Path, manifest, reference: bool = False, dense: bool = False):
+def bundle_llm(bundle_dir: Path, manifest: Manifest, reference: bool = False, dense: bool = False):
     """(the bundle's LLM graphs to answer with, or None; the line saying which language model answers).
 
     A bundle compiled --with-llm answers with its own exported graphs when its exporter can run them here

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmprune.compiler.contract import MODEL, ROLE
+from vlmprune.compiler.contract import MODEL, ROLE, Manifest
 
 
-def op_rows(bundle_dir: Path, manifest: dict, graph: str = MODEL) -> list[dict]:
+def op_rows(bundle_dir: Path, manifest: Manifest, graph: str = MODEL) -> list[dict]:
     import onnx
 
     model = onnx.load(str(Path(bundle_dir) / graph), load_external_data=False)

@@ -241,10 +241,12 @@ def reference_merges(manifest: Manifest, pixel: np.ndarray) -> tuple[Merges | No
     (None, None, None) when the method's kept tokens are plain copies (nothing was merged
     into a kept token); (None, None, why) when the merges cannot be traced here.
     """
+    from vlmprune.passes.methods import method_of
+
     method = manifest.method
     if not method.pruned:
         return None, None, None
-    copied = method.method().copied_rows(method.params)
+    copied = method_of(method).copied_rows(method.params)
     if copied >= method.kept_count:
         return None, None, None
     from vlmprune.compiler.errors import VlmpruneError

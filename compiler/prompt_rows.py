@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlmprune.compiler.contract import TEXT
+from vlmprune.compiler.contract import TEXT, Manifest
 from vlmprune.compiler.errors import InputError
 
 # How `generate` and `eval --dataset` feed a question (bundle_feed): `eval --dataset` keys a prompt-aware bundle's
@@ -18,7 +18,7 @@ from vlmprune.compiler.errors import InputError
 FEED = "v1: the non-image token ids of generate's built prompt (template + question), rows of the LLM's embedding table"
 
 
-def text_input_dim(manifest) -> int | None:
+def text_input_dim(manifest: Manifest) -> int | None:
     """The width of the bundle's text_embeds input, or None for a bundle without one."""
     found = next((i for i in manifest.inputs if i.name == TEXT), None)
     return None if found is None else found.shape[-1]
@@ -33,7 +33,7 @@ def rows_for_ids(vlm, ids: list[int], dim: int) -> np.ndarray:
     return table[list(ids)].numpy()
 
 
-def bundle_feed(manifest, vlm, prompt) -> dict[str, np.ndarray]:
+def bundle_feed(manifest: Manifest, vlm, prompt) -> dict[str, np.ndarray]:
     """The feeds a bundle's runner gets for a built generate.Prompt: {text_embeds: its non-image ids' rows}; {} for a
     bundle without the input."""
     dim = text_input_dim(manifest)

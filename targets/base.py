@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmprune.compiler.contract import PROBE_KEEP, PruneRecord
+from vlmprune.compiler.contract import PROBE_KEEP, Manifest, PruneRecord
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
@@ -274,18 +274,18 @@ class Target(abc.ABC):
         """Write model.onnx (model: the fused graph, or the decomposed one) and the extras; return manifest fields."""
 
     @abc.abstractmethod
-    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: Manifest, context: EmitContext | None = None) -> list[StageSpec]:
         """Parity stages over the bundle's own files (after the shared export/rewritten stages). context: what the
         pipeline hands the target of the source (compile's emit context, or check's), for a stage that builds again
         (rk3588's calibration images); None where the caller has none."""
 
     @abc.abstractmethod
-    def runner(self, bundle_dir: Path, manifest: dict) -> tuple[Runner, str]:
+    def runner(self, bundle_dir: Path, manifest: Manifest) -> tuple[Runner, str]:
         """How `vlmprune run` runs the bundle here: (runner, a line saying on what); one line if it cannot. The
         runner takes the inputs beside the pixels as explicit feeds (Runner)."""
 
     @abc.abstractmethod
-    def readme(self, manifest: dict) -> str:
+    def readme(self, manifest: Manifest) -> str:
         """The bundle README: exact commands to build and run it on the device."""
 
     # ------------------------------------------------------------------ command line

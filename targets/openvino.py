@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from vlmprune.compiler.contract import DECOMPOSED, MODEL, OPENVINO_INT8_IR, OPENVINO_IR
+from vlmprune.compiler.contract import DECOMPOSED, MODEL, OPENVINO_INT8_IR, OPENVINO_IR, Manifest
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.targets.base import EmitContext, StageSpec, Target
 
@@ -221,14 +221,14 @@ class OpenVinoTarget(Target):
             fields["checked_on"] = CHECK_DEVICE
         return fields
 
-    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: Manifest, context: EmitContext | None = None) -> list[StageSpec]:
         """One stage, `openvino`: the bundle's IR at its precision, on its device or on CPU where that is absent."""
         fields = manifest.target
         precision = PRECISIONS[fields.precision or DEFAULT_PRECISION]
         run, runtime = self.runner(bundle_dir, manifest)
         return [StageSpec("openvino", runtime, precision.parity, run)]
 
-    def runner(self, bundle_dir: Path, manifest: dict):
+    def runner(self, bundle_dir: Path, manifest: Manifest):
         """The IR compiled on the bundle's device (CPU where this machine lacks it) with its precision hint."""
         ov = openvino()
 
@@ -251,7 +251,7 @@ class OpenVinoTarget(Target):
             label += f" (checked on {device}: no {wanted} here)"
         return run, label
 
-    def readme(self, manifest: dict) -> str:
+    def readme(self, manifest: Manifest) -> str:
         return _readme(manifest)
 
 
@@ -384,7 +384,7 @@ def quantize(decomposed: Path, out_path: Path, pixels: np.ndarray, extra=None) -
 # ---------------------------------------------------------------------------- README
 
 
-def _readme(manifest: dict) -> str:
+def _readme(manifest: Manifest) -> str:
     fields = manifest.target
     inp = manifest.inputs[0]
     name = fields.precision or DEFAULT_PRECISION

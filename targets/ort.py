@@ -30,7 +30,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from vlmprune.compiler.contract import MODEL
+from vlmprune.compiler.contract import MODEL, Manifest
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.attention_fusion import FUSED_ATTENTION, MS_DOMAIN, attention_rules
 from vlmprune.passes.gelu_fusion import FUSED_GELU, gelu_rules
@@ -112,7 +112,7 @@ class OrtTarget(Target):
         return {"runtime": "onnxruntime", "fused": True, "custom_op_library": LIBRARY, "custom_domain": "vlmprune",
                 "fused_ops": fused_ops(model) + contrib_ops(model), **int8}
 
-    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: Manifest, context: EmitContext | None = None) -> list[StageSpec]:
         """One stage, `fused`: model.onnx as shipped, whether or not the method fused into a custom op here
         (the manifest's target.fused says which), so that its name never depends on the method.
         --precision int8 adds `int8`: model.int8.onnx, its features held to int8's cosine and its kept indices to
@@ -129,7 +129,7 @@ class OrtTarget(Target):
                                     "int8" if int8 else "int8-fp32-score", run8))
         return stages
 
-    def runner(self, bundle_dir: Path, manifest: dict, graph: str | None = None):
+    def runner(self, bundle_dir: Path, manifest: Manifest, graph: str | None = None):
         """graph: the file to run (default: model.int8.onnx in a --precision int8 bundle, else model.onnx)."""
         from vlmprune.targets.ort_quant import INT8_MODEL
         from vlmprune.targets.runtime import ort_session, run_session
@@ -148,7 +148,7 @@ class OrtTarget(Target):
         runtime = "onnxruntime CPU" + (f" + {LIBRARY}" if libs else "") + f" ({graph})"
         return run, runtime
 
-    def readme(self, manifest: dict) -> str:
+    def readme(self, manifest: Manifest) -> str:
         inp = manifest.inputs[0]
         fused = manifest.target.fused
         register = f'\n    so.register_custom_ops_library("{LIBRARY}")' if fused else ""

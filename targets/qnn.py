@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from vlmprune.compiler.contract import MODEL, QDQ_MODEL, QNN_CONTEXT
+from vlmprune.compiler.contract import MODEL, QDQ_MODEL, QNN_CONTEXT, Manifest
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.methods.builder import selection_nodes
 from vlmprune.passes.qnn import TARGET, htp_legalization, htp_model_support, htp_support
@@ -175,7 +175,7 @@ class QnnTarget(Target):
                                     "cycles from the HTP emulator's op trace (QNN profiling 'detailed', one image)",
                 "op_trace": {"ops": len(trace), "cycles": sum(r["cycles"] for r in trace), "rows": trace}}
 
-    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: Manifest, context: EmitContext | None = None) -> list[StageSpec]:
         from vlmprune.targets.runtime import run_session
         import vlmprune.targets.qnn_tools as qnn_tools
 
@@ -196,7 +196,7 @@ class QnnTarget(Target):
         return [StageSpec("qnn-qdq", f"{emulator} ({QDQ}) (simulated)", precision, on_htp(QDQ)),
                 StageSpec("qnn-ctx", f"{emulator} ({CTX} + context binary) (simulated)", precision, on_htp(CTX))]
 
-    def runner(self, bundle_dir: Path, manifest: dict):
+    def runner(self, bundle_dir: Path, manifest: Manifest):
         """The EPContext model on the HTP emulator here (on the HTP of a device there)."""
         import vlmprune.targets.qnn_tools as qnn_tools
         from vlmprune.targets.runtime import run_session
@@ -209,7 +209,7 @@ class QnnTarget(Target):
         run = lambda pixel, feeds=None: run_session(session, pixel, feeds)  # noqa: E731
         return run, f"simulated: onnxruntime-qnn HTP emulator, {fields['soc']}"
 
-    def readme(self, manifest: dict) -> str:
+    def readme(self, manifest: Manifest) -> str:
         return _readme(manifest)
 
 
@@ -238,7 +238,7 @@ def _in_batches(run, pixel: np.ndarray, batch: int, feeds=None) -> dict[str, np.
     return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
 
 
-def _readme(manifest: dict) -> str:
+def _readme(manifest: Manifest) -> str:
     fields = manifest.target
     inp = manifest.inputs[0]
     out_names = ", ".join(f"`{o.name}` {o.shape} {o.dtype}" for o in manifest.outputs)

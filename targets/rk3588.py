@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from vlmprune.compiler.contract import MODEL, RKNN
+from vlmprune.compiler.contract import MODEL, RKNN, Manifest
 from vlmprune.compiler.errors import InputError, ToolchainError
 from vlmprune.passes.methods import get_method
 from vlmprune.passes.prune import prune_record
@@ -225,7 +225,7 @@ class Rk3588Target(Target):
         except rknn_env.RknnError as exc:
             raise ToolchainError(f"{TARGET}: {exc}") from None
 
-    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: Manifest, context: EmitContext | None = None) -> list[StageSpec]:
         bundle_dir = Path(bundle_dir)
         fields = manifest.target
         specs = []
@@ -240,7 +240,7 @@ class Rk3588Target(Target):
                                    self._runner(bundle_dir, manifest, precision, sha, context)))
         return specs
 
-    def _runner(self, bundle_dir: Path, manifest: dict, precision: str, rknn_sha: str, context: EmitContext | None):
+    def _runner(self, bundle_dir: Path, manifest: Manifest, precision: str, rknn_sha: str, context: EmitContext | None):
         def run(pixel: np.ndarray, feeds=None) -> dict[str, np.ndarray]:  # the pixels only (no_prompt/roi_input)
             keys = [(rknn_sha, _sha(image.tobytes())) for image in pixel]
             missing = [i for i, key in enumerate(keys) if key not in self._simulated]
@@ -250,7 +250,7 @@ class Rk3588Target(Target):
             return {name: np.concatenate([r[name] for r in per_image]) for name in per_image[0]}
         return run
 
-    def _rebuild(self, bundle_dir: Path, manifest: dict, precision: str, pixel: np.ndarray,
+    def _rebuild(self, bundle_dir: Path, manifest: Manifest, precision: str, pixel: np.ndarray,
                  context: EmitContext | None) -> list[dict]:
         """Build model.onnx again at this precision and simulate pixel (the toolkit cannot simulate a loaded .rknn).
 
@@ -274,11 +274,11 @@ class Rk3588Target(Target):
                                     manifest.target)
             return [{o["name"]: np.load(o["path"]) for o in outputs} for outputs in response["runs"]]
 
-    def runner(self, bundle_dir: Path, manifest: dict):
+    def runner(self, bundle_dir: Path, manifest: Manifest):
         raise InputError("the RKNN simulator cannot load a .rknn file; run model.rknn on the board with "
                          "rknn-toolkit-lite2 (see the bundle README)")
 
-    def readme(self, manifest: dict) -> str:
+    def readme(self, manifest: Manifest) -> str:
         return _readme(manifest)
 
 
@@ -293,7 +293,7 @@ def _save_samples(stem: Path, pixel: np.ndarray) -> list[list[str]]:
     return paths
 
 
-def _readme(manifest: dict) -> str:
+def _readme(manifest: Manifest) -> str:
     fields = manifest.target
     inp = manifest.inputs[0]
     outputs = manifest.outputs

@@ -27,7 +27,7 @@ from pathlib import Path
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from vlmprune.compiler.contract import DECOMPOSED, MODEL, QDQ_MODEL, QDQ_WEIGHTS, TEXT
+from vlmprune.compiler.contract import DECOMPOSED, MODEL, QDQ_MODEL, QDQ_WEIGHTS, TEXT, Manifest
 from vlmprune.compiler.errors import InputError, StructureError
 from vlmprune.passes import tensorrt as trt_passes
 from vlmprune.passes.methods.base import FusedOp, int8_scorer
@@ -205,7 +205,7 @@ class TensorRTTarget(Target):
                           "note": "the plugin's semantics over the same kernels (CPU), for parity off the device"},
         }
 
-    def stages(self, bundle_dir: Path, manifest: dict, context: EmitContext | None = None) -> list[StageSpec]:
+    def stages(self, bundle_dir: Path, manifest: Manifest, context: EmitContext | None = None) -> list[StageSpec]:
         from vlmprune.targets.runtime import ort_session, run_session
 
         bundle_dir = Path(bundle_dir)
@@ -230,7 +230,7 @@ class TensorRTTarget(Target):
             stages.append(StageSpec(ENGINE_STAGE, f"TensorRT engine ({engine_lib.ENGINE})", runner.precision(), runner))
         return stages
 
-    def runner(self, bundle_dir: Path, manifest: dict):
+    def runner(self, bundle_dir: Path, manifest: Manifest):
         """The engine, on the device; one line where TensorRT or the engine is absent."""
         runner = engine_lib.EngineRunner(bundle_dir)
         described = f"TensorRT {runner.trt.__version__} engine ({engine_lib.ENGINE}, {runner.precision})"
@@ -242,7 +242,7 @@ class TensorRTTarget(Target):
         metas = [_InputMeta(n, tuple(runner.engine.get_tensor_shape(n))) for n in runner.inputs[1:]]
         return (lambda pixel, feeds=None: runner(pixel, optional_feed(metas, pixel, feeds))), described
 
-    def readme(self, manifest: dict) -> str:
+    def readme(self, manifest: Manifest) -> str:
         return _readme(self.platform, manifest)
 
     def commands(self) -> list:
@@ -447,7 +447,7 @@ def _text_note(profile: dict) -> str:
             "which the graph reads as no prompt (vlmprune's runner does so).")
 
 
-def _readme(p: JetsonPlatform, manifest: dict) -> str:
+def _readme(p: JetsonPlatform, manifest: Manifest) -> str:
     target = manifest.target
     inp, outputs = manifest.inputs[0], manifest.outputs
     profile = target["profile"]

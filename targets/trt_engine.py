@@ -63,6 +63,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# The functions here take manifest.json's raw dict (`manifest: dict`), not vlmprune.compiler.contract.Manifest: this
+# script imports nothing of vlmprune (it runs on the Jetson with TensorRT alone), so it reads the JSON as it is. A
+# Manifest from vlmprune's side is a dict too, and is passed as one (targets/tensorrt.py).
 def _manifest_digest(manifest: dict) -> str:
     """The manifest's own digest, as vlmprune.compiler.bundle.manifest computes it (repeated: this file runs
     standalone)."""

@@ -78,11 +78,12 @@ def test_images(size: int, mean, std) -> tuple[np.ndarray, list[str]]:
 
 
 def fp32_bundle(model: str, keep: int, layer: int | None, out: Path) -> Path:
+    from vlmprune.compiler.cli.render import progress_line  # a parity stage's record, as the CLI prints it
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
     if not (out / "model.onnx").exists():
         compile_model(model, out, CompileOptions(target="ort", method="cls", keep=keep, layer=layer, force=True),
-                      progress=lambda m: print(m, flush=True))
+                      progress=lambda m: print(progress_line(m), flush=True))
     return out
 
 

@@ -6,8 +6,9 @@ result (its lines, compiler/cli/render.py, or its `to_json()` for --json). Optio
 CLI's defaults. Bad input raises vlmprune.compiler.errors.InputError (a VlmpruneError) with
 the message the CLI prints after `error:`, the options in it named as this API's keywords
 (`force=True` where the CLI says `--force`: compiler.errors.option); a failing parity figure is data (`passed`), not
-an exception. `progress`, where taken, receives the lines the CLI prints on stderr while a
-command works (progress, notes and warnings); None drops them.
+an exception. `progress`, where taken, receives what a command sends while it works: the lines the CLI prints on
+stderr (progress, notes and warnings) and, as each parity stage of `compile` and `check` ends, that stage's record
+(a `StageResult`, data like the report's: the CLI prints it as render.stage_line); None drops them.
 
     from vlmprune.compiler import api
     bundle = api.compile("demo", "build/demo", keep=64)

@@ -10,14 +10,17 @@ import logging
 from collections.abc import Callable
 
 from vlmprune.compiler.frontend import family_option_names
+from vlmprune.compiler.parity import StageResult
 from vlmprune.passes.methods import METHODS
 from vlmprune.passes.methods.base import GENERIC_OPTIONS
 from vlmprune.targets import TARGETS
 
-Progress = Callable[[str], None] | None
+# What a command sends while it works: its lines (progress, notes, warnings) and, as each parity stage of `compile`
+# and `check` ends, that stage's record (compiler.parity.StageResult): data, which the CLI renders as a line.
+Progress = Callable[["str | StageResult"], None] | None
 
 
-def reporter(progress: Progress) -> Callable[[str], None]:
+def reporter(progress: Progress) -> Callable[[str | StageResult], None]:
     """progress, or a callback that drops the lines (None: the caller wants none)."""
     return progress or (lambda _m: None)
 

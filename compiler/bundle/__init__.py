@@ -319,7 +319,7 @@ def _publish_into(tmp: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_manifest(bundle_dir: Path, manifest: dict):
+def write_manifest(bundle_dir: Path, manifest: Manifest):
     """Record every file's sha256 (the manifest itself excepted), then the manifest's own digest; the Manifest."""
     files = {}
     for path in sorted(p for p in bundle_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, _LOCK)):
@@ -330,7 +330,7 @@ def write_manifest(bundle_dir: Path, manifest: dict):
     return manifest
 
 
-def source_of(manifest, model: str | None = None, how: str = "pass --model PATH") -> str:
+def source_of(manifest: Manifest, model: str | None = None, how: str = "pass --model PATH") -> str:
     """The model to load for a bundle: model where given (its source moved; the content hash is still compared
     after loading), else the recorded source, which must still be where it was compiled from."""
     recorded = manifest.model.source

@@ -16,6 +16,7 @@ import sys
 import click
 
 from vlmprune.compiler import api
+import vlmprune.compiler.cli.render as render
 from vlmprune.compiler.errors import VlmpruneError
 
 
@@ -109,8 +110,9 @@ def stdout_for_data():
 
 
 def progress_printer(quiet: bool):
-    """The progress callback a command hands the API: its lines on stderr, none with -q (or --json)."""
-    return (lambda _m: None) if quiet else (lambda m: click.echo(m, err=True))
+    """The progress callback a command hands the API: what it sends, as lines on stderr (a parity stage's record as
+    render.progress_line writes it), none with -q (or --json)."""
+    return (lambda _m: None) if quiet else (lambda m: click.echo(render.progress_line(m), err=True))
 
 
 def echo_lines(lines) -> None:

@@ -11,8 +11,9 @@ from vlmprune.compiler.api import (CompareResult, CompileResult, EvalResult, Ins
                                    RunResult, TargetInfo, TargetListing)
 from vlmprune.compiler.api.running import is_small
 from vlmprune.compiler.bundle.manifest import MethodSection
-from vlmprune.compiler.parity import (DEFAULT_TOLERANCES, ParityReport, compared_text, figure_text,
-                                      stage_line as parity_stage_line, summary_bounds)
+from vlmprune.compiler.contract import FEATURES, KEPT
+from vlmprune.compiler.parity import (DEFAULT_TOLERANCES, ParityReport, StageResult, figure_text, stage_summary,
+                                      summary_bounds)
 from vlmprune.targets import placement
 
 # ---------------------------------------------------------------------- compile
@@ -45,7 +46,7 @@ def compile_lines(result: CompileResult) -> list[str]:
     else:
         out.append(f"tokens: {_tokens_in(method, 'tokens')} -> {_own_summary(method)} "
                    "(on the projector output)")
-    out += [stage_line(name, stage) for name, stage in manifest.parity.stages.items()]
+    out += [manifest_stage_line(name, stage) for name, stage in manifest.parity.stages.items()]
     if manifest.llm_graphs:
         out.append(llm_parity_line(manifest.llm_graphs))
     out += placement_summary(manifest)
@@ -78,7 +79,7 @@ def _tokens_in(method: MethodSection, noun: str) -> str:
     return f"{crops['count'] * n} {noun} ({crops['count']} crops x {n})" if crops else f"{n} {noun}"
 
 
-def stage_line(name: str, stage: dict) -> str:
+def manifest_stage_line(name: str, stage: dict) -> str:
     """One parity stage of the manifest in figures, each held to its precision's defaults (as compile holds it)."""
     figures = []
     default = DEFAULT_TOLERANCES.get(stage.get("precision"))
@@ -126,7 +127,58 @@ def placement_summary(manifest: Manifest) -> list[str]:
 def check_lines(report: ParityReport) -> list[str]:
     """What `vlmprune check` prints: one line per stage, its verdict and figures against their bounds (the report
     is the parity package's data; -q leaves only these lines)."""
-    return [parity_stage_line(stage) for stage in report.stages]
+    return [stage_line(stage) for stage in report.stages]
+
+
+def summary_figures(summary: dict, bounds: dict, digits: int = 6, names: dict | None = None) -> list[str]:
+    """stage_summary()'s figures as text, each failing one reading as failing, max-abs with the bound it was held
+    to (an absolute floor plus a term of the output's scale, so the bound differs per output and stage)."""
+    figures = []
+    for key, value in summary.items():
+        if not isinstance(value, float) or key == "max_abs_bound":
+            continue
+        text = f"{(names or {}).get(key, key)} {figure_text(value, digits, **bounds.get(key, {}))}"
+        if key == "max_abs" and summary.get("max_abs_bound") is not None:
+            text += f" (≤ {summary['max_abs_bound']:.4g})"
+        figures.append(text)
+    return figures
+
+
+def compared_text(summary: dict) -> str:
+    """What image_features' figures were taken over, where the kept sets differ: the tokens both sides kept."""
+    images = summary.get("images_on_common_tokens")
+    if not images:
+        return ""
+    return (f"features over {summary.get('rows_compared', '?')} rows; image{'s' if len(images) > 1 else ''} "
+            f"{', '.join(map(str, images))} on the tokens both sides kept")
+
+
+def stage_line(stage: StageResult, width: int = 10) -> str:
+    """One stage's record in a line: its verdict, its figures against their bounds, and what failed (`check`'s lines,
+    and the progress lines of `compile` and `check`)."""
+    s = stage_summary(stage)
+    bounds = summary_bounds(stage.tolerance, stage.outputs.get(FEATURES))
+    line = f"{stage.stage:<{width}} {'PASS' if stage.passed else 'FAIL'}  {', '.join(summary_figures(s, bounds))}"
+    compared = compared_text(s)
+    if compared:
+        line += f" ({compared})"
+    if stage.error:
+        return line.rstrip() + f"  ({stage.error})"
+    failing = [name for name, out in stage.outputs.items() if not out.get("passed", True)]
+    if stage.indices and not stage.indices.get("passed", True):
+        failing.insert(0, KEPT)
+    if not stage.passed and failing:
+        line = line.rstrip() + f"  (failing: {', '.join(failing)})"
+    return line.rstrip()
+
+
+# ---------------------------------------------------------------------- progress
+
+
+def progress_line(item: str | StageResult) -> str:
+    """What the CLI prints on stderr of one progress item: a line as it is; a parity stage's record (run_parity sends
+    one as each stage ends) as its stage_line, indented under "parity"."""
+    return item if isinstance(item, str) else "  " + stage_line(item)
 
 
 # ---------------------------------------------------------------------- run, compare, inspect

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import ClipFamily
@@ -123,7 +124,7 @@ def family_for(source: Source) -> Family:
     return family_by_id(source.family)
 
 
-def family_of(manifest: dict) -> Family:
+def family_of(manifest: Manifest) -> Family:
     """The family object of a compiled bundle, by the id its manifest records (model.family)."""
     return family_by_id(manifest.model.family)
 

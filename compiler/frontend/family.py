@@ -28,7 +28,7 @@ import numpy as np
 
 # The capabilities families and methods share live in the contract (methods import them from there): re-exported.
 from vlmprune.compiler.contract import (CLS_TOKEN, CROPS, FEATURE_LAYER, FRAME_TOWER, FRAMES_META,  # noqa: F401
-                                         MERGED_TOKENS, PATCH_TOKENS, POOLING_HEAD, VIDEO, Capability)
+                                         MERGED_TOKENS, PATCH_TOKENS, POOLING_HEAD, VIDEO, Capability, Manifest)
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import export_onnx
 from vlmprune.compiler.frontend.images import UPSCALE_WARNING, load_image_file, parity_inputs
@@ -277,7 +277,7 @@ class Family:
         """The parity photos, preprocessed as the model's processor does."""
         return parity_inputs(images, source.image_size, source.mean, source.std)
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         """This family's section of the bundle README ("" when it has none)."""
         return ""
 
@@ -356,19 +356,19 @@ class Family:
 
     # ------------------------------------------------------------------ finished bundles
 
-    def cannot_draw(self, manifest: dict) -> str | None:
+    def cannot_draw(self, manifest: Manifest) -> str | None:
         """What of this bundle `--show` and `compare` cannot draw (one patch grid per image), or None."""
         return None
 
-    def takes_video(self, manifest: dict) -> bool:
+    def takes_video(self, manifest: Manifest) -> bool:
         """Whether the bundle's input is one clip's frames (compile --video-frames)."""
         return False
 
-    def load_video(self, manifest: dict, path) -> tuple[np.ndarray, list[str]]:
+    def load_video(self, manifest: Manifest, path) -> tuple[np.ndarray, list[str]]:
         """The bundle's input for a clip (a folder of frames or a video file), sampled to its frames."""
         raise InputError("--video takes a video bundle (compile --video-frames F); this bundle takes images (--image)")
 
-    def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
+    def load_images(self, manifest: Manifest, image_files, static) -> tuple[np.ndarray, list[str]]:
         """The bundle's input for these images, preprocessed as its model does, and the lines saying how
         (with a warning for heavy upscaling). static: the bundle's static batch, checked against the images."""
         if isinstance(static, int) and static != len(image_files):

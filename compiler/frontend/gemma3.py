@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from vlmprune.compiler import contract
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
@@ -172,7 +173,7 @@ class Gemma3Family(MergedTokensFamily):
             "rule": "the image rows attend to each other both ways (Gemma 3's bidirectional image block), every other "
                     "row causally; sliding-window layers see the last sliding_window rows (token indices)"}}
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         counts = manifest.model.token_counts
         if not counts:
             return ""

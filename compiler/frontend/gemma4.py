@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
@@ -284,7 +285,7 @@ class Gemma4Family(MergedTokensFamily):
         ids = torch.tensor([before + [text.pad_token_id] * rows + after])
         return {"per_layer_inputs": model.model.language_model.get_per_layer_inputs(ids)}
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         counts = manifest.model.token_counts
         if not counts:
             return ""

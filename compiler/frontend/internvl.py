@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlmprune.compiler.contract import CROP_BUDGETS
+from vlmprune.compiler.contract import CROP_BUDGETS, Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt, IndicesPositions, image_positions
@@ -214,7 +214,7 @@ def tile_image(path: str, tiles: dict, size: int, mean, std) -> tuple[np.ndarray
     return canvas_tiles(rgb, tiles, size, mean, std), text
 
 
-def tiles_text(manifest: dict) -> str:
+def tiles_text(manifest: Manifest) -> str:
     """The bundle README's lines on what one call takes: one tile per image, or one image's tiles (--grid)."""
     model = manifest.model
     if not model.crops:
@@ -341,10 +341,10 @@ class InternVLFamily(MergedTokensFamily):
         photos = max(2, images // source.crops["count"])  # one photo per chunk of C tiles, two at least
         return parity_crops(photos, source.crops, source.image_size, source.mean, source.std, cut=canvas_tiles)
 
-    def cannot_draw(self, manifest: dict) -> str | None:
+    def cannot_draw(self, manifest: Manifest) -> str | None:
         return "a tiled bundle (several tiles per image)" if manifest.model.crops else None
 
-    def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
+    def load_images(self, manifest: Manifest, image_files, static) -> tuple[np.ndarray, list[str]]:
         """With --grid, one image per call: the processor's tiles of it for the bundle's grid."""
         model = manifest.model
         if not model.crops:
@@ -384,7 +384,7 @@ class InternVLFamily(MergedTokensFamily):
         return ImagePrompt(getattr(tokenizer, "start_image_token", None) or START,
                            getattr(tokenizer, "end_image_token", None) or END)
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         counts = manifest.model.token_counts
         if not counts:
             return ""

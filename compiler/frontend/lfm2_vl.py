@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
@@ -207,7 +208,7 @@ class Lfm2VlFamily(MergedTokensFamily):
         return ImagePrompt(getattr(tokenizer, "image_start_token", None) or IMAGE_START,
                            getattr(tokenizer, "image_end_token", None) or IMAGE_END)
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         counts = manifest.model.token_counts
         if not counts:
             return ""

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlmprune.compiler.contract import CROP_BUDGETS, CROP_EQUAL, CROP_PROPORTIONAL
+from vlmprune.compiler.contract import CROP_BUDGETS, CROP_EQUAL, CROP_PROPORTIONAL, Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
@@ -502,10 +502,10 @@ class LlavaNextFamily(ClipInput, Family):
         photos = max(2, images // source.crops["count"])  # one photo per chunk of C crops, two at least
         return parity_crops(photos, source.crops, source.image_size, source.mean, source.std)
 
-    def cannot_draw(self, manifest: dict) -> str | None:
+    def cannot_draw(self, manifest: Manifest) -> str | None:
         return None if self.takes_video(manifest) else "an anyres bundle (several crops per image)"
 
-    def load_images(self, manifest: dict, image_files, static) -> tuple[np.ndarray, list[str]]:
+    def load_images(self, manifest: Manifest, image_files, static) -> tuple[np.ndarray, list[str]]:
         """One image per call: the processor's crops of it for the bundle's grid."""
         if self.takes_video(manifest):
             return super().load_images(manifest, image_files, static)
@@ -520,7 +520,7 @@ class LlavaNextFamily(ClipInput, Family):
             raise InputError(f"{image_files[0]}: cannot read the image ({exc})") from None
         return pixel, [f"{image_files[0]}: {described}"]
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         """The bundle README's section on assembling the LLM input from the crops.
 
         Why in the README: which grid rows still hold tokens is known only at run time, so the

@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
@@ -252,7 +253,7 @@ class MiniCPMVFamily(MergedTokensFamily):
                getattr(tokenizer, "image_id_end_token", None) or ID_END)
         return ImagePrompt(f"{ids[0]}0{ids[1]}{start}", end)
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         counts = manifest.model.token_counts
         if not counts:
             return ""

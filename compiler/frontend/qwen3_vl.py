@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from vlmprune.compiler import contract
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import MERGED_TOKENS, PATCH_TOKENS
@@ -223,7 +224,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
         return {"hidden_size": width,
                 "deepstack": {"embeds_columns": deepstack["columns"][0], "levels": levels, "rule": deepstack["rule"]}}
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         deepstack = manifest.model.deepstack
         if not deepstack:
             return ""

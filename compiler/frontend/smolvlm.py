@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
@@ -157,7 +158,7 @@ class SmolVLMFamily(MergedTokensFamily):
         fake = getattr(tokenizer, "fake_image_token", None) or FAKE
         return ImagePrompt(fake + (getattr(tokenizer, "global_image_token", None) or GLOBAL), fake)
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         counts = manifest.model.token_counts
         if not counts:
             return ""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.images import preprocess, read_rgb, real_image
 
@@ -165,17 +166,17 @@ class ClipInput:
         return pixels, {"images": [f"clip made here: {frames} frames (astronaut, a moving square, a cut to coffee)"],
                         "seed": 0, "size": source.image_size, "mean": list(source.mean), "std": list(source.std)}
 
-    def takes_video(self, manifest: dict) -> bool:
+    def takes_video(self, manifest: Manifest) -> bool:
         return bool(manifest.model.video_frames)
 
-    def load_video(self, manifest: dict, path):
+    def load_video(self, manifest: Manifest, path):
         if not self.takes_video(manifest):
             return super().load_video(manifest, path)
         pre, frames = manifest.preprocess, manifest.model.video_frames
         pixel, described = load_clip(path, frames, pre.size, pre.mean, pre.std)
         return pixel, [described]
 
-    def load_images(self, manifest: dict, image_files, static):
+    def load_images(self, manifest: Manifest, image_files, static):
         if self.takes_video(manifest):
             frames = manifest.model.video_frames
             raise InputError(f"this bundle takes one clip of {frames} frames: pass --video PATH (a folder of frames "

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from vlmprune.compiler.errors import InputError, failure_cause
-from vlmprune.compiler.contract import LLM_MODEL
+from vlmprune.compiler.contract import LLM_MODEL, Manifest
 from vlmprune.compiler.frontend import FAMILIES
 from vlmprune.compiler.llm import edgellm_env
 from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter
@@ -529,7 +529,7 @@ def standard_ops_parity(folder: Path, weights: _Weights, tokens: int = 7, seed: 
 # ------------------------------------------------------------------------------ the entry point
 
 
-def export_edgellm(model, manifest: dict, options=None, folder: Path | str = ".", progress=lambda _m: None,
+def export_edgellm(model, manifest: Manifest, options=None, folder: Path | str = ".", progress=lambda _m: None,
                    timeout: float = 7200) -> dict:
     """The language model through TensorRT Edge-LLM's exporter into folder/llm; the manifest's `llm_graphs` fields.
 
@@ -622,7 +622,7 @@ def export_edgellm(model, manifest: dict, options=None, folder: Path | str = "."
     }
 
 
-def recheck(model, bundle_dir: Path, manifest: dict) -> dict:
+def recheck(model, bundle_dir: Path, manifest: Manifest) -> dict:
     """`vlmprune check` for an Edge-LLM graph: the weight and standard-op checks again, on the bundle's own files.
 
     The source is resolved as at compile time (the LM for demo/LLaVA, the checkpoint's tensors
@@ -659,7 +659,7 @@ def positions_note(kind: str) -> str:
             "inputs_embeds and rope_rotary_cos_sin; a dense bundle's positions are the consecutive ones.")
 
 
-def readme_section(manifest: dict) -> str:
+def readme_section(manifest: Manifest) -> str:
     """The bundle README's language-model section for an Edge-LLM export."""
     llm = manifest.llm_graphs
     files, graph, checks = llm["files"], llm["graph"], llm["checks"]
@@ -732,7 +732,7 @@ class EdgeLlmExporter(LlmExporter):
         language model itself is checked by _resolve, at export."""
         checkpoint_kind(spec)
 
-    def export(self, model_spec: str, manifest: dict, options, folder: Path, progress, fastv) -> dict:
+    def export(self, model_spec: str, manifest: Manifest, options, folder: Path, progress, fastv) -> dict:
         from vlmprune.compiler.errors import ToolchainError
 
         try:
@@ -750,7 +750,7 @@ class EdgeLlmExporter(LlmExporter):
         return passed, [f"weights max-abs {weights['max_abs']:.2e} over {weights['tensors_checked']} tensors",
                         "standard ops not run here" if logits is None else f"standard-ops logits max-abs {logits}"]
 
-    def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
+    def parity(self, model_spec: str, bundle_dir: Path, manifest: Manifest) -> tuple[bool, dict]:
         """The checks that run without TensorRT (fp16 weights; the plugins need the device)."""
         got = recheck(model_spec, bundle_dir, manifest)
         weights, ops = got["weights"], got["standard_ops"]
@@ -768,5 +768,5 @@ class EdgeLlmExporter(LlmExporter):
         outputs["device"] = {"note": "not run here: " + "; ".join(got["needs_device"]), "passed": None}
         return got["passed"], outputs
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         return readme_section(manifest)

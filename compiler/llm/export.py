@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.llm.edgellm import EdgeLlmExporter
 from vlmprune.compiler.llm.exporter import LlmExporter, parity_record_figures
@@ -51,7 +52,7 @@ def exporter_for(options) -> LlmExporter:
     return EXPORTERS[chosen]()
 
 
-def exporter_of(manifest: dict) -> LlmExporter:
+def exporter_of(manifest: Manifest) -> LlmExporter:
     """The exporter that wrote a bundle's llm/, by the id its manifest records."""
     return _recorded(manifest.llm_graphs)
 
@@ -126,19 +127,19 @@ def check_llm_model(spec: str, options) -> None:
         exporter_for(options).check_model(spec, fastv)
 
 
-def emit_llm(model_spec: str, manifest: dict, options, folder: Path, progress=lambda _m: None) -> dict:
+def emit_llm(model_spec: str, manifest: Manifest, options, folder: Path, progress=lambda _m: None) -> dict:
     """Export the language model into folder/llm with the target's exporter and check it; the manifest fields."""
     fastv = check_llm_options(options)
     exporter = exporter_for(options)
     return {"exporter_id": exporter.id, **exporter.export(model_spec, manifest, options, Path(folder), progress, fastv)}
 
 
-def check_llm(model_spec: str, bundle_dir: Path, manifest: dict):
+def check_llm(model_spec: str, bundle_dir: Path, manifest: Manifest):
     """`vlmprune check` for the language model: its exporter's compile-time check again, on the bundle's own files."""
     return exporter_of(manifest).check(model_spec, Path(bundle_dir), manifest)
 
 
-def readme_section(manifest: dict) -> str:
+def readme_section(manifest: Manifest) -> str:
     """The bundle README's language-model section (empty without --with-llm)."""
     if not manifest.llm_graphs:
         return ""

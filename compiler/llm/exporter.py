@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from vlmprune.compiler.contract import LLM_DIR  # noqa: F401  (the bundle's folder for the language model)
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.llm import lm_source
 
@@ -53,11 +54,11 @@ class LlmExporter(abc.ABC):
             fastv.check(config.num_hidden_layers)
 
     @abc.abstractmethod
-    def export(self, model_spec: str, manifest: dict, options, folder: Path, progress, fastv) -> dict:
+    def export(self, model_spec: str, manifest: Manifest, options, folder: Path, progress, fastv) -> dict:
         """Write folder/llm/ and check it; the manifest's `llm_graphs` fields. fastv: the FastVSpec or None."""
 
     @abc.abstractmethod
-    def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
+    def parity(self, model_spec: str, bundle_dir: Path, manifest: Manifest) -> tuple[bool, dict]:
         """The compile-time check again on the bundle's own files: (passed, figures as {name: {note, passed}})."""
 
     # The `llm` stage's runtime, precision and tolerance (the figures are compared at parity's own tolerance).
@@ -65,7 +66,7 @@ class LlmExporter(abc.ABC):
     precision: ClassVar[str] = "fp32"
     atol: ClassVar[float]
 
-    def check(self, model_spec: str, bundle_dir: Path, manifest: dict):
+    def check(self, model_spec: str, bundle_dir: Path, manifest: Manifest):
         """`vlmprune check`'s `llm` stage: one stage whatever the exporter, with its runtime and figures.
 
         Why a stage of its own and not a figure in the tower's: the LLM graphs take embeddings, not
@@ -83,7 +84,7 @@ class LlmExporter(abc.ABC):
                                error=f"{type(exc).__name__}: {exc}".splitlines()[0])
         return StageResult("llm", self.runtime, self.precision, tolerance, passed, outputs=outputs)
 
-    def graph_runner(self, bundle_dir: Path, manifest: dict) -> tuple[LlmGraphRunner | None, str]:
+    def graph_runner(self, bundle_dir: Path, manifest: Manifest) -> tuple[LlmGraphRunner | None, str]:
         """The bundle's LLM graphs as `generate` and `eval` run them on this machine, and what runs, or
         (None, why they cannot run here): those commands then answer with transformers and say why."""
         return None, f"{self.name}'s graphs are not run by generate on this machine"
@@ -95,7 +96,7 @@ class LlmExporter(abc.ABC):
         return parity_record_figures(llm)
 
     @abc.abstractmethod
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         """The bundle README's language-model section for a bundle this exporter wrote."""
 
 

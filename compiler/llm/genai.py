@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlmprune.compiler.contract import LLM_MODEL
+from vlmprune.compiler.contract import LLM_MODEL, Manifest
 from vlmprune.compiler.errors import InputError, ParityError, ToolchainError, failure_cause
 from vlmprune.compiler.llm import lm_source
 from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, tokens_note
@@ -416,7 +416,7 @@ def read_genai_config(folder: Path) -> dict:
     return json.loads((Path(folder) / CONFIG).read_text())
 
 
-def readme_section(manifest: dict) -> str:
+def readme_section(manifest: Manifest) -> str:
     """The bundle README's language-model section for a genai export."""
     llm = manifest.llm_graphs
     files, parity = llm["files"], llm["parity"]
@@ -479,7 +479,7 @@ class GenaiExporter(LlmExporter):
         except ToolchainError as exc:
             return False, str(exc)
 
-    def export(self, model_spec: str, manifest: dict, options, folder: Path, progress, fastv) -> dict:
+    def export(self, model_spec: str, manifest: Manifest, options, folder: Path, progress, fastv) -> dict:
         """The dense LLM through the builder (last-token logits: prune_lm_head, as the torch prefill graph)."""
         lm = lm_source.language_model(model_spec)
         lm_source.check_width(manifest, lm.config)
@@ -489,7 +489,7 @@ class GenaiExporter(LlmExporter):
                          "all": [f"{LLM_DIR}/{name}" for name in info["files"]]}
         return info
 
-    def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
+    def parity(self, model_spec: str, bundle_dir: Path, manifest: Manifest) -> tuple[bool, dict]:
         """The graph's parity again (plain ONNX Runtime vs Hugging Face at contiguous positions, batch 1 and 2)."""
         got = genai_parity(lm_source.language_model(model_spec), bundle_dir / LLM_DIR)
         outputs = {"logits": {"note": f"max-abs {got['logits_max_abs']:.3g} (≤ {got['tolerance']:.3g}), batch "
@@ -499,5 +499,5 @@ class GenaiExporter(LlmExporter):
                    "greedy tokens": tokens_note(got)}
         return got["passed"], outputs
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         return readme_section(manifest)

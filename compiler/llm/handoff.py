@@ -26,12 +26,13 @@ position are what the manifest and README say, and what `vlmprune generate` and 
 
 from __future__ import annotations
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.frontend import family_of
 from vlmprune.compiler.parity.reference import FEATURES, KEPT, KEPT_POSITIONS  # [B, K, 3]: (t, h, w) or (crop, row, col)
 from vlmprune.compiler.parity.reference import NUM_TOKENS  # [B]: valid rows where K varies per image
 
 
-def llm_section(manifest) -> dict:
+def llm_section(manifest: Manifest) -> dict:
     """The manifest's `llm` section, from its outputs, method and model fields (see the module docstring)."""
     outputs = {o.name: o for o in manifest.outputs}
     features = outputs.get(FEATURES) or manifest.outputs[0]
@@ -80,7 +81,7 @@ def _patches(model: dict) -> int | None:
     return (size // patch) ** 2 if size and patch else None
 
 
-def readme_section(manifest: dict) -> str:
+def readme_section(manifest: Manifest) -> str:
     """The bundle README's hand-off section: the exact calls per LLM runtime, with this bundle's token counts."""
     llm = manifest.llm or llm_section(manifest)
     t, d, dtype = llm["image_tokens"], llm["hidden_size"], llm["dtype"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 
 # Hugging Face model_type values whose decoder layer the exporters know: Llama and Qwen2 (the language models of
@@ -111,7 +112,7 @@ def image_block_masks(config, embeds, positions, cache, image_rows):
                                             position_ids=positions, block_sequence_ids=ids)
 
 
-def check_width(manifest: dict, config) -> None:
+def check_width(manifest: Manifest, config) -> None:
     """One line when the bundle's image features are not as wide as the language model's embeddings."""
     hidden = manifest.llm.hidden_size if manifest is not None and manifest.llm is not None else None
     if isinstance(hidden, int) and hidden != config.hidden_size:

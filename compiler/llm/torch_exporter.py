@@ -56,7 +56,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from vlmprune.compiler.contract import DEFAULT_OPSET
+from vlmprune.compiler.contract import DEFAULT_OPSET, Manifest
 from vlmprune.compiler import contract
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import torch_onnx
@@ -535,7 +535,7 @@ def _layers(first: int, last: int) -> str:
     return f"layer {first}" if first == last else f"layers {first}-{last}"
 
 
-def readme_section(manifest: dict) -> str:
+def readme_section(manifest: Manifest) -> str:
     """The bundle README's language-model section for the torch.onnx graphs."""
     llm = manifest.llm_graphs
     files, fastv = llm["files"], llm["fastv"]
@@ -655,7 +655,7 @@ class TorchExporter(LlmExporter):
         if config is not None and fastv is not None:
             _refuse_fastv(config)
 
-    def export(self, model_spec: str, manifest: dict, options, folder: Path, progress, fastv) -> dict:
+    def export(self, model_spec: str, manifest: Manifest, options, folder: Path, progress, fastv) -> dict:
         """Export the LLM's prefill and decode graphs into folder/llm, check them against the reference.
 
         The image span's length is the bundle's image-token count (manifest.llm["image_tokens"]).
@@ -715,7 +715,7 @@ class TorchExporter(LlmExporter):
             "parity": parity,
         }
 
-    def parity(self, model_spec: str, bundle_dir: Path, manifest: dict) -> tuple[bool, dict]:
+    def parity(self, model_spec: str, bundle_dir: Path, manifest: Manifest) -> tuple[bool, dict]:
         llm = manifest.llm_graphs
         tokens = manifest.llm.image_tokens if manifest.llm is not None else None
         got = llm_parity(lm_source.language_model(model_spec), spec_of(llm), bundle_dir / LLM_DIR,
@@ -743,7 +743,7 @@ class TorchExporter(LlmExporter):
             passed = passed and plain["passed"]
         return passed, outputs
 
-    def graph_runner(self, bundle_dir: Path, manifest: dict) -> tuple[LlmGraphRunner | None, str]:
+    def graph_runner(self, bundle_dir: Path, manifest: Manifest) -> tuple[LlmGraphRunner | None, str]:
         """The shipped prefill.onnx + decode.onnx under ONNX Runtime (here whenever onnxruntime imports)."""
         import importlib.util
 
@@ -755,5 +755,5 @@ class TorchExporter(LlmExporter):
                              Path(files["decode"]).name)
         return runner, runner.describe
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         return readme_section(manifest)

@@ -28,7 +28,7 @@ from vlmprune.compiler.pipeline.options import (CompileOptions, Plan, options_of
 from vlmprune.compiler.pipeline.stages import (DenseExport, Emitted, Fused, Loaded, Lowered,  # noqa: F401
                                                ParityBatch, Progress, describe, emit, emit_context, export_dense,
                                                export_llm, fit, fit_config, fuse, in_chunks, load, load_bundle,
-                                               load_source, lower, parity_batch, parity_line, ready, run_parity,
+                                               load_source, lower, parity_batch, ready, run_parity,
                                                write_bundle)
 from vlmprune.compiler.pipeline.timings import Span, StageTimer
 from vlmprune.targets import get_target

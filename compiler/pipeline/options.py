@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from vlmprune.compiler.contract import DEFAULT_KEEP, DEFAULT_OPSET
+from vlmprune.compiler.contract import DEFAULT_KEEP, DEFAULT_OPSET, Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import check_family_options
 from vlmprune.compiler.llm import export as llm_export
@@ -141,7 +141,7 @@ def prune_config(options: CompileOptions) -> PruneConfig | None:
     return PruneConfig(schedule.wrap(budget.wrap(method, params), params), params, layer)
 
 
-def options_of(manifest, **overrides) -> CompileOptions:
+def options_of(manifest: Manifest, **overrides) -> CompileOptions:
     """The options a bundle was compiled with (its Manifest), overrides applied. Bundles made before family_options
     hold the family options (--image-size, --grid, --crop-budget) as fields of their own: they become family_options."""
     saved = {**manifest.compile_options, **overrides}

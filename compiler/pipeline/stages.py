@@ -13,7 +13,7 @@ compile_model (the package's __init__) is their composition, and `--keep auto` (
     emit(fused, loaded, plan, folder) -> Emitted   the target's artifacts
     describe(loaded, plan, fused, emitted) -> Manifest
     export_llm(model, manifest, plan, folder) -> Manifest   --with-llm's graphs
-    run_parity(loaded, dense, bundle, manifest, ...) -> ParityReport
+    run_parity(loaded, dense, bundle, manifest, ...) -> ParityReport   (each stage's StageResult to progress)
     write_bundle(folder, manifest, report, ...) -> Manifest
 
 Every stage after validate_options is handed the Plan and reads the validated options off it; none
@@ -51,10 +51,12 @@ from vlmprune.passes.prune import prune_record
 from vlmprune.targets.base import EmitContext, PruneConfig, Target
 from vlmprune.targets.runtime import ort_session, run_session
 
-Progress = Callable[[str], None]
+# A stage's progress: its lines as it works; run_parity's also each parity stage's record (a parity.StageResult) as
+# the stage ends, which the caller renders (the CLI: render.progress_line) or keeps: the library sends data.
+Progress = Callable[["str | parity.StageResult"], None]
 
 
-def _quiet(_message: str) -> None:
+def _quiet(_message: str | parity.StageResult) -> None:
     pass
 
 
@@ -258,7 +260,8 @@ def run_parity(loaded: Loaded, dense_path: Path, bundle_dir: Path, manifest: Man
                batch: ParityBatch, context: EmitContext, progress: Progress = _quiet,
                tolerances: dict[str, dict] | None = None) -> parity.ParityReport:
     """Every stage of the bundle at bundle_dir against the reference: the dense export (dense_path), the rewritten
-    graph, then the target's own stages. tolerances: per-output Tolerance overrides (parity.parse_overrides)."""
+    graph, then the target's own stages. tolerances: per-output Tolerance overrides (parity.parse_overrides).
+    progress gets a line as each stage begins and the stage's StageResult as it ends (data: the CLI renders it)."""
     progress("parity")
     source, family = loaded.source, loaded.family
     pixel, described = family.parity_pixels(source, batch.images)
@@ -278,7 +281,7 @@ def run_parity(loaded: Loaded, dense_path: Path, bundle_dir: Path, manifest: Man
         stages.append(cache.export_stage(dense_path, pixel, tolerances, lambda: parity.run_stage(
             "export", "onnxruntime CPU (dense export)", "fp32", ort_file(dense_path), pixel, dense_ref,
             output_overrides=tolerances), progress))
-        progress(parity_line(stages[-1]))
+        progress(stages[-1])
         expected = dense_ref if pruned_ref is None else pruned_ref
     else:  # an .onnx source: the original graph is the reference
         expected = reference.onnx_reference(dense_path, record, pixel,
@@ -287,13 +290,13 @@ def run_parity(loaded: Loaded, dense_path: Path, bundle_dir: Path, manifest: Man
     stages.append(parity.run_stage("rewritten", "onnxruntime CPU (model.decomposed.onnx)", "fp32",
                                    ort_file(Path(bundle_dir) / DECOMPOSED), pixel, expected,
                                    output_overrides=tolerances))
-    progress(parity_line(stages[-1]))
+    progress(stages[-1])
     for spec in target.stages(bundle_dir, manifest, context):
         progress(f"stage {spec.stage}")
         stages.append(parity.run_stage(spec.stage, spec.runtime, spec.precision,
                                        in_chunks(spec.run, batch.chunk, feeds), pixel, expected,
                                        output_overrides=tolerances))
-        progress(parity_line(stages[-1]))
+        progress(stages[-1])
     return parity.ParityReport(described, stages, parity.reference_summary(expected))
 
 
@@ -347,11 +350,6 @@ def in_chunks(run, chunk: int, feeds: dict[str, np.ndarray] | None = None):
                 for i in range(0, len(pixel), chunk)]
         return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
     return chunked
-
-
-def parity_line(stage: parity.StageResult) -> str:
-    """A parity stage's progress line (parity.stage_line, indented under "parity")."""
-    return "  " + parity.stage_line(stage)
 
 
 # ------------------------------------------------------------------------ helpers

@@ -16,8 +16,12 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-Progress = Callable[[str], None]
+if TYPE_CHECKING:
+    from vlmprune.compiler.parity import StageResult
+
+Progress = Callable[["str | StageResult"], None]  # a line, or a parity stage's record (pipeline.run_parity)
 
 
 def _peak_mb(who: int) -> float:
@@ -47,10 +51,10 @@ class StageTimer:
         self.spans: list[Span] = []
         self._open: tuple[str, float] | None = None
 
-    def step(self, message: str) -> None:
-        """A new stage begins: its line, timed; an indented line is the result of the stage before (a parity
-        verdict), printed as it is and timed with that stage."""
-        if message.startswith("  "):
+    def step(self, message: str | StageResult) -> None:
+        """A new stage begins: its line, timed; an indented line, or a record (a parity stage's StageResult), is the
+        result of the stage before, handed on as it is and timed with that stage."""
+        if not isinstance(message, str) or message.startswith("  "):
             self.progress(message)
             return
         now = self.clock()

@@ -9,11 +9,13 @@ LLaVA-NeXT's crops, whether it is a baseline or the paired one of accuracy table
 
 from __future__ import annotations
 
+from vlmprune.compiler.contract import MethodSection
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods.base import Method
 from vlmprune.passes.methods.cdpruner import CDPrunerMethod
 from vlmprune.passes.methods.cls import ClsMethod
 from vlmprune.passes.methods.dart import DartMethod
+from vlmprune.passes.methods.dense import Dense
 from vlmprune.passes.methods.dycoke import DyCokeMethod
 from vlmprune.passes.methods.evs import EvsMethod
 from vlmprune.passes.methods.evs_encoder import EvsEncoderMethod
@@ -53,3 +55,8 @@ def get_method(name: str) -> Method:
     if name not in METHODS:
         raise InputError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
     return METHODS[name]()
+
+
+def method_of(section: MethodSection) -> Method | Dense:
+    """The method object a bundle's manifest records (its method section), Dense for a dense bundle."""
+    return get_method(section.name) if section.pruned else Dense()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from vlmprune.compiler.contract import DENSE_METHOD
+
 
 class Dense:
-    name: ClassVar[str] = "none"  # the manifest's method name of a dense bundle, as every bundle so far records it
+    name: ClassVar[str] = DENSE_METHOD  # the manifest's method name of a dense bundle (the contract's)
     summary: ClassVar[str] = "dense (no pruning)"
     prunes: ClassVar[bool] = False
 

@@ -175,7 +175,8 @@ def test_the_cli_reaches_only_the_api_and_names_no_target_or_exporter():
     render_reaches = {"vlmprune.compiler", "vlmprune.compiler.api", "vlmprune.compiler.api.running",
                       "vlmprune.compiler.bundle.manifest", "vlmprune.compiler.parity", "vlmprune.targets",
                       "vlmprune.compiler.pipeline.timings", "vlmprune.compiler.llm.export",
-                      "vlmprune.compiler.ops", "vlmprune.compiler.evaluate", "vlmprune.compiler.accuracy"}
+                      "vlmprune.compiler.ops", "vlmprune.compiler.evaluate", "vlmprune.compiler.accuracy",
+                      "vlmprune.compiler.contract"}
     names = set(TARGETS) | set(EXPORTERS) | {"tensorrt", "TensorRT", "Edge-LLM", "onnxruntime-genai"}
     for name in modules:
         if name == "__main__.py":  # the entry point: it imports the group, nothing else

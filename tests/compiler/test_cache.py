@@ -26,8 +26,8 @@ def products(tmp_path, monkeypatch):
 def _compile(model, out, **options):
     lines = []
     result = compile_model(str(model), out, CompileOptions(**{"keep": 16, **options}), lines.append)
-    # a step's line is "[   t s] step"; a stage's result line (indented) comes as it is
-    return result, [line.split("] ", 1)[1] if line.startswith("[") else line for line in lines]
+    # a step's line is "[   t s] step"; a parity stage's result comes as its record (StageResult), not a line
+    return result, [line.split("] ", 1)[1] if line.startswith("[") else line for line in lines if isinstance(line, str)]
 
 
 def _entries(products):

@@ -14,7 +14,7 @@ from vlmprune.compiler import bundle
 from vlmprune.compiler.contract import FEATURES, KEPT, MANIFEST, PIXELS
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.bundle.manifest import Manifest, manifest_digest
-from vlmprune.passes.methods import METHODS
+from vlmprune.passes.methods import METHODS, method_of
 from vlmprune.passes.methods.dense import Dense
 
 
@@ -36,7 +36,7 @@ def test_typed_fields_read_a_real_bundle_and_keep_its_json(demo_bundle):
         "cls", 192, 2, "block")
     assert (m.method.tokens_in, m.method.tokens_out, m.method.has_cls, m.method.prefix, m.method.params) == (
         method["tokens_in"], method["tokens_out"], method["has_cls"], method["prefix"], method["params"])
-    assert m.method.params["lambda"] == 0.3 and isinstance(m.method.method(), METHODS["cls"])
+    assert m.method.params["lambda"] == 0.3 and isinstance(method_of(m.method), METHODS["cls"])
     assert [(t.name, t.shape, t.dtype) for t in m.inputs] == [(PIXELS, raw["inputs"][0]["shape"], "float")]
     assert m.output_names == [FEATURES, KEPT] == [t.name for t in m.outputs]
     assert (m.preprocess.mean, m.preprocess.std, m.preprocess.size) == (
@@ -57,7 +57,7 @@ def test_a_dense_bundle_records_the_dense_method(compiled, tiny_llava_dir):
     assert isinstance(m, Manifest)
     assert m["method"] == {"name": "none", "summary": "dense (no pruning)"}  # as every dense bundle so far
     assert not m.method.pruned and m.method.prefix is None
-    dense = m.method.method()
+    dense = method_of(m.method)
     assert isinstance(dense, Dense) and not dense.prunes and dense.summary == m.method.summary
     assert all(cls.prunes for cls in METHODS.values())
 
@@ -276,12 +276,12 @@ def test_no_view_field_read_past_its_view():
 TYPED_READERS = ("compiler/benchmark.py", "compiler/report.py", "compiler/pictures.py")
 
 
-def untyped_manifest_parameters(source: str) -> list[int]:
-    """Lines of a parameter named manifest (or m) that is not annotated Manifest."""
+def untyped_manifest_parameters(source: str, names: tuple[str, ...] = ("manifest", "m")) -> list[int]:
+    """Lines of a parameter named manifest (or m, or one of names) that is not annotated Manifest."""
     import ast
 
     return sorted(node.lineno for node in ast.walk(ast.parse(source))
-                  if isinstance(node, ast.arg) and node.arg in ("manifest", "m")
+                  if isinstance(node, ast.arg) and node.arg in names
                   and not (isinstance(node.annotation, ast.Name) and node.annotation.id == "Manifest"))
 
 
@@ -297,3 +297,109 @@ def test_reports_pictures_and_benchmarks_take_the_manifest_typed():
     found = [f"{rel}:{line}" for rel in TYPED_READERS
              for line in untyped_manifest_parameters((root / rel).read_text())]
     assert not found, "manifest parameters not typed Manifest:\n" + "\n".join(found)
+
+
+# Where a `manifest: dict` parameter may stay, and why: the raw dict handed to (or read by) code that cannot take the
+# typed Manifest.
+DICT_ALLOWED = {
+    "targets/trt_engine.py": "the TensorRT targets' on-device script: it imports nothing of vlmprune (Python 3.8 on "
+                             "JetPack, TensorRT alone), so it reads the manifest's JSON as a dict",
+}
+
+
+def dict_manifest_parameters(source: str) -> list[int]:
+    """Lines of a parameter named manifest (or m) annotated `dict` (bare, `dict[...]`, or `typing.Dict`)."""
+    import ast
+
+    def is_dict(annotation) -> bool:
+        if isinstance(annotation, ast.Subscript):
+            annotation = annotation.value
+        if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):  # a quoted annotation
+            return is_dict(ast.parse(annotation.value, mode="eval").body)
+        name = (annotation.id if isinstance(annotation, ast.Name)
+                else annotation.attr if isinstance(annotation, ast.Attribute) else None)
+        return name in ("dict", "Dict")
+
+    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.arg) and node.arg in ("manifest", "m") and node.annotation is not None
+                  and is_dict(node.annotation))
+
+
+def test_the_dict_scan_finds_a_dict_manifest_and_passes_a_typed_one():
+    source = ("def a(manifest: dict):\n    pass\n"
+              "def b(x, manifest: Manifest, m=None):\n    pass\n"
+              "class T:\n    def c(self, bundle_dir, manifest: dict[str, object], context=None):\n        pass\n"
+              "def d(m: 'dict'):\n    pass\n"
+              "def e(*, manifest: typing.Dict):\n    pass\n"
+              "def f(manifest):\n    pass\n")
+    assert dict_manifest_parameters(source) == [1, 6, 8, 10]
+
+
+def test_no_library_function_takes_the_manifest_as_a_dict():
+    """Every step takes the typed Manifest (compiler.contract, importable from any layer): the families' README
+    sections, the LLM exporters, the targets' stages, runners and READMEs, the passes."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for folder in ("compiler", "passes", "targets", "tools"):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            if rel not in DICT_ALLOWED:
+                found += [f"{rel}:{line}" for line in dict_manifest_parameters(path.read_text())]
+    assert not found, "manifest parameters typed dict (take compiler.contract.Manifest):\n" + "\n".join(found)
+
+
+def test_every_library_parameter_named_manifest_is_a_manifest():
+    """Not only no dict: a parameter named manifest in the library (compiler, passes, targets) is annotated Manifest,
+    so that what a function reads of it is what the views name (trt_engine.py excepted: DICT_ALLOWED)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = [f"{path.relative_to(root)}:{line}" for folder in ("compiler", "passes", "targets")
+             for path in sorted((root / folder).rglob("*.py")) if str(path.relative_to(root)) not in DICT_ALLOWED
+             for line in untyped_manifest_parameters(path.read_text(), ("manifest",))]
+    assert not found, "manifest parameters not annotated Manifest:\n" + "\n".join(found)
+
+
+def _masked(raw: dict) -> dict:
+    """The manifest with the values that depend on the machine, not on vlmprune's code, masked (keys and order kept):
+    the versions of Python, torch and the toolchain, the weights' and files' digests, parity's measured figures."""
+
+    def floats(value):
+        if isinstance(value, float):
+            return "<float>"
+        if isinstance(value, dict):
+            return {k: floats(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [floats(v) for v in value]
+        return value
+
+    out = dict(raw)
+    out["host"] = {k: "<host>" for k in raw["host"]}
+    out["target"] = {**raw["target"], "toolchain": {k: "<version>" for k in raw["target"]["toolchain"]}}
+    out["model"] = {**raw["model"], "sha256": "<sha256>"}
+    out["parity"] = floats(raw["parity"])
+    out["files"] = {k: "<sha256>" for k in raw["files"]}
+    out["manifest_sha256"] = "<sha256>"
+    return out
+
+
+# sha256 of the demo bundle's masked manifest.json (_masked, written as the compile writes it), computed from the code
+# before the manifest's views moved into the contract: what a bundle records did not change with the types.
+DEMO_MANIFEST_MASKED_SHA256 = "38c532b05bda47cf355ff937a68972eccbadc4ace5a912dc54c64d97e6a8fe14"
+
+
+def test_a_compiled_bundle_s_manifest_json_is_byte_for_byte_what_it_was(demo_bundle, tmp_path):
+    import hashlib
+
+    text = (demo_bundle.bundle / MANIFEST).read_text()
+    raw = json.loads(text)
+    assert text == json.dumps(raw, indent=2) + "\n"  # written as json.dumps(indent=2): the masking keeps its bytes
+    masked = json.dumps(_masked(raw), indent=2) + "\n"
+    digest = hashlib.sha256(masked.encode()).hexdigest()
+    assert digest == DEMO_MANIFEST_MASKED_SHA256, f"{digest}\n{masked}"
+    copy = tmp_path / "bundle"  # the bundle is shared: rewrite a copy's manifest
+    shutil.copytree(demo_bundle.bundle, copy)
+    rewritten = bundle.write_manifest(copy, Manifest(raw))  # the same files: the same manifest, byte for byte
+    assert json.dumps(rewritten, indent=2) + "\n" == text == (copy / MANIFEST).read_text()

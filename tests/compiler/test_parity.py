@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from vlmprune.compiler import parity
+from vlmprune.compiler.cli.render import stage_line
 
 FP32, FP16 = parity.tolerance_for("fp32"), parity.tolerance_for("fp16")
 
@@ -114,7 +115,7 @@ def test_fp32_max_abs_bound_grows_with_the_outputs_scale_and_is_reported():
     failed = parity.compare_tokens(small, off, FP32)
     assert not failed["passed"] and failed["max_abs_bound"] == pytest.approx(1.1e-4)
     stage = parity.StageResult("rewritten", "ort", "fp32", FP32, False, outputs={"image_features": failed})
-    assert parity.stage_line(stage) == (
+    assert stage_line(stage) == (
         "rewritten  FAIL  cosine_min 1, max_abs 0.00012 (≤ 0.00011)  (failing: image_features)")
     # --atol gives the whole bound: no scale term
     exact = parity.compare_tokens(big, cand, parity.tolerance_for("fp32", parity.parse_overrides(
@@ -168,7 +169,7 @@ def test_a_stage_whose_kept_sets_all_differ_compares_the_tokens_both_kept():
     feats = stage.outputs[FEATURES]
     assert stage.passed and stage.indices["tie_resolved_images"] == [0, 1]
     assert feats["images_compared_on_common_tokens"] == {"0": 2, "1": 2} and feats["rows_compared"] == 4
-    assert "on the tokens both sides kept" in parity.stage_line(stage)
+    assert "on the tokens both sides kept" in stage_line(stage)
     wrong = cand_feats.copy()
     wrong[1, 2] = -wrong[1, 2]  # patch 4 of image 1, kept by both
     stage = parity.run_stage("s", "test", "fp16", lambda _: {FEATURES: wrong, KEPT: cand_kept},
@@ -181,7 +182,7 @@ def test_a_stage_whose_kept_sets_all_differ_compares_the_tokens_both_kept():
 
 def test_the_stage_line_names_the_tie_resolved_images_in_number():
     """The stage line once said "image 0, 1: it diverges ...", naming two images as one."""
-    from vlmprune.compiler.cli.render import stage_line as _stage_line
+    from vlmprune.compiler.cli.render import manifest_stage_line as _stage_line
 
     stage = {"passed": False, "precision": "int8", "index_agreement": 0.6, "tie_resolved_images": [0, 1],
              "first_divergent_step": [3, 4]}
@@ -207,4 +208,32 @@ def test_the_parity_report_is_data_and_the_cli_renders_its_lines():
     assert not hasattr(report, "lines")  # no text in the parity package's record
     lines = render.check_lines(report)
     assert [line.split()[:2] for line in lines] == [["export", "PASS"], ["rewritten", "FAIL"]]
-    assert lines[1].endswith("(failing: image_features)") and lines == [parity.stage_line(good), parity.stage_line(bad)]
+    assert lines[1].endswith("(failing: image_features)") and lines == [stage_line(good), stage_line(bad)]
+    for name in ("stage_line", "summary_figures", "compared_text"):
+        assert not hasattr(parity, name), name  # the text is the CLI's
+    assert render.progress_line("stage fused") == "stage fused"  # a progress line is printed as it is
+    assert render.progress_line(bad) == "  " + stage_line(bad)  # a stage's record, indented under "parity"
+
+
+def test_the_stage_timer_hands_a_parity_record_on_with_the_stage_it_ends():
+    from vlmprune.compiler.pipeline.timings import StageTimer
+
+    sent = []
+    timer = StageTimer(sent.append, clock=iter([0.0, 1.0, 2.0]).__next__)
+    record = parity.StageResult("rewritten", "ort", "fp32", parity.tolerance_for("fp32"), True)
+    timer.step("stage rewritten")
+    timer.step(record)
+    assert sent == ["[   1.0s] stage rewritten", record]
+    assert [span.label for span in timer.finish()] == ["stage rewritten"]
+
+
+def test_check_sends_each_parity_stage_s_record_to_progress(demo_bundle):
+    """The library sends data: run_parity hands progress each stage's StageResult as it ends (the report's own
+    records), the lines between them are the stages' names; the CLI prints a record as render.stage_line."""
+    from vlmprune.compiler import api
+
+    sent = []
+    report = api.check(demo_bundle.bundle, progress=sent.append)
+    records = [m for m in sent if not isinstance(m, str)]
+    assert len(records) == len(report.stages) == 3 and all(a is b for a, b in zip(records, report.stages))
+    assert all(isinstance(m, parity.StageResult) for m in records)

@@ -179,7 +179,7 @@ def test_tolerance_overrides_per_output_and_rtol():
 
 def test_a_failing_figure_never_reads_as_passing():
     from vlmprune.compiler import parity
-    from vlmprune.compiler.pipeline import parity_line
+    from vlmprune.compiler.cli.render import progress_line
 
     assert parity.figure_text(0.99999994, 6, at_least=1.0) == "0.9999999"  # 6 digits would read "1"
     assert parity.figure_text(0.99999997, 7, at_least=1.0) == "0.99999997"
@@ -189,8 +189,8 @@ def test_a_failing_figure_never_reads_as_passing():
     tol = parity.tolerance_for("fp32", {"cosine_min": 1.0})
     stage = parity.StageResult("rewritten", "ort", "fp32", tol, False, outputs={
         "image_features": {"cosine_min": 0.99999997, "max_abs": 2e-7, "mean_abs": 1e-8, "passed": False}})
-    assert parity_line(stage) == ("  rewritten  FAIL  cosine_min 0.99999997, max_abs 2e-07  "
-                            "(failing: image_features)")  # the progress line
+    assert progress_line(stage) == ("  rewritten  FAIL  cosine_min 0.99999997, max_abs 2e-07  "
+                                   "(failing: image_features)")  # the progress line
     rows = report.figure_rows(stage)
     page = report.html_report(ParityReport({}, [stage]),
                               Manifest({"method": {"summary": "cls", "name": "cls"},
@@ -243,7 +243,7 @@ def test_reports_print_the_scale_relative_max_abs_bound():
     what bound it was held to."""
     from vlmprune.compiler import parity
     from vlmprune.compiler.api import CompileResult
-    from vlmprune.compiler.cli.render import compile_lines
+    from vlmprune.compiler.cli.render import compile_lines, stage_line
 
     ref = np.zeros((1, 2, 4))
     ref[0, 0, 0] = 108.0
@@ -260,7 +260,7 @@ def test_reports_print_the_scale_relative_max_abs_bound():
     xml = report.junit_xml(ParityReport({}, [stage]), Manifest({"target": {"name": "ort"}, "method": {"summary": "cls"},
                                                          "model": {"source": "m"}, "vlmprune_version": "0"}), "b", 1.0)
     assert "1e-05 × 108 (max|ref|)".encode() in xml
-    assert parity.stage_line(stage) == "export     PASS  cosine_min 1, max_abs 0.000108 (≤ 0.00118)"
+    assert stage_line(stage) == "export     PASS  cosine_min 1, max_abs 0.000108 (≤ 0.00118)"
     manifest = Manifest({"model": {}, "method": {"name": "none"}, "target": {},
                          "parity": {"stages": {"export": parity.stage_summary(stage)}}})
     assert "parity export     PASS  cosine 1, max-abs 0.000108 (≤ 0.00118)" in compile_lines(CompileResult("b", manifest, None, 1))
