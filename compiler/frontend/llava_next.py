@@ -215,7 +215,7 @@ def set_video(source: Source, frames: int) -> None:
     side = source.image_size // source.patch_size
     per_frame = (side // stride) ** 2
     source.pipeline = VisionPipeline(anyres.tower, VideoProjector(pooler, anyres.projector, frames),
-                                     anyres.num_blocks, True, anyres.has_cls, anyres.patch_size).eval()
+                                     anyres.num_blocks, True, anyres.has_cls, anyres.patch_size, frames=frames).eval()
     source.crops, source.regrid, source.positions, source.position_table = None, None, "indices", None
     source.spatial_merge, source.frames = stride, frames
     for key in ("grid", "crops", "resolution"):

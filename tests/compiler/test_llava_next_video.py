@@ -7,6 +7,8 @@ transformers' get_video_features for the same frames; evs prunes the pooled rows
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -82,6 +84,8 @@ def test_evs_bundle_passes_parity_on_the_pooled_rows(lnv_dir, tmp_path):
         method="evs", keep=8, method_options={"video_pruning_rate": 0.5}, target="ort",
         family_options={"video_frames": FRAMES}, cache=False))
     assert result.report.passed and result.manifest.method.keep == retained_tokens(PER_FRAME, FRAMES, 0.5) == 12
+    for stage in json.loads((result.bundle / "parity.json").read_text())["stages"][1:]:  # kept sets agree, no ties
+        assert stage["indices"]["agreement"] == 1.0 and stage["indices"]["boundary_ties"] == [0], stage["indices"]
     assert result.manifest.llm["positions"]["kind"] == "indices"
     source = video_source(lnv_dir)
     clip = np.stack([preprocess(f, SIZE, source.mean, source.std) for f in clip_made_here(FRAMES, SIZE)])
@@ -91,6 +95,31 @@ def test_evs_bundle_passes_parity_on_the_pooled_rows(lnv_dir, tmp_path):
     kept = out["kept_indices"][0]
     assert set(range(PER_FRAME)) <= set(kept.tolist())  # the first frame always
     np.testing.assert_allclose(out["image_features"][0], dense[kept], rtol=1e-4, atol=1e-4 * np.abs(dense).max())
+
+
+def parity_clip(source, frames: int = FRAMES) -> np.ndarray:
+    return np.stack([preprocess(f, SIZE, source.mean, source.std) for f in clip_made_here(frames, SIZE)])
+
+
+def test_features_reference_ranks_the_whole_clip(lnv_dir):
+    """The reference parity runs (prune_features on the dense rows, and forward) is told the clip's F frames: evs's
+    kept rows are vLLM's retention mask over F frames of M rows, not the first K of one F·M-row frame (every score
+    255, a tie that parity would then resolve in the graph's favour)."""
+    from video_references import vllm_mask
+
+    from vlmprune.compiler.parity.reference import MethodPruner
+    from vlmprune.passes.methods.evs import EvsMethod
+
+    source = video_source(lnv_dir)
+    clip = torch.from_numpy(parity_clip(source))
+    pipeline = source.pipeline.with_pruner(MethodPruner(EvsMethod(), {"keep": 12}, "features", None))
+    with torch.inference_mode():
+        dense = source.pipeline(clip)
+        _, kept_features = pipeline.prune_features(dense, clip)
+        _, kept_forward = pipeline(clip)
+    expected = np.flatnonzero(vllm_mask(dense[0].numpy(), FRAMES, 12))
+    assert kept_features[0].tolist() == kept_forward[0].tolist() == expected.tolist()
+    assert expected.tolist() != list(range(12))  # the clip made here: not the first three frames
 
 
 # ---------------------------------------------------------------------- evs-encoder: the drop inside the tower
