@@ -122,6 +122,24 @@ def test_features_reference_ranks_the_whole_clip(lnv_dir):
     assert expected.tolist() != list(range(12))  # the clip made here: not the first three frames
 
 
+def test_cli_compiles_clips_of_two_lengths_from_one_cache(lnv_dir, tmp_path, monkeypatch):
+    """`vlmprune compile --video-frames F` prints its summary (the counts line names the clip's frames), and the
+    product cache keys the dense export by F: a compile at F = 4 after F = 6 exports its own batch of 4 (reusing
+    F = 6's fails every parity stage on the input's shape), and F = 6 again hits F = 6's entry."""
+    from cli_helpers import run_cli
+
+    monkeypatch.setenv("VLMPRUNE_PRODUCTS", str(tmp_path / "products"))
+    outputs = {}
+    for frames, name in ((FRAMES, "first"), (4, "four"), (FRAMES, "again")):
+        ran = run_cli("compile", lnv_dir, "-m", "evs", "-k", frames * 2, "--video-frames", frames, "-o", tmp_path / name)
+        assert ran.exit_code == 0, ran.output
+        outputs[name] = ran.output
+    assert (f"image {SIZE}x{SIZE}: 4x4 = 16 patches, pooled 2x2 into 2x2 per frame: a clip of {FRAMES} frames, "
+            f"{FRAMES * PER_FRAME} tokens") in outputs["first"]
+    assert "a clip of 4 frames, 16 tokens" in outputs["four"] and "parity export     PASS" in outputs["four"]
+    assert "export (cached" not in outputs["four"] and "export (cached" in outputs["again"]
+
+
 # ---------------------------------------------------------------------- evs-encoder: the drop inside the tower
 
 STANDARD = {"Add", "Concat", "ConstantOfShape", "Div", "Equal", "Erf", "Expand", "Gather", "MatMul", "Max", "Mod",
