@@ -140,6 +140,17 @@ def test_cli_compiles_clips_of_two_lengths_from_one_cache(lnv_dir, tmp_path, mon
     assert "export (cached" not in outputs["four"] and "export (cached" in outputs["again"]
 
 
+def test_dense_export_key_names_the_frames(lnv_dir):
+    """The product cache's key parts name a clip's frame count itself (the export's batch), not only through a
+    pipeline setting that a family might not keep."""
+    from vlmprune.compiler.pipeline.cache import export_parts
+
+    four, six = (export_parts(video_source(lnv_dir, f), "llava_next", None, 18, None) for f in (4, FRAMES))
+    assert (four["frames"], six["frames"]) == (4, FRAMES)
+    still = load_source(str(lnv_dir))
+    assert export_parts(still, "llava_next", None, 18, None)["frames"] == 1
+
+
 # ---------------------------------------------------------------------- evs-encoder: the drop inside the tower
 
 STANDARD = {"Add", "Concat", "ConstantOfShape", "Div", "Equal", "Erf", "Expand", "Gather", "MatMul", "Max", "Mod",
