@@ -210,6 +210,7 @@ REFUSED = [
     (["-m", "cls", "-k", "10", "-l", "1"], "method cls with these options reads block L's hidden states"),
     (["-m", "visionzip", "-k", "10", "-l", "1"], "method visionzip with these options reads"),
     (["-m", "tome", "-k", "10", "-l", "1"], "method tome with these options reads"),
+    (["-m", "prumerge+", "-k", "10", "-l", "1"], "method prumerge+ with these options reads"),
     (["-m", "cdpruner", "-k", "10"], "method cdpruner with these options reads"),
     (["-m", "holov", "-k", "10"], "method holov with these options reads"),
     (["-m", "dart", "-k", "10", "--text-pivots", "2"], "method dart with these options reads"),
