@@ -126,3 +126,11 @@ def test_cli_summary_names_the_clip(ov_dir, tmp_path):
     # generate does not place the newline row yet: refused in one line, naming the model type
     one_line_error(run_cli("generate", tmp_path / "b", "--video", folder, "--prompt", "what moves?"),
                    "family llava_onevision), which holds no language model that generate runs")
+
+
+@pytest.mark.parametrize("target", ["orin", "xavier"])
+def test_tensorrt_targets_host_parity(ov_dir, tmp_path, target):
+    """xavier's opset-17 graph takes the bilinear pooling as Resize-13 (passes.tensorrt.DowngradeOpsetPass)."""
+    result = compile_model(str(ov_dir), tmp_path / target, CompileOptions(
+        method="evs", keep=8, target=target, family_options={"video_frames": FRAMES}))
+    assert result.report.passed, result.manifest["parity"]
