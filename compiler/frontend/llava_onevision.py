@@ -29,7 +29,7 @@ from torch import nn
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, VIDEO, Family
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, VIDEO, Family, IndicesPositions
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
 from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of,
                                                read_safetensors, sha256_files)
@@ -116,6 +116,23 @@ def set_video(source: Source, frames: int) -> None:
                                "append image_newline once after them")
 
 
+class NewlinePositions(IndicesPositions):
+    """The clip's rows at their dense index, then image_newline once at F·M (transformers' get_video_features), the
+    text after it: the placeholder expands to F·M + 1 tokens without pruning."""
+
+    rule = ("prefix row r at offset + r; kept row j at offset + prefix + kept_indices[j]; then image_newline (not an "
+            "output: the checkpoint's model.image_newline) at offset + dense_image_tokens - 1; extra row e at offset "
+            "+ dense_image_tokens + e; text after the image from offset + dense_image_tokens + extra")
+
+    def dense_image_tokens(self, model: dict, dense: int | None) -> int | None:
+        return None if dense is None else dense + 1
+
+    def readme_places(self, rows: dict, dense, after) -> str:
+        return (f"- kept row j: offset + {rows['prefix']} + kept_indices[j]\n"
+                f"- then image_newline (the checkpoint's model.image_newline, [D]), once: offset + {dense - 1}\n"
+                f"- the text after the image: from offset + {after}")
+
+
 class LlavaOnevisionFamily(ClipInput, Family):
     """LLaVA-OneVision's clips (ClipInput: the frames are the graph's batch); its images are not compiled here."""
 
@@ -125,6 +142,7 @@ class LlavaOnevisionFamily(ClipInput, Family):
                                      "each frame through the tower and projector, pooled bilinearly to ceil(s/2)² "
                                      "rows as get_video_features does; the features [1, F·M, D] frame by frame")}
     has = {PATCH_TOKENS: "LLaVA-OneVision clips", VIDEO: "LLaVA-OneVision"}
+    positions = NewlinePositions()
     # No language_model: generate and eval would need the newline row and its position placed after the kept rows;
     # they refuse a LLaVA-OneVision checkpoint in one line until then.
 
@@ -151,6 +169,10 @@ class LlavaOnevisionFamily(ClipInput, Family):
         self.refuse_video_reads(source, config)
         super().check_method(source, config, site_spec)
 
+    def llm_handoff(self, model: dict) -> dict:
+        """The row after the kept ones that no output holds (the positions rule places it)."""
+        return {"after_rows": {"row": "image_newline", "weight": "model.image_newline", "count": 1}}
+
     def cannot_draw(self, manifest: dict) -> str | None:
         return None
 
@@ -161,5 +183,5 @@ class LlavaOnevisionFamily(ClipInput, Family):
 
 `image_features` holds the clip's kept rows frame by frame. Append the checkpoint's `model.image_newline` vector
 ([D]) once after them, as transformers' get_video_features does after a clip's rows; it takes the position after the
-dense clip's rows (offset + F·M), and the text follows it.
+dense clip's rows (offset + F·M), and the text follows it (the manifest's `llm.after_rows` and `llm.positions`).
 """

@@ -88,6 +88,11 @@ def test_methods_prune_the_pooled_rows_as_their_references_do(ov_dir, tmp_path, 
     np.testing.assert_allclose(out["image_features"][0], dense[expected], rtol=1e-4, atol=1e-4 * np.abs(dense).max())
     readme = (result.bundle / "README.md").read_text()
     assert "Append the checkpoint's `model.image_newline`" in readme
+    assert f"then image_newline (the checkpoint's model.image_newline, [D]), once: offset + {FRAMES * PER_FRAME}" \
+        in readme
+    llm = result.manifest.llm  # the placeholder: F·M rows and the newline; the text after both
+    assert (llm["dense_image_tokens"], llm["text_resumes_at"]) == (FRAMES * PER_FRAME + 1, FRAMES * PER_FRAME + 1)
+    assert llm["after_rows"] == {"row": "image_newline", "weight": "model.image_newline", "count": 1}
 
 
 REFUSED = [
