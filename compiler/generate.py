@@ -550,7 +550,7 @@ def default_model(manifest: Manifest) -> str:
     if family_of(manifest).language_model and (model.kind == "hf" or model.source == "demo"):
         return source_of(manifest)
     raise InputError(f"--model is needed: the bundle was compiled from {model.source} ({model.kind}, "
-                     f"family {model.family}), which holds no language model")
+                     f"family {model.family}), which holds no language model that generate runs")
 
 
 @dataclasses.dataclass

@@ -201,6 +201,15 @@ def _replace(node: ir.Node, new_nodes: list[ir.Node], outputs: list[ir.Value]) -
 # ------------------------------------------------------------------- legalization
 
 
+# Resize-18's attributes that Resize-13 lacks -> whether a value set differs from the default (a resize that sets
+# none of them is Resize-13's: a bilinear pooling, LLaVA-OneVision's apply_pooling, exports as Resize-18).
+_RESIZE_18 = {
+    "antialias": lambda a: a is not None and a.as_int() != 0,
+    "axes": lambda a: a is not None,
+    "keep_aspect_ratio_policy": lambda a: a is not None and a.as_string() != "stretch",
+}
+
+
 class DowngradeOpsetPass(ir.passes.InPlacePass):
     """Rewrite a graph to an older default-domain opset (TensorRT 8.5 parses up to 17).
 
@@ -210,7 +219,8 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
     converted (Reduce*: axes input -> attribute; Split: num_outputs -> split sizes;
     Cast/CastLike-19: the saturate attribute, which only float8 reads, dropped once the
     types are known and none is float8; Gelu-20: its erf or tanh formula in elementwise
-    ops), accepted when only its type constraints changed, or refused with its name.
+    ops; Resize-18: its new attributes dropped where they hold their defaults), accepted when only
+    its type constraints changed, or refused with its name.
     """
 
     def __init__(self, target: int):
@@ -260,6 +270,9 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
             if len(node.inputs) > 1 and node.inputs[1] is not None:
                 return None
             return None if _split_sizes(node) is not None else "Split by num_outputs of a dimension not known here"
+        if node.op_type == "Resize" and new.since_version == 18 and old.since_version == 13:
+            set_ = [name for name in _RESIZE_18 if _RESIZE_18[name](node.attributes.get(name))]
+            return f"Resize-18 with {', '.join(set_)} (no Resize-13 form)" if set_ else None
         return f"{node.op_type}-{new.since_version} has no opset-{self.target} form here"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -284,6 +297,9 @@ class DowngradeOpsetPass(ir.passes.InPlacePass):
                 self._split(node)
             elif node.op_type in ("Cast", "CastLike"):
                 node.attributes.pop("saturate", None)
+            elif node.op_type == "Resize":  # requires() let through only Resize-18's new attributes at their defaults
+                for name in _RESIZE_18:
+                    node.attributes.pop(name, None)
         model.opset_imports[""] = self.target
         model.opset_imports.pop("ai.onnx", None)
         return ir.passes.PassResult(model, modified=True)

@@ -25,12 +25,7 @@ def compile_lines(result: CompileResult) -> list[str]:
     out = []
     counts = manifest.model.token_counts
     if counts:  # a merging tower: its patches are not the tokens the LLM sees
-        t, h, w = manifest.model.merged_grid_thw
-        out.append(f"image {counts['image_size']}x{counts['image_size']}: {counts['patch_grid'][0]}x"
-                   f"{counts['patch_grid'][1]} = {counts['patches']} patches, merged "
-                   f"{counts['spatial_merge']}x{counts['spatial_merge']} into {h}x{w}"
-                   + (f" per temporal patch: a clip of {manifest.model.video_frames} frames, {t} temporal patches, "
-                      f"{counts['tokens']} tokens" if manifest.model.video_frames else f" = {counts['tokens']} tokens"))
+        out.append(_counts_line(counts, manifest.model.merged_grid_thw, manifest.model.video_frames))
     if not method.pruned:
         out.append("tokens: dense (no pruning)")
     elif method.site == "block":
@@ -52,6 +47,20 @@ def compile_lines(result: CompileResult) -> list[str]:
     out += placement_summary(manifest)
     out.append(f"bundle: {result.bundle} ({result.seconds:.1f}s)")
     return out
+
+
+def _counts_line(counts: dict, grid_thw: list[int], frames: int | None) -> str:
+    """A merging tower's grids: an image's patches merged into tokens; a clip's per frame (a tower that pools each
+    frame, LLaVA-NeXT-Video: t = F) or per temporal patch (Qwen's, two frames in one token: t = F/2)."""
+    t, h, w = grid_thw
+    merge, how = counts["spatial_merge"], "pooled" if counts.get("pool") else "merged"
+    line = (f"image {counts['image_size']}x{counts['image_size']}: {counts['patch_grid'][0]}x"
+            f"{counts['patch_grid'][1]} = {counts['patches']} patches, {how} {merge}x{merge} into {h}x{w}")
+    if not frames:
+        return line + f" = {counts['tokens']} tokens"
+    if t == frames:
+        return line + f" per frame: a clip of {frames} frames, {counts['tokens']} tokens"
+    return line + f" per temporal patch: a clip of {frames} frames, {t} temporal patches, {counts['tokens']} tokens"
 
 
 def timing_lines(result: CompileResult) -> list[str]:

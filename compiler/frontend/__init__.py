@@ -24,6 +24,7 @@ from vlmprune.compiler.frontend.family import DenseRequest, Family
 from vlmprune.compiler.frontend.llava import LlavaFamily
 from vlmprune.compiler.frontend.llava_dinov2 import LlavaDinov2Family
 from vlmprune.compiler.frontend.llava_next import LlavaNextFamily
+from vlmprune.compiler.frontend.llava_onevision import LlavaOnevisionFamily
 from vlmprune.compiler.frontend.minicpm_v import MiniCPMVFamily
 from vlmprune.compiler.frontend.onnx_tower import OnnxFamily, load_onnx_tower
 from vlmprune.compiler.frontend.presets import PRESETS, load_preset
@@ -34,7 +35,8 @@ from vlmprune.compiler.frontend.source import Source
 from vlmprune.compiler.frontend.vit import VitFamily
 
 # The whole list of families, each with its adapter (None: loaded otherwise, an .onnx file); never discovered.
-FAMILIES: tuple[Family, ...] = (LlavaDinov2Family(), LlavaFamily(), LlavaNextFamily(), ClipFamily(), VitFamily(),
+FAMILIES: tuple[Family, ...] = (LlavaDinov2Family(), LlavaFamily(), LlavaNextFamily(), LlavaOnevisionFamily(),
+                                ClipFamily(), VitFamily(),
                                 Dinov2Family(), Qwen2VLFamily(), Qwen3VLFamily(), InternVLFamily(),
                                 SmolVLMFamily(), Gemma3Family(), Lfm2VlFamily(), MiniCPMVFamily(), Gemma4Family(),
                                 OnnxFamily())

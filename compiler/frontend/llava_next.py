@@ -55,6 +55,7 @@ from vlmprune.compiler.frontend.family import (BLOCK, CROPS, FRAME_TOWER, PATCH_
                                                IndicesPositions)
 from vlmprune.compiler.frontend.images import anyres_crops, load_image_crops, parity_crops, parse_grid, read_rgb
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
+from vlmprune.compiler.frontend.merged import token_counts
 from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of, load_state,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import VisionPipeline
@@ -215,15 +216,17 @@ def set_video(source: Source, frames: int) -> None:
     side = source.image_size // source.patch_size
     per_frame = (side // stride) ** 2
     source.pipeline = VisionPipeline(anyres.tower, VideoProjector(pooler, anyres.projector, frames),
-                                     anyres.num_blocks, True, anyres.has_cls, anyres.patch_size).eval()
+                                     anyres.num_blocks, True, anyres.has_cls, anyres.patch_size, frames=frames).eval()
     source.crops, source.regrid, source.positions, source.position_table = None, None, "indices", None
     source.spatial_merge, source.frames = stride, frames
     for key in ("grid", "crops", "resolution"):
         config.pop(key, None)
     config["video_frames"] = frames
     pooled = side // stride
+    # The keys every merging tower's token_counts has (one frame's patch grid, the pool as its merge), then the clip's;
     # merged_grid_thw as Qwen's video records it (here t = frames): what `run --show` draws a clip's frames by
-    config["token_counts"] = {"video_frames": frames, "tokens_per_frame": per_frame, "tokens": frames * per_frame,
+    config["token_counts"] = {**token_counts(source.image_size, source.patch_size, stride),
+                              "video_frames": frames, "tokens_per_frame": per_frame, "tokens": frames * per_frame,
                               "merged_grid_thw": [frames, pooled, pooled], "pool": [type(pooler.pool).__name__, stride]}
     config["input"] = (f"one clip per call: pixel_values [{frames}, 3, S, S], its frames in order, each "
                        f"preprocessed as a still image; features [1, F·M, D] frame by frame, M = {per_frame}")

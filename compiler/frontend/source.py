@@ -58,6 +58,8 @@ class Source:
     position_table: object | None = dataclasses.field(default=None, repr=False)
     # A video source (--video-frames): the features are this many frames of tokens, frame by frame (1: an image).
     frames: int = 1
+    # Where a frame's tokens are not its patch grid floor-divided by spatial_merge (a resize to ceil(s/2), say): them.
+    tokens_per_frame: int | None = None
 
     def release_weights(self) -> None:
         """Free the torch weights once the reference has run. The parity stages after it run the bundle's graphs
@@ -91,6 +93,8 @@ class Source:
         """The tokens pruning runs over: every frame's, for a video."""
         if self.patch_size is None:
             return None
+        if self.tokens_per_frame is not None:
+            return self.frames * self.tokens_per_frame
         return self.frames * (self.image_size // (self.patch_size * self.spatial_merge)) ** 2
 
 

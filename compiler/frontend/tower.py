@@ -123,11 +123,14 @@ class VisionPipeline(nn.Module):
     F is the feature layer (blocks after it are never run); the final norm runs only when F
     is the last block and the family's features are its normed output (final_norm). With a
     pruner, forward returns (features, kept_indices) and keeps the pruner's trace in last_trace.
+    frames: a video pipeline's frames per clip (its features are that many frames of rows, frame by frame); the
+    FEATURES-site pruner is told it, since a temporal method (evs, dycoke) compares frame with frame and, told 1,
+    would rank the whole clip as one frame.
     """
 
     def __init__(self, tower: TowerParts, projector: nn.Module | None, num_blocks: int, drop_cls: bool,
                  has_cls: bool, patch_size: int, prefix: int | None = None, final_norm: bool = False,
-                 pruner: Pruner | None = None):
+                 pruner: Pruner | None = None, frames: int = 1):
         super().__init__()
         self.tower = tower
         self.vision_model = tower.module
@@ -139,12 +142,13 @@ class VisionPipeline(nn.Module):
         self.patch_size = patch_size
         self.final_norm = final_norm and tower.final_norm is not None and num_blocks == len(tower.blocks)
         self.pruner = pruner
+        self.frames = frames
         self.last_trace: dict | None = None
 
     def with_pruner(self, pruner: Pruner | None) -> VisionPipeline:
         """The same weights, pruning (or not) as given."""
         return VisionPipeline(self.tower, self.projector, self.num_blocks, self.drop_cls, self.has_cls,
-                              self.patch_size, self.prefix, self.final_norm, pruner)
+                              self.patch_size, self.prefix, self.final_norm, pruner, self.frames)
 
     def forward(self, pixel_values: torch.Tensor):
         tower, pruner = self.tower, self.pruner
@@ -200,7 +204,7 @@ class VisionPipeline(nn.Module):
         prefix = 0 if self.drop_cls else self.prefix
         q, k, scale = qk if qk is not None else (None, None, None)
         return self._prune(SiteTensors(features, self.has_cls and prefix > 0, q, k, scale, pixel_values=pixel_values,
-                                       patch_size=self.patch_size, prefix=prefix))
+                                       patch_size=self.patch_size, prefix=prefix, frames=self.frames))
 
     def _prune(self, tensors: SiteTensors):
         tokens, kept, self.last_trace = self.pruner(tensors)

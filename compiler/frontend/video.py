@@ -140,7 +140,8 @@ class ClipInput:
         needs = config.method.needs(config.params)
         if source.frames > 1 and (needs.attention or needs.pixels or needs.tower_features or needs.text):
             raise InputError(f"method {config.method.name} with these options reads {needs.describe()}, and a video "
-                             "bundle hands its methods the merged tokens only (evs, divprune, dart, random, grid)")
+                             "bundle hands its methods the clip's tokens only (evs, dycoke, divprune, dart, random and grid "
+                             "--site features)")
 
     def check_target(self, source, target: str, check_batch) -> None:
         """A clip's frames are the graph's batch: refuse, before the export, a target that cannot run it."""

@@ -8,7 +8,7 @@ from $VLMPRUNE_CACHE/products (the root kernels/build.py resolves; ~/.cache/vlmp
 
 Entries are content-addressed: the key is a sha256 over the weights' content hash, the
 family and the pipeline's own settings (image size, feature layer, [CLS] drop, crops,
-packing), opset and batch, and what changes the bytes: the versions of vlmprune, its own
+packing, a clip's frames), opset and batch, and what changes the bytes: the versions of vlmprune, its own
 Python sources, torch, onnx, onnxscript, onnx_ir, transformers and ONNX Runtime. An entry
 is written into a temporary folder and renamed into place, so concurrent compiles never
 see half an entry; it records the sha256 of each of its files, and one that no longer
@@ -141,8 +141,11 @@ def export_parts(source: Source, family: str, batch: int | None, opset: int, cls
     pipeline = source.pipeline
     settings = {name: value for name, value in sorted(vars(pipeline).items())
                 if not name.startswith("_") and _is_setting(value)}
+    # frames: a video source's clip length is the export's batch (the family's export_batch), which request.batch
+    # (the user's --batch, None for a clip) does not say; named here so that no pipeline has to hold it.
     return {"product": "dense-export", "layout": LAYOUT, "weights": source.content_hash, "family": family,
-            "image_size": source.image_size, "crops": source.crops, "pipeline": type(pipeline).__qualname__,
+            "image_size": source.image_size, "crops": source.crops, "frames": source.frames,
+            "pipeline": type(pipeline).__qualname__,
             "settings": settings, "batch": batch, "opset": opset, "cls": cls, "versions": versions()}
 
 

@@ -105,6 +105,9 @@ def check(params: dict, spec) -> None:
     """Refuse a site whose tokens have no single patch grid to take neighbourhoods on."""
     if params.get("merge") != LOCAL:
         return
+    if spec.frames > 1:
+        raise InputError(f"--merge local needs one patch grid, and a clip's tokens are {spec.frames} frames' grids "
+                         "(compile --video-frames)")
     if spec.merge is not None and spec.merge >= 2:
         raise InputError("--merge local needs one patch grid, and this tower's merged tokens (Qwen2-VL's 2x2 "
                          "merges, a grid per image) have none")

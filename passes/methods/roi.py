@@ -99,6 +99,9 @@ def check(params: dict, spec) -> None:
         return
     if "crops" in params:
         raise InputError("--roi needs one patch grid per image, and LLaVA-NeXT's crops are several")
+    if spec.frames > 1:
+        raise InputError(f"--roi needs one patch grid, and a clip's tokens are {spec.frames} frames' grids "
+                         "(compile --video-frames)")
     if spec.merge is not None and spec.merge >= 2:
         raise InputError("--roi needs one patch grid, and this tower's merged tokens (Qwen2-VL's 2x2 merges) have none")
     if not spec.has_pixels:

@@ -65,7 +65,7 @@ def test_family_options_replace_the_fixed_fields():
     sized = {f.id for f in FAMILIES if getattr(f.adapter, "dynamic_resolution", False)}
     assert {"qwen2_vl", "qwen3_vl", "smolvlm", "lfm2_vl"} <= sized
     assert declared == {"grid": {"llava_next", "internvl"}, "crop_budget": {"llava_next", "internvl"},
-                        "image_size": sized, "video_frames": {"qwen2_vl", "llava_next"}}
+                        "image_size": sized, "video_frames": {"qwen2_vl", "llava_next", "llava_onevision"}}
 
 
 def test_cli_flags_come_from_the_family_declarations():
@@ -121,7 +121,7 @@ def test_methods_declare_needs_and_the_cli_joins_them_with_the_families():
                             "Qwen2-VL / Qwen2.5-VL, Qwen3-VL merged tokens, with --score attention")
     every = ", ".join(f.has[PATCH_TOKENS] for f in FAMILIES)
     # main's families in table order, the families added since before the .onnx towers (any order)
-    assert "LLaVA, LLaVA-NeXT, CLIP, SigLIP, ViT, DINOv2, Qwen2-VL / Qwen2.5-VL, Qwen3-VL, InternVL3, " in every
+    assert "LLaVA, LLaVA-NeXT, LLaVA-OneVision clips, CLIP, SigLIP, ViT, DINOv2, Qwen2-VL / Qwen2.5-VL, Qwen3-VL, InternVL3, " in every
     assert "SmolVLM" in every and "Gemma 3" in every and every.endswith(", .onnx towers")
     assert lines["divprune"] == f"every family (no [CLS] needed: {every})"
 

@@ -7,6 +7,8 @@ transformers' get_video_features for the same frames; evs prunes the pooled rows
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -82,6 +84,8 @@ def test_evs_bundle_passes_parity_on_the_pooled_rows(lnv_dir, tmp_path):
         method="evs", keep=8, method_options={"video_pruning_rate": 0.5}, target="ort",
         family_options={"video_frames": FRAMES}, cache=False))
     assert result.report.passed and result.manifest.method.keep == retained_tokens(PER_FRAME, FRAMES, 0.5) == 12
+    for stage in json.loads((result.bundle / "parity.json").read_text())["stages"][1:]:  # kept sets agree, no ties
+        assert stage["indices"]["agreement"] == 1.0 and stage["indices"]["boundary_ties"] == [0], stage["indices"]
     assert result.manifest.llm["positions"]["kind"] == "indices"
     source = video_source(lnv_dir)
     clip = np.stack([preprocess(f, SIZE, source.mean, source.std) for f in clip_made_here(FRAMES, SIZE)])
@@ -91,6 +95,139 @@ def test_evs_bundle_passes_parity_on_the_pooled_rows(lnv_dir, tmp_path):
     kept = out["kept_indices"][0]
     assert set(range(PER_FRAME)) <= set(kept.tolist())  # the first frame always
     np.testing.assert_allclose(out["image_features"][0], dense[kept], rtol=1e-4, atol=1e-4 * np.abs(dense).max())
+
+
+def parity_clip(source, frames: int = FRAMES) -> np.ndarray:
+    return np.stack([preprocess(f, SIZE, source.mean, source.std) for f in clip_made_here(frames, SIZE)])
+
+
+def test_features_reference_ranks_the_whole_clip(lnv_dir):
+    """The reference parity runs (prune_features on the dense rows, and forward) is told the clip's F frames: evs's
+    kept rows are vLLM's retention mask over F frames of M rows, not the first K of one F·M-row frame (every score
+    255, a tie that parity would then resolve in the graph's favour)."""
+    from video_references import vllm_mask
+
+    from vlmprune.compiler.parity.reference import MethodPruner
+    from vlmprune.passes.methods.evs import EvsMethod
+
+    source = video_source(lnv_dir)
+    clip = torch.from_numpy(parity_clip(source))
+    pipeline = source.pipeline.with_pruner(MethodPruner(EvsMethod(), {"keep": 12}, "features", None))
+    with torch.inference_mode():
+        dense = source.pipeline(clip)
+        _, kept_features = pipeline.prune_features(dense, clip)
+        _, kept_forward = pipeline(clip)
+    expected = np.flatnonzero(vllm_mask(dense[0].numpy(), FRAMES, 12))
+    assert kept_features[0].tolist() == kept_forward[0].tolist() == expected.tolist()
+    assert expected.tolist() != list(range(12))  # the clip made here: not the first three frames
+
+
+def test_cli_compiles_clips_of_two_lengths_from_one_cache(lnv_dir, tmp_path, monkeypatch):
+    """`vlmprune compile --video-frames F` prints its summary (the counts line names the clip's frames), and the
+    product cache keys the dense export by F: a compile at F = 4 after F = 6 exports its own batch of 4 (reusing
+    F = 6's fails every parity stage on the input's shape), and F = 6 again hits F = 6's entry."""
+    from cli_helpers import run_cli
+
+    monkeypatch.setenv("VLMPRUNE_PRODUCTS", str(tmp_path / "products"))
+    outputs = {}
+    for frames, name in ((FRAMES, "first"), (4, "four"), (FRAMES, "again")):
+        ran = run_cli("compile", lnv_dir, "-m", "evs", "-k", frames * 2, "--video-frames", frames, "-o", tmp_path / name)
+        assert ran.exit_code == 0, ran.output
+        outputs[name] = ran.output
+    assert (f"image {SIZE}x{SIZE}: 4x4 = 16 patches, pooled 2x2 into 2x2 per frame: a clip of {FRAMES} frames, "
+            f"{FRAMES * PER_FRAME} tokens") in outputs["first"]
+    assert "a clip of 4 frames, 16 tokens" in outputs["four"] and "parity export     PASS" in outputs["four"]
+    assert "export (cached" not in outputs["four"] and "export (cached" in outputs["again"]
+
+
+def test_dense_export_key_names_the_frames(lnv_dir):
+    """The product cache's key parts name a clip's frame count itself (the export's batch), not only through a
+    pipeline setting that a family might not keep."""
+    from vlmprune.compiler.pipeline.cache import export_parts
+
+    four, six = (export_parts(video_source(lnv_dir, f), "llava_next", None, 18, None) for f in (4, FRAMES))
+    assert (four["frames"], six["frames"]) == (4, FRAMES)
+    still = load_source(str(lnv_dir))
+    assert export_parts(still, "llava_next", None, 18, None)["frames"] == 1
+
+
+# ---------------------------------------------------------------------- image methods over a clip's rows
+
+def clip_nearly_still() -> np.ndarray:
+    """Random frames, frames 3-4 frame 2 with a little noise: near-repeats, not exact ones (an exact repeat makes every
+    cosine 1, a tie the official code breaks arbitrarily and the graph's fp32 rounding breaks its own way)."""
+    rng = np.random.default_rng(5)
+    clip = rng.standard_normal((FRAMES, 3, SIZE, SIZE)).astype(np.float32)
+    clip[3:5] = clip[2] + 0.1 * rng.standard_normal((2, 3, SIZE, SIZE)).astype(np.float32)
+    return clip
+
+
+def official_kept(method: str, dense: np.ndarray, keep: int) -> list[int]:
+    """The kept rows of one clip [F·M, D] by the method's plain restatement (method_references, video_references):
+    the image methods rank the clip's F·M rows as one sequence; dycoke keeps per frame."""
+    from method_references import dart_straightforward, divprune_official, random_draw
+    from video_references import dycoke_official
+
+    x = dense.astype(np.float64)
+    if method == "divprune":
+        return sorted(divprune_official(x, keep))
+    if method == "dart":
+        return dart_straightforward(x, keep, 4)
+    if method == "random":
+        return random_draw(len(x), keep, 0)
+    frames = dycoke_official(torch.from_numpy(x), PER_FRAME)
+    return [j * PER_FRAME + i for j, ids in enumerate(frames) for i in sorted(ids)]
+
+
+PER_CLIP = [("divprune", 10, {}), ("dart", 10, {}), ("random", 10, {"site": "features"}), ("dycoke", 1, {})]
+
+
+@pytest.mark.parametrize("method,keep,options", PER_CLIP, ids=[m for m, _, _ in PER_CLIP])
+def test_image_methods_prune_the_clip_as_their_references_do(lnv_dir, tmp_path, method, keep, options):
+    """divprune, dart, random --site features and dycoke on a clip's pooled rows [1, F·M, D]: parity on ort with the
+    kept sets agreeing exactly, and the bundle's kept rows, on two clips, the restated algorithm's on the dense rows."""
+    from vlmprune.compiler import api
+
+    result = compile_model(str(lnv_dir), tmp_path / method, CompileOptions(
+        method=method, keep=keep, method_options=options, target="ort", family_options={"video_frames": FRAMES}))
+    assert result.report.passed, result.manifest["parity"]
+    for stage in json.loads((result.bundle / "parity.json").read_text())["stages"][1:]:
+        assert stage["indices"]["agreement"] == 1.0, stage["indices"]
+    k = result.manifest.method.keep
+    assert k == (4 + 1 + 1 + 1 + 4 + 1 if method == "dycoke" else keep)  # dycoke: frames 1, 2, 3, 5 keep int(0.3·4)
+    source = video_source(lnv_dir)
+    for clip in (parity_clip(source), clip_nearly_still()):
+        out = api.run(result.bundle, inputs=clip).outputs  # the bundle's runtime (divprune: its fused op's library)
+        with torch.inference_mode():
+            dense = source.pipeline(torch.from_numpy(clip))[0].numpy()
+        expected = official_kept(method, dense, k)
+        assert out["kept_indices"][0].tolist() == expected
+        np.testing.assert_allclose(out["image_features"][0], dense[expected], rtol=1e-4,
+                                   atol=1e-4 * np.abs(dense).max())
+
+
+REFUSED = [
+    (["-m", "cls", "-k", "10", "-l", "1"], "method cls with these options reads block L's hidden states"),
+    (["-m", "visionzip", "-k", "10", "-l", "1"], "method visionzip with these options reads"),
+    (["-m", "tome", "-k", "10", "-l", "1"], "method tome with these options reads"),
+    (["-m", "prumerge+", "-k", "10", "-l", "1"], "method prumerge+ with these options reads"),
+    (["-m", "cdpruner", "-k", "10"], "method cdpruner with these options reads"),
+    (["-m", "holov", "-k", "10"], "method holov with these options reads"),
+    (["-m", "dart", "-k", "10", "--text-pivots", "2"], "method dart with these options reads"),
+    (["-m", "random", "-k", "10", "-l", "1"], "use --site features"),
+    (["-m", "divprune", "-k", "10", "--merge", "local"], "--merge local needs one patch grid, and a clip's tokens are 6 "
+                                                         "frames' grids"),
+    (["-m", "dycoke", "--video-frames", "5"], "an even number of frames, at least 4"),
+]
+
+
+@pytest.mark.parametrize("args,needle", REFUSED, ids=[" ".join(a[:2]) + (" " + a[-2] if len(a) > 4 else "")
+                                                      for a, _ in REFUSED])
+def test_methods_that_cannot_take_a_clip_refuse_in_one_line(lnv_dir, tmp_path, args, needle):
+    from cli_helpers import one_line_error, run_cli
+
+    frames = [] if "--video-frames" in args else ["--video-frames", FRAMES]
+    one_line_error(run_cli("compile", lnv_dir, *args, *frames, "-o", tmp_path / "b"), needle)
 
 
 # ---------------------------------------------------------------------- evs-encoder: the drop inside the tower

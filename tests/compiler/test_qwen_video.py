@@ -293,3 +293,14 @@ def test_dycoke_bundle_passes_parity_and_keeps_the_official_tokens(qwen_dirs, tm
         dense = source.pipeline(torch.from_numpy(clip))[0]
     official = dycoke_official(dense, 16)
     assert out["kept_indices"][0].tolist() == [j * 16 + i for j, ids in enumerate(official) for i in sorted(ids)]
+
+
+def test_cli_summary_names_the_temporal_patches(qwen_dirs, tmp_path):
+    """The counts line of a Qwen clip (two frames in one temporal patch), beside LLaVA-NeXT-Video's per-frame one."""
+    from cli_helpers import run_cli
+
+    ran = run_cli("compile", qwen_dirs["qwen2_vl"], "-m", "evs", "-k", 16, "--image-size", SIZE, "--video-frames", 4,
+                  "-o", tmp_path / "b")
+    assert ran.exit_code == 0, ran.output
+    assert (f"image {SIZE}x{SIZE}: 8x8 = 64 patches, merged 2x2 into 4x4 per temporal patch: a clip of 4 frames, "
+            "2 temporal patches, 32 tokens") in ran.output

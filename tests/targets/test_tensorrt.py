@@ -724,3 +724,32 @@ def test_an_opset_outside_the_targets_declared_range_is_refused_before_any_work(
     assert str(info.value).startswith(says) and "\n" not in str(info.value)
     assert list(tmp_path.iterdir()) == []
     assert get_target(target).opsets[1] >= 19
+
+
+def test_downgrade_takes_resize_18_at_its_defaults_and_refuses_antialias():
+    """xavier on LLaVA-OneVision clips failed: its bilinear pooling exports as Resize-18, which had no opset-17 form;
+    with antialias, axes and keep_aspect_ratio_policy at their defaults it is Resize-13."""
+    import onnx.helper as oh
+    import onnxruntime as ort
+
+    f = onnx.TensorProto.FLOAT
+
+    def resize_model(**attrs):
+        node = oh.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="linear", **attrs)
+        graph = oh.make_graph([node], "g", [oh.make_tensor_value_info("x", f, [2, 3, 5, 5])],
+                              [oh.make_tensor_value_info("y", f, [2, 3, 3, 3])],
+                              [onnx.numpy_helper.from_array(np.array([2, 3, 3, 3], np.int64), "sizes")])
+        return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=10)
+
+    proto = resize_model(antialias=0, keep_aspect_ratio_policy="stretch")
+    x = np.random.default_rng(0).standard_normal((2, 3, 5, 5)).astype(np.float32)
+    want = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    model = ir.from_proto(proto)
+    trt_passes.DowngradeOpsetPass(17)(model)
+    assert model.opset_imports[""] == 17
+    legal = ir.to_proto(model)
+    onnx.checker.check_model(legal, full_check=True)
+    got = ort.InferenceSession(legal.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(StructureError, match="Resize-18 with antialias"):
+        trt_passes.DowngradeOpsetPass(17)(ir.from_proto(resize_model(antialias=1)))

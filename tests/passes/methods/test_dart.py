@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 from method_helpers import features_model, reference, run, tokens
+from method_references import dart_straightforward as straightforward
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.methods.dart import DartMethod, pivot_counts
-
-
-def straightforward(x: np.ndarray, keep: int, pivots: int) -> list[int]:
-    """DART for one image, written plainly from its description (lists and loops, float64)."""
-    l1 = np.abs(x).sum(-1)
-    order = sorted(range(len(x)), key=lambda i: (-l1[i], i))
-    retained = order[:pivots]
-    pool = [i for i in range(len(x)) if i not in retained]
-    for j, p in enumerate(order[:pivots]):
-        remaining = keep - len(retained)
-        if remaining <= 0:
-            break
-        take = math.ceil(remaining / (pivots - j))
-        cos = {c: x[p] @ x[c] / max(np.linalg.norm(x[p]) * np.linalg.norm(x[c]), 1e-8) for c in pool}
-        chosen = sorted(pool, key=lambda c: (cos[c], c))[:take]
-        retained += chosen
-        pool = [c for c in pool if c not in chosen]
-    return sorted(retained)
 
 
 def test_pivot_counts():

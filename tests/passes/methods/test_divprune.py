@@ -7,24 +7,11 @@ import pytest
 import torch
 
 from method_helpers import features_model, reference, run, tokens
+from method_references import divprune_official as official
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import FusedOp, SiteSpec
 from vlmprune.passes.methods.divprune import DIVPRUNE_SELECT, DivPruneMethod, distances, greedy
-
-
-def official(x: np.ndarray, keep: int) -> list[int]:
-    """DivPrune as vbdi/divprune writes it, for one image: topk(2, smallest).values[1] first, then min over picked rows."""
-    unit = x / np.linalg.norm(x, axis=-1, keepdims=True)
-    dist = 1.0 - unit @ unit.T
-    picks: list[int] = []
-    for i in range(keep):
-        if i == 0:
-            scores = np.sort(dist, axis=0)[1]  # the second-smallest entry of each column
-        else:
-            scores = dist[picks].min(axis=0)
-        picks.append(int(np.argmax(scores)))
-    return picks
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
