@@ -26,6 +26,7 @@ import math
 import torch
 from torch import nn
 
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
@@ -173,10 +174,10 @@ class LlavaOnevisionFamily(ClipInput, Family):
         """The row after the kept ones that no output holds (the positions rule places it)."""
         return {"after_rows": {"row": "image_newline", "weight": "model.image_newline", "count": 1}}
 
-    def cannot_draw(self, manifest: dict) -> str | None:
+    def cannot_draw(self, manifest: Manifest) -> str | None:
         return None
 
-    def readme_section(self, manifest: dict) -> str:
+    def readme_section(self, manifest: Manifest) -> str:
         """Why in the README: the newline is a row of the LLM's input that no graph output holds."""
         return """
 ## Assembling the LLM input (LLaVA-OneVision clips)
