@@ -43,6 +43,14 @@ final logit softcapping (its Gemma3ForCausalLM does), so neither do the graphs; 
 softcapping (unset in Gemma 3's configs) is refused. Its parity reference is transformers' own text
 model forward under transformers' own masks (image_block_prefill, hf_generate).
 
+Gemma 4's language model (gemma4_text) is Gemma 3's layer with what lm_source declares it adds: both graphs take
+`per_layer_inputs` [batch, sequence, layers, width] (each token's own per-layer embedding, transformers'
+get_per_layer_inputs: an image row the pad token's) and compute transformers' own project_per_layer_inputs of
+inputs_embeds; a layer that shares KV (kv_sources) attends to its owner's keys and values (past and new) and has no
+present of its own, so the presents are numbered over the owning layers; each layer's head size and key/value heads
+are its own; the image block is on the sliding layers only; the logits are softcapped (final_logit_softcapping). Its
+parity reference is transformers' own text model forward given the same per-layer embeddings.
+
 This is the default exporter of target ort (`--llm-exporter torch`, compiler.llm.exporter);
 FastV is compiled in only here.
 """

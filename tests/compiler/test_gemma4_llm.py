@@ -204,3 +204,24 @@ def test_the_other_exporters_refuse_it_in_one_line_before_any_work(llm_dir, tmp_
                      *args)
     one_line_error(result, "gemma4")
     assert "export (torch.onnx" not in result.output and not (tmp_path / "b").exists()
+
+
+def test_a_gemma4_with_k_eq_v_and_neither_ple_nor_image_block_matches_hf(tmp_path):
+    """The config's other branches, the export and its parity on their own: global layers whose values are the key
+    projection (attention_k_eq_v) with key/value heads of their own (num_global_key_value_heads 2), no per-layer
+    embeddings (no per_layer_inputs input), no bidirectional image block (no image_rows), no softcapping; no shared
+    KV."""
+    from vlmprune.compiler.llm import lm_source
+    from vlmprune.compiler.llm.torch_exporter import export_decoder, llm_parity
+
+    model_dir = tiny_gemma4(tmp_path / "m", 17, image_token_id=IMAGE, boi=BOI, eoi=EOI, spread_llm=True,
+                            num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                            vocab_size=VOCAB, sliding_window=WINDOW, attention_k_eq_v=True, num_global_key_value_heads=2,
+                            hidden_size_per_layer_input=0, use_bidirectional_attention=None)
+    lm = lm_source.language_model(str(model_dir))
+    assert lm.model.layers[2].self_attn.v_proj is None and not lm_source.has_image_block(lm.config)
+    written = export_decoder(lm, None, tmp_path / "llm")
+    assert [i["name"] for i in written["io"]["prefill"]["inputs"]] == ["inputs_embeds", "position_ids"]
+    assert [i["name"] for i in written["io"]["decode"]["inputs"]][2] == "past_key_values.0.key"
+    got = llm_parity(lm, None, tmp_path / "llm", 8)
+    assert got["passed"] and got["tokens_identical"] and got["logits_max_abs"] <= 1e-4, got
