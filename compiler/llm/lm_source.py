@@ -110,6 +110,11 @@ def check_family(config) -> None:
             raise InputError(f"{model_type} with enable_moe_block (Gemma 4's mixture-of-experts layers: a router "
                              f"picking top_k_experts of num_experts experts beside the MLP) is not supported for "
                              "export: the exporter's layer computes the dense MLP only")
+        shared = getattr(config, "num_kv_shared_layers", 0) or 0
+        if model_type in SHARED_KV and shared and shared >= config.num_hidden_layers:
+            raise InputError(f"{model_type} with every layer sharing KV (num_kv_shared_layers {shared} of "
+                             f"{config.num_hidden_layers}: a draft model reading another model's cache) is not "
+                             "supported for export: no layer of its own computes the keys and values")
 
 
 def fastv_refusal(config) -> str | None:
