@@ -34,6 +34,9 @@ ROI_COUNT = "roi_count"  # [B] int64: --roi boxes, the valid leading boxes of ro
 ROI_INPUTS = (ROI_MASK, ROI_BOXES, ROI_COUNT)  # an --roi graph's inputs: the mask, or the boxes and their count
 DEEPSTACK = "deepstack_embeds"  # LLM prefill input [L, B, S, D_llm] (Qwen3-VL): level l's rows, added after layer l
 IMAGE_ROWS = "image_rows"  # LLM prefill input [B, S, 1] float (Gemma 3): 1 at an image's rows (seen both ways), else 0
+# LLM prefill and decode input [B, S, layers, width] float (Gemma 4's PLE): the tokens' own per-layer embeddings, as
+# transformers' get_per_layer_inputs gives them from the ids (an image row: the pad token's)
+PER_LAYER_INPUTS = "per_layer_inputs"
 
 # --- files of a bundle ---------------------------------------------------------------------
 MODEL = "model.onnx"  # the target's graph (what a runtime loads)

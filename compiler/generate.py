@@ -414,12 +414,20 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
             full[..., offset:offset + len(features), :] = value.detach().float().numpy()
             extra[name] = full
 
-        def forward(embeds, position_ids, cache=None):
-            logits, cache = (graphs.prefill(embeds.numpy(), position_ids.numpy(), extra) if cache is None
-                             else graphs.step(embeds.numpy(), position_ids.numpy(), cache))
+        # what the family's graphs take beside the embeddings, derived from the ids (Gemma 4's per-layer embeddings)
+        extra.update({k: v.detach().float().numpy() for k, v in
+                      vlm.rules.llm_embeds_args(model, prompt.before, len(features), prompt.after).items()})
+
+        def forward(embeds, position_ids, cache=None, token=None):
+            if cache is None:
+                logits, cache = graphs.prefill(embeds.numpy(), position_ids.numpy(), extra)
+            else:
+                step = vlm.rules.llm_embeds_args(model, [token], 0, [])
+                logits, cache = graphs.step(embeds.numpy(), position_ids.numpy(), cache,
+                                            {k: v.detach().float().numpy() for k, v in step.items()})
             return torch.from_numpy(np.asarray(logits, dtype=np.float32)), cache
     else:
-        def forward(embeds, position_ids, cache=None):
+        def forward(embeds, position_ids, cache=None, token=None):
             out = (model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1,
                          **first_call)
                    if cache is None else
@@ -432,7 +440,7 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
         tokens.append(token)
         if token in stop or step == max_new_tokens - 1:
             break
-        logits, cache = forward(embed(ids([token])), step_ids(position), cache)
+        logits, cache = forward(embed(ids([token])), step_ids(position), cache, token)
         position += 1
     text = vlm.tokenizer.decode(tokens, skip_special_tokens=True) if vlm.tokenizer is not None else None
     return Answer(tokens, first, positions.tolist(), len(features), text)

@@ -34,7 +34,9 @@ tokens attend to each other both ways (mm_token_type_ids 1 there), its global la
 embeddings (PLE) read each row's token id, the image rows taking the pad token's: transformers recovers them from
 inputs_embeds by reversing the embedding, which spliced image rows defeat, so generate's first forward is given them
 (llm_embeds_args). `generate` and `eval` run it so: the K kept rows are the one image block, at their original
-positions. `--with-llm` is refused by the exporters (compiler.llm.lm_source): none knows Gemma 4's decoder.
+positions. `--with-llm` (target ort, the torch exporter; compiler.llm.lm_source declares what Gemma 4's decoder adds):
+the graphs take the same per-layer embeddings (`per_layer_inputs`, generate's llm_embeds_args for the prompt, then
+for each token) and, where the config asks, the image block as `image_rows` (llm_graph_image_rows).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlmprune.compiler import contract
 from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
@@ -275,6 +278,14 @@ class Gemma4Family(MergedTokensFamily):
         types = torch.zeros(1, length, dtype=torch.long)
         types[0, image] = 1
         return {"mm_token_type_ids": types, "attention_mask": torch.ones(1, length, dtype=torch.long)}
+
+    def llm_graph_image_rows(self, model, features):
+        """The rows themselves, and, where the text config asks for the bidirectional image block
+        (use_bidirectional_attention "vision"), the exported prefill's image_rows input at them (1: one image block,
+        seen both ways in the sliding-window layers, as mm_token_type_ids 1 makes them in transformers)."""
+        if getattr(model.config.get_text_config(), "use_bidirectional_attention", None) != "vision":
+            return features, {}
+        return features, {contract.IMAGE_ROWS: torch.ones(1, len(features), 1)}
 
     def llm_embeds_args(self, model, before: list[int], rows: int, after: list[int]) -> dict:
         """per_layer_inputs of the spliced prompt, as Gemma4Model computes them from input_ids (the image rows as the

@@ -116,8 +116,9 @@ class LlmGraphRunner(abc.ABC):
         """(last token's logits, state) for the prompt."""
 
     @abc.abstractmethod
-    def step(self, embeds, positions, state) -> tuple[object, object]:
-        """(logits, state) of one more token on top of state."""
+    def step(self, embeds, positions, state, extra: dict | None = None) -> tuple[object, object]:
+        """(logits, state) of one more token on top of state; extra: the step's further inputs by name (Gemma 4's
+        per_layer_inputs of the token)."""
 
 
 def parity_record_figures(llm: dict) -> tuple[bool, list[str]]:

@@ -33,24 +33,45 @@ from vlmprune.compiler.errors import InputError
 # parity reference asks transformers' own mask builder, named here (the module that holds get_block_sequence_ids_for_mask
 # and create_masks_for_vision_model). Its embedding scale (sqrt(hidden)) is the embedding module's, before the graph:
 # inputs_embeds are embeddings as the model's own get_input_embeddings gives them.
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "gemma3_text")
+# Gemma 4's language model (gemma4_text, transformers' modeling_gemma4): Gemma 3's layer (QK_NORM, SANDWICH_NORM,
+# LAYER_TYPES, its own `scaling`, 1.0) with a value norm (the module's own v_norm; the global layers of a checkpoint
+# with attention_k_eq_v take the key projection as the values, the module's own v_proj None), a head size and key/value
+# heads of each layer's own (per_layer_config: the global layers' global_head_dim), the global layers' proportional
+# rotary embedding (the module's own), and: PER_LAYER_INPUTS, per-layer embeddings (PLE, hidden_size_per_layer_input):
+# each layer adds a gated projection of its slice of (the context projection of inputs_embeds + the token's own
+# per-layer embedding) * 2^-0.5, transformers' project_per_layer_inputs; the token part is what transformers'
+# get_per_layer_inputs gives from the ids (the image rows: the pad token's), an input of the graphs as inputs_embeds
+# is; LAYER_SCALAR, each layer's output times its layer_scalar; SHARED_KV, the last num_kv_shared_layers layers have no
+# cache of their own and attend to the keys and values of the last earlier layer of their type (kv_sources);
+# IMAGE_BLOCK on the sliding layers only (SLIDING_BLOCK; the global layers stay causal) and only where the config asks
+# (use_bidirectional_attention "vision"); FINAL_SOFTCAP, the logits capped by final_logit_softcapping as
+# Gemma4ForConditionalGeneration caps them. Refused: its mixture-of-experts blocks (enable_moe_block).
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "gemma3_text",
+            "gemma4_text")
 MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
-QK_NORM = frozenset({"qwen3", "qwen3_vl_text", "gemma3_text"})
-SANDWICH_NORM = frozenset({"gemma3_text"})
-LAYER_TYPES = frozenset({"gemma3_text"})
-IMAGE_BLOCK = {"gemma3_text": "transformers.models.gemma3.modeling_gemma3"}
+QK_NORM = frozenset({"qwen3", "qwen3_vl_text", "gemma3_text", "gemma4_text"})
+SANDWICH_NORM = frozenset({"gemma3_text", "gemma4_text"})
+LAYER_TYPES = frozenset({"gemma3_text", "gemma4_text"})
+IMAGE_BLOCK = {"gemma3_text": "transformers.models.gemma3.modeling_gemma3",
+               "gemma4_text": "transformers.models.gemma4.modeling_gemma4"}
+IMAGE_BLOCK_WHEN = {"gemma4_text": ("use_bidirectional_attention", "vision")}  # config attribute, value; else always
+SLIDING_BLOCK = frozenset({"gemma4_text"})  # the image block on the sliding layers only
+PER_LAYER_INPUTS = frozenset({"gemma4_text"})  # where hidden_size_per_layer_input is set
+LAYER_SCALAR = frozenset({"gemma4_text"})
+SHARED_KV = frozenset({"gemma4_text"})
+FINAL_SOFTCAP = frozenset({"gemma4_text"})
 # Decoders known by name and refused, with the reason (the others: "not supported" and the list).
-REFUSED = {"gemma4_text": "Gemma 4's decoder is not Gemma 3's layer: it adds per-layer embeddings read from the token "
-                          "ids (hidden_size_per_layer_input), a per-layer scalar, a value norm, KV shared across layers "
-                          "and mixture-of-experts blocks, none of which the exporter's layer computes",
-            "qwen3_moe": "Qwen3-MoE's decoder (InternVL3.5's MoE checkpoints) replaces the MLP with a mixture of "
-                         "experts (a router picking num_experts_per_tok of num_experts MLPs per token), which the "
-                         "exporter's layer does not compute"}
+REFUSED = {"qwen3_moe": "Qwen3-MoE's decoder (InternVL3.5's MoE checkpoints) replaces the MLP with a mixture of "
+                        "experts (a router picking num_experts_per_tok of num_experts MLPs per token), which the "
+                        "exporter's layer does not compute"}
 # Decoders whose FastV the exporter refuses, with the reason: FastV's reference (compiler.llm.fastv) runs the layers
 # under one causal mask with one rotary embedding.
 NO_FASTV = {"gemma3_text": "FastV's reference runs every layer causally with one rotary embedding, and Gemma 3's "
                            "language model has a bidirectional image block, sliding-window layers and two rotary "
-                           "bases; FastV's cut inside the image block is not defined"}
+                           "bases; FastV's cut inside the image block is not defined",
+            "gemma4_text": "FastV's reference runs every layer causally with one rotary embedding on caches of its "
+                           "own, and Gemma 4's language model has sliding-window layers, two rotary bases, per-layer "
+                           "embeddings and layers that share an earlier layer's cache"}
 _CAUSAL_LM_TYPES = ("llama", "qwen2", "qwen3")  # text models with a causal-LM class of their own
 
 
@@ -82,9 +103,18 @@ def check_family(config) -> None:
             raise InputError(f"{model_type} with attn_logit_softcapping {config.attn_logit_softcapping} is not "
                              "supported for export: ONNX Runtime's MultiHeadAttention, which the exported graphs "
                              "run, has no softcap (Gemma 3's released configs leave it unset)")
-        if getattr(config, "use_bidirectional_attention", False):
+        if getattr(config, "use_bidirectional_attention", None) in (True, "all"):
             raise InputError(f"{model_type} with use_bidirectional_attention (an embedding model, not a causal "
                              "decoder) is not supported for export")
+        if getattr(config, "enable_moe_block", False):
+            raise InputError(f"{model_type} with enable_moe_block (Gemma 4's mixture-of-experts layers: a router "
+                             f"picking top_k_experts of num_experts experts beside the MLP) is not supported for "
+                             "export: the exporter's layer computes the dense MLP only")
+        shared = getattr(config, "num_kv_shared_layers", 0) or 0
+        if model_type in SHARED_KV and shared and shared >= config.num_hidden_layers:
+            raise InputError(f"{model_type} with every layer sharing KV (num_kv_shared_layers {shared} of "
+                             f"{config.num_hidden_layers}: a draft model reading another model's cache) is not "
+                             "supported for export: no layer of its own computes the keys and values")
 
 
 def fastv_refusal(config) -> str | None:
@@ -97,6 +127,51 @@ def layer_types(config) -> list[str] | None:
     return list(config.layer_types) if getattr(config, "model_type", None) in LAYER_TYPES else None
 
 
+def has_image_block(config) -> bool:
+    """Whether the decoder's image rows attend to each other both ways (IMAGE_BLOCK, where the config asks)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in IMAGE_BLOCK:
+        return False
+    when = IMAGE_BLOCK_WHEN.get(model_type)
+    return when is None or getattr(config, when[0], None) == when[1]
+
+
+def per_layer_width(config) -> int:
+    """The per-layer embeddings' width of a decoder with PLE (PER_LAYER_INPUTS), else 0."""
+    if getattr(config, "model_type", None) not in PER_LAYER_INPUTS:
+        return 0
+    return int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
+
+
+def per_layer_inputs(lm, ids):
+    """{"per_layer_inputs": the token part of the per-layer embeddings of ids [B, T]} (transformers' own
+    get_per_layer_inputs), {} without PLE."""
+    if not per_layer_width(lm.config):
+        return {}
+    return {"per_layer_inputs": lm.model.get_per_layer_inputs(ids)}
+
+
+def kv_sources(config) -> list[int]:
+    """Each layer's cache owner: itself, or (SHARED_KV, kv_sharing_modes "reuse") the last layer of its type before
+    the shared ones, whose keys and values it attends to."""
+    n = config.num_hidden_layers
+    if getattr(config, "model_type", None) not in SHARED_KV or not getattr(config, "num_kv_shared_layers", 0):
+        return list(range(n))
+    first = n - config.num_kv_shared_layers
+    types = list(config.layer_types)
+    return [i if i < first else max(j for j in range(first) if types[j] == types[i]) for i in range(n)]
+
+
+def logits(lm, hidden):
+    """The head's logits of hidden states: lm_head, then final_logit_softcapping where the VLM caps them
+    (FINAL_SOFTCAP)."""
+    import torch
+
+    out = lm.lm_head(hidden)
+    cap = getattr(lm.config, "final_logit_softcapping", None) if lm.config.model_type in FINAL_SOFTCAP else None
+    return out if cap is None else torch.tanh(out / cap) * cap
+
+
 def image_block_masks(config, embeds, positions, cache, image_rows):
     """transformers' own attention masks of a decoder with a bidirectional image block (IMAGE_BLOCK): its mask builder
     given the image rows ([B, T] bool), as the VLM's forward builds them from token_type_ids; a mask of ones, since
@@ -105,8 +180,11 @@ def image_block_masks(config, embeds, positions, cache, image_rows):
 
     import torch
 
+    import inspect
+
     hf = importlib.import_module(IMAGE_BLOCK[config.model_type])
-    ids = hf.get_block_sequence_ids_for_mask(image_rows.long())
+    takes_device = "device" in inspect.signature(hf.get_block_sequence_ids_for_mask).parameters  # Gemma 4's
+    ids = hf.get_block_sequence_ids_for_mask(image_rows.long(), *([embeds.device] if takes_device else []))
     ones = torch.ones(embeds.shape[:2], dtype=torch.long)
     return hf.create_masks_for_vision_model(config=config, inputs_embeds=embeds, attention_mask=ones, cache=cache,
                                             position_ids=positions, block_sequence_ids=ids)

@@ -43,6 +43,14 @@ final logit softcapping (its Gemma3ForCausalLM does), so neither do the graphs; 
 softcapping (unset in Gemma 3's configs) is refused. Its parity reference is transformers' own text
 model forward under transformers' own masks (image_block_prefill, hf_generate).
 
+Gemma 4's language model (gemma4_text) is Gemma 3's layer with what lm_source declares it adds: both graphs take
+`per_layer_inputs` [batch, sequence, layers, width] (each token's own per-layer embedding, transformers'
+get_per_layer_inputs: an image row the pad token's) and compute transformers' own project_per_layer_inputs of
+inputs_embeds; a layer that shares KV (kv_sources) attends to its owner's keys and values (past and new) and has no
+present of its own, so the presents are numbered over the owning layers; each layer's head size and key/value heads
+are its own; the image block is on the sliding layers only; the logits are softcapped (final_logit_softcapping). Its
+parity reference is transformers' own text model forward given the same per-layer embeddings.
+
 This is the default exporter of target ort (`--llm-exporter torch`, compiler.llm.exporter);
 FastV is compiled in only here.
 """
@@ -63,8 +71,9 @@ from vlmprune.compiler.frontend.export import torch_onnx
 from vlmprune.compiler.llm import lm_source
 from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, LlmGraphRunner, tokens_note
 from vlmprune.compiler.llm.fastv import FastVSpec, default_positions, gather_positions
-from vlmprune.compiler.llm.lm_source import (IMAGE_BLOCK, QK_NORM, SANDWICH_NORM, decoder_of, deepstack_levels,
-                                            layer_types, uses_mrope)
+from vlmprune.compiler.llm.lm_source import (LAYER_SCALAR, QK_NORM, SANDWICH_NORM, SLIDING_BLOCK, decoder_of,
+                                            deepstack_levels, has_image_block, kv_sources, layer_types, per_layer_width,
+                                            uses_mrope)
 from vlmprune.compiler.parity import figure_text
 
 WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx (and their decomposed forms)
@@ -72,6 +81,7 @@ PREFILL, DECODE = "prefill.onnx", "decode.onnx"  # each layer's attention fused 
 PREFILL_DECOMPOSED, DECODE_DECOMPOSED = "prefill.decomposed.onnx", "decode.decomposed.onnx"  # standard ops only
 DEEPSTACK = contract.DEEPSTACK  # prefill input [L, batch, sequence, hidden] of a language model with DeepStack
 IMAGE_ROWS = contract.IMAGE_ROWS  # prefill input [batch, sequence, 1] of a language model with a bidirectional image block
+PER_LAYER = contract.PER_LAYER_INPUTS  # prefill and decode input [batch, sequence, layers, width] of a decoder with PLE
 SLIDING = "sliding_attention"  # the layer type whose keys are the last sliding_window tokens (lm_source.layer_types)
 
 
@@ -96,16 +106,26 @@ class _Decoder(nn.Module):
         inner, config = decoder_of(model)
         self.lm = model
         self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        first = model.model.layers[0].self_attn  # Gemma 4's config has a head size per layer, not one
+        self.head_dim = getattr(first, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_heads = first.k_proj.out_features // self.head_dim
         self.groups = self.heads // self.kv_heads
         self.num_layers = config.num_hidden_layers
         self.qk_norm = config.model_type in QK_NORM
         self.sandwich = config.model_type in SANDWICH_NORM
-        self.image_block = config.model_type in IMAGE_BLOCK
+        self.image_block = has_image_block(config)
+        self.sliding_block = config.model_type in SLIDING_BLOCK  # the image block on the sliding layers only
         self.deepstack = deepstack_levels(model)
         self.types = layer_types(config)  # None: one rotary embedding, every layer global
         self.window = getattr(config, "sliding_window", None) if self.types is not None else None
+        self.per_layer = per_layer_width(config)  # PLE's width, 0 without
+        self.scalar = config.model_type in LAYER_SCALAR
+        self.sources = kv_sources(config)  # each layer's cache owner (itself, or an earlier layer: shared KV)
+        self.cached = [i for i in range(self.num_layers) if self.sources[i] == i]  # the layers with a cache
+        attns = [layer.self_attn for layer in model.model.layers]
+        # each cached layer's (kv heads, head size): Gemma 4's global layers have their own
+        self.cache_shapes = [(attns[i].k_proj.out_features // getattr(attns[i], "head_dim", self.head_dim),
+                              getattr(attns[i], "head_dim", self.head_dim)) for i in self.cached]
 
     @property
     def inner(self):
@@ -134,31 +154,44 @@ class _Decoder(nn.Module):
             block = torch.where(rows, block, torch.zeros_like(block))  # 0: text, 1..: the image blocks
             seen = seen | ((block[:, :, None] == block[:, None, :]) & rows[:, :, None])
         near = (steps[:, None] - steps[None, :]) < self.window
-        full = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))[:, None]
+        causal = (steps[None, :] <= steps[:, None])[None]
+        full = torch.zeros(seen.shape).masked_fill(~(causal if self.sliding_block else seen), float("-inf"))[:, None]
         sliding = torch.zeros(seen.shape).masked_fill(~(seen & near), float("-inf"))[:, None]
         return [sliding if t == SLIDING else full for t in self.types]
 
-    def attention(self, layer, x, rope, past=None, causal=True, bias=None, index=None):
+    def attention(self, layer, x, rope, past=None, causal=True, bias=None, index=None, shared=None):
         """(attention output, new k, new v, q, expanded k): the last two for FastV's score row.
 
         bias: an additive mask in place of the causal one (prefill of a decoder with layer types); index: the
-        layer's number, whose type says whether a decode step sees only the last sliding_window keys."""
+        layer's number, whose type says whether a decode step sees only the last sliding_window keys; shared: the
+        (k, v) of the earlier layer whose cache this one reads (shared KV: no projection of its own)."""
         attn = layer.self_attn
         b, t, _ = x.shape
-        q = attn.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        head_dim = getattr(attn, "head_dim", None) or self.head_dim  # Gemma 4's global layers: their own
+        q = attn.q_proj(x).view(b, t, self.heads, head_dim)
         if self.qk_norm:  # Qwen3's layer: an RMSNorm over each head's queries and keys, before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = attn.q_norm(q)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+        q = q.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
-        kx, vx = _expand_heads(k, self.groups), _expand_heads(v, self.groups)
-        if past is not None and self.types is not None and self.types[index] == SLIDING:
+        if shared is not None:
+            k, v = shared
+        else:
+            k = attn.k_proj(x).view(b, t, -1, head_dim)
+            # Gemma 4's global layers under attention_k_eq_v: the key projection is the values too
+            v = (attn.v_proj(x).view(b, t, -1, head_dim) if getattr(attn, "v_proj", None) is not None else k)
+            if self.qk_norm:
+                k = attn.k_norm(k)
+            if getattr(attn, "v_norm", None) is not None:  # Gemma 4: an RMSNorm (no scale) over each value head
+                v = attn.v_norm(v)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            k = k * cos + _rotate_half(k) * sin
+            if past is not None:
+                k = torch.cat([past[0], k], dim=2)
+                v = torch.cat([past[1], v], dim=2)
+        groups = self.heads // k.shape[1]
+        kx, vx = _expand_heads(k, groups), _expand_heads(v, groups)
+        if not causal and bias is None and self.types is not None and self.types[index] == SLIDING:  # a decode step
             kx, vx = kx[:, :, -self.window:], vx[:, :, -self.window:]  # the new token and window - 1 before it
         scores = torch.matmul(q, kx.transpose(-1, -2)) * attn.scaling
         if bias is not None:
@@ -168,21 +201,36 @@ class _Decoder(nn.Module):
             steps = torch.arange(n)
             scores = scores.masked_fill(steps[None, :] > steps[:, None], float("-inf"))
         weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.matmul(weights, vx).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        out = torch.matmul(weights, vx).transpose(1, 2).reshape(b, t, self.heads * head_dim)
         return attn.o_proj(out), k, v, q, kx
 
-    def layer(self, layer, hidden, rope, past=None, causal=True, bias=None, index=None):
-        out, k, v, q, kx = self.attention(layer, layer.input_layernorm(hidden), rope, past, causal, bias, index)
+    def layer(self, layer, hidden, rope, past=None, causal=True, bias=None, index=None, shared=None,
+              per_layer=None):
+        out, k, v, q, kx = self.attention(layer, layer.input_layernorm(hidden), rope, past, causal, bias, index,
+                                          shared)
         if self.sandwich:  # Gemma 3: each branch's output normed before its residual add, the MLP's input too
             hidden = hidden + layer.post_attention_layernorm(out)
             hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+            if per_layer is not None:  # Gemma 4's PLE: the layer's slice, gated by the hidden state, projected back
+                gate = layer.act_fn(layer.per_layer_input_gate(hidden)) * per_layer
+                hidden = hidden + layer.post_per_layer_input_norm(layer.per_layer_projection(gate))
+            if self.scalar:
+                hidden = hidden * layer.layer_scalar
             return hidden, k, v, q, kx
         hidden = hidden + out
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden, k, v, q, kx
 
     def head(self, hidden):
-        return self.lm.lm_head(self.inner.norm(hidden))
+        return lm_source.logits(self.lm, self.inner.norm(hidden))
+
+    def per_layer_inputs(self, inputs_embeds, per_layer_inputs):
+        """Each layer's PLE input [B, T, width] (transformers' own project_per_layer_inputs: the context projection of
+        inputs_embeds and the tokens' own per-layer embeddings), or Nones without PLE."""
+        if not self.per_layer:
+            return [None] * self.num_layers
+        combined = self.inner.project_per_layer_inputs(inputs_embeds, per_layer_inputs)
+        return [combined[:, :, i] for i in range(self.num_layers)]
 
 
 class PrefillGraph(_Decoder):
@@ -198,18 +246,24 @@ class PrefillGraph(_Decoder):
         """further: the decoder's further inputs, in the order export_prefill names them: deepstack_embeds
         [L, B, T, D] (Qwen3-VL): level l's rows at the image rows, zero elsewhere, added after layer l (what
         transformers' _deepstack_process adds at visual_pos_masks); image_rows [B, T, 1] (Gemma 3): 1 at the rows of
-        an image, which see each other both ways, 0 elsewhere."""
+        an image, which see each other both ways, 0 elsewhere; per_layer_inputs [B, T, layers, width] (Gemma 4's PLE):
+        the tokens' own per-layer embeddings (transformers' get_per_layer_inputs, the pad token's at image rows)."""
         further = list(further)
         deepstack_embeds = further.pop(0) if self.deepstack else None
         image_rows = further.pop(0) if self.image_block else None
+        per_layer = self.per_layer_inputs(inputs_embeds, further.pop(0) if self.per_layer else None)
         b, length, width = inputs_embeds.shape
         ropes = self.ropes(inputs_embeds, position_ids)
         biases = self.biases(image_rows, length) if self.types is not None else [None] * self.num_layers
-        hidden, presents, kept = inputs_embeds, [], None
+        hidden, presents, kept, caches = inputs_embeds, [], None, {}
         spec = self.spec
         for i, layer in enumerate(self.inner.layers):
-            hidden, k, v, q, kx = self.layer(layer, hidden, ropes[i], bias=biases[i])
-            presents += [k, v]
+            shared = caches.get(self.sources[i]) if self.sources[i] != i else None
+            hidden, k, v, q, kx = self.layer(layer, hidden, ropes[i], bias=biases[i], shared=shared,
+                                             per_layer=per_layer[i])
+            if shared is None:
+                caches[i] = (k, v)
+                presents += [k, v]
             if deepstack_embeds is not None and i < self.deepstack:
                 hidden = hidden + deepstack_embeds[i]
             if spec is not None and i == spec.layer - 1:
@@ -234,11 +288,22 @@ class DecodeGraph(_Decoder):
     """One token on top of each layer's cache (whatever its length), at an explicit original position."""
 
     def forward(self, inputs_embeds, position_ids, *past):
+        """past: each cached layer's key and value; with PLE, the new token's per_layer_inputs [B, 1, layers, width]
+        first."""
+        per_layer = self.per_layer_inputs(inputs_embeds, past[0] if self.per_layer else None)
+        past = past[1:] if self.per_layer else past
         ropes = self.ropes(inputs_embeds, position_ids)
-        hidden, presents = inputs_embeds, []
+        hidden, presents, caches = inputs_embeds, [], {}
+        slots = {layer: n for n, layer in enumerate(self.cached)}
         for i, layer in enumerate(self.inner.layers):
-            hidden, k, v, _q, _kx = self.layer(layer, hidden, ropes[i], (past[2 * i], past[2 * i + 1]), causal=False,
-                                               index=i)
+            if self.sources[i] != i:  # shared KV: the owner's cache with this token's row
+                hidden, *_ = self.layer(layer, hidden, ropes[i], causal=False, index=i, shared=caches[self.sources[i]],
+                                        per_layer=per_layer[i])
+                continue
+            n = slots[i]
+            hidden, k, v, _q, _kx = self.layer(layer, hidden, ropes[i], (past[2 * n], past[2 * n + 1]), causal=False,
+                                               index=i, per_layer=per_layer[i])
+            caches[i] = (k, v)
             presents += [k, v]
         return (self.head(hidden), *presents)
 
@@ -261,7 +326,7 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) ->
     batch = torch.export.Dim("batch", min=1, max=1024)
     sequence = torch.export.Dim("sequence", min=start, max=config.max_position_embeddings)
     outputs = ["logits", *(["kept_image_indices"] if spec is not None else []),
-               *cache_names(graph.num_layers, "present")]
+               *cache_names(len(graph.cached), "present")]
     position_dims = {1: batch, 2: sequence} if uses_mrope(config) else {0: batch, 1: sequence}
     args, names, dims = (example, positions), ["inputs_embeds", "position_ids"], ({0: batch, 1: sequence}, position_dims)
     further, further_dims = [], []  # PrefillGraph.forward's *further, in its order
@@ -273,6 +338,10 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) ->
         further.append(torch.zeros(2, start + 2, 1))
         names.append(IMAGE_ROWS)
         further_dims.append({0: batch, 1: sequence})
+    if graph.per_layer:  # Gemma 4: the tokens' own per-layer embeddings
+        further.append(torch.zeros(2, start + 2, graph.num_layers, graph.per_layer))
+        names.append(PER_LAYER)
+        further_dims.append({0: batch, 1: sequence})
     if further:  # *further is one argument to torch.export
         args, dims = (*args, *further), (*dims, tuple(further_dims))
     return _export(graph, args, names, outputs, dims, opset)
@@ -281,21 +350,23 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) ->
 def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> ir.Model:
     graph = DecodeGraph(model)
     _inner, config = decoder_of(model)
-    d = graph.head_dim
     batch = torch.export.Dim("batch", min=1, max=1024)
     full = torch.export.Dim("past_sequence", min=1, max=config.max_position_embeddings)
     pruned = spec is not None and spec.kept < spec.image_len
     kept = torch.export.Dim("past_sequence_kept", min=1, max=config.max_position_embeddings) if pruned else full
-    lengths = [(9 if spec is None or i < spec.layer else 6 if pruned else 9) for i in range(graph.num_layers)]
-    past = [torch.zeros(2, graph.kv_heads, n, d) for n in lengths for _ in range(2)]
-    dims = [{0: batch, 2: full if spec is None or i < spec.layer else kept}
-            for i in range(graph.num_layers) for _ in range(2)]
+    lengths = [(9 if spec is None or i < spec.layer else 6 if pruned else 9) for i in graph.cached]
+    past = [torch.zeros(2, heads, n, d) for n, (heads, d) in zip(lengths, graph.cache_shapes) for _ in range(2)]
+    dims = [{0: batch, 2: full if spec is None or i < spec.layer else kept} for i in graph.cached for _ in range(2)]
+    names = cache_names(len(graph.cached), "past_key_values")
+    if graph.per_layer:  # Gemma 4: the new token's own per-layer embeddings, before the caches
+        past, dims = [torch.zeros(2, 1, graph.num_layers, graph.per_layer), *past], [{0: batch}, *dims]
+        names = [PER_LAYER, *names]
     mrope = uses_mrope(config)
     position = torch.full((3, 2, 1) if mrope else (2, 1), 9, dtype=torch.long)
     args = (torch.zeros(2, 1, config.hidden_size), position, *past)
     dynamic = ({0: batch}, {1: batch} if mrope else {0: batch}, tuple(dims))  # *past is one argument to torch.export
-    return _export(graph, args, ["inputs_embeds", "position_ids", *cache_names(graph.num_layers, "past_key_values")],
-                   ["logits", *cache_names(graph.num_layers, "present")], dynamic, opset)
+    return _export(graph, args, ["inputs_embeds", "position_ids", *names],
+                   ["logits", *cache_names(len(graph.cached), "present")], dynamic, opset)
 
 
 def fuse_attention(model: ir.Model, layers: int) -> ir.Model:
@@ -411,17 +482,25 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
                                  spec.image_len if spec is not None else image_tokens)
     feed = {"inputs_embeds": embeds.numpy(), "position_ids": positions.numpy()}
     levels = deepstack_levels(lm)
-    block = config.model_type in IMAGE_BLOCK
+    block = has_image_block(config)
+    hf_masks = block or per_layer_width(config) or config.model_type in lm_source.SHARED_KV  # transformers' forward
+    ids = None
+    if per_layer_width(config):  # random token ids, the image rows the pad token's: their per-layer embeddings
+        ids = torch.randint(0, config.vocab_size, (2, length), generator=torch.Generator().manual_seed(2))
+        ids[:, 1:1 + image_tokens] = config.pad_token_id
+        feed[PER_LAYER] = lm_source.per_layer_inputs(lm, ids)["per_layer_inputs"].numpy()
     if levels:  # random DeepStack rows at the image span, zero at the text rows
         deepstack = torch.randn(levels, 2, length, config.hidden_size, generator=torch.Generator().manual_seed(1))
         deepstack[:, :, image_tokens:] = 0
         feed[DEEPSTACK] = deepstack.numpy()
         ref = deepstack_prefill(lm, embeds, positions, deepstack, image_tokens)
-    elif block:  # the image block after one text row: text before it, inside it and after it all checked
+    elif hf_masks:  # the image block after one text row: text before it, inside it and after it all checked
         rows = torch.zeros(2, length, dtype=torch.bool)
         rows[:, 1:1 + image_tokens] = True
-        feed[IMAGE_ROWS] = rows[..., None].float().numpy()
-        ref = image_block_prefill(lm, embeds, positions, rows)
+        if block:
+            feed[IMAGE_ROWS] = rows[..., None].float().numpy()
+        ref = image_block_prefill(lm, embeds, positions, rows if block else None,
+                                  lm_source.per_layer_inputs(lm, ids) if ids is not None else {})
     else:
         ref = reference_prefill(lm, embeds, spec, positions)
     prefill = ort_session(folder / graphs[0])
@@ -437,7 +516,7 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
         for part, tensor in (("key", layer.keys), ("value", layer.values)):
             worst = max(worst, float(np.abs(got[f"present.{i}.{part}"] - tensor.numpy()).max()))
     kept_ok = spec is None or bool(np.array_equal(got["kept_image_indices"], ref.kept.numpy()))
-    expected = (deepstack_generate(lm, ref, positions) if levels else hf_generate(lm, ref, positions) if block else
+    expected = (deepstack_generate(lm, ref, positions) if levels else hf_generate(lm, ref, positions) if hf_masks else
                 reference_generate(lm, embeds, spec, DECODE_STEPS, positions)).numpy()
     decode = ort_session(folder / graphs[1])
     out_names = [o.name for o in decode.get_outputs()]
@@ -445,8 +524,9 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
     past = {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in got.items() if k.startswith("present.")}
     tokens = [got["logits"][:, 0].argmax(-1)]
     for step in range(1, DECODE_STEPS):
-        feed = {"inputs_embeds": embed(torch.from_numpy(tokens[-1])).numpy()[:, None],
-                "position_ids": (positions[..., -1:] + step).numpy(), **past}
+        token = torch.from_numpy(tokens[-1])[:, None]
+        feed = {"inputs_embeds": embed(token).numpy(), "position_ids": (positions[..., -1:] + step).numpy(), **past,
+                **{k: v.numpy() for k, v in lm_source.per_layer_inputs(lm, token).items()}}
         outs = dict(zip(out_names, decode.run(None, feed)))
         tokens.append(outs["logits"][:, 0].argmax(-1))
         past = {f"past_key_values.{k.split('.', 1)[1]}": v for k, v in outs.items() if k.startswith("present.")}
@@ -488,11 +568,14 @@ def deepstack_generate(lm, first, positions: torch.Tensor) -> torch.Tensor:
     return torch.stack(tokens, dim=1)
 
 
-def image_block_prefill(lm, embeds: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
-    """The reference prefill of a language model with a bidirectional image block (Gemma 3): transformers' own text
-    model forward under transformers' own masks for those image rows ([B, T] bool; lm_source.image_block_masks),
-    eager attention, a cache that keeps every row (so that the sliding layers' cache compares with the graph's whole
-    present; their masks still see only the window); its logits and cache as reference_prefill gives them."""
+def image_block_prefill(lm, embeds: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
+                        extra: dict | None = None):
+    """The reference prefill of a language model with a bidirectional image block (Gemma 3, Gemma 4), or of one that
+    only transformers' own forward computes (Gemma 4's per-layer embeddings and shared KV; rows None: its own masks):
+    transformers' own text model forward under transformers' own masks for those image rows ([B, T] bool;
+    lm_source.image_block_masks), eager attention, a cache that keeps every row (so that the sliding layers' cache
+    compares with the graph's whole present; their masks still see only the window); its logits and cache as
+    reference_prefill gives them. extra: the forward's further arguments (Gemma 4's per_layer_inputs)."""
     from transformers import DynamicCache
 
     from vlmprune.compiler.llm.fastv import Prefill, eager_attention
@@ -500,10 +583,11 @@ def image_block_prefill(lm, embeds: torch.Tensor, positions: torch.Tensor, rows:
 
     cache = DynamicCache()
     with eager_attention(lm):
-        masks = image_block_masks(lm.config, embeds, positions, cache, rows)
+        masks = (image_block_masks(lm.config, embeds, positions, cache, rows) if rows is not None
+                 else torch.ones(embeds.shape[:2], dtype=torch.long))
         out = lm.model(inputs_embeds=embeds, attention_mask=masks, position_ids=positions, cache=cache,
-                       use_cache=True)
-        logits = lm.lm_head(out.last_hidden_state[:, -1:])[:, 0]
+                       use_cache=True, **(extra or {}))
+        logits = lm_source.logits(lm, out.last_hidden_state[:, -1:])[:, 0]
     return Prefill(logits.float(), cache, positions, None, None)
 
 
@@ -516,9 +600,10 @@ def hf_generate(lm, first, positions: torch.Tensor) -> torch.Tensor:
     position = positions[..., -1:] + 1
     with eager_attention(lm):
         for _ in range(DECODE_STEPS - 1):
-            out = lm.model(inputs_embeds=embed(tokens[-1])[:, None], position_ids=position, cache=first.cache,
-                           use_cache=True)
-            tokens.append(lm.lm_head(out.last_hidden_state)[:, 0].float().argmax(-1))
+            token = tokens[-1][:, None]
+            out = lm.model(inputs_embeds=embed(token), position_ids=position, cache=first.cache, use_cache=True,
+                           **lm_source.per_layer_inputs(lm, token))
+            tokens.append(lm_source.logits(lm, out.last_hidden_state)[:, 0].float().argmax(-1))
             position = position + 1
     return torch.stack(tokens, dim=1)
 
@@ -562,9 +647,19 @@ def readme_section(manifest: Manifest) -> str:
         how += (f" The prefill also takes `{IMAGE_ROWS}` [batch, sequence, 1] (float): 1 at the image's rows, which "
                 "attend to each other both ways (the model's bidirectional image block, token_type_ids 1 in "
                 "transformers), 0 at the text rows.")
+    if llm.get("image_block_layers") == "sliding":
+        how += " The image block is bidirectional in the sliding-window layers only; the global layers are causal."
     if llm.get("sliding_window"):
         how += (f" Its sliding-window layers see the last {llm['sliding_window']} rows (masked in both graphs: any "
                 "length gives the model's own result; the caches keep every row).")
+    if llm.get("per_layer_inputs"):
+        how += (f" Both graphs also take `{PER_LAYER}` [batch, sequence, {n}, {llm['per_layer_inputs']}] (float): "
+                "each token's own per-layer embeddings, as transformers' `get_per_layer_inputs` gives them from its "
+                "id (an image row: the pad token's); the graphs add the projection of `inputs_embeds`.")
+    if llm.get("kv_sources"):
+        shared = [i for i, s in enumerate(llm["kv_sources"]) if s != i]
+        how += (f" {_layers(shared[0], shared[-1])} have no cache of their own: each attends to the keys and values "
+                f"of an earlier layer of its type, so there are {llm['cache_layers']} `present` pairs, not {n}.")
     return f"""
 ## The language model (`--with-llm`)
 
@@ -622,11 +717,12 @@ class GraphRunner(LlmGraphRunner):
         self.kept = out.get("kept_image_indices")
         return out["logits"][0, -1], self._past(out)
 
-    def step(self, embeds, positions, state):
+    def step(self, embeds, positions, state, extra=None):
         import numpy as np
 
         feed = {"inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32),
-                "position_ids": np.ascontiguousarray(positions, dtype=np.int64), **state}
+                "position_ids": np.ascontiguousarray(positions, dtype=np.int64), **state,
+                **{k: np.ascontiguousarray(v, dtype=np.float32) for k, v in (extra or {}).items()}}
         out = dict(zip(self._decode_names, self._decode.run(None, feed)))
         return out["logits"][0, -1], self._past(out)
 
@@ -681,6 +777,7 @@ class TorchExporter(LlmExporter):
                  + (f", FastV after layer {spec.layer} keeping {spec.kept} of {spec.image_len} image tokens)"
                     if spec is not None else ", dense)") + " with torch.onnx (dynamo)")
         written = export_decoder(lm, spec, folder / LLM_DIR, options.opset)
+        shapes = DecodeGraph(lm).cache_shapes
         image_tokens = tokens if isinstance(tokens, int) else 8
         parity = llm_parity(lm, spec, folder / LLM_DIR, image_tokens)
         parity["decomposed"] = llm_parity(lm, spec, folder / LLM_DIR, image_tokens, (PREFILL_DECOMPOSED, DECODE_DECOMPOSED))
@@ -699,10 +796,16 @@ class TorchExporter(LlmExporter):
             "runtime": "ONNX Runtime (com.microsoft.MultiHeadAttention); the .decomposed.onnx pair: standard ops only",
             "family": config.model_type, "mrope": uses_mrope(config), "layers": config.num_hidden_layers,
             "hidden_size": config.hidden_size, "deepstack_levels": deepstack_levels(lm),
-            "image_block": config.model_type in IMAGE_BLOCK, "layer_types": layer_types(config),
+            "image_block": has_image_block(config), "layer_types": layer_types(config),
+            "image_block_layers": ("sliding" if config.model_type in lm_source.SLIDING_BLOCK else "all")
+            if has_image_block(config) else None,
+            "per_layer_inputs": per_layer_width(config) or None,
+            "cache_layers": sum(1 for i, s in enumerate(kv_sources(config)) if s == i),
+            "kv_sources": kv_sources(config) if kv_sources(config) != list(range(config.num_hidden_layers)) else None,
             "sliding_window": getattr(config, "sliding_window", None) if layer_types(config) else None,
-            "kv_heads": config.num_key_value_heads, "head_dim": getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads, "vocab_size": config.vocab_size,
+            "kv_heads": shapes[0][0], "head_dim": shapes[0][1], "vocab_size": config.vocab_size,
+            # each present's [kv heads, head size] where they differ (Gemma 4's global layers)
+            "cache_shapes": [list(x) for x in shapes] if len(set(shapes)) > 1 else None,
             "files": {k: f"{LLM_DIR}/{written[k]}"
                       for k in ("prefill", "decode", "prefill_decomposed", "decode_decomposed", "weights")},
             "io": written["io"],

@@ -298,10 +298,12 @@ def check_generate_through_graphs(bundle_dir, model_dir, image, prompt_text: str
 
 
 
-def check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position: int, steps: int = 6) -> None:
+def check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position: int, steps: int = 6,
+                       step_extra: Callable = lambda token: {}, atol: float = 1e-4) -> None:
     """After a prefill that matched (hf and cache: HF's last logits and cache; logits and state: the bundle's prefill
     graph's), `steps` greedy decode steps from position on: each step's logits from the bundle's decode graph
-    (graphs.step) equal HF's forward on its own cache, and both pick the same token."""
+    (graphs.step, given step_extra(token ids [1, 1]): Gemma 4's per-layer embeddings) equal HF's forward on its own
+    cache, and both pick the same token."""
     token = int(hf.argmax())
     assert int(np.argmax(logits)) == token
     for _ in range(steps):
@@ -310,7 +312,7 @@ def check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position:
                          use_cache=True)
             hf, cache = step.logits[0, -1].float(), step.cache
             row = embed(torch.tensor([[token]]))
-        logits, state = graphs.step(row.numpy(), np.array([[position]]), state)
-        np.testing.assert_allclose(logits, hf.numpy(), rtol=0, atol=1e-4)
+        logits, state = graphs.step(row.numpy(), np.array([[position]]), state, step_extra(torch.tensor([[token]])))
+        np.testing.assert_allclose(logits, hf.numpy(), rtol=0, atol=atol)
         token, position = int(hf.argmax()), position + 1
         assert int(np.argmax(logits)) == token

@@ -11,8 +11,8 @@ against Hugging Face itself:
 - parity on orin, xavier (host), openvino (CPU) and rk3588 (simulator), each gated on its toolchain as the other
   families' tests are; the qnn (HTP emulator) bundle compiles but misses int16 parity (an expected failure, measured
   over four weight draws: see QNN_MISSES);
-- block-site and attention-scored methods are refused in one line, as is --with-llm, before any work; `vlmprune
-  methods` lists Gemma 4;
+- block-site and attention-scored methods are refused in one line before any work; `vlmprune methods` lists Gemma 4
+  (--with-llm: test_gemma4_llm.py);
 - the gemma4-e2b-768 preset has Gemma 4 E2B's vision shapes;
 - the LLM side: generate's dense splice gives HF's own forward's logits (mm_token_type_ids at the image, per-layer
   embeddings of the pad token there), a pruned bundle's rows spliced by generate give the logits of HF's forward
@@ -286,15 +286,6 @@ def test_generate_cli_and_eval(llm_bundle, llm_dir, cat, tmp_path):
     assert result.exit_code == 0, result.output
     assert "pruned: 8 image tokens" in result.output and "Gemma 4's chat convention" in result.output
     check_eval(llm_bundle, llm_dir, tmp_path, ["what is in the image?"], TOKENS)
-
-
-def test_with_llm_is_refused_in_one_line_before_any_work(llm_dir, tmp_path):
-    """No LLM exporter here knows Gemma 4's decoder (per-layer embeddings, shared KV layers, sliding windows, the
-    bidirectional image block): refused before the tower's export, nothing written."""
-    result = run_cli("compile", llm_dir, "-o", tmp_path / "b", "--method", "divprune", "--keep", "6", "--with-llm")
-    one_line_error(result, "language model type 'gemma4_text' is not supported for export: Gemma 4's decoder is not "
-                           "Gemma 3's layer")
-    assert "export (torch.onnx" not in result.output and not (tmp_path / "b").exists()
 
 
 def test_a_gemma4_without_vision_is_one_line(gemma4_dir, tmp_path):

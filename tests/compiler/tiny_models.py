@@ -433,14 +433,15 @@ def tiny_llava_onevision(path: Path, seed: int = 0, image_size: int = 56, **text
 
 
 def tiny_gemma4(path: Path, seed: int = 0, image_token_id: int = 120, boi: int = 121, eoi: int = 122,
-                soft_tokens: int = 70, **text) -> Path:
+                soft_tokens: int = 70, spread_llm: bool = False, **text) -> Path:
     """A seeded tiny Gemma 4 (Gemma4ForConditionalGeneration, no audio tower) saved (safetensors) at path, with a
     preprocessor_config.json of max_soft_tokens `soft_tokens` (70: a square image is 96 px, 24x24 patches of 4 pooled
     3x3 into 8x8 = 64 tokens); its tower and embedder spread: 3 blocks 32 wide (2 query heads of 16, 1 key/value
     head: grouped), a 64-row position table per axis, standardised output. A Gemma 4 LLM (text: overrides; default 2
     layers 48 wide, one sliding-window layer of 8 then one global, per-layer embeddings of 8, the image block
     bidirectional, vocab 128; image, boi and eoi tokens 120, 121, 122 by default; video/audio tokens inside the
-    vocabulary, as transformers embeds them to find placeholders)."""
+    vocabulary, as transformers embeds them to find placeholders). spread_llm: every LLM weight drawn (spread_decoder)
+    and each layer's layer_scalar too, so that a piece of the layer spelled out wrongly shows."""
     import json
 
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
@@ -468,6 +469,11 @@ def tiny_gemma4(path: Path, seed: int = 0, image_token_id: int = 120, boi: int =
                 param.normal_(1.0, 0.2)
         tower.std_bias.normal_(0.0, 0.2)
         tower.std_scale.normal_(1.0, 0.2)
+    if spread_llm:  # every LLM matrix and norm scale drawn, and each layer's layer_scalar (a buffer, 1 at init)
+        spread_decoder(model, "model.language_model.")
+        with torch.no_grad():
+            for layer in model.model.language_model.layers:
+                layer.layer_scalar.normal_(1.0, 0.3)
     model.eval().save_pretrained(path, safe_serialization=True)
     (Path(path) / "preprocessor_config.json").write_text(json.dumps(
         {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 4, "pooling_kernel_size": 3,
