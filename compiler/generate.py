@@ -251,7 +251,8 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     require_prompt(prompt)
     chat = vlm.rules.chat  # the family's mark, text-only turn and convention
     wrap = vlm.rules.image_prompt(vlm.tokenizer)  # the text its processor writes around the image rows, if any
-    image_token = image_token_id(vlm)
+    clip = chat.video and vlm.source.frames > 1  # written as its processor writes a video
+    image_token = vlm.model.config.video_token_id if clip else image_token_id(vlm)
     own_mark = wrap is not None and wrap.mark is not None  # the template writes a mark other than the image token
     default_mark = wrap.mark if own_mark else chat.mark
     mark = default_mark
@@ -263,7 +264,7 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     if vlm.chat_template is not None:
         text, how = None, "the checkpoint's chat template"
         wrapped = chat.content.format(mark=mark, prompt=prompt)
-        for content in ([{"type": "image"}, {"type": "text", "text": prompt}], wrapped):
+        for content in ([{"type": "video" if clip else "image"}, {"type": "text", "text": prompt}], wrapped):
             try:  # a processor's template takes typed content; a tokenizer's often only text
                 text = vlm.chat_template.apply_chat_template([{"role": "user", "content": content}],
                                                              add_generation_prompt=True, tokenize=False)
@@ -524,8 +525,9 @@ def bundle_tokens(bundle_dir: Path, manifest: Manifest, pixel: np.ndarray, vlm: 
             kept = kept[: rows - llm["rows"]["prefix"] - llm["rows"]["extra"]]
     if not rule.needs_model:
         return BundleTokens(features, kept, llm, runtime)
-    if kept is None:  # a dense bundle: its features are the dense sequence
-        return BundleTokens(features, None, llm, runtime, dense_place(vlm, len(features)))
+    if kept is None:  # a dense bundle: its features are the dense sequence (a row the model adds, after them)
+        rows, place = vlm.rules.positions.dense_rows(vlm.source, features)
+        return BundleTokens(rows, None, llm, runtime, place)
     positions = outputs[handoff.KEPT_POSITIONS][0] if handoff.KEPT_POSITIONS in outputs else None
     image = pruned_image(vlm, features, kept, positions, llm["rows"]["prefix"], llm["rows"]["extra"])
     return BundleTokens(image.rows, kept, llm, runtime, image.place)

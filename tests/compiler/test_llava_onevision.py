@@ -128,9 +128,9 @@ def test_cli_summary_names_the_clip(ov_dir, tmp_path):
     folder = write_frames(clip_made_here(FRAMES, SIZE), tmp_path / "frames")
     shown = run_cli("run", tmp_path / "b", "--video", folder)  # the bundle runs on a clip
     assert shown.exit_code == 0 and "kept_indices: shape [1, 8]" in shown.output, shown.output
-    # generate does not place the newline row yet: refused in one line, naming the model type
+    # the tiny vocabulary (128) cannot take a prompt as UTF-8 bytes: one line
     one_line_error(run_cli("generate", tmp_path / "b", "--video", folder, "--prompt", "what moves?"),
-                   "family llava_onevision), which holds no language model that generate runs")
+                   "its vocabulary (128) is too small to take the prompt as UTF-8 bytes")
 
 
 @pytest.mark.parametrize("target", ["orin", "xavier"])
@@ -139,3 +139,106 @@ def test_tensorrt_targets_host_parity(ov_dir, tmp_path, target):
     result = compile_model(str(ov_dir), tmp_path / target, CompileOptions(
         method="evs", keep=8, target=target, family_options={"video_frames": FRAMES}))
     assert result.report.passed, result.manifest["parity"]
+
+
+# ---------------------------------------------------------------- generate and eval: the LLM answers about a clip
+
+VOCAB, IMAGE_TOKEN, VIDEO_TOKEN, PROMPT, NEW = 320, 300, 301, "what moves?", 10
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A byte-sized vocabulary (generate's prompt without a tokenizer), the image and video tokens above the bytes."""
+    return tiny_llava_onevision(tmp_path_factory.mktemp("ov_chat"), seed=5, image_token=IMAGE_TOKEN,
+                                video_token=VIDEO_TOKEN, vocab_size=VOCAB, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def chat_clip(tmp_path_factory):
+    from vlmprune.compiler.frontend.video import write_frames
+
+    return write_frames(clip_made_here(FRAMES, SIZE), tmp_path_factory.mktemp("ov_frames"))
+
+
+def chat_bundle(chat_dir, out, method, keep):
+    options = dict(method=method, keep=keep) if method else dict(prune=False)
+    result = compile_model(str(chat_dir), out, CompileOptions(target="ort", family_options={"video_frames": FRAMES},
+                                                              **options))
+    assert result.report.passed, result.manifest["parity"]
+    return result.bundle
+
+
+def test_dense_bundle_generates_what_transformers_generates(chat_dir, chat_clip, tmp_path):
+    """The dense bundle's F·M rows, model.image_newline after them, the prompt around: transformers' own generate on
+    the same frames (pixel_values_videos), token for token; --dense (get_video_features) too."""
+    from vlmprune.compiler import api
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.frontend.video import load_clip
+
+    bundle = chat_bundle(chat_dir, tmp_path / "dense", None, None)
+    result = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW)
+    dense = FRAMES * PER_FRAME + 1
+    assert result.kept is None and result.answer.image_tokens == dense
+    vlm = gen.load_vlm(str(chat_dir), options={"video_frames": FRAMES})
+    prompt = result.prompt
+    assert prompt.text == f"<|im_start|>user <video>\n{PROMPT}<|im_end|><|im_start|>assistant\n"
+    ids = torch.tensor([prompt.before + [VIDEO_TOKEN] * dense + prompt.after])
+    assert IMAGE_TOKEN not in ids[0].tolist() and ids[0].tolist().count(VIDEO_TOKEN) == dense
+    pixel, _ = load_clip(chat_clip, FRAMES, SIZE, vlm.source.mean, vlm.source.std)
+    with torch.inference_mode():
+        hf = vlm.model.generate(input_ids=ids, pixel_values_videos=torch.from_numpy(pixel)[None],
+                                max_new_tokens=NEW, do_sample=False)
+    hf_tokens = hf[0, ids.shape[1]:].tolist()
+    assert result.answer.tokens == hf_tokens, (result.answer.tokens, hf_tokens)
+    assert len(set(hf_tokens)) > 2  # an answer that varies, so the comparison means something
+    assert result.answer.position_ids == list(range(ids.shape[1]))
+    own = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW, dense=True)
+    assert own.answer.tokens == hf_tokens and own.path == "dense"
+
+
+@pytest.mark.parametrize("method,keep", [("evs", 8), ("divprune", 6)])
+def test_pruned_bundle_generates_what_the_reference_rows_give(chat_dir, chat_clip, tmp_path, method, keep):
+    """The kept rows at their dense index, the newline at F·M, the text after F·M + 1: the bundle's answer equals
+    --reference and the answer to the PyTorch path's rows at the kept indices placed so, token for token."""
+    from vlmprune.compiler import api
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.frontend.video import load_clip
+
+    bundle = chat_bundle(chat_dir, tmp_path / method, method, keep)
+    result = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW)
+    reference = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW, reference=True)
+    kept = result.kept
+    assert result.path == "pruned" and len(kept) == keep and result.answer.image_tokens == keep + 1
+    assert reference.answer.tokens == result.answer.tokens and reference.kept == kept
+    offset, dense = len(result.prompt.before), FRAMES * PER_FRAME
+    assert result.answer.position_ids == (list(range(offset)) + [offset + k for k in kept] + [offset + dense]
+                                          + list(range(offset + dense + 1,
+                                                       offset + dense + 1 + len(result.prompt.after))))
+    vlm = gen.load_vlm(str(chat_dir), options={"video_frames": FRAMES})
+    pixel, _ = load_clip(chat_clip, FRAMES, SIZE, vlm.source.mean, vlm.source.std)
+    with torch.inference_mode():
+        rows = vlm.source.pipeline(torch.from_numpy(pixel))[0]
+    assert kept == official_kept(method, rows.numpy(), keep)
+    newline = vlm.model.model.image_newline.detach()[None]
+    positions = np.array([offset + k for k in kept] + [offset + dense])
+    torch_answer = gen.answer(vlm, result.prompt, torch.cat([rows[kept], newline]), positions, offset + dense + 1,
+                              NEW)
+    assert torch_answer.tokens == result.answer.tokens, (torch_answer.tokens, result.answer.tokens)
+    assert torch.allclose(torch_answer.first_logits, result.answer.first_logits, atol=1e-4)
+
+
+def test_eval_video_prints_its_rows_and_generate_refuses_images(chat_dir, chat_clip, tmp_path):
+    from cli_helpers import one_line_error, run_cli
+
+    bundle = chat_bundle(chat_dir, tmp_path / "evs", "evs", 8)
+    ran = run_cli("eval", bundle, "--video", chat_clip, "--prompt", PROMPT)
+    assert ran.exit_code == 0, ran.output
+    # the dense side: F·M + 1 video tokens (transformers' own forward, the harness check: the splice is it); the
+    # bundle's: K kept rows and the newline
+    assert f"dense: {FRAMES * PER_FRAME + 1} image tokens; harness check KL 0)" in ran.output, ran.output
+    row = next(line.split() for line in ran.output.splitlines() if line.startswith("evs "))
+    assert row[1:3] == ["8", "9"] and row[-3:] == ["bundle", "evs", "(ort)"], ran.output
+    ran = run_cli("generate", bundle, "--video", chat_clip, "--prompt", PROMPT, "--max-new-tokens", 4)
+    assert ran.exit_code == 0, ran.output
+    one_line_error(run_cli("generate", bundle, "--image", chat_clip / "frame_000.png", "--prompt", PROMPT),
+                   "pass --video PATH")
