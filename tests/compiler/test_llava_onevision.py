@@ -160,8 +160,8 @@ def chat_clip(tmp_path_factory):
     return write_frames(clip_made_here(FRAMES, SIZE), tmp_path_factory.mktemp("ov_frames"))
 
 
-def chat_bundle(chat_dir, out, method, keep):
-    options = dict(method=method, keep=keep) if method else dict(prune=False)
+def chat_bundle(chat_dir, out, method, keep, with_llm: bool = False):
+    options = dict(method=method, keep=keep, with_llm=with_llm) if method else dict(prune=False)
     result = compile_model(str(chat_dir), out, CompileOptions(target="ort", family_options={"video_frames": FRAMES},
                                                               **options))
     assert result.report.passed, result.manifest["parity"]
@@ -196,17 +196,21 @@ def test_dense_bundle_generates_what_transformers_generates(chat_dir, chat_clip,
     assert own.answer.tokens == hf_tokens and own.path == "dense"
 
 
-@pytest.mark.parametrize("method,keep", [("evs", 8), ("divprune", 6)])
-def test_pruned_bundle_generates_what_the_reference_rows_give(chat_dir, chat_clip, tmp_path, method, keep):
+@pytest.mark.parametrize("method,keep,with_llm", [("evs", 8, True), ("divprune", 6, False)])
+def test_pruned_bundle_generates_what_the_reference_rows_give(chat_dir, chat_clip, tmp_path, method, keep, with_llm):
     """The kept rows at their dense index, the newline at F·M, the text after F·M + 1: the bundle's answer equals
-    --reference and the answer to the PyTorch path's rows at the kept indices placed so, token for token."""
+    --reference (evs: compiled --with-llm, its own LLM graphs against transformers' LLM) and the answer to the
+    PyTorch path's rows at the kept indices placed so, token for token."""
     from vlmprune.compiler import api
     from vlmprune.compiler import generate as gen
     from vlmprune.compiler.frontend.video import load_clip
 
-    bundle = chat_bundle(chat_dir, tmp_path / method, method, keep)
+    bundle = chat_bundle(chat_dir, tmp_path / method, method, keep, with_llm)
     result = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW)
     reference = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW, reference=True)
+    assert result.llm.startswith("the bundle's LLM graphs" if with_llm else "transformers (the bundle holds no")
+    assert reference.llm.startswith("transformers (--reference" if with_llm else "transformers (the bundle holds no")
+    assert torch.allclose(reference.answer.first_logits, result.answer.first_logits, atol=1e-4)
     kept = result.kept
     assert result.path == "pruned" and len(kept) == keep and result.answer.image_tokens == keep + 1
     assert reference.answer.tokens == result.answer.tokens and reference.kept == kept
