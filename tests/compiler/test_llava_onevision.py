@@ -246,3 +246,47 @@ def test_eval_video_prints_its_rows_and_generate_refuses_images(chat_dir, chat_c
     assert ran.exit_code == 0, ran.output
     one_line_error(run_cli("generate", bundle, "--image", chat_clip / "frame_000.png", "--prompt", PROMPT),
                    "pass --video PATH")
+
+
+# The chat template LLaVA-OneVision's released processors carry (transformers' own processor tests hold the same).
+ONEVISION_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + ' '}}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>' }}{% endfor %}"
+    "{% if message['role'] != 'assistant' %}{% for content in message['content'] | selectattr('type', 'equalto', "
+    "'text') %}{{ '\n' + content['text'] }}{% endfor %}{% else %}{% for content in message['content'] | "
+    "selectattr('type', 'equalto', 'text') %}{{ '\n' + content['text'] }}{% endfor %}{% endif %}{{'<|im_end|>'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_prompt_is_the_processors_for_a_video(tmp_path, chat_clip):
+    """The prompt's ids are the chat template's text for a video with <video> expanded as transformers'
+    LlavaOnevisionProcessor expands it for the same clip (replace_video_token: F·ceil(s/2)² + 1 video tokens),
+    tokenized; the placeholder the video token, not the image token."""
+    import types
+
+    from tiny_models import byte_tokenizer
+    from transformers import AutoTokenizer
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.frontend.video import load_clip
+
+    video = 258  # the tokenizer's third special, <video>
+    ckpt = tiny_llava_onevision(tmp_path / "ckpt", seed=5, image_token=IMAGE_TOKEN, video_token=video,
+                                vocab_size=VOCAB)
+    byte_tokenizer(ckpt, ("<|im_start|>", "<|im_end|>", "<video>"), IMAGE_TOKEN, ONEVISION_TEMPLATE)
+    vlm = gen.load_vlm(str(ckpt), options={"video_frames": FRAMES})
+    prompt = gen.build_prompt(vlm, PROMPT)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                       {"type": "text", "text": PROMPT}]}],
+                                         add_generation_prompt=True, tokenize=False)
+    assert text == f"<|im_start|>user <video>\n{PROMPT}<|im_end|><|im_start|>assistant\n" == prompt.text
+    pixel, _ = load_clip(chat_clip, FRAMES, SIZE, vlm.source.mean, vlm.source.std)
+    processor = types.SimpleNamespace(num_image_tokens=(SIZE // 14) ** 2, video_token="<video>")
+    expanded = text.replace("<video>", LlavaOnevisionProcessor.replace_video_token(
+        processor, {"pixel_values_videos": [torch.from_numpy(pixel)]}, 0))
+    ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    assert prompt.before + [video] * (FRAMES * PER_FRAME + 1) + prompt.after == ids
+    assert IMAGE_TOKEN not in ids and prompt.how == "the checkpoint's chat template"
