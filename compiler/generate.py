@@ -34,6 +34,9 @@ sees the pruned image where the dense one was, with gaps where the pruned tokens
   forward given its per-layer embeddings (Family.llm_embeds_args), the image rows taking the pad token's.
 - InternVL3 (InternVLForConditionalGeneration): 1-D positions from kept_indices, the rows between the <img> and
   </img> its processor writes for the template's <IMG_CONTEXT> (Family.image_prompt).
+- LLaVA-OneVision clips (LlavaOnevisionForConditionalGeneration): the kept rows at their dense index, then the
+  checkpoint's image_newline once at the dense clip's end (offset + F·M), the text after F·M + 1; the prompt written
+  as its processor writes a video (ChatPrompt.video: the template's video turn, video_token_id).
 - SmolVLM (SmolVLMForConditionalGeneration): 1-D positions from kept_indices, the rows between the
   <fake_token_around_image><global-img> and <fake_token_around_image> its processor writes around
   one unsplit image (Family.image_prompt).

@@ -11,7 +11,8 @@ its images do). It is not a token a method should rank or drop, and it sits afte
 graph outputs the clip's rows and the bundle hands the newline over: the manifest's model section records it (its
 checkpoint, the row after the kept ones), and the README says to append it once after the kept rows. The rows go
 to the LLM as they come, so the kept rows' positions are their dense indices (the plain `indices` rule), the newline
-at offset + F·M, the text after it.
+at offset + F·M, the text after it. `generate` and `eval` do exactly that (NewlinePositions.place_pruned; a dense
+bundle's rows: dense_rows), with the prompt its processor writes for a video (`chat`: {"type": "video"}, <video>).
 
 Why a family of its own and not LLaVA-NeXT's: the pooling sits after the projector and is a resize, not a window
 pool, so the in-encoder drop (evs-encoder, which keeps whole pooling windows) has no window to keep and is refused;
