@@ -290,3 +290,30 @@ def test_prompt_is_the_processors_for_a_video(tmp_path, chat_clip):
     ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
     assert prompt.before + [video] * (FRAMES * PER_FRAME + 1) + prompt.after == ids
     assert IMAGE_TOKEN not in ids and prompt.how == "the checkpoint's chat template"
+
+
+def test_eval_dataset_of_clips_and_its_images_refused(chat_dir, tmp_path):
+    """eval MODEL --dataset DIR --video-frames F compiles its clip bundles and answers through them (the newline after
+    the kept rows: K + 1 image tokens, dense F·M + 1); the checkpoint's images stay refused in one line."""
+    from cli_helpers import one_line_error, run_cli
+
+    from vlmprune.compiler import api
+    from vlmprune.compiler.quality.dataset import read_dataset, write_video_dataset
+
+    write_video_dataset(tmp_path / "data", clips=1, frames=FRAMES + 2, size=SIZE)
+    ran = run_cli("eval", chat_dir, "--dataset", tmp_path / "data", "--video-frames", FRAMES, "-m", "evs", "-k", 8,
+                  "--max-new-tokens", 2, "--store", tmp_path / "store.sqlite", "--json", "--quiet")
+    assert ran.exit_code == 0, ran.output
+    report = json.loads(ran.output)
+    assert report["video_frames"] == FRAMES and report["dense_image_tokens"] == FRAMES * PER_FRAME + 1
+    evs = next(r for r in report["rows"] if r["method"] == "evs")
+    for sample in read_dataset(tmp_path / "data"):
+        cell = evs["answers"][sample.digest]
+        assert cell["extra"]["image_tokens"] == 9 and len(cell["extra"]["kept"]) == 8
+        answer = api.generate(evs["bundle"], video=sample.image, prompt=sample.question, max_new_tokens=2)
+        assert cell["answer"] == " ".join(map(str, answer.answer.tokens)) and cell["extra"]["kept"] == answer.kept
+    (tmp_path / "prompts.txt").write_text("what is it?\n")
+    one_line_error(run_cli("eval", chat_dir, "--images", tmp_path / "data" / "clip0", "--prompts",
+                           tmp_path / "prompts.txt", "-m", "divprune", "-k", 4), "LLaVA-OneVision images (anyres_max")
+    one_line_error(run_cli("eval", chat_dir, "--dataset", tmp_path / "data", "-m", "evs", "-k", 8),
+                   "its rows name videos: pass --video-frames F")
