@@ -34,6 +34,9 @@ sees the pruned image where the dense one was, with gaps where the pruned tokens
   forward given its per-layer embeddings (Family.llm_embeds_args), the image rows taking the pad token's.
 - InternVL3 (InternVLForConditionalGeneration): 1-D positions from kept_indices, the rows between the <img> and
   </img> its processor writes for the template's <IMG_CONTEXT> (Family.image_prompt).
+- LLaVA-OneVision clips (LlavaOnevisionForConditionalGeneration): the kept rows at their dense index, then the
+  checkpoint's image_newline once at the dense clip's end (offset + F·M), the text after F·M + 1; the prompt written
+  as its processor writes a video (ChatPrompt.video: the template's video turn, video_token_id).
 - SmolVLM (SmolVLMForConditionalGeneration): 1-D positions from kept_indices, the rows between the
   <fake_token_around_image><global-img> and <fake_token_around_image> its processor writes around
   one unsplit image (Family.image_prompt).
@@ -251,7 +254,8 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     require_prompt(prompt)
     chat = vlm.rules.chat  # the family's mark, text-only turn and convention
     wrap = vlm.rules.image_prompt(vlm.tokenizer)  # the text its processor writes around the image rows, if any
-    image_token = image_token_id(vlm)
+    clip = chat.video and vlm.source.frames > 1  # written as its processor writes a video
+    image_token = vlm.model.config.video_token_id if clip else image_token_id(vlm)
     own_mark = wrap is not None and wrap.mark is not None  # the template writes a mark other than the image token
     default_mark = wrap.mark if own_mark else chat.mark
     mark = default_mark
@@ -263,7 +267,7 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     if vlm.chat_template is not None:
         text, how = None, "the checkpoint's chat template"
         wrapped = chat.content.format(mark=mark, prompt=prompt)
-        for content in ([{"type": "image"}, {"type": "text", "text": prompt}], wrapped):
+        for content in ([{"type": "video" if clip else "image"}, {"type": "text", "text": prompt}], wrapped):
             try:  # a processor's template takes typed content; a tokenizer's often only text
                 text = vlm.chat_template.apply_chat_template([{"role": "user", "content": content}],
                                                              add_generation_prompt=True, tokenize=False)
@@ -532,8 +536,9 @@ def bundle_tokens(bundle_dir: Path, manifest: Manifest, pixel: np.ndarray, vlm: 
             kept = kept[: rows - llm["rows"]["prefix"] - llm["rows"]["extra"]]
     if not rule.needs_model:
         return BundleTokens(features, kept, llm, runtime)
-    if kept is None:  # a dense bundle: its features are the dense sequence
-        return BundleTokens(features, None, llm, runtime, dense_place(vlm, len(features)))
+    if kept is None:  # a dense bundle: its features are the dense sequence (a row the model adds, after them)
+        rows, place = vlm.rules.positions.dense_rows(vlm.source, features)
+        return BundleTokens(rows, None, llm, runtime, place)
     positions = outputs[handoff.KEPT_POSITIONS][0] if handoff.KEPT_POSITIONS in outputs else None
     image = pruned_image(vlm, features, kept, positions, llm["rows"]["prefix"], llm["rows"]["extra"])
     return BundleTokens(image.rows, kept, llm, runtime, image.place)

@@ -76,6 +76,9 @@ class ChatPrompt:
     # The markers around the image (with vision_span's config keys: their token ids), kept as their own ids in a
     # prompt given as UTF-8 bytes; () where there are none.
     span: tuple[str, ...] = ()
+    # A clip (a video source) is written as its processor writes a video: the template's {"type": "video"} content,
+    # the config's video_token_id its placeholder; False: as an image (the image token), the frames its rows.
+    video: bool = False
 
 
 # LLaVA-1.5's: every family's unless it declares its own (Family.chat).
@@ -115,6 +118,11 @@ class IndicesPositions:
         """The bundle README's lines placing the rows of a pruned bundle."""
         return (f"- prefix row r: offset + r\n- kept row j: offset + {rows['prefix']} + kept_indices[j]\n"
                 f"- merged row e: offset + {dense} + e\n- the text after the image: from offset + {after}")
+
+    def dense_rows(self, source: Source, features) -> tuple[object, Place]:
+        """A dense bundle's rows (`features` [T, D], as its graph gives them) in the order the LLM takes them, and
+        their positions: the rows themselves, consecutive (place_dense)."""
+        return features, self.place_dense(source, len(features))
 
     def place_dense(self, source: Source, tokens: int) -> Place:
         """Positions of a dense image of `tokens` rows: consecutive."""

@@ -11,7 +11,8 @@ its images do). It is not a token a method should rank or drop, and it sits afte
 graph outputs the clip's rows and the bundle hands the newline over: the manifest's model section records it (its
 checkpoint, the row after the kept ones), and the README says to append it once after the kept rows. The rows go
 to the LLM as they come, so the kept rows' positions are their dense indices (the plain `indices` rule), the newline
-at offset + F·M, the text after it.
+at offset + F·M, the text after it. `generate` and `eval` do exactly that (NewlinePositions.place_pruned; a dense
+bundle's rows: dense_rows), with the prompt its processor writes for a video (`chat`: {"type": "video"}, <video>).
 
 Why a family of its own and not LLaVA-NeXT's: the pooling sits after the projector and is a resize, not a window
 pool, so the in-encoder drop (evs-encoder, which keeps whole pooling windows) has no window to keep and is refused;
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,7 +32,8 @@ from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, VIDEO, Family, IndicesPositions
+from vlmprune.compiler.frontend.family import (PATCH_TOKENS, VIDEO, ChatPrompt, Family, IndicesPositions,
+                                               image_positions)
 from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
 from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of,
                                                read_safetensors, sha256_files)
@@ -43,9 +46,11 @@ class PooledFrames(nn.Module):
     resize of each frame's s x s grid to ceil(s/2)), then each clip's F frames end to end [n, F·M, D]. Being the
     pipeline's projector, a FEATURES-site method (evs, dycoke, divprune) sees the clip's rows frame by frame."""
 
-    def __init__(self, projector: nn.Module, side: int, frames: int):
+    def __init__(self, projector: nn.Module, side: int, frames: int, newline: torch.Tensor | None = None):
         super().__init__()
         self.projector, self.side, self.frames = projector, side, frames
+        # model.image_newline [D]: a plain attribute, not a buffer (no graph output holds it; generate appends it)
+        self.newline = newline
 
     @property
     def pooled(self) -> int:
@@ -89,6 +94,7 @@ class LlavaOnevisionAdapter(ModelAdapter):
         check_floating(tensors, "", "image_newline")
         pipeline = VisionPipeline(tower_parts(tower), projector, feature_blocks(fl, vcfg.num_hidden_layers),
                                   has_cls, has_cls, vcfg.patch_size).eval()
+        pipeline.image_newline = newline.float()  # a plain attribute (set_video hands it to PooledFrames)
         mean, std = tower_normalization(checkpoint)
         return Source(str(checkpoint.path.resolve()), "hf", self.family, sha256_files(checkpoint.files()),
                       vcfg.image_size, vcfg.patch_size, has_cls, mean, std, pipeline=pipeline,
@@ -100,7 +106,7 @@ def set_video(source: Source, frames: int) -> None:
     """Make the source a video one: input [F, 3, S, S] as the tower's batch, features [1, F·M, D] (M = ceil(s/2)²)."""
     pipe = source.pipeline
     side = source.image_size // source.patch_size
-    pooled = PooledFrames(pipe.projector, side, frames)
+    pooled = PooledFrames(pipe.projector, side, frames, getattr(pipe, "image_newline", None))
     source.pipeline = VisionPipeline(pipe.tower, pooled, pipe.num_blocks, pipe.drop_cls, pipe.has_cls,
                                      pipe.patch_size, frames=frames).eval()
     m = pooled.pooled
@@ -119,11 +125,13 @@ def set_video(source: Source, frames: int) -> None:
 
 class NewlinePositions(IndicesPositions):
     """The clip's rows at their dense index, then image_newline once at F·M (transformers' get_video_features), the
-    text after it: the placeholder expands to F·M + 1 tokens without pruning."""
+    text after it: the placeholder expands to F·M + 1 tokens without pruning. generate appends the newline (the
+    source's model.image_newline) after the kept rows and places it there (needs_model: the row is the model's)."""
 
     rule = ("prefix row r at offset + r; kept row j at offset + prefix + kept_indices[j]; then image_newline (not an "
             "output: the checkpoint's model.image_newline) at offset + dense_image_tokens - 1; extra row e at offset "
             "+ dense_image_tokens + e; text after the image from offset + dense_image_tokens + extra")
+    needs_model = True
 
     def dense_image_tokens(self, model: dict, dense: int | None) -> int | None:
         return None if dense is None else dense + 1
@@ -132,6 +140,30 @@ class NewlinePositions(IndicesPositions):
         return (f"- kept row j: offset + {rows['prefix']} + kept_indices[j]\n"
                 f"- then image_newline (the checkpoint's model.image_newline, [D]), once: offset + {dense - 1}\n"
                 f"- the text after the image: from offset + {after}")
+
+    @staticmethod
+    def newline(source: Source, like: torch.Tensor) -> torch.Tensor:
+        row = getattr(source.pipeline.projector, "newline", None)
+        if row is None:
+            raise ValueError("a LLaVA-OneVision source without its image_newline (not a clip source: set_video)")
+        return row.to(like.dtype)[None]
+
+    def dense_rows(self, source: Source, features):
+        """A dense bundle's F·M rows, then the newline: F·M + 1 rows at consecutive positions."""
+        rows = torch.cat([features, self.newline(source, features)])
+        return rows, self.place_dense(source, len(rows))
+
+    def place_pruned(self, source: Source, features, kept: np.ndarray, kept_positions: np.ndarray | None,
+                     prefix: int, extra: int):
+        """prefix, the K kept rows, the newline, the extra rows; the newline at offset + prefix + F·M."""
+        dense, at = prefix + source.num_patches, prefix + len(kept)
+        rows = torch.cat([features[:at], self.newline(source, features), features[at:]])
+
+        def place(offset: int) -> tuple[np.ndarray, int]:
+            positions, text = image_positions(offset, dense + 1, prefix, kept, extra)
+            return np.insert(positions, at, offset + dense), text
+
+        return rows, place
 
 
 class LlavaOnevisionFamily(ClipInput, Family):
@@ -144,8 +176,11 @@ class LlavaOnevisionFamily(ClipInput, Family):
                                      "rows as get_video_features does; the features [1, F·M, D] frame by frame")}
     has = {PATCH_TOKENS: "LLaVA-OneVision clips", VIDEO: "LLaVA-OneVision"}
     positions = NewlinePositions()
-    # No language_model: generate and eval would need the newline row and its position placed after the kept rows;
-    # they refuse a LLaVA-OneVision checkpoint in one line until then.
+    language_model = {"llava_onevision": "LlavaOnevisionForConditionalGeneration"}
+    # A clip is written as its processor writes a video: the template's {"type": "video"}, <video> expanded to F·M + 1
+    # video tokens (replace_video_token); the template of the released checkpoints where one has none.
+    chat = ChatPrompt("<video>", "{mark}\n{prompt}", "<|im_start|>user {mark}\n{prompt}<|im_end|><|im_start|>assistant\n",
+                      "LLaVA-OneVision's chat template (its video turn)", video=True)
 
     def check_options(self, given: dict) -> None:
         self.check_frames(given)
@@ -169,6 +204,16 @@ class LlavaOnevisionFamily(ClipInput, Family):
     def check_method(self, source: Source, config, site_spec: type) -> None:
         self.refuse_video_reads(source, config)
         super().check_method(source, config, site_spec)
+
+    def llm_source(self, checkpoint, options: dict) -> Source:
+        """The checkpoint's clip source (its images are refused in one line, as compile refuses them)."""
+        source = self.adapter().load(checkpoint, None)
+        self.fix(source, {"video_frames": options.get("video_frames")}, prune=False, batch=None, cls=None)
+        return source
+
+    def hf_image_inputs(self, config, source: Source, pixel: np.ndarray) -> dict:
+        """A clip's frames [1, F, 3, S, S]: get_video_features' input (and the model's own forward's)."""
+        return {"pixel_values_videos": torch.from_numpy(pixel)[None]}
 
     def llm_handoff(self, model: dict) -> dict:
         """The row after the kept ones that no output holds (the positions rule places it)."""

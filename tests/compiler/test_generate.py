@@ -212,7 +212,8 @@ def test_generate_bad_input(setup, tiny_clip_dir):
 
     # The list is every family that declares a language model, in the families' own words.
     # main's families first, in table order; the families added since after them
-    assert supported().startswith("LLaVA on DINOv2, LLaVA, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL, Qwen3-VL, InternVL3")
+    assert supported().startswith("LLaVA on DINOv2, LLaVA, LLaVA-NeXT, LLaVA-OneVision clips, Qwen2-VL / Qwen2.5-VL, "
+                                  "Qwen3-VL, InternVL3")
     assert "SmolVLM" in supported() and "Gemma 3" in supported()
     assert supported().endswith(" checkpoints (their ...ForConditionalGeneration)")
     _one_line_error(_run("generate", bundle, "--image", image, "--prompt", PROMPT, "--model", tiny_clip_dir),

@@ -128,9 +128,9 @@ def test_cli_summary_names_the_clip(ov_dir, tmp_path):
     folder = write_frames(clip_made_here(FRAMES, SIZE), tmp_path / "frames")
     shown = run_cli("run", tmp_path / "b", "--video", folder)  # the bundle runs on a clip
     assert shown.exit_code == 0 and "kept_indices: shape [1, 8]" in shown.output, shown.output
-    # generate does not place the newline row yet: refused in one line, naming the model type
+    # the tiny vocabulary (128) cannot take a prompt as UTF-8 bytes: one line
     one_line_error(run_cli("generate", tmp_path / "b", "--video", folder, "--prompt", "what moves?"),
-                   "family llava_onevision), which holds no language model that generate runs")
+                   "its vocabulary (128) is too small to take the prompt as UTF-8 bytes")
 
 
 @pytest.mark.parametrize("target", ["orin", "xavier"])
@@ -139,3 +139,181 @@ def test_tensorrt_targets_host_parity(ov_dir, tmp_path, target):
     result = compile_model(str(ov_dir), tmp_path / target, CompileOptions(
         method="evs", keep=8, target=target, family_options={"video_frames": FRAMES}))
     assert result.report.passed, result.manifest["parity"]
+
+
+# ---------------------------------------------------------------- generate and eval: the LLM answers about a clip
+
+VOCAB, IMAGE_TOKEN, VIDEO_TOKEN, PROMPT, NEW = 320, 300, 301, "what moves?", 10
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A byte-sized vocabulary (generate's prompt without a tokenizer), the image and video tokens above the bytes."""
+    return tiny_llava_onevision(tmp_path_factory.mktemp("ov_chat"), seed=5, image_token=IMAGE_TOKEN,
+                                video_token=VIDEO_TOKEN, vocab_size=VOCAB, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def chat_clip(tmp_path_factory):
+    from vlmprune.compiler.frontend.video import write_frames
+
+    return write_frames(clip_made_here(FRAMES, SIZE), tmp_path_factory.mktemp("ov_frames"))
+
+
+def chat_bundle(chat_dir, out, method, keep, with_llm: bool = False):
+    options = dict(method=method, keep=keep, with_llm=with_llm) if method else dict(prune=False)
+    result = compile_model(str(chat_dir), out, CompileOptions(target="ort", family_options={"video_frames": FRAMES},
+                                                              **options))
+    assert result.report.passed, result.manifest["parity"]
+    return result.bundle
+
+
+def test_dense_bundle_generates_what_transformers_generates(chat_dir, chat_clip, tmp_path):
+    """The dense bundle's F·M rows, model.image_newline after them, the prompt around: transformers' own generate on
+    the same frames (pixel_values_videos), token for token; --dense (get_video_features) too."""
+    from vlmprune.compiler import api
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.frontend.video import load_clip
+
+    bundle = chat_bundle(chat_dir, tmp_path / "dense", None, None)
+    result = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW)
+    dense = FRAMES * PER_FRAME + 1
+    assert result.kept is None and result.answer.image_tokens == dense
+    vlm = gen.load_vlm(str(chat_dir), options={"video_frames": FRAMES})
+    prompt = result.prompt
+    assert prompt.text == f"<|im_start|>user <video>\n{PROMPT}<|im_end|><|im_start|>assistant\n"
+    ids = torch.tensor([prompt.before + [VIDEO_TOKEN] * dense + prompt.after])
+    assert IMAGE_TOKEN not in ids[0].tolist() and ids[0].tolist().count(VIDEO_TOKEN) == dense
+    pixel, _ = load_clip(chat_clip, FRAMES, SIZE, vlm.source.mean, vlm.source.std)
+    with torch.inference_mode():
+        hf = vlm.model.generate(input_ids=ids, pixel_values_videos=torch.from_numpy(pixel)[None],
+                                max_new_tokens=NEW, do_sample=False)
+    hf_tokens = hf[0, ids.shape[1]:].tolist()
+    assert result.answer.tokens == hf_tokens, (result.answer.tokens, hf_tokens)
+    assert len(set(hf_tokens)) > 2  # an answer that varies, so the comparison means something
+    assert result.answer.position_ids == list(range(ids.shape[1]))
+    own = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW, dense=True)
+    assert own.answer.tokens == hf_tokens and own.path == "dense"
+
+
+@pytest.mark.parametrize("method,keep,with_llm", [("evs", 8, True), ("divprune", 6, False)])
+def test_pruned_bundle_generates_what_the_reference_rows_give(chat_dir, chat_clip, tmp_path, method, keep, with_llm):
+    """The kept rows at their dense index, the newline at F·M, the text after F·M + 1: the bundle's answer equals
+    --reference (evs: compiled --with-llm, its own LLM graphs against transformers' LLM) and the answer to the
+    PyTorch path's rows at the kept indices placed so, token for token."""
+    from vlmprune.compiler import api
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.frontend.video import load_clip
+
+    bundle = chat_bundle(chat_dir, tmp_path / method, method, keep, with_llm)
+    result = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW)
+    reference = api.generate(bundle, video=chat_clip, prompt=PROMPT, max_new_tokens=NEW, reference=True)
+    assert result.llm.startswith("the bundle's LLM graphs" if with_llm else "transformers (the bundle holds no")
+    assert reference.llm.startswith("transformers (--reference" if with_llm else "transformers (the bundle holds no")
+    assert torch.allclose(reference.answer.first_logits, result.answer.first_logits, atol=1e-4)
+    kept = result.kept
+    assert result.path == "pruned" and len(kept) == keep and result.answer.image_tokens == keep + 1
+    assert reference.answer.tokens == result.answer.tokens and reference.kept == kept
+    offset, dense = len(result.prompt.before), FRAMES * PER_FRAME
+    assert result.answer.position_ids == (list(range(offset)) + [offset + k for k in kept] + [offset + dense]
+                                          + list(range(offset + dense + 1,
+                                                       offset + dense + 1 + len(result.prompt.after))))
+    vlm = gen.load_vlm(str(chat_dir), options={"video_frames": FRAMES})
+    pixel, _ = load_clip(chat_clip, FRAMES, SIZE, vlm.source.mean, vlm.source.std)
+    with torch.inference_mode():
+        rows = vlm.source.pipeline(torch.from_numpy(pixel))[0]
+    assert kept == official_kept(method, rows.numpy(), keep)
+    newline = vlm.model.model.image_newline.detach()[None]
+    positions = np.array([offset + k for k in kept] + [offset + dense])
+    torch_answer = gen.answer(vlm, result.prompt, torch.cat([rows[kept], newline]), positions, offset + dense + 1,
+                              NEW)
+    assert torch_answer.tokens == result.answer.tokens, (torch_answer.tokens, result.answer.tokens)
+    assert torch.allclose(torch_answer.first_logits, result.answer.first_logits, atol=1e-4)
+
+
+def test_eval_video_prints_its_rows_and_generate_refuses_images(chat_dir, chat_clip, tmp_path):
+    from cli_helpers import one_line_error, run_cli
+
+    bundle = chat_bundle(chat_dir, tmp_path / "evs", "evs", 8)
+    ran = run_cli("eval", bundle, "--video", chat_clip, "--prompt", PROMPT)
+    assert ran.exit_code == 0, ran.output
+    # the dense side: F·M + 1 video tokens (transformers' own forward, the harness check: the splice is it); the
+    # bundle's: K kept rows and the newline
+    assert f"dense: {FRAMES * PER_FRAME + 1} image tokens; harness check KL 0)" in ran.output, ran.output
+    row = next(line.split() for line in ran.output.splitlines() if line.startswith("evs "))
+    assert row[1:3] == ["8", "9"] and row[-3:] == ["bundle", "evs", "(ort)"], ran.output
+    ran = run_cli("generate", bundle, "--video", chat_clip, "--prompt", PROMPT, "--max-new-tokens", 4)
+    assert ran.exit_code == 0, ran.output
+    one_line_error(run_cli("generate", bundle, "--image", chat_clip / "frame_000.png", "--prompt", PROMPT),
+                   "pass --video PATH")
+
+
+# The chat template LLaVA-OneVision's released processors carry (transformers' own processor tests hold the same).
+ONEVISION_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + ' '}}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>' }}{% endfor %}"
+    "{% if message['role'] != 'assistant' %}{% for content in message['content'] | selectattr('type', 'equalto', "
+    "'text') %}{{ '\n' + content['text'] }}{% endfor %}{% else %}{% for content in message['content'] | "
+    "selectattr('type', 'equalto', 'text') %}{{ '\n' + content['text'] }}{% endfor %}{% endif %}{{'<|im_end|>'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_prompt_is_the_processors_for_a_video(tmp_path, chat_clip):
+    """The prompt's ids are the chat template's text for a video with <video> expanded as transformers'
+    LlavaOnevisionProcessor expands it for the same clip (replace_video_token: F·ceil(s/2)² + 1 video tokens),
+    tokenized; the placeholder the video token, not the image token."""
+    import types
+
+    from tiny_models import byte_tokenizer
+    from transformers import AutoTokenizer
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+    from vlmprune.compiler import generate as gen
+    from vlmprune.compiler.frontend.video import load_clip
+
+    video = 258  # the tokenizer's third special, <video>
+    ckpt = tiny_llava_onevision(tmp_path / "ckpt", seed=5, image_token=IMAGE_TOKEN, video_token=video,
+                                vocab_size=VOCAB)
+    byte_tokenizer(ckpt, ("<|im_start|>", "<|im_end|>", "<video>"), IMAGE_TOKEN, ONEVISION_TEMPLATE)
+    vlm = gen.load_vlm(str(ckpt), options={"video_frames": FRAMES})
+    prompt = gen.build_prompt(vlm, PROMPT)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                       {"type": "text", "text": PROMPT}]}],
+                                         add_generation_prompt=True, tokenize=False)
+    assert text == f"<|im_start|>user <video>\n{PROMPT}<|im_end|><|im_start|>assistant\n" == prompt.text
+    pixel, _ = load_clip(chat_clip, FRAMES, SIZE, vlm.source.mean, vlm.source.std)
+    processor = types.SimpleNamespace(num_image_tokens=(SIZE // 14) ** 2, video_token="<video>")
+    expanded = text.replace("<video>", LlavaOnevisionProcessor.replace_video_token(
+        processor, {"pixel_values_videos": [torch.from_numpy(pixel)]}, 0))
+    ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    assert prompt.before + [video] * (FRAMES * PER_FRAME + 1) + prompt.after == ids
+    assert IMAGE_TOKEN not in ids and prompt.how == "the checkpoint's chat template"
+
+
+def test_eval_dataset_of_clips_and_its_images_refused(chat_dir, tmp_path):
+    """eval MODEL --dataset DIR --video-frames F compiles its clip bundles and answers through them (the newline after
+    the kept rows: K + 1 image tokens, dense F·M + 1); the checkpoint's images stay refused in one line."""
+    from cli_helpers import one_line_error, run_cli
+
+    from vlmprune.compiler import api
+    from vlmprune.compiler.quality.dataset import read_dataset, write_video_dataset
+
+    write_video_dataset(tmp_path / "data", clips=1, frames=FRAMES + 2, size=SIZE)
+    ran = run_cli("eval", chat_dir, "--dataset", tmp_path / "data", "--video-frames", FRAMES, "-m", "evs", "-k", 8,
+                  "--max-new-tokens", 2, "--store", tmp_path / "store.sqlite", "--json", "--quiet")
+    assert ran.exit_code == 0, ran.output
+    report = json.loads(ran.output)
+    assert report["video_frames"] == FRAMES and report["dense_image_tokens"] == FRAMES * PER_FRAME + 1
+    evs = next(r for r in report["rows"] if r["method"] == "evs")
+    for sample in read_dataset(tmp_path / "data"):
+        cell = evs["answers"][sample.digest]
+        assert cell["extra"]["image_tokens"] == 9 and len(cell["extra"]["kept"]) == 8
+        answer = api.generate(evs["bundle"], video=sample.image, prompt=sample.question, max_new_tokens=2)
+        assert cell["answer"] == " ".join(map(str, answer.answer.tokens)) and cell["extra"]["kept"] == answer.kept
+    (tmp_path / "prompts.txt").write_text("what is it?\n")
+    one_line_error(run_cli("eval", chat_dir, "--images", tmp_path / "data" / "clip0", "--prompts",
+                           tmp_path / "prompts.txt", "-m", "divprune", "-k", 4), "LLaVA-OneVision images (anyres_max")
+    one_line_error(run_cli("eval", chat_dir, "--dataset", tmp_path / "data", "-m", "evs", "-k", 8),
+                   "its rows name videos: pass --video-frames F")

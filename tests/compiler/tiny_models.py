@@ -410,11 +410,13 @@ def tiny_llava_next_video(path: Path, seed: int = 0, video_token_id: int = 101, 
     return Path(path)
 
 
-def tiny_llava_onevision(path: Path, seed: int = 0, image_size: int = 56, **text) -> Path:
+def tiny_llava_onevision(path: Path, seed: int = 0, image_size: int = 56, image_token: int = 100,
+                         video_token: int = 101, **text) -> Path:
     """A seeded tiny LLaVA-OneVision (LlavaOnevisionForConditionalGeneration) saved (safetensors) at path, its tower
     and projector spread: 3 SigLIP blocks 32 wide (2 heads, no pooling head), `image_size` px at patch 14 (s x s
     patches, no [CLS]; a clip's frame pooled bilinearly to ceil(s/2)²), feature layer -1 (every block), `full`
-    strategy, a Qwen2 LLM (text: overrides; default 1 layer, 48 wide, vocab 128), image token 100, video token 101."""
+    strategy, a Qwen2 LLM (text: overrides; default 1 layer, 48 wide, vocab 128), image token 100, video token 101
+    (image_token, video_token: others, above the bytes where a prompt is given as UTF-8 bytes)."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2Config, SiglipVisionConfig
 
     config = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
@@ -425,7 +427,7 @@ def tiny_llava_onevision(path: Path, seed: int = 0, image_size: int = 56, **text
     torch.manual_seed(seed)
     model = LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(
         vision_config=vision, text_config=Qwen2Config(**config), vision_feature_layer=-1,
-        vision_feature_select_strategy="full", image_token_index=100, video_token_index=101,
+        vision_feature_select_strategy="full", image_token_index=image_token, video_token_index=video_token,
         image_grid_pinpoints=[[image_size, image_size]]))
     spread(model, ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline"))
     model.eval().save_pretrained(path, safe_serialization=True)
