@@ -108,8 +108,6 @@ class _Decoder(nn.Module):
         self.heads = config.num_attention_heads
         first = model.model.layers[0].self_attn  # Gemma 4's config has a head size per layer, not one
         self.head_dim = getattr(first, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.kv_heads = first.k_proj.out_features // self.head_dim
-        self.groups = self.heads // self.kv_heads
         self.num_layers = config.num_hidden_layers
         self.qk_norm = config.model_type in QK_NORM
         self.sandwich = config.model_type in SANDWICH_NORM
