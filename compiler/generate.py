@@ -418,17 +418,19 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
             full[..., offset:offset + len(features), :] = value.detach().float().numpy()
             extra[name] = full
 
-        # what the family's graphs take beside the embeddings, derived from the ids (Gemma 4's per-layer embeddings)
-        extra.update({k: v.detach().float().numpy() for k, v in
-                      vlm.rules.llm_embeds_args(model, prompt.before, len(features), prompt.after).items()})
+        def graph_args(before: list[int], rows: int, after: list[int]) -> dict:
+            """What the family's graphs take beside the embeddings, derived from the ids (Gemma 4's per-layer
+            embeddings), as the graphs' float32 feeds."""
+            args = vlm.rules.llm_embeds_args(model, before, rows, after)
+            return {k: v.detach().float().numpy() for k, v in args.items()}
+
+        extra.update(graph_args(prompt.before, len(features), prompt.after))
 
         def forward(embeds, position_ids, cache=None, token=None):
             if cache is None:
                 logits, cache = graphs.prefill(embeds.numpy(), position_ids.numpy(), extra)
             else:
-                step = vlm.rules.llm_embeds_args(model, [token], 0, [])
-                logits, cache = graphs.step(embeds.numpy(), position_ids.numpy(), cache,
-                                            {k: v.detach().float().numpy() for k, v in step.items()})
+                logits, cache = graphs.step(embeds.numpy(), position_ids.numpy(), cache, graph_args([token], 0, []))
             return torch.from_numpy(np.asarray(logits, dtype=np.float32)), cache
     else:
         def forward(embeds, position_ids, cache=None, token=None):
