@@ -44,6 +44,13 @@ def tower_state(checkpoint: Checkpoint) -> dict:
     return strip_prefix(read_safetensors(checkpoint.weights, ("model.vision_tower.", "vision_tower.")), "vision_model.")
 
 
+def drop_absent_head(vision_config, state: dict) -> None:
+    """A SigLIP tower whose checkpoint holds no pooling head (LLaVA and LLaVA-OneVision checkpoints usually drop it)
+    is built without one, so that loading state finds every weight it expects; no --score probe then."""
+    if getattr(vision_config, "vision_use_head", False) and not any(k.startswith("head.") for k in state):
+        vision_config.vision_use_head = False
+
+
 def load_vision(checkpoint: Checkpoint, state: dict):
     """(tower, projector) of a LLaVA-style checkpoint built from its config and loaded (state: tower_state's)."""
     config = checkpoint.config
@@ -85,8 +92,7 @@ class LlavaAdapter(ModelAdapter):
         vcfg = config.vision_config
         check_tower(vcfg, "LLaVA")
         state = tower_state(checkpoint)
-        if getattr(vcfg, "vision_use_head", False) and not any(k.startswith("head.") for k in state):
-            vcfg.vision_use_head = False  # LLaVA checkpoints usually drop SigLIP's pooling head: no --score probe
+        drop_absent_head(vcfg, state)
         tower, projector = load_vision(checkpoint, state)
         pipeline, fl, strategy = pipeline_for(config, tower, projector, feature_layer)
         mean, std = tower_normalization(checkpoint)

@@ -34,7 +34,8 @@ from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
 from vlmprune.compiler.frontend.family import (PATCH_TOKENS, VIDEO, ChatPrompt, Family, IndicesPositions,
                                                image_positions)
-from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
+from vlmprune.compiler.frontend.llava import (check_tower, drop_absent_head, load_vision, tower_normalization,
+                                              tower_state)
 from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import VisionPipeline
@@ -81,8 +82,7 @@ class LlavaOnevisionAdapter(ModelAdapter):
                              "supported for LLaVA-OneVision: the pooling resizes each frame's patch grid, which needs "
                              "exactly the patches (SigLIP `full`, CLIP `default`)")
         state = tower_state(checkpoint)
-        if getattr(vcfg, "vision_use_head", False) and not any(k.startswith("head.") for k in state):
-            vcfg.vision_use_head = False  # OneVision checkpoints drop SigLIP's pooling head
+        drop_absent_head(vcfg, state)
         fl = feature_layer_of(config, feature_layer)
         tower, projector = load_vision(checkpoint, state)
         tensors = read_safetensors(checkpoint.weights, ("model.image_newline", "image_newline"))
