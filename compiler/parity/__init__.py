@@ -138,6 +138,35 @@ def compare_indices(ref: np.ndarray, cand: np.ndarray, ref_scores: np.ndarray | 
     return _verdict(result, tol)
 
 
+def compare_local_cuts(ref: np.ndarray, cand: np.ndarray, cuts: list, tol: Tolerance) -> dict:
+    """Kept-index agreement for a selection made of several independent TopKs, each over its own span of positions
+    (DyCoke: one per pruned frame), and whether every mismatch sits in the tie band of its own span's cut.
+
+    cuts: (start, scores [B, n], K) each: the span is positions start .. start + n - 1, the cut keeps its K best
+    scores (higher is kept). An index kept by one side only must lie in some span and score within that span's
+    (narrowed) tie band: a still frame's positions all have cosine 1 up to rounding, so which of them a TopK keeps
+    is decided by rounding, and a second runtime may keep others."""
+    per_image = _agreement(ref, cand)
+    spans = [(int(start), np.asarray(scores, dtype=np.float64), int(k)) for start, scores, k in cuts]
+    ties = [int(sum(boundary_ties(torch.from_numpy(s[i: i + 1]), k, tol.tie_rel_tol, tol.tie_share_max).item()
+                    for _, s, k in spans)) for i in range(len(ref))]
+    tie_resolved = []
+    for i, (r, c) in enumerate(zip(ref, cand)):
+        if per_image[i] == 1.0:
+            continue
+        explained = True
+        for index in np.setxor1d(r, c):
+            span = next(((start, s[i], k) for start, s, k in spans if start <= index < start + s.shape[1]), None)
+            if span is None or not mismatch_in_band(np.array([index - span[0]]), np.array([], dtype=np.int64),
+                                                    span[1], span[2], tol.tie_rel_tol, tol.tie_share_max):
+                explained = False
+                break
+        if explained:
+            tie_resolved.append(i)
+    return _verdict({"agreement": float(np.mean(per_image)), "per_image": per_image, "boundary_ties": ties,
+                     "tie_resolved_images": tie_resolved}, tol)
+
+
 def in_some_band(ref: np.ndarray, cand: np.ndarray, cuts: list[tuple[np.ndarray, int]], rel: float,
                  max_share: float = TIE_SHARE_MAX) -> bool:
     """True when every index kept by only one side lies in the (narrowed) tie band of one of the cuts (scores, K):
@@ -496,6 +525,8 @@ def _indices(reference: Reference, cand: np.ndarray, tol: Tolerance, k_ties: lis
                          "tie_resolved_images": sorted(tied)}, tol)
     if reference.method is not None and reference.method.selection == GREEDY:
         return compare_greedy(ref, cand, trace.get("steps"), tol)
+    if "local_cuts" in trace:  # independent TopKs over spans of positions (DyCoke's pruned frames)
+        return compare_local_cuts(ref, cand, trace["local_cuts"], tol)
     boundary = trace.get("boundary")
     earlier = list(zip(trace["step_scores"], trace["step_boundaries"])) if "step_scores" in trace else []  # --schedule
     if boundary is not None and boundary < ref.shape[1]:

@@ -127,7 +127,7 @@ class DyCokeMethod(Method):
         x = patches.reshape(b, frames, per, d)
         pairs = _cosine(x[:, 1::2], x[:, 0::2])  # [B, T/2, N]: frame 2p + 1 against 2p
         plan = schedule(frames)
-        blocks = []
+        blocks, cuts = [], []
         for j in range(frames):
             if j not in plan:
                 blocks.append(torch.arange(per).expand(b, per) + j * per)
@@ -135,9 +135,12 @@ class DyCokeMethod(Method):
             kind, other = plan[j]
             sim = pairs[:, other] if kind == "pair" else _cosine(x[:, j], x[:, other])
             blocks.append(topk_lower_index(sim, k, largest=False).sort(dim=-1).values + j * per)
+            cuts.append((j * per, -sim.detach(), k))  # higher kept: the k least similar
         kept = torch.cat(blocks, dim=1)
-        # No clip-wide score: each pruned frame has its own TopK, so parity compares the kept sets exactly.
-        return TorchResult(torch.cat([*cls, gather_rows(patches, kept)], dim=1), kept)
+        # No clip-wide score: each pruned frame has its own TopK over its own positions. A still frame's tokens all
+        # have cosine 1 to the frame they are compared with, up to rounding, so parity judges each mismatch against
+        # its own frame's cut (compiler.parity.compare_local_cuts).
+        return TorchResult(torch.cat([*cls, gather_rows(patches, kept)], dim=1), kept, {"local_cuts": cuts})
 
     def emit(self, b, params: dict, inputs: GraphInputs, formulation: str) -> tuple[ir.Value, ir.Value]:
         n, frames = inputs.num_patches, inputs.frames

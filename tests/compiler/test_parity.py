@@ -31,6 +31,21 @@ def test_a_swap_outside_the_tie_band_fails():
     assert not result["passed"] and result["tie_resolved_images"] == []
 
 
+def test_independent_cuts_judge_each_mismatch_by_its_own_span():
+    # Two TopKs of K = 2, over positions 4-7 and 12-15 (DyCoke's pruned frames 1 and 3 of 4 positions each); higher
+    # is kept. Frame 1 is still (its last three positions tie exactly); frame 3's scores are apart.
+    cuts = [(4, np.array([[0.9, -1.0, -1.0, -1.0]]), 2), (12, np.array([[0.8, 0.1, -0.5, -0.6]]), 2)]
+    whole = [0, 1, 2, 3, 8, 9, 10, 11]
+    ref = np.array([sorted(whole + [4, 5, 12, 13])])
+    tied = parity.compare_local_cuts(ref, np.array([sorted(whole + [4, 7, 12, 13])]), cuts, FP32)
+    assert tied["passed"] and tied["tie_resolved_images"] == [0] and tied["boundary_ties"] == [3]
+    apart = parity.compare_local_cuts(ref, np.array([sorted(whole + [4, 5, 12, 14])]), cuts, FP32)
+    assert not apart["passed"] and apart["tie_resolved_images"] == []
+    outside = parity.compare_local_cuts(ref, np.array([sorted([0, 1, 2, 3, 8, 9, 10] + [4, 5, 6, 12, 13])]), cuts,
+                                        FP32)  # 6 kept instead of 11, a position no cut ranks
+    assert not outside["passed"]
+
+
 def test_mismatch_in_band_needs_every_differing_index_in_the_band():
     scores = np.array([0.9, 0.5, 0.5, 0.1, 0.5])
     assert parity.mismatch_in_band(np.array([0, 1]), np.array([0, 4]), scores, 2, 1e-3)

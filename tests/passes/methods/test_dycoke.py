@@ -10,6 +10,7 @@ import torch
 
 from method_helpers import finish, run
 from video_references import dycoke_official
+from vlmprune.compiler import parity
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import SiteTensors
 from vlmprune.passes.methods import get_method
@@ -99,6 +100,47 @@ def test_graph_matches_reference(frames, prefix, batch):
     np.testing.assert_allclose(out["tokens"], ref.tokens.numpy(), rtol=0, atol=0)
     for clip, kept in zip(x[:, prefix:], out["kept_indices"]):
         assert kept.tolist() == official_kept(clip, frames, 0.7)
+
+
+def tied_clip(frames: int = 8, per: int = 16, d: int = 24) -> np.ndarray:
+    """A still scene with three moving positions (0-2) and two that drift by the same angle (5, and 9 holding 5's
+    coordinates permuted): every pruned frame keeps k = int(0.3·16) = 4, the three moving ones and one of 5 and 9,
+    whose cosines are equal but for rounding (the sums run in another order)."""
+    rng = np.random.default_rng(5)
+    perm = rng.permutation(d)
+    base = rng.standard_normal((per, d)).astype(np.float32)
+    drift = rng.standard_normal(d).astype(np.float32)
+    out = []
+    for t in range(frames):
+        frame = base.copy()
+        frame[:3] = rng.standard_normal((3, d))
+        frame[5] = base[5] + 0.3 * t * drift
+        frame[9] = frame[5][perm]
+        out.append(frame)
+    return np.stack(out).reshape(1, frames * per, d)
+
+
+def test_a_tie_inside_a_frame_is_judged_by_that_frame_s_cut():
+    """Parity judges each pruned frame's TopK by its own cut: DyCoke has no clip-wide score, and a compile of the
+    clip made here on a CLIP tower failed parity on one such tie (two positions of a still background) before each
+    frame's cut was in the reference's trace."""
+    params, model = dycoke_model(8, 16, 24)
+    x = tied_clip()
+    ref = reference(params, x, 8)
+    cuts = ref.trace["local_cuts"]
+    assert [start for start, _, _ in cuts] == [16 * j for j in schedule(8)]
+    fp32 = parity.tolerance_for("fp32")
+    kept = ref.kept.numpy()
+    assert parity.compare_local_cuts(kept, run(model, x)["kept_indices"], cuts, fp32)["passed"]
+    frame = 16 * next(iter(schedule(8)))
+    assert {frame, frame + 1, frame + 2} <= set(kept[0].tolist())
+    other = {frame + 5: frame + 9, frame + 9: frame + 5}
+    swapped = np.sort(np.array([[other.get(i, i) for i in kept[0]]]))  # the tie resolved the other way
+    assert (swapped != kept).any()
+    tied = parity.compare_local_cuts(kept, swapped, cuts, fp32)
+    assert tied["passed"] and tied["tie_resolved_images"] == [0] and tied["boundary_ties"][0] >= 2
+    moved = np.sort(np.array([[frame + 3 if i == frame else i for i in kept[0]]]))  # a moving position dropped
+    assert not parity.compare_local_cuts(kept, moved, cuts, fp32)["passed"]
 
 
 def test_refusals():
