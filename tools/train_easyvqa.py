@@ -2,7 +2,8 @@
 """A LLaVA on a real DINOv2 tower, trained here on easy-vqa or the inspection scenes: the models pruning is measured with.
 
     python tools/train_easyvqa.py [--dataset easyvqa|inspection] [-o DIR] [--tower TOWER_DIR] [--train N]
-                                  [--epochs E] [--test M] [--seed S] [--threads T] [--lr LR] [--batch B] [--force]
+                                  [--epochs E] [--test M] [--seed S] [--threads T] [--lr LR] [--batch B]
+                                  [--question-first] [--force]
 
 A LlavaForConditionalGeneration (family `llava_dinov2`): the tower (a Dinov2Model directory, e.g. from
 tools/dinov2_from_onnx.py; frozen), LLaVA's 2-layer MLP projector and a small Llama trained from
@@ -81,6 +82,15 @@ CHAT_TEMPLATE = (
     "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
     "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}"
     "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+# The same turn with the question written before the image (--question-first): in a causal decoder the image's
+# tokens then see the question, so each of them can say whether it holds what is asked about, and the answer reads
+# a few rows that say so instead of searching 1,024 rows that do not know the question.
+CHAT_TEMPLATE_QUESTION_FIRST = (
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 LM = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
@@ -131,6 +141,7 @@ class Dataset:
     lm: dict = dataclasses.field(default_factory=dict)  # overrides of LM
     more: int = 0  # further training questions per image, read from its scene (tools/inspection_vqa.more_questions)
     extra: Callable[[list[dict], int], list[dict]] | None = None  # the training rows, more -> the further rows
+    question_first: bool = False  # the chat template writes the question before the image (see its constant)
 
 
 DATASETS = {d.name: d for d in (
@@ -177,9 +188,10 @@ def build_tokenizer(texts: list[str]):
                                    padding_side="left")
 
 
-def build_processor(tokenizer, vision_config):
+def build_processor(tokenizer, vision_config, template: str = CHAT_TEMPLATE):
     """LlavaProcessor: the image resized (short side, bilinear) and centre-cropped to the tower's size, ImageNet
-    mean/std; <image> expanded to the patch count ([CLS] counted, then dropped by `default`)."""
+    mean/std; <image> expanded to the patch count ([CLS] counted, then dropped by `default`). template: the chat
+    template saved with the checkpoint, which generate, eval and the bundles' prompts follow."""
     from transformers import LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -189,7 +201,7 @@ def build_processor(tokenizer, vision_config):
     images = CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
                                    resample=2, image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD))
     return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=vision_config.patch_size,
-                          vision_feature_select_strategy="default", chat_template=CHAT_TEMPLATE,
+                          vision_feature_select_strategy="default", chat_template=template,
                           image_token=IMAGE, num_additional_image_tokens=1)
 
 
@@ -433,12 +445,17 @@ def answers(model, processor, samples: list[dict], batch: int = 16) -> list[str]
 def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: int | None = None,
                   test_n: int | None = None, seed: int = 0, lm: dict | None = None, threads: int = 2,
                   force: bool = False, log=print, dataset: str | Dataset = "easyvqa", lr: float | None = None,
-                  batch: int | None = None) -> dict:
+                  batch: int | None = None, question_first: bool = False) -> dict:
     """Train, evaluate and publish the checkpoint at out; its training.json record (the existing one if reused).
 
-    dataset: a name of DATASETS or a Dataset; train_n, epochs, test_n, lr and batch default to the dataset's own."""
+    dataset: a name of DATASETS or a Dataset; train_n, epochs, test_n, lr and batch default to the dataset's own.
+    question_first: the question before the image in the chat template; each question is then its own sequence
+    (packing shares the prompt up to the image, which now differs per question) and the further questions read
+    from the scenes are left out (each would cost a whole sequence of image tokens)."""
     data = DATASETS[dataset] if isinstance(dataset, str) else dataset
     data = dataclasses.replace(data, lr=data.lr if lr is None else lr, batch=data.batch if batch is None else batch)
+    if question_first:
+        data = dataclasses.replace(data, question_first=True, pack=False, more=0)
     dataset = data.name
     train_n, epochs, test_n = (data.train if train_n is None else train_n, data.epochs if epochs is None else epochs,
                                data.test if test_n is None else test_n)
@@ -462,7 +479,8 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
     tokenizer = build_tokenizer([r["question"] for r in everything] + [r["answers"][0] for r in everything])
     lm = {**LM, **data.lm, **(lm or {})}
     model = build_model(Path(tower), tokenizer, lm)
-    processor = build_processor(tokenizer, model.config.vision_config)
+    processor = build_processor(tokenizer, model.config.vision_config,
+                                CHAT_TEMPLATE_QUESTION_FIRST if data.question_first else CHAT_TEMPLATE)
     images = sorted({r["image"] for r in train_rows})
     features = cached_features(model, processor, Path(tower), images, log=log)
     featured = time.perf_counter()
@@ -483,7 +501,7 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
             "dataset": dataset, **accuracy_record(got, test_rows, train_all),
             "train_questions": len(train_rows), "train_images": len(images),
             "epochs": epochs, "batch": data.batch, "lr": data.lr, "seed": seed, "threads": threads,
-            "language_model": lm, "packed": data.pack,
+            "language_model": lm, "packed": data.pack, "question_first": data.question_first,
             "tower": str(Path(tower).resolve()), "final_loss": losses[-1] if losses else None,
             "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
             "environment": environment(),
@@ -572,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=None, help="AdamW's peak learning rate (easyvqa 2e-3, inspection 1e-3)")
     parser.add_argument("--batch", type=int, default=None,
                         help="sequences per update (easyvqa 32 questions, inspection 8 packed images)")
+    parser.add_argument("--question-first", action="store_true",
+                        help="the chat template writes the question before the image, so the image's tokens see it; "
+                             "one sequence per question, no further questions per image")
     parser.add_argument("--force", action="store_true", help="retrain and replace an existing model")
     args = parser.parse_args(argv)
     data = DATASETS[args.dataset]
@@ -589,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                                args.seed, threads=args.threads, force=args.force,
                                lm=None if args.lm_layers is None else {"num_hidden_layers": args.lm_layers},
                                log=lambda line: print(line, flush=True), dataset=args.dataset, lr=args.lr,
-                               batch=args.batch)
+                               batch=args.batch, question_first=args.question_first)
     except (FileExistsError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -236,3 +236,29 @@ def test_lr_and_batch_override_the_datasets_and_are_recorded(trained, tower, tmp
     other = _train(tmp_path / "other", tower, lr=5e-3, batch=8)
     assert (other["lr"], other["batch"]) == (5e-3, 8)
     assert other["weights_sha256"] != record["weights_sha256"]
+
+
+def test_question_first_puts_the_question_before_the_image_in_training_and_in_vlmprune_s_prompt(tower, tmp_path):
+    """--question-first: the saved chat template writes the question before the image; training encodes it so (one
+    sequence per question, unpacked) and vlmprune's own prompt, which follows the checkpoint's template, does too."""
+    from transformers import AutoProcessor
+
+    from vlmprune.compiler import generate as gen
+
+    out = tmp_path / "qf"
+    record = _train(out, tower, question_first=True)
+    assert record["question_first"] and not record["packed"]
+    processor = AutoProcessor.from_pretrained(out)
+    text = train_easyvqa.prompt_text(processor, "what shape is it?")
+    assert text.index("what shape is it?") < text.index("<image>")
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    question_id = processor.tokenizer.convert_tokens_to_ids("shape")
+    [seq] = train_easyvqa.encode(processor, [{"question": "what shape is it?", "answers": ["circle"],
+                                              "image": "x.png"}], 4)
+    assert seq.ids.index(question_id) < seq.ids.index(image_id) and seq.ids.count(image_id) == 4
+    prompt = gen.build_prompt(gen.load_vlm(str(out)), "what shape is it?")
+    assert "the checkpoint's chat template" in prompt.how and question_id in prompt.before
+    assert question_id not in prompt.after
+    with pytest.raises(ValueError, match="do not share the prompt up to the image"):
+        train_easyvqa.encode(processor, [{"question": q, "answers": ["a"], "image": "x.png"}
+                                         for q in ("what shape is it?", "what color is it?")], 4, pack=True)
