@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from vlmprune.compiler.contract import SCORE_EPS
 from vlmprune.compiler.parity.reference import FEATURES, KEPT, NUM_TOKENS, Reference
 from vlmprune.compiler.frontend import roi_input as roi
 from vlmprune.compiler.frontend.prompt_input import parity_text_feed
@@ -138,18 +139,33 @@ def compare_indices(ref: np.ndarray, cand: np.ndarray, ref_scores: np.ndarray | 
     return _verdict(result, tol)
 
 
+# The narrowest tie band of compare_local_cuts, relative to the scores' scale: about 8 fp32 ulps at 1. A cosine of
+# two fp32 rows is only known to a few ulps (a runtime that sums the products in another order differs by that
+# much), and a still background puts many cosines that close to a frame's cut, so narrowing the band below this
+# (the share cap of selection.tie_band) would call rounding a wrong selection.
+ORDER_FLOOR = 1e-6
+
+
 def compare_local_cuts(ref: np.ndarray, cand: np.ndarray, cuts: list, tol: Tolerance) -> dict:
     """Kept-index agreement for a selection made of several independent TopKs, each over its own span of positions
     (DyCoke: one per pruned frame), and whether every mismatch sits in the tie band of its own span's cut.
 
     cuts: (start, scores [B, n], K) each: the span is positions start .. start + n - 1, the cut keeps its K best
     scores (higher is kept). An index kept by one side only must lie in some span and score within that span's
-    (narrowed) tie band: a still frame's positions all have cosine 1 up to rounding, so which of them a TopK keeps
-    is decided by rounding, and a second runtime may keep others."""
+    tie band: selection.tie_band's, but never narrower than ORDER_FLOOR of the scale (nor wider than the
+    precision's own band)."""
     per_image = _agreement(ref, cand)
     spans = [(int(start), np.asarray(scores, dtype=np.float64), int(k)) for start, scores, k in cuts]
-    ties = [int(sum(boundary_ties(torch.from_numpy(s[i: i + 1]), k, tol.tie_rel_tol, tol.tie_share_max).item()
-                    for _, s, k in spans)) for i in range(len(ref))]
+
+    def near(scores: np.ndarray, k: int, positions) -> np.ndarray:
+        ordered = -np.sort(-scores)
+        cut = 0.5 * (ordered[k - 1] + ordered[k])
+        scale = max(float(np.abs(scores).max()), SCORE_EPS)
+        band = max(float(tie_band(scores, tol.tie_rel_tol, k, tol.tie_share_max)),
+                   min(ORDER_FLOOR, tol.tie_rel_tol) * scale)
+        return np.abs(scores[positions] - cut) <= band
+
+    ties = [int(sum(near(s[i], k, slice(None)).sum() for _, s, k in spans)) for i in range(len(ref))]
     tie_resolved = []
     for i, (r, c) in enumerate(zip(ref, cand)):
         if per_image[i] == 1.0:
@@ -157,8 +173,7 @@ def compare_local_cuts(ref: np.ndarray, cand: np.ndarray, cuts: list, tol: Toler
         explained = True
         for index in np.setxor1d(r, c):
             span = next(((start, s[i], k) for start, s, k in spans if start <= index < start + s.shape[1]), None)
-            if span is None or not mismatch_in_band(np.array([index - span[0]]), np.array([], dtype=np.int64),
-                                                    span[1], span[2], tol.tie_rel_tol, tol.tie_share_max):
+            if span is None or not near(span[1], span[2], [index - span[0]]).all():
                 explained = False
                 break
         if explained:

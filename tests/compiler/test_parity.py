@@ -46,6 +46,18 @@ def test_independent_cuts_judge_each_mismatch_by_its_own_span():
     assert not outside["passed"]
 
 
+def test_a_local_cut_s_band_is_never_narrower_than_fp32_rounding_of_the_scores():
+    """A still background: six cosines within 3e-7 of the cut (a few fp32 ulps at 1), more than the share cap lets
+    the narrowed band hold (2 at K = 4); a runtime summing in another order picked the 5th nearest. That is
+    rounding, not a wrong selection (the failure the clip made here gave at 16 frames). 1.75e-5 from the cut is not."""
+    scores = np.array([[0.5, 0.4, 0.3, -0.9999749, -0.9999750, -0.9999751, -0.9999752, -0.9999753, -1.0]])
+    cuts = [(0, scores, 4)]
+    ref = np.array([[0, 1, 2, 3]])
+    assert parity.compare_local_cuts(ref, np.array([[0, 1, 2, 6]]), cuts, FP32)["passed"]
+    apart = [(0, np.array([[0.5, 0.4, 0.3, -0.99997, -0.999975, -0.99999]]), 4)]  # index 5: 1.75e-5 past the cut
+    assert not parity.compare_local_cuts(ref, np.array([[0, 1, 2, 5]]), apart, FP32)["passed"]
+
+
 def test_mismatch_in_band_needs_every_differing_index_in_the_band():
     scores = np.array([0.9, 0.5, 0.5, 0.1, 0.5])
     assert parity.mismatch_in_band(np.array([0, 1]), np.array([0, 4]), scores, 2, 1e-3)
