@@ -23,7 +23,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from vlmprune.compiler.contract import SCORE_EPS
 from vlmprune.compiler.parity.reference import FEATURES, KEPT, NUM_TOKENS, Reference
 from vlmprune.compiler.frontend import roi_input as roi
 from vlmprune.compiler.frontend.prompt_input import parity_text_feed
@@ -139,31 +138,20 @@ def compare_indices(ref: np.ndarray, cand: np.ndarray, ref_scores: np.ndarray | 
     return _verdict(result, tol)
 
 
-# The narrowest tie band of compare_local_cuts, relative to the scores' scale: about 8 fp32 ulps at 1. A cosine of
-# two fp32 rows is only known to a few ulps (a runtime that sums the products in another order differs by that
-# much), and a still background puts many cosines that close to a frame's cut, so narrowing the band below this
-# (the share cap of selection.tie_band) would call rounding a wrong selection.
-ORDER_FLOOR = 1e-6
-
-
 def compare_local_cuts(ref: np.ndarray, cand: np.ndarray, cuts: list, tol: Tolerance) -> dict:
     """Kept-index agreement for a selection made of several independent TopKs, each over its own span of positions
     (DyCoke: one per pruned frame), and whether every mismatch sits in the tie band of its own span's cut.
 
     cuts: (start, scores [B, n], K) each: the span is positions start .. start + n - 1, the cut keeps its K best
     scores (higher is kept). An index kept by one side only must lie in some span and score within that span's
-    tie band: selection.tie_band's, but never narrower than ORDER_FLOOR of the scale (nor wider than the
-    precision's own band)."""
+    tie band (selection.tie_band: a still frame's cosines sit within a few ulps of 1, all of them ties)."""
     per_image = _agreement(ref, cand)
     spans = [(int(start), np.asarray(scores, dtype=np.float64), int(k)) for start, scores, k in cuts]
 
     def near(scores: np.ndarray, k: int, positions) -> np.ndarray:
         ordered = -np.sort(-scores)
         cut = 0.5 * (ordered[k - 1] + ordered[k])
-        scale = max(float(np.abs(scores).max()), SCORE_EPS)
-        band = max(float(tie_band(scores, tol.tie_rel_tol, k, tol.tie_share_max)),
-                   min(ORDER_FLOOR, tol.tie_rel_tol) * scale)
-        return np.abs(scores[positions] - cut) <= band
+        return np.abs(scores[positions] - cut) <= tie_band(scores, tol.tie_rel_tol, k, tol.tie_share_max)
 
     ties = [int(sum(near(s[i], k, slice(None)).sum() for _, s, k in spans)) for i in range(len(ref))]
     tie_resolved = []

@@ -55,6 +55,11 @@ def split_prefix(hidden: torch.Tensor, prefix: int) -> tuple[list[torch.Tensor],
 # lower precision's noise can hold a third of K where scores are flat, and a "tie" that wide explains any
 # selection; the band is narrowed to the scores nearest the cut instead.
 TIE_SHARE_MAX = 0.25
+# ...but never below this share of the scores' scale (1e-6: about 8 fp32 ulps at 1), nor above the precision's own
+# band. Scores are only known to a few ulps (a runtime that sums in another order differs by that much), and flat
+# content (a still background: many cosines within ulps of 1) puts more scores than the cap lets in that close to
+# the cut; narrowing below it would call rounding a wrong selection.
+ORDER_FLOOR = 1e-6
 
 
 def tie_band(scores: np.ndarray | torch.Tensor, rel_tol: float, keep: int | None = None,
@@ -64,24 +69,29 @@ def tie_band(scores: np.ndarray | torch.Tensor, rel_tol: float, keep: int | None
     rel_tol times the largest |score| of the image (floored at SCORE_EPS): scores that
     close may be ordered either way by a lower-precision runtime. With keep: narrowed so that
     it holds at most max(2, max_share·K) scores, the ones nearest the cut between the K-th and
-    (K+1)-th best (TIE_SHARE_MAX).
+    (K+1)-th best (TIE_SHARE_MAX), but never below ORDER_FLOOR of the scale (where that is under rel_tol).
     """
+    floor = min(ORDER_FLOOR, rel_tol)
     if isinstance(scores, torch.Tensor):
-        band = rel_tol * scores.abs().amax(dim=-1).clamp_min(SCORE_EPS)
+        scale = scores.abs().amax(dim=-1).clamp_min(SCORE_EPS)
+        band = rel_tol * scale
         if keep is None:
             return band
         top = torch.sort(scores, dim=-1, descending=True, stable=True).values
         cut = 0.5 * (top[..., keep - 1] + top[..., keep])
         nearest = torch.sort((scores - cut.unsqueeze(-1)).abs(), dim=-1).values
-        return torch.minimum(band, nearest[..., _tie_cap(keep, max_share, scores.shape[-1]) - 1])
+        narrowed = nearest[..., _tie_cap(keep, max_share, scores.shape[-1]) - 1]
+        return torch.minimum(band, torch.maximum(narrowed, floor * scale))
     scores = np.asarray(scores)
-    band = rel_tol * np.maximum(np.abs(scores).max(axis=-1), SCORE_EPS)
+    scale = np.maximum(np.abs(scores).max(axis=-1), SCORE_EPS)
+    band = rel_tol * scale
     if keep is None:
         return band
     top = -np.sort(-scores, axis=-1)
     cut = 0.5 * (top[..., keep - 1] + top[..., keep])
     nearest = np.sort(np.abs(scores - np.expand_dims(cut, -1)), axis=-1)
-    return np.minimum(band, nearest[..., _tie_cap(keep, max_share, scores.shape[-1]) - 1])
+    narrowed = nearest[..., _tie_cap(keep, max_share, scores.shape[-1]) - 1]
+    return np.minimum(band, np.maximum(narrowed, floor * scale))
 
 
 def _tie_cap(keep: int, share: float, n: int) -> int:

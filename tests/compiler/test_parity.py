@@ -46,7 +46,7 @@ def test_independent_cuts_judge_each_mismatch_by_its_own_span():
     assert not outside["passed"]
 
 
-def test_a_local_cut_s_band_is_never_narrower_than_fp32_rounding_of_the_scores():
+def test_a_tie_band_is_never_narrower_than_fp32_rounding_of_the_scores():
     """A still background: six cosines within 3e-7 of the cut (a few fp32 ulps at 1), more than the share cap lets
     the narrowed band hold (2 at K = 4); a runtime summing in another order picked the 5th nearest. That is
     rounding, not a wrong selection (the failure the clip made here gave at 16 frames). 1.75e-5 from the cut is not."""
@@ -56,6 +56,12 @@ def test_a_local_cut_s_band_is_never_narrower_than_fp32_rounding_of_the_scores()
     assert parity.compare_local_cuts(ref, np.array([[0, 1, 2, 6]]), cuts, FP32)["passed"]
     apart = [(0, np.array([[0.5, 0.4, 0.3, -0.99997, -0.999975, -0.99999]]), 4)]  # index 5: 1.75e-5 past the cut
     assert not parity.compare_local_cuts(ref, np.array([[0, 1, 2, 5]]), apart, FP32)["passed"]
+    # One clip-wide TopK the same (evs-encoder: the first frame's 255, then windows of a still background whose
+    # 1 - cosine is rounding noise; the cut falls among them).
+    evs = np.array([[255.0, 255.0, 0.3, 2e-7, 1e-7, 0.0, -1e-7, -2e-7, -3e-7, 0.2]])
+    ref = np.array([[0, 1, 2, 3, 4, 9]])
+    assert parity.compare_indices(ref, np.array([[0, 1, 2, 3, 8, 9]]), evs, FP32)["passed"]
+    assert not parity.compare_indices(ref, np.array([[0, 1, 3, 4, 5, 9]]), evs, FP32)["passed"]  # 0.3 dropped
 
 
 def test_mismatch_in_band_needs_every_differing_index_in_the_band():
