@@ -4,6 +4,8 @@
     python tools/bench_e2e.py [--repeats 3] [--layer 2] [--fastv-layer 2] [--fastv-keep 0.5] [--text 64]
         [--warmup 3] [--profile] [--workdir DIR]
 
+(For a clip instead of an image, the same measurement at 8, 16 and 32 frames: tools/bench_e2e_video.py.)
+
 ONNX Runtime CPU, batch 1, one process, seeded weights of realistic shape: the clip-l-336
 tower (LLaVA-1.5's CLIP ViT-L/14-336, 24 blocks, features from block 23) with a projector to
 896 wide (1024 -> 896 -> 896), and a Qwen2-0.5B-shaped decoder (24 layers, 896 wide, 14 query

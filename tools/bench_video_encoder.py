@@ -29,7 +29,9 @@ import numpy as np
 from machine_load import CpuMeter, busy_line, interleaved
 
 
-def build(path: Path, seed: int = 0) -> Path:
+def build(path: Path, seed: int = 0, width: int = 512) -> Path:
+    """The seeded checkpoint; width: the language model's (the projector's output; tools/bench_e2e.py --video sets
+    Qwen2-0.5B's 896 so that the tower feeds its decoder)."""
     import torch
     from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextVideoConfig,
                               LlavaNextVideoForConditionalGeneration)
@@ -37,7 +39,7 @@ def build(path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     vision = CLIPVisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                               image_size=224, patch_size=16)
-    text = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=8,
+    text = LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1, num_attention_heads=8,
                        num_key_value_heads=8, vocab_size=1024)
     model = LlavaNextVideoForConditionalGeneration(LlavaNextVideoConfig(
         vision_config=vision, text_config=text, vision_feature_layer=-2, vision_feature_select_strategy="default",
