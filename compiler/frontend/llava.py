@@ -52,8 +52,10 @@ def drop_absent_head(vision_config, state: dict) -> None:
 
 
 def load_vision(checkpoint: Checkpoint, state: dict):
-    """(tower, projector) of a LLaVA-style checkpoint built from its config and loaded (state: tower_state's)."""
+    """(tower, projector) of a LLaVA-style checkpoint built from its config and loaded (state: tower_state's; a
+    SigLIP pooling head the weights lack is left out of the build, drop_absent_head)."""
     config = checkpoint.config
+    drop_absent_head(config.vision_config, state)
     tower = build_tower(config.vision_config)
     load_state(inner_tower(tower), state, "vision tower")
     projector = projector_for(config)
@@ -91,9 +93,7 @@ class LlavaAdapter(ModelAdapter):
         config = checkpoint.config
         vcfg = config.vision_config
         check_tower(vcfg, "LLaVA")
-        state = tower_state(checkpoint)
-        drop_absent_head(vcfg, state)
-        tower, projector = load_vision(checkpoint, state)
+        tower, projector = load_vision(checkpoint, tower_state(checkpoint))
         pipeline, fl, strategy = pipeline_for(config, tower, projector, feature_layer)
         mean, std = tower_normalization(checkpoint)
         return Source(str(checkpoint.path.resolve()), "hf", self.family, sha256_files(checkpoint.files()),

@@ -34,7 +34,7 @@ from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
 from vlmprune.compiler.frontend.family import (PATCH_TOKENS, VIDEO, ChatPrompt, Family, IndicesPositions,
                                                image_positions)
-from vlmprune.compiler.frontend.llava import (check_tower, drop_absent_head, load_vision, tower_normalization,
+from vlmprune.compiler.frontend.llava import (check_tower, load_vision, tower_normalization,
                                               tower_state)
 from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of,
                                                read_safetensors, sha256_files)
@@ -81,10 +81,8 @@ class LlavaOnevisionAdapter(ModelAdapter):
             raise InputError(f"vision_feature_select_strategy {strategy!r} with a {vcfg.model_type} tower is not "
                              "supported for LLaVA-OneVision: the pooling resizes each frame's patch grid, which needs "
                              "exactly the patches (SigLIP `full`, CLIP `default`)")
-        state = tower_state(checkpoint)
-        drop_absent_head(vcfg, state)
         fl = feature_layer_of(config, feature_layer)
-        tower, projector = load_vision(checkpoint, state)
+        tower, projector = load_vision(checkpoint, tower_state(checkpoint))
         tensors = read_safetensors(checkpoint.weights, ("model.image_newline", "image_newline"))
         newline = tensors.get("")
         d_text = config.text_config.hidden_size

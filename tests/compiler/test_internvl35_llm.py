@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import cat_image
+from merged_checks import cat_image, check_greedy_steps
 from tiny_models import edited_copy, tiny_internvl35
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -105,31 +105,27 @@ def test_graphs_are_hfs_forward_logits_and_caches_over_prefill_and_decode(ckpt, 
         embeds = torch.cat([embed(torch.tensor([prompt.before])), rows[None], embed(torch.tensor([prompt.after]))], 1)
     hf, cache = out.logits[0, -1].float(), out.cache
 
-    def cache_gap(state) -> float:
+    def cache_gap(state, cache) -> float:
         return max(float(np.abs(state[f"past_key_values.{i}.{part}"] - getattr(layer, f"{part}s").numpy()).max())
                    for i, layer in enumerate(cache.layers) for part in ("key", "value"))
 
     graphs = GraphRunner(bundle.bundle / "llm")
     logits, state = graphs.prefill(embeds.numpy(), position_ids.numpy())
-    figures = {"prefill logits": float(np.abs(logits - hf.numpy()).max()), "prefill caches": cache_gap(state)}
-    token, position, steps = int(hf.argmax()), int(position_ids[0, -1]) + 1, []
-    assert int(np.argmax(logits)) == token
-    for _ in range(STEPS):
-        with torch.inference_mode():
-            step = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=cache,
-                         use_cache=True)
-            hf, cache = step.logits[0, -1].float(), step.cache
-            row = embed(torch.tensor([[token]]))
-        logits, state = graphs.step(row.numpy(), np.array([[position]]), state)
-        steps.append((float(np.abs(logits - hf.numpy()).max()), cache_gap(state)))
-        token, position = int(hf.argmax()), position + 1
-        assert int(np.argmax(logits)) == token
+    figures = {"prefill logits": float(np.abs(logits - hf.numpy()).max()), "prefill caches": cache_gap(state, cache)}
+    steps, last = [], {}
+
+    def on_step(logits, want, state, cache):
+        steps.append((float(np.abs(logits - want).max()), cache_gap(state, cache)))
+        last["state"] = state
+
+    check_greedy_steps(model, embed, graphs, state, hf, cache, logits, int(position_ids[0, -1]) + 1, STEPS,
+                       atol=BOUND, on_step=on_step)
     figures["decode logits"] = max(s[0] for s in steps)
     figures["decode caches"] = max(s[1] for s in steps)
     print(f"InternVL3.5 (Qwen3) graphs vs HF's forward, {STEPS} decode steps: "
           + ", ".join(f"{k} max-abs {v:.3g}" for k, v in figures.items()))
     assert all(v <= BOUND for v in figures.values()), figures
-    assert state["past_key_values.0.key"].shape[2] == ids.shape[1] + STEPS
+    assert last["state"]["past_key_values.0.key"].shape[2] == ids.shape[1] + STEPS
 
 
 def test_the_genai_builder_takes_qwen3_with_its_qk_norms(ckpt, tmp_path):
