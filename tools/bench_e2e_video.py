@@ -75,7 +75,7 @@ def tower_flops(frames: int, width: int, layer: int | None = None, keep: int | N
 
 
 def compile_rows(model: Path, folder: Path, frames: int, rates, ratio: float, layer: int, log) -> dict:
-    """{row name: (bundle folder, FLOPs of its tower)}: the ort bundles of one frame count, compiled (parity on)
+    """{row name: bundle folder}: the ort bundles of one frame count, compiled (parity must pass)
     unless already in folder."""
     from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
