@@ -34,8 +34,7 @@ from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.clip import tower_parts
 from vlmprune.compiler.frontend.family import (PATCH_TOKENS, VIDEO, ChatPrompt, Family, IndicesPositions,
                                                image_positions)
-from vlmprune.compiler.frontend.llava import (check_tower, load_vision, tower_normalization,
-                                              tower_state)
+from vlmprune.compiler.frontend.llava import check_tower, load_vision, tower_normalization, tower_state
 from vlmprune.compiler.frontend.source import (Source, check_floating, feature_blocks, feature_layer_of,
                                                read_safetensors, sha256_files)
 from vlmprune.compiler.frontend.tower import VisionPipeline

@@ -147,25 +147,21 @@ def compare_local_cuts(ref: np.ndarray, cand: np.ndarray, cuts: list, tol: Toler
     tie band (selection.tie_band: a still frame's cosines sit within a few ulps of 1, all of them ties)."""
     per_image = _agreement(ref, cand)
     spans = [(int(start), np.asarray(scores, dtype=np.float64), int(k)) for start, scores, k in cuts]
+    ties = sum((boundary_ties(torch.from_numpy(s), k, tol.tie_rel_tol, tol.tie_share_max) for _, s, k in spans),
+               torch.zeros(len(ref), dtype=torch.long)).tolist()  # per image, over its spans
 
-    def near(scores: np.ndarray, k: int, positions) -> np.ndarray:
-        ordered = -np.sort(-scores)
-        cut = 0.5 * (ordered[k - 1] + ordered[k])
-        return np.abs(scores[positions] - cut) <= tie_band(scores, tol.tie_rel_tol, k, tol.tie_share_max)
+    def explained(r: np.ndarray, c: np.ndarray, i: int) -> bool:
+        """Every index kept by one side only lies in a span, within that span's cut's tie band."""
+        differing = np.setxor1d(r, c)
+        for start, s, k in spans:
+            here = (differing >= start) & (differing < start + s.shape[1])
+            if here.any() and not mismatch_in_band(differing[here] - start, np.array([], dtype=differing.dtype),
+                                                   s[i], k, tol.tie_rel_tol, tol.tie_share_max):
+                return False
+            differing = differing[~here]
+        return differing.size == 0
 
-    ties = [int(sum(near(s[i], k, slice(None)).sum() for _, s, k in spans)) for i in range(len(ref))]
-    tie_resolved = []
-    for i, (r, c) in enumerate(zip(ref, cand)):
-        if per_image[i] == 1.0:
-            continue
-        explained = True
-        for index in np.setxor1d(r, c):
-            span = next(((start, s[i], k) for start, s, k in spans if start <= index < start + s.shape[1]), None)
-            if span is None or not near(span[1], span[2], [index - span[0]]).all():
-                explained = False
-                break
-        if explained:
-            tie_resolved.append(i)
+    tie_resolved = [i for i, (r, c) in enumerate(zip(ref, cand)) if per_image[i] < 1.0 and explained(r, c, i)]
     return _verdict({"agreement": float(np.mean(per_image)), "per_image": per_image, "boundary_ties": ties,
                      "tie_resolved_images": tie_resolved}, tol)
 
