@@ -44,14 +44,16 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import bench_e2e
 from bench_video_encoder import build
-from machine_load import CpuMeter, busy_line
+from machine_load import CpuMeter, busy_line, physical_cores
 
 PATCH, IMAGE, D, MLP, BLOCKS, STRIDE = 16, 224, 768, 3072, 11, 2
 GRID = IMAGE // PATCH
@@ -129,12 +131,12 @@ def main() -> int:
     frame_counts = [int(f) for f in args.frames.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
     quiet_transformers()
-    cores = bench_e2e.physical_cores()
-    bench_e2e.torch.set_num_threads(cores)
+    cores = physical_cores()
+    torch.set_num_threads(cores)
     os.environ.setdefault("VLMPRUNE_ORT_THREADS", str(cores))
     t0 = time.perf_counter()
     log = lambda m: print(f"[{time.perf_counter() - t0:6.0f}s] {m}", file=sys.stderr, flush=True)  # noqa: E731
-    folder = args.workdir or Path(bench_e2e.tempfile.mkdtemp(prefix="bench-e2e-video-"))
+    folder = args.workdir or Path(tempfile.mkdtemp(prefix="bench-e2e-video-"))
     folder.mkdir(parents=True, exist_ok=True)
     before = args.text // 2
 
@@ -155,6 +157,7 @@ def main() -> int:
     lm = embed = None
 
     bundles = {f: compile_rows(model, folder, f, rates, args.merging_ratio, args.layer, log) for f in frame_counts}
+    clips = {f: clip_pixels(model, f) for f in frame_counts}  # once per length, not per row's block
     llm = ort_session(folder / "llm_dense_fused.onnx")
     kv, kept, first, tower_ms = {}, {}, {}, {}
 
@@ -164,7 +167,7 @@ def main() -> int:
 
         def build_row():
             """The row's tower session; its first run is the block's first warm-up (bench_e2e._blocks)."""
-            pixels = clip_pixels(model, frames)
+            pixels = clips[frames]
             tower = ort_session(bundle / "model.onnx")
             calls = [0]
 

@@ -30,7 +30,7 @@ from machine_load import CpuMeter, busy_line, interleaved
 
 
 def build(path: Path, seed: int = 0, width: int = 512) -> Path:
-    """The seeded checkpoint; width: the language model's (the projector's output; tools/bench_e2e.py --video sets
+    """The seeded checkpoint; width: the language model's (the projector's output; tools/bench_e2e_video.py sets
     Qwen2-0.5B's 896 so that the tower feeds its decoder)."""
     import torch
     from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextVideoConfig,

@@ -75,22 +75,24 @@ from vlmprune.kernels.build import cache_dir  # noqa: E402
 MARKER = "training.json"  # written last: its presence means the directory is complete
 PAD, BOS, EOS, UNK, IMAGE = "<pad>", "<s>", "</s>", "<unk>", "<image>"
 TEMPLATE_WORDS = ("user", ":", "assistant", "?")
-# LLaVA-1.5's template; content as typed parts (the processor's way) or as one string.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
-    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}"
-    "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+_IMAGE_PARTS = ("{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}"
+                "{% endfor %}")
+_TEXT_PARTS = ("{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}"
+               "{% endfor %}")
+
+
+def _chat_template(first: str, second: str) -> str:
+    """One user turn, content as typed parts (the processor's way, first's kind then second's) or as one string."""
+    return ("{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+            "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}" + first + second
+            + "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+CHAT_TEMPLATE = _chat_template(_IMAGE_PARTS, _TEXT_PARTS)  # LLaVA-1.5's
 # The same turn with the question written before the image (--question-first): in a causal decoder the image's
 # tokens then see the question, so each of them can say whether it holds what is asked about, and the answer reads
 # a few rows that say so instead of searching 1,024 rows that do not know the question.
-CHAT_TEMPLATE_QUESTION_FIRST = (
-    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
-    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}{% endfor %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+CHAT_TEMPLATE_QUESTION_FIRST = _chat_template(_TEXT_PARTS, _IMAGE_PARTS)
 LM = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 

@@ -300,12 +300,12 @@ def check_generate_through_graphs(bundle_dir, model_dir, image, prompt_text: str
 
 def check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position: int, steps: int = 6,
                        step_extra: Callable = lambda token: {}, atol: float = 1e-4,
-                       on_step: Callable | None = None) -> None:
+                       on_step: Callable | None = None) -> dict:
     """After a prefill that matched (hf and cache: HF's last logits and cache; logits and state: the bundle's prefill
     graph's), `steps` greedy decode steps from position on: each step's logits from the bundle's decode graph
     (graphs.step, given step_extra(token ids [1, 1]): Gemma 4's per-layer embeddings) equal HF's forward on its own
     cache, and both pick the same token. on_step(logits, hf logits, state, cache) after each step: a caller's own
-    figures (the caches' gap)."""
+    figures (the caches' gap). Returns the decode graph's last state."""
     token = int(hf.argmax())
     assert int(np.argmax(logits)) == token
     for _ in range(steps):
@@ -320,3 +320,4 @@ def check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position:
             on_step(logits, hf.numpy(), state, cache)
         token, position = int(hf.argmax()), position + 1
         assert int(np.argmax(logits)) == token
+    return state
