@@ -102,8 +102,9 @@ def eager_attention(model):
     """Run the model with eager attention for a while: its attention weights are then the model's own."""
     inner, config = decoder_of(model)
     # Every config object the attention modules may read (a causal LM assembled around a VLM's
-    # language model holds a copy of the text config).
-    configs = {id(c): c for c in (config, inner.config, *(layer.self_attn.config for layer in inner.layers))}
+    # language model holds a copy of the text config); a layer without attention (LFM2's convolutions) reads none.
+    attentions = (layer.self_attn for layer in inner.layers if hasattr(layer, "self_attn"))
+    configs = {id(c): c for c in (config, inner.config, *(attn.config for attn in attentions))}
     saved = {key: c._attn_implementation for key, c in configs.items()}
     for c in configs.values():
         c._attn_implementation = "eager"

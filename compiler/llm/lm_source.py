@@ -46,10 +46,24 @@ from vlmprune.compiler.errors import InputError
 # IMAGE_BLOCK on the sliding layers only (SLIDING_BLOCK; the global layers stay causal) and only where the config asks
 # (use_bidirectional_attention "vision"); FINAL_SOFTCAP, the logits capped by final_logit_softcapping as
 # Gemma4ForConditionalGeneration caps them. Refused: its mixture-of-experts blocks (enable_moe_block).
+# LFM2's language model (lfm2, transformers' modeling_lfm2; LFM2-VL's decoder) is hybrid. CONV_STATE: the layers that
+# config.layer_types names "conv" have no attention but a gated short convolution (Lfm2ShortConv: in_proj into B, C and
+# x; B*x through a depthwise causal conv1d of kernel conv_L_cache; C times that; out_proj; compiler.llm.short_conv), so
+# what a decode step needs of their past is a convolution state, the conv's last conv_L_cache inputs, not keys and
+# values: the graphs carry it beside the attention layers' caches (`present.{i}.conv`, i the layer's number, as the
+# attention layers' `present.{i}.key`). The attention layers: Llama's, with a per-head q/k norm (QK_NORM), 1-D RoPE. Its
+# modules are named otherwise (MODULE_NAMES: the exporter asks for Llama's names). Its parity reference is transformers'
+# own forward (OWN_FORWARD) on a cache built from its config (reference_cache), which holds the conv states.
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "gemma3_text",
-            "gemma4_text")
+            "gemma4_text", "lfm2")
 MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
-QK_NORM = frozenset({"qwen3", "qwen3_vl_text", "gemma3_text", "gemma4_text"})
+QK_NORM = frozenset({"qwen3", "qwen3_vl_text", "gemma3_text", "gemma4_text", "lfm2"})
+CONV_STATE = {"lfm2": "conv"}  # the layer type (config.layer_types) of the short-convolution layers
+# Where the decoder's modules are not named as Llama's: Llama's name -> the family's (what the exporter's layer reads).
+MODULE_NAMES = {"lfm2": {"input_layernorm": "operator_norm", "post_attention_layernorm": "ffn_norm",
+                         "mlp": "feed_forward", "q_norm": "q_layernorm", "k_norm": "k_layernorm", "o_proj": "out_proj",
+                         "norm": "embedding_norm"}}
+OWN_FORWARD = frozenset({"lfm2"})  # parity's reference is transformers' own forward, whatever else the decoder has
 SANDWICH_NORM = frozenset({"gemma3_text", "gemma4_text"})
 LAYER_TYPES = frozenset({"gemma3_text", "gemma4_text"})
 IMAGE_BLOCK = {"gemma3_text": "transformers.models.gemma3.modeling_gemma3",
@@ -71,8 +85,10 @@ NO_FASTV = {"gemma3_text": "FastV's reference runs every layer causally with one
                            "bases; FastV's cut inside the image block is not defined",
             "gemma4_text": "FastV's reference runs every layer causally with one rotary embedding on caches of its "
                            "own, and Gemma 4's language model has sliding-window layers, two rotary bases, per-layer "
-                           "embeddings and layers that share an earlier layer's cache"}
-_CAUSAL_LM_TYPES = ("llama", "qwen2", "qwen3")  # text models with a causal-LM class of their own
+                           "embeddings and layers that share an earlier layer's cache",
+            "lfm2": "FastV's reference runs every layer as attention on a KV cache, and LFM2's language model has "
+                    "short-convolution layers, which carry a convolution state instead"}
+_CAUSAL_LM_TYPES = ("llama", "qwen2", "qwen3", "lfm2")  # text models with a causal-LM class of their own
 
 
 def uses_mrope(config) -> bool:
@@ -125,6 +141,33 @@ def fastv_refusal(config) -> str | None:
 def layer_types(config) -> list[str] | None:
     """Each layer's attention type ("sliding_attention" / "full_attention") where the decoder has them, else None."""
     return list(config.layer_types) if getattr(config, "model_type", None) in LAYER_TYPES else None
+
+
+def conv_layers(config) -> list[int]:
+    """The layers that are short convolutions (CONV_STATE: a convolution state, no keys and values), else []."""
+    kind = CONV_STATE.get(getattr(config, "model_type", None))
+    return [i for i, t in enumerate(config.layer_types) if t == kind] if kind is not None else []
+
+
+def module_name(config, name: str) -> str:
+    """The decoder's own name of the module Llama's layer calls `name` (MODULE_NAMES)."""
+    return MODULE_NAMES.get(getattr(config, "model_type", None), {}).get(name, name)
+
+
+def own_forward_reference(config) -> bool:
+    """Whether the parity reference is transformers' own text model forward rather than its layers run one by one:
+    what only that forward computes (Gemma 4's per-layer embeddings and shared KV, LFM2's convolution states)."""
+    model_type = getattr(config, "model_type", None)
+    return bool(per_layer_width(config)) or model_type in SHARED_KV or model_type in OWN_FORWARD
+
+
+def reference_cache(config):
+    """The transformers cache the reference forward fills: one built from the config where the decoder keeps states of
+    other kinds (CONV_STATE: its conv layers' cache layers hold them), else an unbounded DynamicCache (every row of
+    every layer, the sliding ones too, so that they compare with the graphs' whole presents)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config) if getattr(config, "model_type", None) in CONV_STATE else DynamicCache()
 
 
 def has_image_block(config) -> bool:

@@ -68,12 +68,12 @@ from vlmprune.compiler.contract import DEFAULT_OPSET, Manifest
 from vlmprune.compiler import contract
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import torch_onnx
-from vlmprune.compiler.llm import lm_source
+from vlmprune.compiler.llm import lm_source, short_conv
 from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, LlmGraphRunner, tokens_note
 from vlmprune.compiler.llm.fastv import FastVSpec, default_positions, gather_positions
-from vlmprune.compiler.llm.lm_source import (LAYER_SCALAR, QK_NORM, SANDWICH_NORM, SLIDING_BLOCK, decoder_of,
-                                            deepstack_levels, has_image_block, kv_sources, layer_types, per_layer_width,
-                                            uses_mrope)
+from vlmprune.compiler.llm.lm_source import (LAYER_SCALAR, QK_NORM, SANDWICH_NORM, SLIDING_BLOCK, conv_layers,
+                                            decoder_of, deepstack_levels, has_image_block, kv_sources, layer_types,
+                                            per_layer_width, uses_mrope)
 from vlmprune.compiler.parity import figure_text
 
 WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx (and their decomposed forms)
@@ -106,9 +106,13 @@ class _Decoder(nn.Module):
         inner, config = decoder_of(model)
         self.lm = model
         self.heads = config.num_attention_heads
-        first = model.model.layers[0].self_attn  # Gemma 4's config has a head size per layer, not one
-        self.head_dim = getattr(first, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.names = {n: lm_source.module_name(config, n) for n in ("input_layernorm", "post_attention_layernorm",
+                                                                    "mlp", "q_norm", "k_norm", "o_proj", "norm")}
         self.num_layers = config.num_hidden_layers
+        self.convs = frozenset(conv_layers(config))  # short-convolution layers: a convolution state, no attention
+        self.attending = [i for i in range(self.num_layers) if i not in self.convs]
+        first = model.model.layers[self.attending[0]].self_attn  # Gemma 4's config has a head size per layer
+        self.head_dim = getattr(first, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qk_norm = config.model_type in QK_NORM
         self.sandwich = config.model_type in SANDWICH_NORM
         self.image_block = has_image_block(config)
@@ -119,11 +123,30 @@ class _Decoder(nn.Module):
         self.per_layer = per_layer_width(config)  # PLE's width, 0 without
         self.scalar = config.model_type in LAYER_SCALAR
         self.sources = kv_sources(config)  # each layer's cache owner (itself, or an earlier layer: shared KV)
-        self.cached = [i for i in range(self.num_layers) if self.sources[i] == i]  # the layers with a cache
-        attns = [layer.self_attn for layer in model.model.layers]
+        # the layers with a key/value cache of their own
+        self.cached = [i for i in self.attending if self.sources[i] == i]
+        attns = {i: model.model.layers[i].self_attn for i in self.cached}
         # each cached layer's (kv heads, head size): Gemma 4's global layers have their own
         self.cache_shapes = [(attns[i].k_proj.out_features // getattr(attns[i], "head_dim", self.head_dim),
                               getattr(attns[i], "head_dim", self.head_dim)) for i in self.cached]
+        # each convolution state's [hidden, L] (the conv's last L inputs: compiler.llm.short_conv)
+        self.conv_shape = ([config.hidden_size, model.model.layers[min(self.convs)].conv.conv.kernel_size[0]]
+                           if self.convs else None)
+
+    def part(self, owner: nn.Module, name: str) -> nn.Module:
+        """owner's module that Llama's layer calls name, by the decoder's own name (lm_source.MODULE_NAMES)."""
+        return getattr(owner, self.names[name])
+
+    def state_names(self, prefix: str) -> list[str]:
+        """The graphs' cache inputs or outputs in layer order: prefix.{i}.conv for a short-convolution layer, prefix.{i}.key
+        and .value for a layer with a key/value cache of its own (none for one that shares another's)."""
+        names = []
+        for i in range(self.num_layers):
+            if i in self.convs:
+                names.append(f"{prefix}.{i}.conv")
+            elif self.sources[i] == i:
+                names += [f"{prefix}.{i}.key", f"{prefix}.{i}.value"]
+        return names
 
     @property
     def inner(self):
@@ -168,7 +191,7 @@ class _Decoder(nn.Module):
         head_dim = getattr(attn, "head_dim", None) or self.head_dim  # Gemma 4's global layers: their own
         q = attn.q_proj(x).view(b, t, self.heads, head_dim)
         if self.qk_norm:  # Qwen3's layer: an RMSNorm over each head's queries and keys, before the rotation
-            q = attn.q_norm(q)
+            q = self.part(attn, "q_norm")(q)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         q = q.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
@@ -179,7 +202,7 @@ class _Decoder(nn.Module):
             # Gemma 4's global layers under attention_k_eq_v: the key projection is the values too
             v = (attn.v_proj(x).view(b, t, -1, head_dim) if getattr(attn, "v_proj", None) is not None else k)
             if self.qk_norm:
-                k = attn.k_norm(k)
+                k = self.part(attn, "k_norm")(k)
             if getattr(attn, "v_norm", None) is not None:  # Gemma 4: an RMSNorm (no scale) over each value head
                 v = attn.v_norm(v)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -200,12 +223,20 @@ class _Decoder(nn.Module):
             scores = scores.masked_fill(steps[None, :] > steps[:, None], float("-inf"))
         weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(weights, vx).transpose(1, 2).reshape(b, t, self.heads * head_dim)
-        return attn.o_proj(out), k, v, q, kx
+        return self.part(attn, "o_proj")(out), k, v, q, kx
+
+    def conv_layer(self, layer, hidden, state=None):
+        """(hidden, new convolution state) of a short-convolution layer: its operator (compiler.llm.short_conv) on the
+        normed rows in place of attention, over the prompt (state None) or one row on state; then the MLP."""
+        x = self.part(layer, "input_layernorm")(hidden)
+        out, state = short_conv.prefill(layer.conv, x) if state is None else short_conv.step(layer.conv, x, state)
+        hidden = hidden + out
+        return hidden + self.part(layer, "mlp")(self.part(layer, "post_attention_layernorm")(hidden)), state
 
     def layer(self, layer, hidden, rope, past=None, causal=True, bias=None, index=None, shared=None,
               per_layer=None):
-        out, k, v, q, kx = self.attention(layer, layer.input_layernorm(hidden), rope, past, causal, bias, index,
-                                          shared)
+        out, k, v, q, kx = self.attention(layer, self.part(layer, "input_layernorm")(hidden), rope, past, causal, bias,
+                                          index, shared)
         if self.sandwich:  # Gemma 3: each branch's output normed before its residual add, the MLP's input too
             hidden = hidden + layer.post_attention_layernorm(out)
             hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
@@ -216,11 +247,11 @@ class _Decoder(nn.Module):
                 hidden = hidden * layer.layer_scalar
             return hidden, k, v, q, kx
         hidden = hidden + out
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + self.part(layer, "mlp")(self.part(layer, "post_attention_layernorm")(hidden))
         return hidden, k, v, q, kx
 
     def head(self, hidden):
-        return lm_source.logits(self.lm, self.inner.norm(hidden))
+        return lm_source.logits(self.lm, self.part(self.inner, "norm")(hidden))
 
     def per_layer_inputs(self, inputs_embeds, per_layer_inputs):
         """Each layer's PLE input [B, T, width] (transformers' own project_per_layer_inputs: the context projection of
@@ -256,6 +287,10 @@ class PrefillGraph(_Decoder):
         hidden, presents, kept, caches = inputs_embeds, [], None, {}
         spec = self.spec
         for i, layer in enumerate(self.inner.layers):
+            if i in self.convs:  # a short convolution: its state, no keys and values
+                hidden, state = self.conv_layer(layer, hidden)
+                presents.append(state)
+                continue
             shared = caches.get(self.sources[i]) if self.sources[i] != i else None
             hidden, k, v, q, kx = self.layer(layer, hidden, ropes[i], bias=biases[i], shared=shared,
                                              per_layer=per_layer[i])
@@ -286,28 +321,27 @@ class DecodeGraph(_Decoder):
     """One token on top of each layer's cache (whatever its length), at an explicit original position."""
 
     def forward(self, inputs_embeds, position_ids, *past):
-        """past: each cached layer's key and value; with PLE, the new token's per_layer_inputs [B, 1, layers, width]
-        first."""
+        """past: the caches in layer order (state_names: each short-convolution layer's state, each cached layer's key
+        and value); with PLE, the new token's per_layer_inputs [B, 1, layers, width] first."""
         per_layer = self.per_layer_inputs(inputs_embeds, past[0] if self.per_layer else None)
-        past = past[1:] if self.per_layer else past
+        past = list(past[1:] if self.per_layer else past)
         ropes = self.ropes(inputs_embeds, position_ids)
         hidden, presents, caches = inputs_embeds, [], {}
-        slots = {layer: n for n, layer in enumerate(self.cached)}
         for i, layer in enumerate(self.inner.layers):
+            if i in self.convs:  # a short convolution: this row on its state
+                hidden, state = self.conv_layer(layer, hidden, past.pop(0))
+                presents.append(state)
+                continue
             if self.sources[i] != i:  # shared KV: the owner's cache with this token's row
                 hidden, *_ = self.layer(layer, hidden, ropes[i], causal=False, index=i, shared=caches[self.sources[i]],
                                         per_layer=per_layer[i])
                 continue
-            n = slots[i]
-            hidden, k, v, _q, _kx = self.layer(layer, hidden, ropes[i], (past[2 * n], past[2 * n + 1]), causal=False,
-                                               index=i, per_layer=per_layer[i])
+            own = (past.pop(0), past.pop(0))
+            hidden, k, v, _q, _kx = self.layer(layer, hidden, ropes[i], own, causal=False, index=i,
+                                               per_layer=per_layer[i])
             caches[i] = (k, v)
             presents += [k, v]
         return (self.head(hidden), *presents)
-
-
-def cache_names(num_layers: int, prefix: str) -> list[str]:
-    return [f"{prefix}.{i}.{part}" for i in range(num_layers) for part in ("key", "value")]
 
 
 def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, opset: int) -> ir.Model:
@@ -323,8 +357,7 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) ->
     positions = default_positions(config, 2, start + 2).clone()
     batch = torch.export.Dim("batch", min=1, max=1024)
     sequence = torch.export.Dim("sequence", min=start, max=config.max_position_embeddings)
-    outputs = ["logits", *(["kept_image_indices"] if spec is not None else []),
-               *cache_names(len(graph.cached), "present")]
+    outputs = ["logits", *(["kept_image_indices"] if spec is not None else []), *graph.state_names("present")]
     position_dims = {1: batch, 2: sequence} if uses_mrope(config) else {0: batch, 1: sequence}
     args, names, dims = (example, positions), ["inputs_embeds", "position_ids"], ({0: batch, 1: sequence}, position_dims)
     further, further_dims = [], []  # PrefillGraph.forward's *further, in its order
@@ -352,10 +385,17 @@ def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> 
     full = torch.export.Dim("past_sequence", min=1, max=config.max_position_embeddings)
     pruned = spec is not None and spec.kept < spec.image_len
     kept = torch.export.Dim("past_sequence_kept", min=1, max=config.max_position_embeddings) if pruned else full
-    lengths = [(9 if spec is None or i < spec.layer else 6 if pruned else 9) for i in graph.cached]
-    past = [torch.zeros(2, heads, n, d) for n, (heads, d) in zip(lengths, graph.cache_shapes) for _ in range(2)]
-    dims = [{0: batch, 2: full if spec is None or i < spec.layer else kept} for i in graph.cached for _ in range(2)]
-    names = cache_names(len(graph.cached), "past_key_values")
+    shapes = dict(zip(graph.cached, graph.cache_shapes))
+    past, dims = [], []  # in state_names' order: layer by layer
+    for i in range(graph.num_layers):
+        if i in graph.convs:  # a convolution state: [batch, hidden, L], L fixed
+            past.append(torch.zeros(2, *graph.conv_shape))
+            dims.append({0: batch})
+        elif i in shapes:
+            n = 9 if spec is None or i < spec.layer else 6 if pruned else 9
+            past += [torch.zeros(2, shapes[i][0], n, shapes[i][1]) for _ in range(2)]
+            dims += [{0: batch, 2: full if spec is None or i < spec.layer else kept} for _ in range(2)]
+    names = graph.state_names("past_key_values")
     if graph.per_layer:  # Gemma 4: the new token's own per-layer embeddings, before the caches
         past, dims = [torch.zeros(2, 1, graph.num_layers, graph.per_layer), *past], [{0: batch}, *dims]
         names = [PER_LAYER, *names]
@@ -363,8 +403,8 @@ def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> 
     position = torch.full((3, 2, 1) if mrope else (2, 1), 9, dtype=torch.long)
     args = (torch.zeros(2, 1, config.hidden_size), position, *past)
     dynamic = ({0: batch}, {1: batch} if mrope else {0: batch}, tuple(dims))  # *past is one argument to torch.export
-    return _export(graph, args, ["inputs_embeds", "position_ids", *names],
-                   ["logits", *cache_names(len(graph.cached), "present")], dynamic, opset)
+    return _export(graph, args, ["inputs_embeds", "position_ids", *names], ["logits", *graph.state_names("present")],
+                   dynamic, opset)
 
 
 def fuse_attention(model: ir.Model, layers: int) -> ir.Model:
@@ -392,7 +432,7 @@ def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = DEF
     ir.save(prefill, folder / PREFILL_DECOMPOSED)
     ir.save(decode, folder / DECODE_DECOMPOSED)
     io = {"prefill": _io(prefill), "decode": _io(decode)}
-    layers = decoder_of(model)[1].num_hidden_layers
+    layers = len(DecodeGraph(model).attending)  # the layers with attention (not LFM2's convolutions)
     ir.save(fuse_attention(prefill, layers), folder / PREFILL)
     ir.save(fuse_attention(decode, layers), folder / DECODE)
     return {"prefill": PREFILL, "decode": DECODE, "prefill_decomposed": PREFILL_DECOMPOSED,
@@ -481,7 +521,7 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
     feed = {"inputs_embeds": embeds.numpy(), "position_ids": positions.numpy()}
     levels = deepstack_levels(lm)
     block = has_image_block(config)
-    hf_masks = block or per_layer_width(config) or config.model_type in lm_source.SHARED_KV  # transformers' forward
+    hf_masks = block or lm_source.own_forward_reference(config)  # transformers' own forward
     ids = None
     if per_layer_width(config):  # random token ids, the image rows the pad token's: their per-layer embeddings
         ids = torch.randint(0, config.vocab_size, (2, length), generator=torch.Generator().manual_seed(2))
@@ -510,9 +550,12 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
         other = dict(zip([o.name for o in plain.get_outputs()], plain.run(None, feed)))
         between = max(float(np.abs(got[k].astype(np.float64) - other[k]).max()) for k in names)
     worst = float(np.abs(got["logits"][:, 0] - ref.logits.numpy()).max())
-    for i, layer in enumerate(ref.cache.layers):
-        for part, tensor in (("key", layer.keys), ("value", layer.values)):
-            worst = max(worst, float(np.abs(got[f"present.{i}.{part}"] - tensor.numpy()).max()))
+    states = reference_states(ref.cache)
+    if set(states) != {k for k in names if k.startswith("present.")}:  # a cache the graphs lack, or one too many
+        worst = float("inf")
+    for name, tensor in states.items():
+        if name in got:
+            worst = max(worst, float(np.abs(got[name] - tensor.numpy()).max()))
     kept_ok = spec is None or bool(np.array_equal(got["kept_image_indices"], ref.kept.numpy()))
     expected = (deepstack_generate(lm, ref, positions) if levels else hf_generate(lm, ref, positions) if hf_masks else
                 reference_generate(lm, embeds, spec, DECODE_STEPS, positions)).numpy()
@@ -533,6 +576,20 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
             "kept_identical": kept_ok, "decode_steps": DECODE_STEPS, "tokens_identical": same,
             "graphs": list(graphs), **({"fused_vs_decomposed": between} if between is not None else {}),
             "passed": worst <= PARITY_ATOL and kept_ok and same and (between is None or between <= PARITY_ATOL)}
+
+
+def reference_states(cache) -> dict:
+    """A transformers cache as the graphs name its tensors, layer by layer: `present.{i}.key` / `.value` where layer i
+    holds keys and values, `present.{i}.conv` where it holds a convolution state (LFM2's conv layers); a layer that
+    holds neither (a shared-KV layer's DummyLayer) has none."""
+    states = {}
+    for i, layer in enumerate(cache.layers):
+        conv = (getattr(layer, "conv_states", None) or {}).get(0)
+        if conv is not None:
+            states[f"present.{i}.conv"] = conv
+        if getattr(layer, "keys", None) is not None:
+            states[f"present.{i}.key"], states[f"present.{i}.value"] = layer.keys, layer.values
+    return states
 
 
 def deepstack_prefill(lm, embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor, image_tokens: int):
@@ -569,17 +626,16 @@ def deepstack_generate(lm, first, positions: torch.Tensor) -> torch.Tensor:
 def image_block_prefill(lm, embeds: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
                         extra: dict | None = None):
     """The reference prefill of a language model with a bidirectional image block (Gemma 3, Gemma 4), or of one that
-    only transformers' own forward computes (Gemma 4's per-layer embeddings and shared KV; rows None: its own masks):
-    transformers' own text model forward under transformers' own masks for those image rows ([B, T] bool;
-    lm_source.image_block_masks), eager attention, a cache that keeps every row (so that the sliding layers' cache
-    compares with the graph's whole present; their masks still see only the window); its logits and cache as
+    only transformers' own forward computes (Gemma 4's per-layer embeddings and shared KV, LFM2's convolution states;
+    rows None: its own masks): transformers' own text model forward under transformers' own masks for those image rows
+    ([B, T] bool; lm_source.image_block_masks), eager attention, lm_source.reference_cache (every row of every layer,
+    so that the sliding layers' cache compares with the graph's whole present, their masks still seeing only the
+    window; the convolution states where the decoder has them); its logits and cache as
     reference_prefill gives them. extra: the forward's further arguments (Gemma 4's per_layer_inputs)."""
-    from transformers import DynamicCache
-
     from vlmprune.compiler.llm.fastv import Prefill, eager_attention
     from vlmprune.compiler.llm.lm_source import image_block_masks
 
-    cache = DynamicCache()
+    cache = lm_source.reference_cache(lm.config)
     with eager_attention(lm):
         masks = (image_block_masks(lm.config, embeds, positions, cache, rows) if rows is not None
                  else torch.ones(embeds.shape[:2], dtype=torch.long))
@@ -658,6 +714,12 @@ def readme_section(manifest: Manifest) -> str:
         shared = [i for i, s in enumerate(llm["kv_sources"]) if s != i]
         how += (f" {_layers(shared[0], shared[-1])} have no cache of their own: each attends to the keys and values "
                 f"of an earlier layer of its type, so there are {llm['cache_layers']} `present` pairs, not {n}.")
+    if llm.get("conv_layers"):
+        hidden, width = llm["conv_state"]
+        how += (f" Layers {', '.join(map(str, llm['conv_layers']))} are short convolutions, not attention: instead of "
+                f"keys and values each has `present.{{i}}.conv` [batch, {hidden}, {width}] (its convolution's last "
+                f"{width} inputs), which the decode step takes back as `past_key_values.{{i}}.conv`; the caches are "
+                f"numbered by layer, so the {llm['cache_layers']} key/value pairs are those of the attention layers.")
     return f"""
 ## The language model (`--with-llm`)
 
@@ -775,7 +837,8 @@ class TorchExporter(LlmExporter):
                  + (f", FastV after layer {spec.layer} keeping {spec.kept} of {spec.image_len} image tokens)"
                     if spec is not None else ", dense)") + " with torch.onnx (dynamo)")
         written = export_decoder(lm, spec, folder / LLM_DIR, options.opset)
-        shapes = DecodeGraph(lm).cache_shapes
+        graph = DecodeGraph(lm)
+        shapes = graph.cache_shapes
         image_tokens = tokens if isinstance(tokens, int) else 8
         parity = llm_parity(lm, spec, folder / LLM_DIR, image_tokens)
         parity["decomposed"] = llm_parity(lm, spec, folder / LLM_DIR, image_tokens, (PREFILL_DECOMPOSED, DECODE_DECOMPOSED))
@@ -798,7 +861,9 @@ class TorchExporter(LlmExporter):
             "image_block_layers": ("sliding" if config.model_type in lm_source.SLIDING_BLOCK else "all")
             if has_image_block(config) else None,
             "per_layer_inputs": per_layer_width(config) or None,
-            "cache_layers": sum(1 for i, s in enumerate(kv_sources(config)) if s == i),
+            "cache_layers": len(graph.cached),  # the layers with keys and values of their own
+            # the short-convolution layers, each with a convolution state [batch, hidden, L] (present.{i}.conv)
+            "conv_layers": sorted(graph.convs) or None, "conv_state": graph.conv_shape,
             "kv_sources": kv_sources(config) if kv_sources(config) != list(range(config.num_hidden_layers)) else None,
             "sliding_window": getattr(config, "sliding_window", None) if layer_types(config) else None,
             "kv_heads": shapes[0][0], "head_dim": shapes[0][1], "vocab_size": config.vocab_size,

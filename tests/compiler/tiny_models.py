@@ -307,13 +307,15 @@ LFM2_VL_TEMPLATE = ("{{ bos_token }}{%- for message in messages -%}{{ '<|im_star
 LFM2_VL_SPECIALS = ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|image_start|>", "<|image_end|>")
 
 
-def tiny_lfm2_vl(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer: bool = False, **text) -> Path:
+def tiny_lfm2_vl(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer: bool = False,
+                 spread_llm: bool = False, **text) -> Path:
     """A seeded tiny LFM2-VL (Lfm2VlForConditionalGeneration) saved (safetensors) at path, its tower and projector
     spread: 3 SigLIP2 NaFlex blocks 32 wide (2 heads, no pooling head), patch 8, an 8x8 position table (64 px at its
     own size; other sizes resample it), the projector's pixel unshuffle by 2, LayerNorm, 128 -> 40 -> the LLM's width;
     an LFM2 LLM (text: overrides; default 2 layers 48 wide, a short-conv layer then an attention layer, vocab 128).
     tokenizer: also a byte-level tokenizer (bytes 0-255, then LFM2_VL_SPECIALS as 256.., <image> at image_token_id)
-    with LFM2_VL_TEMPLATE."""
+    with LFM2_VL_TEMPLATE. spread_llm: every LLM weight drawn too (spread_decoder: the matrices, the short convolutions'
+    kernels and biases, every norm scale around 1)."""
     from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration
 
     config = dict(model_type="lfm2", hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
@@ -329,6 +331,8 @@ def tiny_lfm2_vl(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer
     with torch.no_grad():  # 1-D rows are left alone above: the position table's rows and the projector's LayerNorm
         model.model.vision_tower.embeddings.position_embedding.weight.normal_(0.0, 0.2)
         model.model.multi_modal_projector.layer_norm.weight.normal_(1.0, 0.2)
+    if spread_llm:
+        spread_decoder(model, "model.language_model.")
     model.generation_config.eos_token_id = 258  # <|im_end|>
     model.eval().save_pretrained(path, safe_serialization=True)
     if tokenizer:
