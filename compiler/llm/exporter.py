@@ -46,10 +46,14 @@ class LlmExporter(abc.ABC):
 
     def check_model(self, spec: str, fastv) -> None:
         """MODEL's config alone (no weights) against the export, before the tower's export (seconds to minutes):
-        it holds a language model, and FastV's layer is one of its layers. The default reads the LM source."""
+        it holds a language model this exporter takes (families), and FastV's layer is one of its layers. The default
+        reads the LM source."""
         config = lm_source.text_config(spec)
-        if config is not None:  # a decoder no exporter here knows (Gemma 3's): one line before the tower's export
+        if config is not None:  # a decoder no exporter here knows: one line before the tower's export
             lm_source.check_family(config)
+            if config.model_type not in self.families:  # one that another exporter takes (LFM2's: the torch one)
+                raise InputError(f"language model type {config.model_type!r} is not supported by the {self.name} "
+                                 f"exporter (supported: {', '.join(self.families)})")
         if config is not None and fastv is not None:
             fastv.check(config.num_hidden_layers)
 
