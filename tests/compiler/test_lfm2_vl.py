@@ -10,13 +10,14 @@ one attention layer). What is checked against Hugging Face itself:
 - a pruned bundle's rows are HF's rows at kept_indices, on ort (both graphs, the ONNX checker, standard ops);
 - parity on orin, xavier (host), openvino (CPU), rk3588 (simulator) and qnn (HTP emulator), each gated on its
   toolchain as the other families' tests are;
-- block-site and attention-scored methods, bad --image-size values, --feature-layer, a non-square position table and
-  --with-llm (no exporter has LFM2's convolution state) are refused in one line; `vlmprune methods` lists LFM2-VL;
+- block-site and attention-scored methods, bad --image-size values, --feature-layer and a non-square position table
+  are refused in one line; `vlmprune methods` lists LFM2-VL;
 - the lfm2-vl-450m-256 preset has LFM2-VL-450M's tower and projector shapes;
 - the LLM side: the prompt is the processor's (the chat template, the image rows between <|image_start|> and
   <|image_end|> as transformers' own _build_image_tokens writes them), generate's dense splice gives HF's own forward's
   logits, a pruned bundle's rows spliced by generate give the logits of HF's forward given its own tower's rows of the
-  same kept tokens (1-D original positions), and `generate` and eval run through the bundle.
+  same kept tokens (1-D original positions), and `generate` and eval run through the bundle (--with-llm, LFM2's
+  hybrid decoder exported with its convolution states: test_lfm2_vl_llm).
 """
 
 from __future__ import annotations
@@ -253,12 +254,3 @@ def test_generate_cli_and_eval(llm_bundle, llm_dir, cat, tmp_path):
     assert "pruned: 8 image tokens" in result.output and "the checkpoint's chat template" in result.output
     check_eval(llm_bundle, llm_dir, tmp_path, [PROMPT, "describe it."], TOKENS)
 
-
-def test_with_llm_is_refused_in_one_line_before_any_work(llm_dir, tmp_path):
-    """No LLM exporter here has LFM2's decoder (its short-convolution layers carry a rolling state beside the
-    attention layers' KV cache): refused before the tower's export, nothing written; Edge-LLM's in its own words."""
-    result = run_cli("compile", llm_dir, "-o", tmp_path / "b", "--method", "divprune", "--keep", "6", "--with-llm")
-    one_line_error(result, "language model type 'lfm2' is not supported for export")
-    assert "export (torch.onnx" not in result.output and not (tmp_path / "b").exists()
-    one_line_error(run_cli("compile", llm_dir, "-o", tmp_path / "c", "--target", "orin", "--method", "divprune",
-                           "--keep", "6", "--with-llm"), "is model type 'lfm2_vl'")
