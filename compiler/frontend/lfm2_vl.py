@@ -31,9 +31,11 @@ the LFM2 LLM's 1-D positions, original-positions rule.
 The LLM side: LFM2 (hybrid: gated short-convolution layers and grouped-query attention layers with RoPE). `generate`
 and `eval` splice the kept rows into its inputs_embeds between the <|image_start|> and <|image_end|> its processor
 writes around one tile's <image> tokens (image_prompt), the attention layers at the rows' original positions; the
-convolutions see the kept rows side by side, as they would any K image tokens. `--with-llm` is refused in one line
-by the exporters (compiler.llm.lm_source): their decoder graphs are attention-only, with a KV cache, and LFM2's
-convolution layers carry a rolling convolution state their prefill/decode graphs do not have.
+convolutions see the kept rows side by side, as they would any K image tokens. `--with-llm` exports it on target ort
+(the torch exporter; compiler.llm.lm_source declares the decoder, compiler.llm.short_conv spells its convolution): the
+prefill and decode graphs carry each convolution layer's state (`present.{i}.conv`, its last conv_L_cache inputs)
+beside the attention layers' KV cache, and `generate` feeds them back step by step as it does the caches. FastV,
+onnxruntime-genai's builder and Edge-LLM's exporter refuse it in one line each: nothing of this module is asked.
 """
 
 from __future__ import annotations

@@ -51,6 +51,12 @@ present of its own, so the presents are numbered over the owning layers; each la
 are its own; the image block is on the sliding layers only; the logits are softcapped (final_logit_softcapping). Its
 parity reference is transformers' own text model forward given the same per-layer embeddings.
 
+LFM2's language model (lfm2) is hybrid: its short-convolution layers (lm_source.conv_layers) have no keys and values,
+so the prefill gives, and the decode step takes and gives, each one's convolution state instead, `present.{i}.conv` /
+`past_key_values.{i}.conv` [batch, hidden, L] (compiler.llm.short_conv); every cache is named by its layer's number,
+so an attention layer's `present.{i}.key` is layer i's. Only the attention layers are fused. Its parity reference is
+transformers' own forward on a cache built from its config (lm_source.reference_cache), every state compared by name.
+
 This is the default exporter of target ort (`--llm-exporter torch`, compiler.llm.exporter);
 FastV is compiled in only here.
 """
