@@ -144,8 +144,8 @@ class _Decoder(nn.Module):
         return getattr(owner, self.names[name])
 
     def state_names(self, prefix: str) -> list[str]:
-        """The graphs' cache inputs or outputs in layer order: prefix.{i}.conv for a short-convolution layer, prefix.{i}.key
-        and .value for a layer with a key/value cache of its own (none for one that shares another's)."""
+        """The graphs' cache inputs or outputs in layer order: prefix.{i}.conv for a short-convolution layer,
+        prefix.{i}.key and .value for a layer with a key/value cache of its own (none for one that shares another's)."""
         names = []
         for i in range(self.num_layers):
             if i in self.convs:
@@ -363,7 +363,8 @@ def export_prefill(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) ->
     positions = default_positions(config, 2, start + 2).clone()
     batch = torch.export.Dim("batch", min=1, max=1024)
     sequence = torch.export.Dim("sequence", min=start, max=config.max_position_embeddings)
-    outputs = ["logits", *(["kept_image_indices"] if spec is not None else []), *graph.state_names("present")]
+    outputs = ["logits", *(["kept_image_indices"] if spec is not None else []),
+               *graph.state_names("present")]
     position_dims = {1: batch, 2: sequence} if uses_mrope(config) else {0: batch, 1: sequence}
     args, names, dims = (example, positions), ["inputs_embeds", "position_ids"], ({0: batch, 1: sequence}, position_dims)
     further, further_dims = [], []  # PrefillGraph.forward's *further, in its order
