@@ -220,6 +220,26 @@ def load_image_crops(path: str, crops: dict, size: int, mean, std) -> tuple[np.n
     return anyres_crops(rgb, crops, size, mean, std, fill=False), text
 
 
+def crop_to_grid(image: np.ndarray, rows: int, cols: int, within: bool = False) -> np.ndarray:
+    """The centre crop of a uint8 HxWx3 image to a grid's aspect (cols : rows), so that any photo gives the bundle's
+    grid, as a static graph needs (canvas_tiles, and the tiled families' own cuts).
+
+    within: the crop's short side rounded down, never past the grid's aspect (for a processor that rounds the short
+    side up to whole tiles, which a crop a pixel too tall would give a row more); else each side to the nearest."""
+    h, w = image.shape[:2]
+    if not within:
+        scale = min(h / rows, w / cols)
+        ch, cw = max(1, round(rows * scale)), max(1, round(cols * scale))
+    elif cols >= rows:  # the width is the long side: the height follows it, rounded down
+        cw = min(w, h * cols // rows)
+        ch = max(1, min(h, cw * rows // cols))
+    else:
+        ch = min(h, w * rows // cols)
+        cw = max(1, min(w, ch * cols // rows))
+    top, left = (h - ch) // 2, (w - cw) // 2
+    return image[top: top + ch, left: left + cw]
+
+
 def canvas_tiles(image: np.ndarray, crops: dict, size: int, mean, std, fill: bool = True) -> np.ndarray:
     """uint8 HxWx3 -> [C, 3, size, size]: InternVL's processor tiles (GotOcr2ImageProcessor's crop_to_patches) for
     the bundle's one grid: the rows x cols tiles in raster order, then the thumbnail (the whole image resized to
@@ -234,12 +254,8 @@ def canvas_tiles(image: np.ndarray, crops: dict, size: int, mean, std, fill: boo
     from transformers import GotOcr2ImageProcessorPil
 
     rows, cols = crops["grid"]
-    h, w = image.shape[:2]
     if fill:
-        scale = min(h / rows, w / cols)
-        ch, cw = max(1, round(rows * scale)), max(1, round(cols * scale))
-        top, left = (h - ch) // 2, (w - cw) // 2
-        image = image[top: top + ch, left: left + cw]
+        image = crop_to_grid(image, rows, cols)
     processor = GotOcr2ImageProcessorPil(size={"height": size, "width": size}, crop_to_patches=True,
                                          min_patches=rows * cols, max_patches=rows * cols, image_mean=list(mean),
                                          image_std=list(std))

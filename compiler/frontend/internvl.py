@@ -24,7 +24,8 @@ orin and xavier (TensorRT; host parity through their ONNX Runtime stand-in) and 
 a target running batch 1 only (rk3588, qnn) is refused in one line, as for LLaVA-NeXT's crops. The method's line says
 the tiles as this family lays them out (crops_order: the grid, then the thumbnail). `--with-llm` takes a tiled
 bundle's rows as any other's, and generate and eval (`--grid`, default the bundle's) cut the same tiles
-(llm_pixels) and place the kept rows among the image's C·N (TilesPositions).
+(llm_pixels) and place the kept rows among the image's C·N (TilesPositions). What tiles take beyond the processor's
+cut is frontend.tiles' (TiledFamily), which SmolVLM's tiles share.
 
 Where pruning goes: after the connector, on the merged tokens (the features site; Source.spatial_merge
 2): divprune, dart, and random / grid with --site features. Refused in one line before any work:
@@ -54,14 +55,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlmprune.compiler.contract import CROP_BUDGETS, Manifest
+from vlmprune.compiler.contract import Manifest
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
-from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt, IndicesPositions, image_positions
-from vlmprune.compiler.frontend.images import canvas_tiles, parity_crops, parse_grid, read_rgb
-from vlmprune.compiler.frontend.merged import MergedTokensFamily, load_tower_and_connector
+from vlmprune.compiler.frontend.family import PATCH_TOKENS, ImagePrompt
+from vlmprune.compiler.frontend.images import canvas_tiles, parse_grid
+from vlmprune.compiler.frontend.merged import load_tower_and_connector
 from vlmprune.compiler.frontend.source import (Source, feature_blocks, feature_layer_of, built, sha256_files,
                                                sha256_state)
+from vlmprune.compiler.frontend.tiles import TiledFamily
 from vlmprune.compiler.frontend.tower import BlockParts, TowerParts, VisionPipeline
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -203,17 +205,6 @@ def max_patches(checkpoint: Checkpoint) -> int:
         raise InputError(f"{pre}: no readable max_patches ({exc})") from None
 
 
-def tile_image(path: str, tiles: dict, size: int, mean, std) -> tuple[np.ndarray, str]:
-    """An image file -> ([C, 3, size, size] the processor's tiles for the bundle's grid, a description)."""
-    rgb, depth = read_rgb(path)
-    rows, cols = tiles["grid"]
-    thumbnail = " + the thumbnail (the whole crop resized)" if tiles["count"] > rows * cols else ""
-    text = (f"{rgb.shape[1]}x{rgb.shape[0]} image{depth}: centre-cropped to the {rows}x{cols} grid's aspect "
-            f"({cols}:{rows}), InternVL's processor tiles: resized to {cols * size}x{rows * size}, cut into "
-            f"{rows * cols} tiles of {size}x{size}{thumbnail} ({tiles['count']} tiles)")
-    return canvas_tiles(rgb, tiles, size, mean, std), text
-
-
 def tiles_text(manifest: Manifest) -> str:
     """The bundle README's lines on what one call takes: one tile per image, or one image's tiles (--grid)."""
     model = manifest.model
@@ -230,47 +221,7 @@ def tiles_text(manifest: Manifest) -> str:
             f"{model.crops * n} dense rows (positions offset + kept_indices). ")
 
 
-def set_tiles(source: Source, grid: tuple[int, int]) -> None:
-    """Fix the source to one grid of tiles (--grid): its input is then the processor's tiles of one image, the
-    rows·cols tiles in raster order then the thumbnail when there is more than one tile, as the tower's batch.
-
-    Each tile goes through the tower and connector alone (InternVL's get_image_features), so its merged tokens are
-    a tile's; kept_indices c·N + i index tile c's token i, which is also the token's place in the image's dense
-    rows (the LLM reads the tiles' rows end to end between one <img> and </img>).
-    """
-    rows, cols = grid
-    limit = source.details.get("max_patches", MAX_PATCHES)
-    if rows * cols > limit:
-        raise InputError(f"--grid {rows}x{cols}: {rows * cols} tiles, and this model's processor cuts at most "
-                         f"{limit} (max_patches)")
-    side = source.image_size // (source.patch_size * source.spatial_merge)
-    count = rows * cols + (1 if rows * cols > 1 else 0)
-    source.crops = {"grid": [rows, cols], "count": count, "side": side, "thumbnail": count > rows * cols,
-                    "resolution": [rows * source.image_size, cols * source.image_size]}
-    source.details.update(grid=f"{rows}x{cols}", crops=count, resolution=source.crops["resolution"],
-                          input=(f"the processor's tiles of one image: {rows}x{cols} tiles of {source.image_size} px"
-                                 + (" + the thumbnail" if count > 1 else "") + f" [{count}, 3, S, S]"))
-    source.details["token_counts"] = {**source.details["token_counts"], "tiles": count,
-                                      "image_tokens": count * side * side}
-
-
-class TilesPositions(IndicesPositions):
-    """1-D original positions over all of one image's tiles: the dense image is the tiles' rows end to end
-    (count · N), and kept_indices c·N + i is each kept row's place in it."""
-
-    meaning = ("kept_indices[b, j] is c·N + i for token i (raster order) of tile c (the processor's tiles in order, "
-               "the thumbnail last; one tile without --grid) of row prefix + j of image_features")
-
-    def dense_image_tokens(self, model: dict, dense: int | None) -> int | None:
-        count = model.get("crops")
-        return dense * count if dense and count else dense
-
-    def place_pruned(self, source: Source, features, kept, kept_positions, prefix: int, extra: int):
-        dense = prefix + source.num_patches * ((source.crops or {}).get("count") or 1)
-        return features, lambda offset: image_positions(offset, dense, prefix, kept, extra)
-
-
-class InternVLFamily(MergedTokensFamily):
+class InternVLFamily(TiledFamily):
     """A [CLS] tower whose connector merges 2x2 patch groups: pruned on the merged tokens, after the connector."""
 
     id = "internvl"
@@ -283,98 +234,28 @@ class InternVLFamily(MergedTokensFamily):
                              "divprune and dart)."),
     }
     has = {PATCH_TOKENS: "InternVL3"}  # not CROPS: that capability is cls's scored split, refused here
-    positions = TilesPositions()
     language_model = {"internvl": "InternVLForConditionalGeneration"}
     why_not_block = ("InternVL's connector pixel-shuffles each 2x2 group of the full patch grid into one token after "
                      "the tower, so pruning single patches inside it breaks the shuffle")
     why_not_scored = ("scores the merged tokens by the tower's attention or patches, and InternVL's attention runs "
                       "over [CLS] + single patches, not over the merged tokens")
 
-    def check_options(self, given: dict) -> None:
-        budget = given.get("crop_budget")
-        if budget is not None and budget not in CROP_BUDGETS:
-            raise InputError(f"--crop-budget is {' or '.join(CROP_BUDGETS)}, got {budget!r}")
-        if given.get("grid") is not None:
-            parse_grid(given["grid"])
+    def check_grid(self, source: Source, rows: int, cols: int) -> None:
+        limit = source.details.get("max_patches", MAX_PATCHES)
+        if rows * cols > limit:
+            raise InputError(f"--grid {rows}x{cols}: {rows * cols} tiles, and this model's processor cuts at most "
+                             f"{limit} (max_patches)")
 
-    def fix(self, source: Source, options: dict, *, prune: bool, batch: int | None, cls: str | None) -> None:
-        """--grid: the tiles of one image are the graph's batch, so --batch is refused with it; --crop-budget needs
-        tiles to split over, and a pruned bundle."""
-        grid = options.get("grid")
-        if grid is None:
-            if options.get("crop_budget") is not None:
-                raise InputError("--crop-budget splits K over an image's tiles: it needs --grid ROWSxCOLS")
-            return super().fix(source, options, prune=prune, batch=batch, cls=cls)
-        set_tiles(source, parse_grid(grid))
-        count = source.crops["count"]
-        if batch is not None:
-            raise InputError(f"--batch does not apply with --grid: the input is the {count} tiles of one image "
-                             f"[{count}, 3, {source.image_size}, {source.image_size}]; run one image per call")
-        if not prune and options.get("crop_budget") is not None:
-            raise InputError("--no-prune takes no --crop-budget")
-        super().fix(source, options, prune=prune, batch=batch, cls=cls)
+    def cut_tiles(self, image: np.ndarray, crops: dict, size: int, mean, std) -> np.ndarray:
+        """InternVL's processor tiles (images.canvas_tiles: GotOcr2ImageProcessor's crop_to_patches)."""
+        return canvas_tiles(image, crops, size, mean, std)
 
-    crop_noun = "tiles"
-
-    def check_target(self, source: Source, target: str, check_batch) -> None:
-        """The tiles of one image are the graph's batch: refuse, before the export, a target that cannot run it."""
-        if source.crops is None:
-            return super().check_target(source, target, check_batch)
-        self.check_crops_batch(source, target, check_batch, "--grid tiles")
-
-    def token_layout(self, source: Source, options: dict) -> dict | None:
-        """With --grid, the method runs over the tiles under one global budget (passes.methods.crops)."""
-        return None if source.crops is None else self.crops_layout(source, options)
-
-    def crops_order(self, crops: dict) -> str:
-        """The grid's tiles in raster order, then the thumbnail (the whole image resized): InternVL's processor puts
-        the whole image last, and the method's line says so."""
+    def describe_tiles(self, width: int, height: int, depth: str, crops: dict, size: int) -> str:
         rows, cols = crops["grid"]
-        return f"{rows}x{cols} grid, then the thumbnail" if crops["thumbnail"] else f"{rows}x{cols} grid"
-
-    def export_batch(self, source: Source, batch: int | None) -> int | None:
-        return batch if source.crops is None else source.crops["count"]
-
-    def parity_pixels(self, source: Source, images: int) -> tuple[np.ndarray, dict]:
-        if source.crops is None:
-            return super().parity_pixels(source, images)
-        photos = max(2, images // source.crops["count"])  # one photo per chunk of C tiles, two at least
-        return parity_crops(photos, source.crops, source.image_size, source.mean, source.std, cut=canvas_tiles)
-
-    def cannot_draw(self, manifest: Manifest) -> str | None:
-        return "a tiled bundle (several tiles per image)" if manifest.model.crops else None
-
-    def load_images(self, manifest: Manifest, image_files, static) -> tuple[np.ndarray, list[str]]:
-        """With --grid, one image per call: the processor's tiles of it for the bundle's grid."""
-        model = manifest.model
-        if not model.crops:
-            return super().load_images(manifest, image_files, static)
-        if len(image_files) != 1:
-            raise InputError(f"this bundle takes one image per call (its {static} tiles): pass --image once")
-        pre = manifest.preprocess
-        tiles = {"grid": list(parse_grid(model.grid)), "count": model.crops}
-        try:
-            pixel, described = tile_image(image_files[0], tiles, pre.size, pre.mean, pre.std)
-        except Exception as exc:
-            raise InputError(f"{image_files[0]}: cannot read the image ({exc})") from None
-        return pixel, [f"{image_files[0]}: {described}"]
-
-    def llm_source(self, checkpoint, options: dict) -> Source:
-        source = self.adapter().load(checkpoint, None)
-        if options.get("grid") is not None:
-            set_tiles(source, parse_grid(options["grid"]))
-        return source
-
-    def llm_pixels(self, source: Source, image: str, preprocess: dict | None) -> tuple[np.ndarray, str]:
-        """With --grid, the tiles [C, 3, S, S] of one image at the source's grid."""
-        if source.crops is None:
-            return super().llm_pixels(source, image, preprocess)
-        return tile_image(image, source.crops, source.image_size, source.mean, source.std)
-
-    def hf_image_features(self, out):
-        """One image's rows: its tiles' rows end to end (get_image_features gives them tile by tile)."""
-        features = out.pooler_output if hasattr(out, "pooler_output") else out
-        return features.reshape(-1, features.shape[-1])
+        thumbnail = " + the thumbnail (the whole crop resized)" if crops["count"] > rows * cols else ""
+        return (f"{width}x{height} image{depth}: centre-cropped to the {rows}x{cols} grid's aspect ({cols}:{rows}), "
+                f"InternVL's processor tiles: resized to {cols * size}x{rows * size}, cut into {rows * cols} tiles of "
+                f"{size}x{size}{thumbnail} ({crops['count']} tiles)")
 
     def image_prompt(self, tokenizer) -> ImagePrompt:
         """What InternVL's processor writes in place of the <IMG_CONTEXT> its chat template writes for one tile

@@ -35,7 +35,7 @@ from merged_checks import assert_close, cat_image, check_eval, check_generate_th
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.images import canvas_tiles
-from vlmprune.compiler.frontend.internvl import set_tiles
+from vlmprune.compiler.frontend.tiles import set_tiles
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
 
