@@ -108,6 +108,10 @@ class Prompt:
     after: list[int]
     text: str
     how: str
+    # The ids its processor writes between two tiles' rows (ImagePrompt.between; one list per tile but the last),
+    # and the rows of one tile: spliced among the image rows at their dense places (between_tiles). [] for most.
+    between: list[list[int]] = dataclasses.field(default_factory=list)
+    tile_rows: int = 0
 
 
 @dataclasses.dataclass
@@ -253,7 +257,9 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     """The prompt's token ids before and after the image placeholder (see the module docstring)."""
     require_prompt(prompt)
     chat = vlm.rules.chat  # the family's mark, text-only turn and convention
-    wrap = vlm.rules.image_prompt(vlm.tokenizer)  # the text its processor writes around the image rows, if any
+    # the text its processor writes around the image rows (and between its tiles' rows), if any
+    wrap = vlm.rules.source_image_prompt(vlm.tokenizer, vlm.source)
+    tiles = {"tile_rows": vlm.source.num_patches} if wrap is not None and wrap.between else {}
     clip = chat.video and vlm.source.frames > 1  # written as its processor writes a video
     image_token = vlm.model.config.video_token_id if clip else image_token_id(vlm)
     own_mark = wrap is not None and wrap.mark is not None  # the template writes a mark other than the image token
@@ -295,7 +301,8 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
             head, tail = text.split(mark)
             specials = {m: getattr(config, key) for m, key in wrap.specials}
             return Prompt(_bytes(head + wrap.before, specials), _bytes(wrap.after + tail, specials), text,
-                          how + "; no tokenizer: UTF-8 bytes as token ids")
+                          how + "; no tokenizer: UTF-8 bytes as token ids",
+                          [_bytes(piece, specials) for piece in wrap.between], **tiles)
         if chat.span:  # the markers around the image (Qwen's vision_start/end) as their own ids
             config = vlm.model.config
             specials = {mark: getattr(config, key) for mark, key in zip(chat.span, vlm.rules.vision_span)}
@@ -306,7 +313,8 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     if wrap is not None:  # split at the template's mark, the processor's expansion of it on either side
         head, tail = text.split(mark)
         return Prompt(vlm.tokenizer(head + wrap.before, add_special_tokens=special)["input_ids"],
-                      vlm.tokenizer(wrap.after + tail, add_special_tokens=False)["input_ids"], text, how)
+                      vlm.tokenizer(wrap.after + tail, add_special_tokens=False)["input_ids"], text, how,
+                      [vlm.tokenizer(piece, add_special_tokens=False)["input_ids"] for piece in wrap.between], **tiles)
     ids = vlm.tokenizer(text, add_special_tokens=special)["input_ids"]
     if ids.count(image_token) == 1:  # the tokenizer knows the placeholder: split exactly where the processor would
         at = ids.index(image_token)
@@ -354,13 +362,44 @@ def hf_forward_ids(vlm: Vlm, prompt: Prompt, tokens: int) -> dict:
     forward, with Qwen's mm_token_type_ids."""
     video = vlm.source.frames > 1  # a video source: Qwen's video placeholder, token type 2
     token = vlm.model.config.video_token_id if video else image_token_id(vlm)
-    ids = torch.tensor([prompt.before + [token] * tokens + prompt.after])
+    span = [token] * tokens
+    if prompt.between:  # the tiles' rows, the processor's text between them (as many rows to each tile)
+        tiles = len(prompt.between) + 1
+        if tokens % tiles:
+            raise ValueError(f"{tokens} image tokens do not split over {tiles} tiles")
+        span = [token] * (tokens // tiles)
+        for piece in prompt.between:
+            span = span + piece + [token] * (tokens // tiles)
+    ids = torch.tensor([prompt.before + span + prompt.after])
     out = {"input_ids": ids}
     if vlm.rules.vision_span is not None:  # Qwen's forward marks the image (1) and video (2) tokens
         out["mm_token_type_ids"] = (ids == token).int() * (2 if video else 1)
     at = len(prompt.before)
-    out.update(vlm.rules.llm_forward_args(ids.shape[1], slice(at, at + tokens)))
+    out.update(vlm.rules.llm_forward_args(ids.shape[1], slice(at, at + len(span))))
     return out
+
+
+def between_tiles(prompt: Prompt, embed, rows: torch.Tensor, image_positions: np.ndarray, text_start: int,
+                  ) -> tuple[torch.Tensor, np.ndarray, int]:
+    """The processor's text between an image's tiles (Prompt.between: SmolVLM's row / column markers) spliced among
+    its rows at their dense places: (the image span's rows, their positions, the text start after it).
+
+    image_positions place the rows as the tiles' rows end to end (offset + c·N + i for token i of tile c, the
+    family's positions rule): each row moves past the text written before its tile, each piece of text takes the
+    positions right after its tile's N, and the span is in position order (a tile's kept rows, then its text)."""
+    if image_positions.ndim != 1:
+        raise ValueError("text between tiles takes 1-D positions")
+    offset, n = len(prompt.before), prompt.tile_rows
+    lengths = [len(piece) for piece in prompt.between]
+    before_tile = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)  # text tokens before tile c
+    tile = np.clip((image_positions - offset) // n, 0, len(lengths))
+    moved = image_positions + before_tile[tile]
+    text = [offset + (c + 1) * n + before_tile[c] + np.arange(k) for c, k in enumerate(lengths)]
+    ids = torch.tensor([[t for piece in prompt.between for t in piece]], dtype=torch.long)
+    positions = np.concatenate([moved, *text]).astype(np.int64)
+    span = torch.cat([rows, embed(ids)[0].to(rows.dtype)])
+    order = np.argsort(positions, kind="stable")
+    return span[torch.from_numpy(order)], positions[order], text_start + int(before_tile[-1])
 
 
 # --------------------------------------------------------------------------------- decoding
@@ -387,18 +426,22 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
         rows, first_call = vlm.rules.llm_image_rows(model, features)
     else:
         rows, at_image = vlm.rules.llm_graph_image_rows(model, features)
-    embeds = torch.cat([embed(ids(prompt.before)), rows[None].to(embed.weight.dtype), embed(ids(prompt.after))],
-                       dim=1)
     offset = len(prompt.before)
-    if graphs is None:  # what the family's model takes beside the rows (Gemma 3: its image mask's token types)
-        span = slice(offset, offset + len(features))
-        first_call = {**first_call, **vlm.rules.llm_forward_args(embeds.shape[1], span),
-                      **vlm.rules.llm_embeds_args(model, prompt.before, len(features), prompt.after)}
     image_positions = np.asarray(image_positions, dtype=np.int64)
     if image_positions.size and image_positions.min() < offset:
         raise ValueError("image positions must start at the placeholder's position")
     if image_positions.shape[-1] != len(features):
         raise ValueError(f"{image_positions.shape[-1]} image positions for {len(features)} rows")
+    if prompt.between:  # the processor's text between the tiles' rows, at its dense places
+        if graphs is not None and at_image:
+            raise ValueError("text between tiles and further image-row inputs of the LLM graphs")
+        rows, image_positions, text_start = between_tiles(prompt, embed, rows, image_positions, text_start)
+    embeds = torch.cat([embed(ids(prompt.before)), rows[None].to(embed.weight.dtype), embed(ids(prompt.after))],
+                       dim=1)
+    if graphs is None:  # what the family's model takes beside the rows (Gemma 3: its image mask's token types)
+        span = slice(offset, offset + len(rows))
+        first_call = {**first_call, **vlm.rules.llm_forward_args(embeds.shape[1], span),
+                      **vlm.rules.llm_embeds_args(model, prompt.before, len(rows), prompt.after)}
     text = [np.arange(offset), image_positions, text_start + np.arange(len(prompt.after))]
     if image_positions.ndim == 2:  # mRoPE: the text takes the same position on each axis
         text[0], text[2] = (np.broadcast_to(t, (len(image_positions), len(t))) for t in (text[0], text[2]))
@@ -415,16 +458,16 @@ def answer(vlm: Vlm, prompt: Prompt, features: torch.Tensor, image_positions: np
         extra = {}
         for name, value in at_image.items():  # the image span's rows, zero at the text rows
             full = np.zeros((*value.shape[:-2], embeds.shape[1], value.shape[-1]), dtype=np.float32)
-            full[..., offset:offset + len(features), :] = value.detach().float().numpy()
+            full[..., offset:offset + len(rows), :] = value.detach().float().numpy()
             extra[name] = full
 
-        def graph_args(before: list[int], rows: int, after: list[int]) -> dict:
+        def graph_args(before: list[int], count: int, after: list[int]) -> dict:
             """What the family's graphs take beside the embeddings, derived from the ids (Gemma 4's per-layer
             embeddings), as the graphs' float32 feeds."""
-            args = vlm.rules.llm_embeds_args(model, before, rows, after)
+            args = vlm.rules.llm_embeds_args(model, before, count, after)
             return {k: v.detach().float().numpy() for k, v in args.items()}
 
-        extra.update(graph_args(prompt.before, len(features), prompt.after))
+        extra.update(graph_args(prompt.before, len(rows), prompt.after))
 
         def forward(embeds, position_ids, cache=None, token=None):
             if cache is None:

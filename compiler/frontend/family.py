@@ -61,6 +61,9 @@ class ImagePrompt:
     convention: str | None = None  # the chat convention where the checkpoint has no template ({mark} and
     # {prompt}; None: LLaVA-1.5's)
     specials: tuple[tuple[str, str], ...] = ()  # (marker text, config key of its id), for prompts as UTF-8 bytes
+    # What the processor writes between two tiles' rows where one image is several tiles (Family.source_image_prompt:
+    # SmolVLM's row / column markers), one entry per tile but the last; () where the rows run end to end.
+    between: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +333,11 @@ class Family:
         """The text its processor writes around one image's rows (`tokenizer`: the checkpoint's, or None, where the
         processor reads its markers from it); None where the image tokens alone are the image (most families)."""
         return None
+
+    def source_image_prompt(self, tokenizer, source: Source) -> ImagePrompt | None:
+        """image_prompt for this source's input: where one image is several tiles, the text its processor writes
+        between them too (ImagePrompt.between); image_prompt's by default."""
+        return self.image_prompt(tokenizer)
 
     def hf_image_features(self, out):
         """One image's rows, as this family's bundles give them, from the transformers model's get_image_features

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from vlmprune.compiler.contract import CROP_BUDGETS, Manifest
 from vlmprune.compiler.errors import InputError
@@ -186,6 +187,9 @@ class TiledFamily(MergedTokensFamily):
         return self.tile_image(image, source.crops, source.image_size, source.mean, source.std)
 
     def hf_image_features(self, out):
-        """One image's rows: its tiles' rows end to end (get_image_features gives them tile by tile)."""
+        """One image's rows: its tiles' rows end to end (get_image_features gives them tile by tile, or, as SmolVLM's,
+        a list of them per image)."""
         features = out.pooler_output if hasattr(out, "pooler_output") else out
+        if isinstance(features, (list, tuple)):
+            return torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         return features.reshape(-1, features.shape[-1])
