@@ -39,7 +39,10 @@ sees the pruned image where the dense one was, with gaps where the pruned tokens
   as its processor writes a video (ChatPrompt.video: the template's video turn, video_token_id).
 - SmolVLM (SmolVLMForConditionalGeneration): 1-D positions from kept_indices, the rows between the
   <fake_token_around_image><global-img> and <fake_token_around_image> its processor writes around
-  one unsplit image (Family.image_prompt).
+  one unsplit image (Family.image_prompt); over `--grid` tiles its split-image prompt, the
+  <fake_token_around_image><row_r_col_c> markers and newlines between the tiles' rows
+  (Family.source_image_prompt: Prompt.between), each kept row and marker at its dense position
+  (between_tiles).
 
 `--dense` feeds the Hugging Face model's own image-feature path instead (get_image_features
 with image_sizes / image_grid_thw; consecutive positions, or the full mRoPE grid), which is
