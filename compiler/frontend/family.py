@@ -211,6 +211,11 @@ class Family:
             source.pipeline.drop_cls = cls == "drop"
             source.details["select_strategy"] = f"{source.details.get('select_strategy')} (--cls {cls})"
 
+    def why_not_fastv(self, source: Source) -> str | None:
+        """Why FastV (--fastv-layer) cannot be compiled for this source, or None. FastV's graph prunes one run of
+        image rows from --image-start on, so a prompt that writes text among an image's rows cannot take it."""
+        return None
+
     crop_noun: ClassVar[str] = "crops"  # what check_crops_batch calls one image's crops
 
     def check_target(self, source: Source, target: str, check_batch: Callable[[int], None]) -> None:

@@ -250,6 +250,14 @@ class SmolVLMFamily(TiledFamily):
                 f"SmolVLM's processor tiles (do_image_splitting): resized to {cols * size}x{rows * size}, cut into "
                 f"{rows * cols} tiles of {size}x{size}{thumbnail} ({crops['count']} tiles)")
 
+    def why_not_fastv(self, source: Source) -> str | None:
+        """Tiles (--grid): the processor writes row/column markers between the tiles' rows (split_prompt), so the
+        image rows are no one run that FastV's compiled span could cover."""
+        if source.crops is not None and source.crops["count"] > 1:
+            return ("SmolVLM's processor writes row/column markers between the tiles' rows (--grid), so they are not "
+                    "the one run of image rows FastV prunes")
+        return None
+
     def source_image_prompt(self, tokenizer, source: Source) -> ImagePrompt:
         """With --grid (more than one tile), the processor's split-image prompt (split_prompt); else one image's."""
         crops = source.crops

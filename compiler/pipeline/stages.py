@@ -143,6 +143,9 @@ def load(model: str, plan: Plan, progress: Progress = _quiet) -> Loaded:
     target, options = plan.target, plan.options
     family.check_target(source, target.name,
                         lambda count: target.check_options(dataclasses.replace(options, batch=count)))
+    why = family.why_not_fastv(source) if options.fastv_layer is not None else None
+    if why:
+        raise InputError(f"--fastv-layer is not supported here: {why}")
     return Loaded(source, family)
 
 

@@ -185,6 +185,20 @@ def test_refusals(smolvlm_dir, tmp_path, options, message):
     assert not (tmp_path / "b").exists()
 
 
+def test_fastv_over_tiles_is_refused(tmp_path):
+    """FastV prunes one run of rows from --image-start, and the processor writes row/column markers among the tiles'
+    rows: refused before the export (a 2-layer LLM, so that FastV's own checks pass); one tile is not refused here."""
+    from vlmprune.compiler.frontend import load_fixed
+
+    model = tiny_smolvlm(tmp_path / "two_layers", 3, num_hidden_layers=2)
+    fastv = dict(method="divprune", keep=10, with_llm=True, fastv_layer=1, image_start=4)
+    with pytest.raises(InputError, match="--fastv-layer is not supported here: SmolVLM's processor writes row/column"):
+        compile_model(str(model), tmp_path / "b", CompileOptions(**fastv, family_options={"grid": "1x2"}))
+    assert not (tmp_path / "b").exists()
+    source, family = load_fixed(str(model), None, {}, prune=True, batch=None, cls=None)
+    assert family.why_not_fastv(source) is None
+
+
 def test_cli_refusal_is_one_line(smolvlm_dir, tmp_path):
     one_line_error(run_cli("compile", smolvlm_dir, "--method", "divprune", "--keep", "10", "--grid", "1x2",
                            "--target", "rk3588", "-o", tmp_path / "b"), "--grid tiles")
