@@ -54,16 +54,31 @@ from vlmprune.compiler.errors import InputError
 # attention layers' `present.{i}.key`). The attention layers: Llama's, with a per-head q/k norm (QK_NORM), 1-D RoPE. Its
 # modules are named otherwise (MODULE_NAMES: the exporter asks for Llama's names). Its parity reference is transformers'
 # own forward (OWN_FORWARD) on a cache built from its config (reference_cache), which holds the conv states.
+# Qwen3.5's language model (qwen3_5_text, transformers' modeling_qwen3_5; MiniCPM-V 4.6's decoder) is hybrid too.
+# RECURRENT_STATE: the layers that config.layer_types names "linear_attention" are gated delta-nets
+# (Qwen3_5GatedDeltaNet: in_proj_qkv through a depthwise causal conv1d and SiLU, L2-normed q and k, the gated delta
+# rule over a recurrent state [batch, value heads, dk, dv], a gated RMSNorm, out_proj; compiler.llm.gated_delta), so a
+# decode step needs two states of each: the conv's last linear_conv_kernel_dim inputs (`present.{i}.conv`) and the
+# recurrent state (`present.{i}.recurrent`). The attention layers (Qwen3_5Attention): a per-head q/k norm (QK_NORM, the
+# modules' own (1 + weight) norms), GATED_QUERY (q_proj gives each head's queries and an output gate side by side; the
+# attention's output times sigmoid(gate) before o_proj), a partial rotary embedding (partial_rotary_factor: the rotary
+# embedding's cos/sin narrower than the head, the rest of each head passed through; the exporter reads the width off
+# cos). Its rotary embedding is written for mRoPE's sections, but MiniCPM-V gives it 1-D positions ([batch, sequence],
+# expanded to the three sections alike): not MROPE. Parity: transformers' own forward (OWN_FORWARD) on a cache built
+# from its config (reference_cache), which holds both states of every linear-attention layer.
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "gemma3_text",
-            "gemma4_text", "lfm2")
+            "gemma4_text", "lfm2", "qwen3_5_text")
 MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
-QK_NORM = frozenset({"qwen3", "qwen3_vl_text", "gemma3_text", "gemma4_text", "lfm2"})
+QK_NORM = frozenset({"qwen3", "qwen3_vl_text", "gemma3_text", "gemma4_text", "lfm2", "qwen3_5_text"})
 CONV_STATE = {"lfm2": "conv"}  # the layer type (config.layer_types) of the short-convolution layers
+RECURRENT_STATE = {"qwen3_5_text": "linear_attention"}  # the layer type of the gated delta-net layers
+GATED_QUERY = frozenset({"qwen3_5_text"})  # q_proj: each head's queries, then its output gate
 # Where the decoder's modules are not named as Llama's: Llama's name -> the family's (what the exporter's layer reads).
 MODULE_NAMES = {"lfm2": {"input_layernorm": "operator_norm", "post_attention_layernorm": "ffn_norm",
                          "mlp": "feed_forward", "q_norm": "q_layernorm", "k_norm": "k_layernorm", "o_proj": "out_proj",
                          "norm": "embedding_norm"}}
-OWN_FORWARD = frozenset({"lfm2"})  # parity's reference is transformers' own forward, whatever else the decoder has
+# parity's reference is transformers' own forward, whatever else the decoder has
+OWN_FORWARD = frozenset({"lfm2", "qwen3_5_text"})
 SANDWICH_NORM = frozenset({"gemma3_text", "gemma4_text"})
 LAYER_TYPES = frozenset({"gemma3_text", "gemma4_text"})
 IMAGE_BLOCK = {"gemma3_text": "transformers.models.gemma3.modeling_gemma3",
@@ -87,8 +102,12 @@ NO_FASTV = {"gemma3_text": "FastV's reference runs every layer causally with one
                            "own, and Gemma 4's language model has sliding-window layers, two rotary bases, per-layer "
                            "embeddings and layers that share an earlier layer's cache",
             "lfm2": "FastV's reference runs every layer as attention on a KV cache, and LFM2's language model has "
-                    "short-convolution layers, which carry a convolution state instead"}
-_CAUSAL_LM_TYPES = ("llama", "qwen2", "qwen3", "lfm2")  # text models with a causal-LM class of their own
+                    "short-convolution layers, which carry a convolution state instead",
+            "qwen3_5_text": "FastV's reference runs every layer as attention on a KV cache, and Qwen3.5's language "
+                            "model has gated delta-net linear-attention layers, which carry a convolution and a "
+                            "recurrent state instead"}
+# text models with a causal-LM class of their own
+_CAUSAL_LM_TYPES = ("llama", "qwen2", "qwen3", "lfm2", "qwen3_5_text")
 
 
 def uses_mrope(config) -> bool:
@@ -149,6 +168,13 @@ def conv_layers(config) -> list[int]:
     return [i for i, t in enumerate(config.layer_types) if t == kind] if kind is not None else []
 
 
+def recurrent_layers(config) -> list[int]:
+    """The layers that are gated delta-nets (RECURRENT_STATE: a convolution and a recurrent state, no keys and
+    values), else []."""
+    kind = RECURRENT_STATE.get(getattr(config, "model_type", None))
+    return [i for i, t in enumerate(config.layer_types) if t == kind] if kind is not None else []
+
+
 def module_name(config, name: str) -> str:
     """The decoder's own name of the module Llama's layer calls `name` (MODULE_NAMES)."""
     return MODULE_NAMES.get(getattr(config, "model_type", None), {}).get(name, name)
@@ -156,18 +182,20 @@ def module_name(config, name: str) -> str:
 
 def own_forward_reference(config) -> bool:
     """Whether the parity reference is transformers' own text model forward rather than its layers run one by one:
-    what only that forward computes (Gemma 4's per-layer embeddings and shared KV, LFM2's convolution states)."""
+    what only that forward computes (Gemma 4's per-layer embeddings and shared KV, LFM2's convolution states, Qwen3.5's
+    convolution and recurrent states)."""
     model_type = getattr(config, "model_type", None)
     return bool(per_layer_width(config)) or model_type in SHARED_KV or model_type in OWN_FORWARD
 
 
 def reference_cache(config):
     """The transformers cache the reference forward fills: one built from the config where the decoder keeps states of
-    other kinds (CONV_STATE: its conv layers' cache layers hold them), else an unbounded DynamicCache (every row of
-    every layer, the sliding ones too, so that they compare with the graphs' whole presents)."""
+    other kinds (CONV_STATE, RECURRENT_STATE: those layers' cache layers hold them), else an unbounded DynamicCache
+    (every row of every layer, the sliding ones too, so that they compare with the graphs' whole presents)."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=config) if getattr(config, "model_type", None) in CONV_STATE else DynamicCache()
+    other = getattr(config, "model_type", None) in {**CONV_STATE, **RECURRENT_STATE}
+    return DynamicCache(config=config) if other else DynamicCache()
 
 
 def has_image_block(config) -> bool:

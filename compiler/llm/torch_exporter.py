@@ -57,6 +57,15 @@ so the prefill gives, and the decode step takes and gives, each one's convolutio
 so an attention layer's `present.{i}.key` is layer i's. Only the attention layers are fused. Its parity reference is
 transformers' own forward on a cache built from its config (lm_source.reference_cache), every state compared by name.
 
+Qwen3.5's language model (qwen3_5_text, MiniCPM-V 4.6's decoder) is hybrid too: its gated delta-net layers
+(lm_source.recurrent_layers) carry two states each instead of keys and values, `present.{i}.conv` [batch, channels, L]
+(the convolution's last L inputs) and `present.{i}.recurrent` [batch, value heads, dk, dv] (the delta rule's state),
+taken back as `past_key_values.{i}.conv` / `.recurrent` (compiler.llm.gated_delta). The prefill runs the rule over a
+prompt of any length as torch's scan, which torch.onnx lowers to one ONNX Scan (the recurrence token by token, as
+transformers' recurrent form writes it); the decode step is one step of it. Its attention layers gate their output by
+a sigmoid of a second half of q_proj (lm_source.GATED_QUERY) and rotate the first partial_rotary_factor of each head
+only. Parity as LFM2's: transformers' own forward on a cache from its config, every state compared by name.
+
 This is the default exporter of target ort (`--llm-exporter torch`, compiler.llm.exporter);
 FastV is compiled in only here.
 """
@@ -74,12 +83,12 @@ from vlmprune.compiler.contract import DEFAULT_OPSET, Manifest
 from vlmprune.compiler import contract
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import torch_onnx
-from vlmprune.compiler.llm import lm_source, short_conv
+from vlmprune.compiler.llm import gated_delta, lm_source, short_conv
 from vlmprune.compiler.llm.exporter import LLM_DIR, LlmExporter, LlmGraphRunner, tokens_note
 from vlmprune.compiler.llm.fastv import FastVSpec, default_positions, gather_positions
-from vlmprune.compiler.llm.lm_source import (LAYER_SCALAR, QK_NORM, SANDWICH_NORM, SLIDING_BLOCK, conv_layers,
-                                            decoder_of, deepstack_levels, has_image_block, kv_sources, layer_types,
-                                            per_layer_width, uses_mrope)
+from vlmprune.compiler.llm.lm_source import (GATED_QUERY, LAYER_SCALAR, QK_NORM, SANDWICH_NORM, SLIDING_BLOCK,
+                                            conv_layers, decoder_of, deepstack_levels, has_image_block, kv_sources,
+                                            layer_types, per_layer_width, recurrent_layers, uses_mrope)
 from vlmprune.compiler.parity import figure_text
 
 WEIGHTS = "llm.weights.bin"  # shared by prefill.onnx and decode.onnx (and their decomposed forms)
@@ -94,6 +103,16 @@ SLIDING = "sliding_attention"  # the layer type whose keys are the last sliding_
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of x [B, H, T, d]; where cos and sin are narrower than the head (a partial rotary embedding,
+    Qwen3.5's partial_rotary_factor), its first cos.shape[-1] features only, the rest passed through."""
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :width], x[..., width:]
+    return torch.cat([turned * cos + _rotate_half(turned) * sin, kept], dim=-1)
 
 
 def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -116,7 +135,9 @@ class _Decoder(nn.Module):
                                                                     "mlp", "q_norm", "k_norm", "o_proj", "norm")}
         self.num_layers = config.num_hidden_layers
         self.convs = frozenset(conv_layers(config))  # short-convolution layers: a convolution state, no attention
-        self.attending = [i for i in range(self.num_layers) if i not in self.convs]
+        self.deltas = frozenset(recurrent_layers(config))  # gated delta-nets: a conv and a recurrent state
+        self.attending = [i for i in range(self.num_layers) if i not in self.convs and i not in self.deltas]
+        self.gated = config.model_type in GATED_QUERY  # q_proj gives the queries and an output gate per head
         first = model.model.layers[self.attending[0]].self_attn  # Gemma 4's config has a head size per layer
         self.head_dim = getattr(first, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qk_norm = config.model_type in QK_NORM
@@ -138,6 +159,10 @@ class _Decoder(nn.Module):
         # each convolution state's [hidden, L] (the conv's last L inputs: compiler.llm.short_conv)
         self.conv_shape = ([config.hidden_size, model.model.layers[min(self.convs)].conv.conv.kernel_size[0]]
                            if self.convs else None)
+        # each gated delta-net's ([channels, L] of its convolution state, [value heads, dk, dv] of its recurrent state)
+        delta = model.model.layers[min(self.deltas)].linear_attn if self.deltas else None
+        self.delta_shapes = (([delta.conv_dim, delta.conv1d.kernel_size[0]],
+                              [delta.num_v_heads, delta.head_k_dim, delta.head_v_dim]) if delta is not None else None)
 
     def part(self, owner: nn.Module, name: str) -> nn.Module:
         """owner's module that Llama's layer calls name, by the decoder's own name (lm_source.MODULE_NAMES)."""
@@ -145,11 +170,14 @@ class _Decoder(nn.Module):
 
     def state_names(self, prefix: str) -> list[str]:
         """The graphs' cache inputs or outputs in layer order: prefix.{i}.conv for a short-convolution layer,
-        prefix.{i}.key and .value for a layer with a key/value cache of its own (none for one that shares another's)."""
+        prefix.{i}.conv and .recurrent for a gated delta-net, prefix.{i}.key and .value for a layer with a key/value
+        cache of its own (none for one that shares another's)."""
         names = []
         for i in range(self.num_layers):
             if i in self.convs:
                 names.append(f"{prefix}.{i}.conv")
+            elif i in self.deltas:
+                names += [f"{prefix}.{i}.conv", f"{prefix}.{i}.recurrent"]
             elif self.sources[i] == i:
                 names += [f"{prefix}.{i}.key", f"{prefix}.{i}.value"]
         return names
@@ -195,12 +223,15 @@ class _Decoder(nn.Module):
         attn = layer.self_attn
         b, t, _ = x.shape
         head_dim = getattr(attn, "head_dim", None) or self.head_dim  # Gemma 4's global layers: their own
-        q = attn.q_proj(x).view(b, t, self.heads, head_dim)
+        q = attn.q_proj(x).view(b, t, self.heads, head_dim * (2 if self.gated else 1))
+        gate = None
+        if self.gated:  # Qwen3.5: each head's queries, then its output gate
+            q, gate = torch.chunk(q, 2, dim=-1)
+            gate = gate.reshape(b, t, self.heads * head_dim)
         if self.qk_norm:  # Qwen3's layer: an RMSNorm over each head's queries and keys, before the rotation
             q = self.part(attn, "q_norm")(q)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
-        q = q.transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
+        q = _rotate(q.transpose(1, 2), cos, sin)
         if shared is not None:
             k, v = shared
         else:
@@ -212,7 +243,7 @@ class _Decoder(nn.Module):
             if getattr(attn, "v_norm", None) is not None:  # Gemma 4: an RMSNorm (no scale) over each value head
                 v = attn.v_norm(v)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-            k = k * cos + _rotate_half(k) * sin
+            k = _rotate(k, cos, sin)
             if past is not None:
                 k = torch.cat([past[0], k], dim=2)
                 v = torch.cat([past[1], v], dim=2)
@@ -229,6 +260,8 @@ class _Decoder(nn.Module):
             scores = scores.masked_fill(steps[None, :] > steps[:, None], float("-inf"))
         weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(weights, vx).transpose(1, 2).reshape(b, t, self.heads * head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.part(attn, "o_proj")(out), k, v, q, kx
 
     def conv_layer(self, layer, hidden, state=None):
@@ -238,6 +271,16 @@ class _Decoder(nn.Module):
         out, state = short_conv.prefill(layer.conv, x) if state is None else short_conv.step(layer.conv, x, state)
         hidden = hidden + out
         return hidden + self.part(layer, "mlp")(self.part(layer, "post_attention_layernorm")(hidden)), state
+
+    def delta_layer(self, layer, hidden, states=None):
+        """(hidden, new convolution state, new recurrent state) of a gated delta-net layer: its operator
+        (compiler.llm.gated_delta) on the normed rows in place of attention, over the prompt (states None) or one row
+        on (conv, recurrent); then the MLP."""
+        x = self.part(layer, "input_layernorm")(hidden)
+        out, conv, state = (gated_delta.prefill(layer.linear_attn, x) if states is None
+                            else gated_delta.step(layer.linear_attn, x, *states))
+        hidden = hidden + out
+        return hidden + self.part(layer, "mlp")(self.part(layer, "post_attention_layernorm")(hidden)), conv, state
 
     def layer(self, layer, hidden, rope, past=None, causal=True, bias=None, index=None, shared=None,
               per_layer=None):
@@ -297,6 +340,10 @@ class PrefillGraph(_Decoder):
                 hidden, state = self.conv_layer(layer, hidden)
                 presents.append(state)
                 continue
+            if i in self.deltas:  # a gated delta-net: its two states, no keys and values
+                hidden, conv, state = self.delta_layer(layer, hidden)
+                presents += [conv, state]
+                continue
             shared = caches.get(self.sources[i]) if self.sources[i] != i else None
             hidden, k, v, q, kx = self.layer(layer, hidden, ropes[i], bias=biases[i], shared=shared,
                                              per_layer=per_layer[i])
@@ -327,8 +374,9 @@ class DecodeGraph(_Decoder):
     """One token on top of each layer's cache (whatever its length), at an explicit original position."""
 
     def forward(self, inputs_embeds, position_ids, *past):
-        """past: the caches in layer order (state_names: each short-convolution layer's state, each cached layer's key
-        and value); with PLE, the new token's per_layer_inputs [B, 1, layers, width] first."""
+        """past: the caches in layer order (state_names: each short-convolution layer's state, each gated delta-net's
+        conv and recurrent states, each cached layer's key and value); with PLE, the new token's per_layer_inputs
+        [B, 1, layers, width] first."""
         per_layer = self.per_layer_inputs(inputs_embeds, past[0] if self.per_layer else None)
         past = list(past[1:] if self.per_layer else past)
         ropes = self.ropes(inputs_embeds, position_ids)
@@ -337,6 +385,10 @@ class DecodeGraph(_Decoder):
             if i in self.convs:  # a short convolution: this row on its state
                 hidden, state = self.conv_layer(layer, hidden, past.pop(0))
                 presents.append(state)
+                continue
+            if i in self.deltas:  # a gated delta-net: this row on its two states
+                hidden, conv, state = self.delta_layer(layer, hidden, (past.pop(0), past.pop(0)))
+                presents += [conv, state]
                 continue
             if self.sources[i] != i:  # shared KV: the owner's cache with this token's row
                 hidden, *_ = self.layer(layer, hidden, ropes[i], causal=False, index=i, shared=caches[self.sources[i]],
@@ -398,6 +450,9 @@ def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> 
         if i in graph.convs:  # a convolution state: [batch, hidden, L], L fixed
             past.append(torch.zeros(2, *graph.conv_shape))
             dims.append({0: batch})
+        elif i in graph.deltas:  # a convolution state [batch, channels, L] and a recurrent state [batch, Hv, dk, dv]
+            past += [torch.zeros(2, *shape) for shape in graph.delta_shapes]
+            dims += [{0: batch}, {0: batch}]
         elif i in shapes:
             n = 9 if spec is None or i < spec.layer else 6 if pruned else 9
             past += [torch.zeros(2, shapes[i][0], n, shapes[i][1]) for _ in range(2)]
@@ -439,7 +494,7 @@ def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = DEF
     ir.save(prefill, folder / PREFILL_DECOMPOSED)
     ir.save(decode, folder / DECODE_DECOMPOSED)
     io = {"prefill": _io(prefill), "decode": _io(decode)}
-    layers = len(DecodeGraph(model).attending)  # the layers with attention (not LFM2's convolutions)
+    layers = len(DecodeGraph(model).attending)  # the attention layers (not LFM2's convolutions, Qwen3.5's delta-nets)
     ir.save(fuse_attention(prefill, layers), folder / PREFILL)
     ir.save(fuse_attention(decode, layers), folder / DECODE)
     return {"prefill": PREFILL, "decode": DECODE, "prefill_decomposed": PREFILL_DECOMPOSED,
@@ -587,13 +642,17 @@ def llm_parity(lm, spec: FastVSpec | None, folder: Path, image_tokens: int,
 
 def reference_states(cache) -> dict:
     """A transformers cache as the graphs name its tensors, layer by layer: `present.{i}.key` / `.value` where layer i
-    holds keys and values, `present.{i}.conv` where it holds a convolution state (LFM2's conv layers); a layer that
-    holds neither (a shared-KV layer's DummyLayer) has none."""
+    holds keys and values, `present.{i}.conv` where it holds a convolution state (LFM2's conv layers, Qwen3.5's
+    linear-attention layers), `present.{i}.recurrent` where it holds a recurrent state (Qwen3.5's); a layer that
+    holds none (a shared-KV layer's DummyLayer) has none."""
     states = {}
     for i, layer in enumerate(cache.layers):
         conv = (getattr(layer, "conv_states", None) or {}).get(0)
         if conv is not None:
             states[f"present.{i}.conv"] = conv
+        recurrent = (getattr(layer, "recurrent_states", None) or {}).get(0)
+        if recurrent is not None:
+            states[f"present.{i}.recurrent"] = recurrent
         if getattr(layer, "keys", None) is not None:
             states[f"present.{i}.key"], states[f"present.{i}.value"] = layer.keys, layer.values
     return states
@@ -727,6 +786,15 @@ def readme_section(manifest: Manifest) -> str:
                 f"keys and values each has `present.{{i}}.conv` [batch, {hidden}, {width}] (its convolution's last "
                 f"{width} inputs), which the decode step takes back as `past_key_values.{{i}}.conv`; the caches are "
                 f"numbered by layer, so the {llm['cache_layers']} key/value pairs are those of the attention layers.")
+    if llm.get("recurrent_layers"):
+        (channels, width), (heads, dk, dv) = llm["recurrent_states"]
+        how += (f" Layers {', '.join(map(str, llm['recurrent_layers']))} are gated delta-nets (linear attention), not "
+                f"attention: instead of keys and values each has `present.{{i}}.conv` [batch, {channels}, {width}] "
+                f"(its convolution's last {width} inputs) and `present.{{i}}.recurrent` [batch, {heads}, {dk}, {dv}] "
+                f"(the delta rule's state after the last row), which the decode step takes back as "
+                f"`past_key_values.{{i}}.conv` / `.recurrent`; the prefill runs the rule over the prompt as an ONNX "
+                f"`Scan`. The caches are numbered by layer, so the {llm['cache_layers']} key/value pairs are those of "
+                f"the attention layers.")
     return f"""
 ## The language model (`--with-llm`)
 
@@ -871,6 +939,10 @@ class TorchExporter(LlmExporter):
             "cache_layers": len(graph.cached),  # the layers with keys and values of their own
             # the short-convolution layers, each with a convolution state [batch, hidden, L] (present.{i}.conv)
             "conv_layers": sorted(graph.convs) or None, "conv_state": graph.conv_shape,
+            # the gated delta-net layers, each with a convolution state [batch, channels, L] (present.{i}.conv) and a
+            # recurrent state [batch, value heads, dk, dv] (present.{i}.recurrent)
+            "recurrent_layers": sorted(graph.deltas) or None,
+            "recurrent_states": [list(x) for x in graph.delta_shapes] if graph.delta_shapes else None,
             "kv_sources": kv_sources(config) if kv_sources(config) != list(range(config.num_hidden_layers)) else None,
             "sliding_window": getattr(config, "sliding_window", None) if layer_types(config) else None,
             "kv_heads": shapes[0][0], "head_dim": shapes[0][1], "vocab_size": config.vocab_size,
