@@ -356,13 +356,16 @@ MINICPM_V_SPECIALS = ("<|im_start|>", "<|im_end|>", "<image>", "</image>", "<ima
                       "</slice>")
 
 
-def tiny_minicpm_v(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer: bool = False, **text) -> Path:
+def tiny_minicpm_v(path: Path, seed: int = 0, image_token_id: int = 120, tokenizer: bool = False,
+                   spread_llm: bool = False, **text) -> Path:
     """A seeded tiny MiniCPM-V 4.6 (MiniCPMV4_6ForConditionalGeneration) saved (safetensors) at path, its tower and
     merger spread: 4 SigLIP blocks 32 wide (2 heads), patch 8, a 16x16 position table (128 px, the default tile), the
     window merger after block 2 (insert_layer_id 1: 16x16 patches -> 8x8), then the merger's 2x2 into 4x4 = 16 tokens;
     a Qwen3.5 LLM (text: overrides; default 2 layers 48 wide, a linear-attention layer then a full-attention one, vocab
     128). tokenizer: also a byte-level tokenizer (bytes 0-255, then MINICPM_V_SPECIALS as 256.., the image token at
-    image_token_id) with MINICPM_V_TEMPLATE."""
+    image_token_id) with MINICPM_V_TEMPLATE. spread_llm: every LLM weight drawn too (spread_decoder: the matrices,
+    the delta-nets' convolution kernels, every norm scale around 1; the 1-D rest, A_log and dt_bias among them, around
+    0), so that a piece of the hybrid layer spelled out wrongly, or a state left out, shows."""
     from transformers import MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration
 
     config = dict(model_type="qwen3_5_text", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
@@ -380,6 +383,8 @@ def tiny_minicpm_v(path: Path, seed: int = 0, image_token_id: int = 120, tokeniz
         model.model.vision_tower.embeddings.position_embedding.weight.normal_(0.0, 0.2)
         model.model.vision_tower.vit_merger.pre_norm.weight.normal_(1.0, 0.2)
         model.model.merger.mlp[0].pre_norm.weight.normal_(1.0, 0.2)
+    if spread_llm:
+        spread_decoder(model, "model.language_model.")
     model.generation_config.eos_token_id = 257  # <|im_end|>
     model.eval().save_pretrained(path, safe_serialization=True)
     if tokenizer:
