@@ -11,13 +11,14 @@ Hugging Face itself:
 - a pruned bundle's rows are HF's rows at kept_indices, on ort (both graphs, the ONNX checker, standard ops);
 - parity on orin, xavier (host), openvino (CPU), rk3588 (simulator) and qnn (HTP emulator), each gated on its
   toolchain as the other families' tests are;
-- block-site and attention-scored methods, bad --image-size values, --feature-layer, a merge kernel other than 2x2
-  and --with-llm (no exporter has Qwen3.5's delta-net state) are refused in one line; `vlmprune methods` lists it;
+- block-site and attention-scored methods, bad --image-size values, --feature-layer and a merge kernel other than
+  2x2 are refused in one line; `vlmprune methods` lists it;
 - the minicpm-v-4.6-448 preset has MiniCPM-V 4.6's tower, window merger and merger shapes;
 - the LLM side: the prompt is the processor's (the chat template, the image rows as transformers' own
   replace_image_token writes one unsliced image, its image id first), generate's dense splice gives HF's own forward's
   logits, a pruned bundle's rows spliced by generate give the logits of HF's forward given its own tower's rows of the
-  same kept tokens (1-D original positions), and `generate` and eval run through the bundle.
+  same kept tokens (1-D original positions), and `generate` and eval run through the bundle (--with-llm, Qwen3.5's
+  hybrid decoder exported with its delta-nets' convolution and recurrent states: test_minicpm_v_llm).
 """
 
 from __future__ import annotations
@@ -239,12 +240,3 @@ def test_generate_cli_and_eval(llm_bundle, llm_dir, cat, tmp_path):
     check_generate_cli(llm_bundle, llm_dir, cat, PROMPT)
     check_eval(llm_bundle, llm_dir, tmp_path, [PROMPT, "describe it."], TOKENS)
 
-
-def test_with_llm_is_refused_in_one_line_before_any_work(llm_dir, tmp_path):
-    """No LLM exporter here has Qwen3.5's decoder (its gated delta-net layers carry a recurrent state beside the
-    attention layers' KV cache): refused before the tower's export, nothing written; Edge-LLM's in its own words."""
-    result = run_cli("compile", llm_dir, "-o", tmp_path / "b", "--method", "divprune", "--keep", "6", "--with-llm")
-    one_line_error(result, "language model type 'qwen3_5_text' is not supported for export")
-    assert "export (torch.onnx" not in result.output and not (tmp_path / "b").exists()
-    one_line_error(run_cli("compile", llm_dir, "-o", tmp_path / "c", "--target", "orin", "--method", "divprune",
-                           "--keep", "6", "--with-llm"), "is model type 'minicpmv4_6'")

@@ -364,8 +364,9 @@ def tiny_minicpm_v(path: Path, seed: int = 0, image_token_id: int = 120, tokeniz
     a Qwen3.5 LLM (text: overrides; default 2 layers 48 wide, a linear-attention layer then a full-attention one, vocab
     128). tokenizer: also a byte-level tokenizer (bytes 0-255, then MINICPM_V_SPECIALS as 256.., the image token at
     image_token_id) with MINICPM_V_TEMPLATE. spread_llm: every LLM weight drawn too (spread_decoder: the matrices,
-    the delta-nets' convolution kernels, every norm scale around 1; the 1-D rest, A_log and dt_bias among them, around
-    0), so that a piece of the hybrid layer spelled out wrongly, or a state left out, shows."""
+    the delta-nets' convolution kernels, every norm's scale around 1, the (1 + weight) norms' weights around 0; the
+    1-D rest, A_log and dt_bias among them, around 0), so that a piece of the hybrid layer spelled out wrongly, or a
+    state left out, shows."""
     from transformers import MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration
 
     config = dict(model_type="qwen3_5_text", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
@@ -385,6 +386,10 @@ def tiny_minicpm_v(path: Path, seed: int = 0, image_token_id: int = 120, tokeniz
         model.model.merger.mlp[0].pre_norm.weight.normal_(1.0, 0.2)
     if spread_llm:
         spread_decoder(model, "model.language_model.")
+        with torch.no_grad():  # Qwen3.5's RMSNorms scale by (1 + weight): theirs around 0 (the gated norm's around 1)
+            for name, param in model.model.language_model.named_parameters():
+                if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "norm.weight":
+                    param.normal_(0.0, 0.3)
     model.generation_config.eos_token_id = 257  # <|im_end|>
     model.eval().save_pretrained(path, safe_serialization=True)
     if tokenizer:
