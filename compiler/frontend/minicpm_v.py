@@ -41,8 +41,10 @@ MiniCPM-V gives its image rows the text's 1-D positions, no mRoPE grid). `genera
 into its inputs_embeds between the <image> and </image> its processor writes around one unsliced image's tokens,
 "<image_id>0</image_id>" before them as it writes by default (use_image_id; image_prompt), the attention layers at the
 rows' original positions; the linear-attention layers' recurrence sees the kept rows side by side, as it would any K
-image tokens. `--with-llm` is refused in one line by the exporters (compiler.llm.lm_source): their decoder graphs are
-attention-only with a KV cache, and Qwen3.5's delta-net layers carry a recurrent state their graphs do not have.
+image tokens. `--with-llm` exports it on target ort (the torch exporter; compiler.llm.lm_source declares qwen3_5_text):
+each delta-net layer's convolution and recurrent states (`present.{i}.conv`, `present.{i}.recurrent`; the prefill's
+delta rule an ONNX Scan, compiler.llm.gated_delta) beside the attention layers' keys and values. FastV, the
+onnxruntime-genai builder and Edge-LLM's exporter are refused in one line each.
 """
 
 from __future__ import annotations
