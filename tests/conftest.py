@@ -10,25 +10,9 @@ from pathlib import Path
 # module may reach MKL first), not only when its file runs alone.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-
-def _threads_per_worker() -> int | None:
-    """Under pytest-xdist, the cores each worker may use: the README runs a worker per core, and a worker left at
-    PyTorch's and ONNX Runtime's default of a thread per core would oversubscribe the machine (OpenMP threads spin
-    while they wait, so two workers' pools slow each other's many small operators down many times over)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    return max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
-
-
-if _threads_per_worker() is not None:  # before torch is imported: OMP_NUM_THREADS sizes its pool (and subprocesses')
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker()))
-    os.environ.setdefault("VLMPRUNE_ORT_THREADS", str(_threads_per_worker()))  # targets.runtime's sessions
-
 import pytest  # noqa: E402
 import toolchain  # noqa: E402
 import torch  # noqa: E402
-
-if _threads_per_worker() is not None:  # in case a plugin imported torch before OMP_NUM_THREADS was set
-    torch.set_num_threads(_threads_per_worker())
 
 import vlmprune.compiler  # noqa: F401
 
