@@ -88,6 +88,7 @@ def test_the_cluster_gives_the_in_process_cells(cluster, setup):
         [(r["method"], r["keep"], r["where"], r["answers"]) for r in local["rows"]]
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_sweep_loses_no_cell(cluster, setup):
     from vlmprune.compiler.quality.executors import RayExecutor
 

@@ -162,6 +162,7 @@ QNN_MISSES = pytest.mark.xfail(strict=True, raises=AssertionError,
                                reason="Gemma 4 misses int16 parity on the HTP emulator (see the comment above)")
 
 
+@pytest.mark.slow
 @pytest.mark.toolchain
 @pytest.mark.parametrize(QNN_RK3588_CASES[0], [pytest.param(*case, marks=QNN_MISSES) if case[0] == "qnn" else case
                                                for case in QNN_RK3588_CASES[1]])

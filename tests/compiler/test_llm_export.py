@@ -323,6 +323,7 @@ def tiny_qwen25_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_qwen_language_model_takes_mrope_positions_with_fastv(tiny_qwen25_dir, tmp_path):
     """Qwen2.5-VL's LLM: position_ids [3, batch, sequence] (t, h, w), FastV inside, parity at compile and in check."""
     import json

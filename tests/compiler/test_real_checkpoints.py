@@ -40,6 +40,7 @@ def photo(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_half_precision_sharded_checkpoint_compiles_with_its_llm_and_answers(tmp_path, photo, dtype):
     from vlmprune.compiler.frontend import load_source

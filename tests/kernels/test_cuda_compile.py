@@ -48,6 +48,7 @@ def test_kernels_compile_as_cxx14(nvcc, tmp_path):
     assert set(CUDA_ENTRY_POINTS) <= _defined_symbols(obj)
 
 
+@pytest.mark.slow
 def test_gpu_check_harness_builds(nvcc, tmp_path):
     exe = build.nvcc_build_harness("sm_90", tmp_path)
     assert exe.is_file() and exe.stat().st_mode & 0o111

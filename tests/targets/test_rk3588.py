@@ -90,6 +90,7 @@ def test_inspect_prints_the_placement_table(early):
     assert "TopK" in result.output and " NPU " in result.output
 
 
+@pytest.mark.slow
 def test_check_rebuilds_from_model_onnx(early):
     report = check_bundle(early.bundle)
     stages = {s.stage: s for s in report.stages}
