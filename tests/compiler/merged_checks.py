@@ -321,3 +321,55 @@ def check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position:
         token, position = int(hf.argmax()), position + 1
         assert int(np.argmax(logits)) == token
     return state
+
+
+def hf_prefill_at_kept(model_dir, bundle, image, prompt_text: str, image_token: int, keep: int,
+                       kept_rows: Callable):
+    """(model, embed, graphs' prefill inputs, HF's last logits and cache): a bundle's kept rows (HF's own tower rows,
+    kept_rows(model, pixel, kept) [keep, D]) at their original positions inside generate's prompt, through HF's
+    full-model forward: what the exported prefill must equal, for the hybrid decoders whose graphs carry states other
+    than keys and values (LFM2-VL, MiniCPM-V 4.6)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from vlmprune.compiler import generate as gen
+
+    vlm = gen.load_vlm(str(model_dir))
+    pixel, _ = gen.load_pixels(vlm, image)
+    prompt = gen.build_prompt(vlm, prompt_text)
+    tokens = gen.bundle_tokens(bundle.bundle, bundle.manifest, pixel, vlm)
+    offset = len(prompt.before)
+    positions, text_start = gen.bundle_positions(tokens, offset)
+    model = vlm.model
+    with torch.inference_mode():
+        rows = kept_rows(model, pixel, np.asarray(tokens.kept))
+        ids = torch.tensor([prompt.before + [image_token] * keep + prompt.after])
+        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), positions,
+                                                        text_start + np.arange(len(prompt.after))]))[None]
+        assert position_ids[0, offset + keep - 1] - position_ids[0, offset] > keep  # gaps: original positions
+        out = model(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                    logits_to_keep=1, mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=[rows])})
+        embed = model.get_input_embeddings()
+        embeds = torch.cat([embed(torch.tensor([prompt.before])), rows[None], embed(torch.tensor([prompt.after]))], 1)
+    return model, embed, embeds, position_ids, out.logits[0, -1].float(), out.cache
+
+
+def state_gap(state, cache) -> float:
+    """The largest gap between a decode graph's state and HF's cache, every key, value and other state (convolution,
+    recurrent) by name (torch_exporter.reference_states), the same names on both sides."""
+    from vlmprune.compiler.llm.torch_exporter import reference_states
+
+    want = {k.replace("present.", "past_key_values.", 1): v for k, v in reference_states(cache).items()}
+    assert set(want) == set(state)
+    return max(float(np.abs(state[k] - v.numpy()).max()) for k, v in want.items())
+
+
+class ZeroedStates:
+    """A bundle's graphs with every state named *.suffix (conv, recurrent) zeroed before a decode step: what a decode
+    graph that keeps no such state computes (the negative case of the hybrid decoders' tests)."""
+
+    def __init__(self, graphs, suffix: str):
+        self.graphs, self.suffix = graphs, f".{suffix}"
+
+    def step(self, embeds, positions, state, extra=None):
+        blank = {k: np.zeros_like(v) if k.endswith(self.suffix) else v for k, v in state.items()}
+        return self.graphs.step(embeds, positions, blank, extra)

@@ -34,7 +34,8 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import cat_image, check_generate_through_graphs, check_greedy_steps
+from merged_checks import (ZeroedStates, cat_image, check_generate_through_graphs, check_greedy_steps,
+                           hf_prefill_at_kept, state_gap)
 from tiny_models import tiny_lfm2_vl
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -93,56 +94,17 @@ def test_with_llm_bundle_passes_its_llm_parity_and_says_what_it_holds(bundle):
 
 
 def _hf_prefill(ckpt, bundle, cat):
-    """(vlm, model, embed, graphs' prefill inputs, HF's last logits and cache): the bundle's 8 kept rows (HF's own
-    tower rows) at their original positions inside generate's prompt, through HF's full-model forward."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    from vlmprune.compiler import generate as gen
+    """HF's forward on the bundle's kept rows inside generate's prompt (merged_checks.hf_prefill_at_kept)."""
     from vlmprune.compiler.frontend.lfm2_vl import Lfm2VlFamily
 
-    vlm = gen.load_vlm(str(ckpt))
-    pixel, _ = gen.load_pixels(vlm, cat)
-    prompt = gen.build_prompt(vlm, PROMPT)
-    tokens = gen.bundle_tokens(bundle.bundle, bundle.manifest, pixel, vlm)
-    offset = len(prompt.before)
-    positions, text_start = gen.bundle_positions(tokens, offset)
-    model = vlm.model
     source = bundle.manifest["model"]
-    with torch.inference_mode():
-        inputs = Lfm2VlFamily().hf_image_inputs(None, types.SimpleNamespace(image_size=source["image_size"],
-                                                                            patch_size=source["patch_size"]), pixel)
-        rows = model.model.get_image_features(**inputs).pooler_output[0][np.asarray(tokens.kept)]
-        ids = torch.tensor([prompt.before + [IMAGE] * KEEP + prompt.after])
-        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), positions,
-                                                        text_start + np.arange(len(prompt.after))]))[None]
-        assert position_ids[0, offset + KEEP - 1] - position_ids[0, offset] > KEEP  # gaps: original positions
-        out = model(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids), use_cache=True,
-                    logits_to_keep=1, mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=[rows])})
-        embed = model.get_input_embeddings()
-        embeds = torch.cat([embed(torch.tensor([prompt.before])), rows[None], embed(torch.tensor([prompt.after]))], 1)
-    return model, embed, embeds, position_ids, out.logits[0, -1].float(), out.cache
+    shape = types.SimpleNamespace(image_size=source["image_size"], patch_size=source["patch_size"])
 
+    def kept_rows(model, pixel, kept):
+        inputs = Lfm2VlFamily().hf_image_inputs(None, shape, pixel)
+        return model.model.get_image_features(**inputs).pooler_output[0][kept]
 
-def _state_gap(state, cache) -> float:
-    """The largest gap between the decode graph's state and HF's cache, every key, value and convolution state by
-    name (torch_exporter.reference_states), the same names on both sides."""
-    from vlmprune.compiler.llm.torch_exporter import reference_states
-
-    want = {k.replace("present.", "past_key_values.", 1): v for k, v in reference_states(cache).items()}
-    assert set(want) == set(state)
-    return max(float(np.abs(state[k] - v.numpy()).max()) for k, v in want.items())
-
-
-class _ZeroedConv:
-    """The bundle's graphs with every convolution state zeroed before a decode step: what a decode graph that keeps no
-    convolution state computes."""
-
-    def __init__(self, graphs):
-        self.graphs = graphs
-
-    def step(self, embeds, positions, state, extra=None):
-        blank = {k: np.zeros_like(v) if k.endswith(".conv") else v for k, v in state.items()}
-        return self.graphs.step(embeds, positions, blank, extra)
+    return hf_prefill_at_kept(ckpt, bundle, cat, PROMPT, IMAGE, KEEP, kept_rows)
 
 
 def test_graphs_are_hfs_forward_logits_and_states_over_prefill_and_decode(ckpt, bundle, cat):
@@ -158,11 +120,11 @@ def test_graphs_are_hfs_forward_logits_and_states_over_prefill_and_decode(ckpt, 
     logits, state = graphs.prefill(embeds.numpy(), position_ids.numpy())
     assert state["past_key_values.3.conv"].shape == (1, 48, KERNEL)
     assert np.abs(state["past_key_values.3.conv"]).min() > 0  # the prompt fills the state: no zero column left
-    figures = {"prefill logits": float(np.abs(logits - hf.numpy()).max()), "prefill states": _state_gap(state, cache)}
+    figures = {"prefill logits": float(np.abs(logits - hf.numpy()).max()), "prefill states": state_gap(state, cache)}
     steps = []
 
     def on_step(logits, want, state, cache):
-        steps.append((float(np.abs(logits - want).max()), _state_gap(state, cache)))
+        steps.append((float(np.abs(logits - want).max()), state_gap(state, cache)))
 
     position = int(position_ids[0, -1]) + 1
     saved = copy.deepcopy(cache)  # the prefill's cache, for the negative case below
@@ -178,10 +140,10 @@ def test_graphs_are_hfs_forward_logits_and_states_over_prefill_and_decode(ckpt, 
 
     # the negative case: without the convolution state the same check fails, and HF's logits move too
     with pytest.raises(AssertionError):
-        check_greedy_steps(model, embed, _ZeroedConv(graphs), state, hf, copy.deepcopy(saved), logits, position,
+        check_greedy_steps(model, embed, ZeroedStates(graphs, "conv"), state, hf, copy.deepcopy(saved), logits, position,
                            STEPS, atol=BOUND)
     token = torch.tensor([[int(hf.argmax())]])
-    zeroed = _ZeroedConv(graphs).step(embed(token).detach().numpy(), np.array([[position]]), state)[0]
+    zeroed = ZeroedStates(graphs, "conv").step(embed(token).detach().numpy(), np.array([[position]]), state)[0]
     with torch.inference_mode():
         want = model(input_ids=token, position_ids=torch.tensor([[position]]), cache=copy.deepcopy(saved),
                      use_cache=True).logits[0, -1].float()
@@ -240,9 +202,9 @@ def test_a_prompt_shorter_than_the_kernel_starts_the_state_at_zeros(ckpt, bundle
     logits, state = graphs.prefill(embeds.numpy(), np.arange(2)[None])
     hf = out.logits[0, -1].float()
     np.testing.assert_allclose(logits, hf.numpy(), rtol=0, atol=BOUND)
-    assert _state_gap(state, out.cache) <= BOUND and not state["past_key_values.0.conv"][..., 0].any()
+    assert state_gap(state, out.cache) <= BOUND and not state["past_key_values.0.conv"][..., 0].any()
 
     def states_match(_logits, _want, state, cache):
-        assert _state_gap(state, cache) <= BOUND
+        assert state_gap(state, cache) <= BOUND
 
     check_greedy_steps(model, embed, graphs, state, hf, out.cache, logits, 2, 2, atol=BOUND, on_step=states_match)
