@@ -373,3 +373,50 @@ class ZeroedStates:
     def step(self, embeds, positions, state, extra=None):
         blank = {k: np.zeros_like(v) if k.endswith(self.suffix) else v for k, v in state.items()}
         return self.graphs.step(embeds, positions, blank, extra)
+
+
+def check_hybrid_decode(label: str, model, embed, graphs, state, hf, cache, logits, position: int, steps: int,
+                        bound: float) -> dict:
+    """Prefill logits and states = HF's forward and its cache (state_gap: every state by name), then `steps` greedy
+    steps (check_greedy_steps), each decode graph's logits and states = HF's on its own cache, all within bound; the
+    figures printed under label. Returns the last decode state. cache is advanced in place."""
+    figures = {"prefill logits": float(np.abs(logits - hf.numpy()).max()), "prefill states": state_gap(state, cache)}
+    gaps = []
+
+    def on_step(logits, want, state, cache):
+        gaps.append((float(np.abs(logits - want).max()), state_gap(state, cache)))
+
+    end = check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position, steps, atol=bound,
+                             on_step=on_step)
+    figures["decode logits"] = max(g[0] for g in gaps)
+    figures["decode states"] = max(g[1] for g in gaps)
+    print(f"{label} graphs vs HF's forward, {steps} decode steps: "
+          + ", ".join(f"{k} max-abs {v:.3g}" for k, v in figures.items()))
+    assert all(v <= bound for v in figures.values()), figures
+    return end
+
+
+def check_state_matters(label: str, model, embed, graphs, state, hf, saved, logits, position: int, steps: int,
+                        bound: float, suffix: str, zero_hf: Callable) -> None:
+    """The negative case of a hybrid decoder's test: with every *.suffix state zeroed the graphs fail the same greedy
+    check, and HF's own cache with those states zeroed (zero_hf(cache)) moves its logits too, both by over 100 bounds:
+    the state is read, so parity would catch a graph that drops it. saved: the prefill's cache (not advanced)."""
+    import copy
+
+    zeroed_graphs = ZeroedStates(graphs, suffix)
+    with pytest.raises(AssertionError):
+        check_greedy_steps(model, embed, zeroed_graphs, state, hf, copy.deepcopy(saved), logits, position, steps,
+                           atol=bound)
+    token = torch.tensor([[int(hf.argmax())]])
+    zeroed = zeroed_graphs.step(embed(token).detach().numpy(), np.array([[position]]), state)[0]
+    with torch.inference_mode():
+        want = model(input_ids=token, position_ids=torch.tensor([[position]]), cache=copy.deepcopy(saved),
+                     use_cache=True).logits[0, -1].float()
+        blank = copy.deepcopy(saved)
+        zero_hf(blank)
+        hf_blank = model(input_ids=token, position_ids=torch.tensor([[position]]), cache=blank,
+                         use_cache=True).logits[0, -1].float()
+    print(f"{label} without the {suffix} state: decode logits max-abs {np.abs(zeroed - want.numpy()).max():.3g} "
+          f"(bound {bound:g}); HF with its {suffix} states zeroed {float((hf_blank - want).abs().max()):.3g}")
+    assert np.abs(zeroed - want.numpy()).max() > 100 * bound
+    assert float((hf_blank - want).abs().max()) > 100 * bound

@@ -34,8 +34,8 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (ZeroedStates, cat_image, check_generate_through_graphs, check_greedy_steps,
-                           hf_prefill_at_kept, state_gap)
+from merged_checks import (cat_image, check_generate_through_graphs, check_greedy_steps, check_hybrid_decode,
+                           check_state_matters, hf_prefill_at_kept, state_gap)
 from tiny_models import tiny_lfm2_vl
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -120,42 +120,19 @@ def test_graphs_are_hfs_forward_logits_and_states_over_prefill_and_decode(ckpt, 
     logits, state = graphs.prefill(embeds.numpy(), position_ids.numpy())
     assert state["past_key_values.3.conv"].shape == (1, 48, KERNEL)
     assert np.abs(state["past_key_values.3.conv"]).min() > 0  # the prompt fills the state: no zero column left
-    figures = {"prefill logits": float(np.abs(logits - hf.numpy()).max()), "prefill states": state_gap(state, cache)}
-    steps = []
-
-    def on_step(logits, want, state, cache):
-        steps.append((float(np.abs(logits - want).max()), state_gap(state, cache)))
-
     position = int(position_ids[0, -1]) + 1
     saved = copy.deepcopy(cache)  # the prefill's cache, for the negative case below
-    end = check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position, STEPS, atol=BOUND,
-                             on_step=on_step)
-    figures["decode logits"] = max(s[0] for s in steps)
-    figures["decode states"] = max(s[1] for s in steps)
-    print(f"LFM2 graphs vs HF's forward, {STEPS} decode steps: "
-          + ", ".join(f"{k} max-abs {v:.3g}" for k, v in figures.items()))
-    assert all(v <= BOUND for v in figures.values()), figures
+    end = check_hybrid_decode("LFM2", model, embed, graphs, state, hf, cache, logits, position, STEPS, BOUND)
     assert end["past_key_values.2.key"].shape[2] == embeds.shape[1] + STEPS
     assert end["past_key_values.0.conv"].shape[2] == KERNEL  # the state stays L wide
 
-    # the negative case: without the convolution state the same check fails, and HF's logits move too
-    with pytest.raises(AssertionError):
-        check_greedy_steps(model, embed, ZeroedStates(graphs, "conv"), state, hf, copy.deepcopy(saved), logits, position,
-                           STEPS, atol=BOUND)
-    token = torch.tensor([[int(hf.argmax())]])
-    zeroed = ZeroedStates(graphs, "conv").step(embed(token).detach().numpy(), np.array([[position]]), state)[0]
-    with torch.inference_mode():
-        want = model(input_ids=token, position_ids=torch.tensor([[position]]), cache=copy.deepcopy(saved),
-                     use_cache=True).logits[0, -1].float()
-        blank = copy.deepcopy(saved)
+    # the negative case: without the conv state the same check fails, and HF's logits move too
+    def zero_hf(cache):
         for i in CONVS:
-            blank.layers[i].conv_states[0].zero_()
-        hf_blank = model(input_ids=token, position_ids=torch.tensor([[position]]), cache=blank,
-                         use_cache=True).logits[0, -1].float()
-    print(f"LFM2 without the convolution state: decode logits max-abs {np.abs(zeroed - want.numpy()).max():.3g} "
-          f"(bound {BOUND:g}); HF with its conv states zeroed {float((hf_blank - want).abs().max()):.3g}")
-    assert np.abs(zeroed - want.numpy()).max() > 100 * BOUND
-    assert float((hf_blank - want).abs().max()) > 100 * BOUND
+            cache.layers[i].conv_states[0].zero_()
+
+    check_state_matters("LFM2", model, embed, graphs, state, hf, saved, logits, position, STEPS, BOUND, "conv",
+                        zero_hf)
 
 
 def test_generate_answers_through_the_bundles_graphs_with_hfs_greedy_tokens(bundle, ckpt, cat):

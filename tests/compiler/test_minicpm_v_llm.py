@@ -40,8 +40,8 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (ZeroedStates, cat_image, check_generate_through_graphs, check_greedy_steps,
-                           hf_prefill_at_kept, hf_rows_of, state_gap)
+from merged_checks import (cat_image, check_generate_through_graphs, check_greedy_steps, check_hybrid_decode,
+                           check_state_matters, hf_prefill_at_kept, hf_rows_of, state_gap)
 from tiny_models import tiny_minicpm_v
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -134,43 +134,20 @@ def test_graphs_are_hfs_forward_logits_and_states_over_prefill_and_decode(ckpt, 
     assert state["past_key_values.3.conv"].shape == (1, CHANNELS, KERNEL)
     assert state["past_key_values.3.recurrent"].shape == (1, *RECURRENT)
     assert np.abs(state["past_key_values.3.conv"]).min() > 0  # the prompt fills the state: no zero column left
-    figures = {"prefill logits": float(np.abs(logits - hf.numpy()).max()), "prefill states": state_gap(state, cache)}
-    steps = []
-
-    def on_step(logits, want, state, cache):
-        steps.append((float(np.abs(logits - want).max()), state_gap(state, cache)))
-
     position = int(position_ids[0, -1]) + 1
     saved = copy.deepcopy(cache)  # the prefill's cache, for the negative case below
-    end = check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position, STEPS, atol=BOUND,
-                             on_step=on_step)
-    figures["decode logits"] = max(s[0] for s in steps)
-    figures["decode states"] = max(s[1] for s in steps)
-    print(f"Qwen3.5 graphs vs HF's forward, {STEPS} decode steps: "
-          + ", ".join(f"{k} max-abs {v:.3g}" for k, v in figures.items()))
-    assert all(v <= BOUND for v in figures.values()), figures
+    end = check_hybrid_decode("Qwen3.5", model, embed, graphs, state, hf, cache, logits, position, STEPS, BOUND)
     assert end["past_key_values.2.key"].shape[2] == embeds.shape[1] + STEPS
     assert end["past_key_values.0.conv"].shape[2] == KERNEL and end["past_key_values.0.recurrent"].shape[1:] == \
         tuple(RECURRENT)  # the states keep their sizes
 
     # the negative case: without the recurrent state the same check fails, and HF's logits move too
-    with pytest.raises(AssertionError):
-        check_greedy_steps(model, embed, ZeroedStates(graphs, "recurrent"), state, hf, copy.deepcopy(saved), logits, position,
-                           STEPS, atol=BOUND)
-    token = torch.tensor([[int(hf.argmax())]])
-    zeroed = ZeroedStates(graphs, "recurrent").step(embed(token).detach().numpy(), np.array([[position]]), state)[0]
-    with torch.inference_mode():
-        want = model(input_ids=token, position_ids=torch.tensor([[position]]), cache=copy.deepcopy(saved),
-                     use_cache=True).logits[0, -1].float()
-        blank = copy.deepcopy(saved)
+    def zero_hf(cache):
         for i in DELTAS:
-            blank.layers[i].recurrent_states[0].zero_()
-        hf_blank = model(input_ids=token, position_ids=torch.tensor([[position]]), cache=blank,
-                         use_cache=True).logits[0, -1].float()
-    print(f"Qwen3.5 without the recurrent state: decode logits max-abs {np.abs(zeroed - want.numpy()).max():.3g} "
-          f"(bound {BOUND:g}); HF with its recurrent states zeroed {float((hf_blank - want).abs().max()):.3g}")
-    assert np.abs(zeroed - want.numpy()).max() > 100 * BOUND
-    assert float((hf_blank - want).abs().max()) > 100 * BOUND
+            cache.layers[i].recurrent_states[0].zero_()
+
+    check_state_matters("Qwen3.5", model, embed, graphs, state, hf, saved, logits, position, STEPS, BOUND, "recurrent",
+                        zero_hf)
 
 
 @pytest.mark.parametrize("length", [1, 5, 40, 300])
