@@ -420,3 +420,11 @@ def check_state_matters(label: str, model, embed, graphs, state, hf, saved, logi
           f"(bound {bound:g}); HF with its {suffix} states zeroed {float((hf_blank - want).abs().max()):.3g}")
     assert np.abs(zeroed - want.numpy()).max() > 100 * bound
     assert float((hf_blank - want).abs().max()) > 100 * bound
+
+
+def check_llm_again(bundle_dir, model_dir) -> None:
+    """`vlmprune check` on a --with-llm bundle runs its one `llm` parity stage again, and it passes."""
+    checked = run_cli("check", bundle_dir, "--model", model_dir, "--json")
+    assert checked.exit_code == 0, checked.output
+    llm = [s for s in json.loads(checked.stdout)["stages"] if s["stage"] == "llm"]
+    assert len(llm) == 1 and llm[0]["passed"], llm

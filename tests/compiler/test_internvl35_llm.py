@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import cat_image, check_greedy_steps
+from merged_checks import cat_image, check_greedy_steps, check_llm_again
 from tiny_models import edited_copy, tiny_internvl35
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -152,10 +152,7 @@ def test_the_genai_builder_takes_qwen3_with_its_qk_norms(ckpt, tmp_path):
         for norm in ("q_norm", "k_norm"):
             want = getattr(layer.self_attn, norm).weight.detach().numpy()
             np.testing.assert_array_equal(weights[f"model.layers.{i}.attn.{norm}.layernorm.weight"], want)
-    checked = run_cli("check", out, "--model", ckpt, "--json")
-    assert checked.exit_code == 0, checked.output
-    llm = [s for s in json.loads(checked.stdout)["stages"] if s["stage"] == "llm"]
-    assert len(llm) == 1 and llm[0]["passed"]
+    check_llm_again(out, ckpt)
 
 
 def test_orins_edgellm_exporter_refuses_qwen3_in_one_line_saying_why(ckpt, tmp_path):

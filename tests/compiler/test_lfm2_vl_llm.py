@@ -25,7 +25,6 @@ kernel 3, conv biases on), vocabulary 320 so that a prompt without a tokenizer i
 from __future__ import annotations
 
 import copy
-import json
 import types
 
 import numpy as np
@@ -34,8 +33,8 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (cat_image, check_generate_through_graphs, check_greedy_steps, check_hybrid_decode,
-                           check_state_matters, hf_prefill_at_kept, state_gap)
+from merged_checks import (cat_image, check_llm_again, check_generate_through_graphs, check_greedy_steps,
+                           check_hybrid_decode, check_state_matters, hf_prefill_at_kept, state_gap)
 from tiny_models import tiny_lfm2_vl
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -142,10 +141,7 @@ def test_generate_answers_through_the_bundles_graphs_with_hfs_greedy_tokens(bund
 
 
 def test_check_runs_the_llm_parity_again(bundle, ckpt):
-    checked = run_cli("check", bundle.bundle, "--model", ckpt, "--json")
-    assert checked.exit_code == 0, checked.output
-    llm = [s for s in json.loads(checked.stdout)["stages"] if s["stage"] == "llm"]
-    assert len(llm) == 1 and llm[0]["passed"], llm
+    check_llm_again(bundle.bundle, ckpt)
 
 
 @pytest.mark.parametrize("args, line", [
