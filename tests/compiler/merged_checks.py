@@ -324,11 +324,11 @@ def check_greedy_steps(model, embed, graphs, state, hf, cache, logits, position:
 
 
 def hf_prefill_at_kept(model_dir, bundle, image, prompt_text: str, image_token: int, keep: int,
-                       kept_rows: Callable):
+                       kept_rows: Callable, rows_as_batch: bool = False):
     """(model, embed, graphs' prefill inputs, HF's last logits and cache): a bundle's kept rows (HF's own tower rows,
     kept_rows(model, pixel, kept) [keep, D]) at their original positions inside generate's prompt, through HF's
-    full-model forward: what the exported prefill must equal, for the hybrid decoders whose graphs carry states other
-    than keys and values (LFM2-VL, MiniCPM-V 4.6)."""
+    full-model forward: what the exported prefill must equal (check_decode_against_hf). rows_as_batch: the model's
+    forward takes the rows as one [1, keep, D] tensor (InternVL's), not a list of one image's (LFM2-VL's, MiniCPM-V's)."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     from vlmprune.compiler import generate as gen
@@ -347,7 +347,8 @@ def hf_prefill_at_kept(model_dir, bundle, image, prompt_text: str, image_token: 
                                                         text_start + np.arange(len(prompt.after))]))[None]
         assert position_ids[0, offset + keep - 1] - position_ids[0, offset] > keep  # gaps: original positions
         out = model(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids), use_cache=True,
-                    logits_to_keep=1, mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=[rows])})
+                    logits_to_keep=1, mm_encoder_outputs={"image": BaseModelOutputWithPooling(
+                        pooler_output=rows[None] if rows_as_batch else [rows])})
         embed = model.get_input_embeddings()
         embeds = torch.cat([embed(torch.tensor([prompt.before])), rows[None], embed(torch.tensor([prompt.after]))], 1)
     return model, embed, embeds, position_ids, out.logits[0, -1].float(), out.cache
@@ -375,11 +376,11 @@ class ZeroedStates:
         return self.graphs.step(embeds, positions, blank, extra)
 
 
-def check_hybrid_decode(label: str, model, embed, graphs, state, hf, cache, logits, position: int, steps: int,
+def check_decode_against_hf(label: str, model, embed, graphs, state, hf, cache, logits, position: int, steps: int,
                         bound: float) -> dict:
-    """Prefill logits and states = HF's forward and its cache (state_gap: every state by name), then `steps` greedy
-    steps (check_greedy_steps), each decode graph's logits and states = HF's on its own cache, all within bound; the
-    figures printed under label. Returns the last decode state. cache is advanced in place."""
+    """Prefill logits and states = HF's forward and its cache (state_gap: every key, value and other state by name),
+    then `steps` greedy steps (check_greedy_steps), each decode graph's logits and states = HF's on its own cache, all
+    within bound; the figures printed under label. Returns the last decode state. cache is advanced in place."""
     figures = {"prefill logits": float(np.abs(logits - hf.numpy()).max()), "prefill states": state_gap(state, cache)}
     gaps = []
 

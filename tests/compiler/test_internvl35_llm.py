@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import cat_image, check_greedy_steps, check_llm_again
+from merged_checks import cat_image, check_decode_against_hf, check_llm_again, hf_prefill_at_kept
 from tiny_models import edited_copy, tiny_internvl35
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -79,52 +79,21 @@ def test_graphs_are_hfs_forward_logits_and_caches_over_prefill_and_decode(ckpt, 
     """The bundle's 8 kept rows (HF's own tower rows) at their original positions inside generate's prompt: the
     prefill graph's logits and every layer's key and value = HF's full-model forward (mm_encoder_outputs) and its
     cache; then STEPS greedy steps, each decode graph's logits and caches = HF's forward on its own cache."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    from vlmprune.compiler import generate as gen
     from vlmprune.compiler.llm.torch_exporter import GraphRunner
 
     assert bundle.report.passed and bundle.manifest["llm_graphs"]["family"] == "qwen3"
-    vlm = gen.load_vlm(str(ckpt))
-    pixel, _ = gen.load_pixels(vlm, cat_image(tmp_path_factory))
-    prompt = gen.build_prompt(vlm, PROMPT)
-    tokens = gen.bundle_tokens(bundle.bundle, bundle.manifest, pixel, vlm)
-    offset = len(prompt.before)
-    positions, text_start = gen.bundle_positions(tokens, offset)
-    model = vlm.model
-    with torch.inference_mode():
-        rows = model.model.get_image_features(pixel_values=torch.from_numpy(pixel)).pooler_output[0][
-            np.asarray(tokens.kept)]
-        ids = torch.tensor([prompt.before + [IMAGE] * KEEP + prompt.after])
-        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), positions,
-                                                        text_start + np.arange(len(prompt.after))]))[None]
-        encoded = {"image": BaseModelOutputWithPooling(pooler_output=rows[None])}
-        out = model(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids), use_cache=True,
-                    logits_to_keep=1, mm_encoder_outputs=encoded)
-        embed = model.get_input_embeddings()
-        embeds = torch.cat([embed(torch.tensor([prompt.before])), rows[None], embed(torch.tensor([prompt.after]))], 1)
-    hf, cache = out.logits[0, -1].float(), out.cache
 
-    def cache_gap(state, cache) -> float:
-        return max(float(np.abs(state[f"past_key_values.{i}.{part}"] - getattr(layer, f"{part}s").numpy()).max())
-                   for i, layer in enumerate(cache.layers) for part in ("key", "value"))
+    def kept_rows(model, pixel, kept):
+        return model.model.get_image_features(pixel_values=torch.from_numpy(pixel)).pooler_output[0][kept]
 
+    model, embed, embeds, position_ids, hf, cache = hf_prefill_at_kept(ckpt, bundle, cat_image(tmp_path_factory),
+                                                                       PROMPT, IMAGE, KEEP, kept_rows,
+                                                                       rows_as_batch=True)
     graphs = GraphRunner(bundle.bundle / "llm")
     logits, state = graphs.prefill(embeds.numpy(), position_ids.numpy())
-    figures = {"prefill logits": float(np.abs(logits - hf.numpy()).max()), "prefill caches": cache_gap(state, cache)}
-    steps = []
-
-    def on_step(logits, want, state, cache):
-        steps.append((float(np.abs(logits - want).max()), cache_gap(state, cache)))
-
-    state = check_greedy_steps(model, embed, graphs, state, hf, cache, logits, int(position_ids[0, -1]) + 1, STEPS,
-                       atol=BOUND, on_step=on_step)
-    figures["decode logits"] = max(s[0] for s in steps)
-    figures["decode caches"] = max(s[1] for s in steps)
-    print(f"InternVL3.5 (Qwen3) graphs vs HF's forward, {STEPS} decode steps: "
-          + ", ".join(f"{k} max-abs {v:.3g}" for k, v in figures.items()))
-    assert all(v <= BOUND for v in figures.values()), figures
-    assert state["past_key_values.0.key"].shape[2] == ids.shape[1] + STEPS
+    end = check_decode_against_hf("InternVL3.5 (Qwen3)", model, embed, graphs, state, hf, cache, logits,
+                                  int(position_ids[0, -1]) + 1, STEPS, BOUND)
+    assert end["past_key_values.0.key"].shape[2] == embeds.shape[1] + STEPS
 
 
 def test_the_genai_builder_takes_qwen3_with_its_qk_norms(ckpt, tmp_path):

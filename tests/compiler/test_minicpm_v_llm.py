@@ -40,7 +40,7 @@ import torch
 
 from cli_helpers import one_line_error, run_cli
 from merged_checks import (cat_image, check_llm_again, check_generate_through_graphs, check_greedy_steps,
-                           check_hybrid_decode, check_state_matters, hf_prefill_at_kept, hf_rows_of, state_gap)
+                           check_decode_against_hf, check_state_matters, hf_prefill_at_kept, hf_rows_of, state_gap)
 from tiny_models import tiny_minicpm_v
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
@@ -135,7 +135,7 @@ def test_graphs_are_hfs_forward_logits_and_states_over_prefill_and_decode(ckpt, 
     assert np.abs(state["past_key_values.3.conv"]).min() > 0  # the prompt fills the state: no zero column left
     position = int(position_ids[0, -1]) + 1
     saved = copy.deepcopy(cache)  # the prefill's cache, for the negative case below
-    end = check_hybrid_decode("Qwen3.5", model, embed, graphs, state, hf, cache, logits, position, STEPS, BOUND)
+    end = check_decode_against_hf("Qwen3.5", model, embed, graphs, state, hf, cache, logits, position, STEPS, BOUND)
     assert end["past_key_values.2.key"].shape[2] == embeds.shape[1] + STEPS
     assert end["past_key_values.0.conv"].shape[2] == KERNEL and end["past_key_values.0.recurrent"].shape[1:] == \
         tuple(RECURRENT)  # the states keep their sizes
