@@ -328,7 +328,8 @@ def hf_prefill_at_kept(model_dir, bundle, image, prompt_text: str, image_token: 
     """(model, embed, graphs' prefill inputs, HF's last logits and cache): a bundle's kept rows (HF's own tower rows,
     kept_rows(model, pixel, kept) [keep, D]) at their original positions inside generate's prompt, through HF's
     full-model forward: what the exported prefill must equal (check_decode_against_hf). rows_as_batch: the model's
-    forward takes the rows as one [1, keep, D] tensor (InternVL's), not a list of one image's (LFM2-VL's, MiniCPM-V's)."""
+    forward takes the rows as one [1, keep, D] tensor (InternVL's), not a list of one image's (LFM2-VL's,
+    MiniCPM-V's)."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     from vlmprune.compiler import generate as gen
@@ -429,3 +430,28 @@ def check_llm_again(bundle_dir, model_dir) -> None:
     assert checked.exit_code == 0, checked.output
     llm = [s for s in json.loads(checked.stdout)["stages"] if s["stage"] == "llm"]
     assert len(llm) == 1 and llm[0]["passed"], llm
+
+
+def compile_tiles(model_dir, out, grid: str, **options):
+    """A tiled bundle (--grid) of a tiled family (InternVL3, SmolVLM), divprune K = 10 unless options say otherwise;
+    every parity stage passes."""
+    options = {"method": "divprune", "keep": 10, **options}
+    result = compile_model(str(model_dir), out, CompileOptions(family_options={"grid": grid}, **options))
+    assert result.report.passed, result.manifest["parity"]
+    return result
+
+
+def check_tile_rows(result, pixel: np.ndarray, hf_rows: torch.Tensor, *, tiles: int, tokens: int, keep: int) -> None:
+    """A tiled bundle's rows, run as its target's last parity stage here runs them (ort and orin / xavier: model.onnx
+    on ONNX Runtime, TensorRT's stand-in with the plugins' host twin; openvino: the IR on the CPU plugin), on the
+    image's tiles pixel, are HF's rows of those tiles end to end (hf_rows [tiles·tokens, D]) at kept_indices, and the
+    equal split keeps rows of every tile."""
+    from vlmprune.targets import get_target
+
+    m = result.manifest
+    out = get_target(m["target"]["name"]).stages(result.bundle, m)[-1].run(pixel)
+    features, kept = out["image_features"], out["kept_indices"]
+    assert features.shape == (1, keep, hf_rows.shape[-1]) and kept.shape == (1, keep)
+    assert kept.min() >= 0 and kept.max() < tiles * tokens and len(set(kept[0].tolist())) == keep
+    assert len(set((kept[0] // tokens).tolist())) == tiles
+    assert_close(torch.from_numpy(features[0]), hf_rows[torch.from_numpy(kept[0]).long()])

@@ -31,7 +31,8 @@ import torch
 from cli_helpers import eval_inputs, one_line_error, run_cli
 from internvl_fixtures import (IMAGE, MEAN, SIZE, STD, TOKENS, WIDTH, hf_model, hf_rows, internvl_dir,  # noqa: F401
                                llm_dir)
-from merged_checks import assert_close, cat_image, check_eval, check_generate_through_graphs
+from merged_checks import (assert_close, cat_image, check_eval, check_generate_through_graphs, check_tile_rows,
+                           compile_tiles)
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.images import canvas_tiles
@@ -81,33 +82,16 @@ def test_dense_tiles_are_hf_image_features(internvl_dir, hf_model):
     assert_close(got, hf_rows(hf_model, pixel))
 
 
-def _compile(model_dir, out, grid: str, **options):
-    options = {"method": "divprune", "keep": 10, **options}
-    result = compile_model(str(model_dir), out, CompileOptions(family_options={"grid": grid}, **options))
-    assert result.report.passed, result.manifest["parity"]
-    return result
-
-
 def _rows_are_hf_rows(result, model, tiles: int, keep: int) -> None:
-    """The bundle's rows, run as its target's last parity stage here runs them (ort and orin / xavier: model.onnx
-    on ONNX Runtime, TensorRT's stand-in with the plugins' host twin; openvino: the IR on the CPU plugin), are HF's
-    rows of the image (its tiles end to end) at kept_indices."""
-    from vlmprune.targets import get_target
-
-    m = result.manifest
-    grid = [int(v) for v in m["model"]["grid"].split("x")]
+    """merged_checks.check_tile_rows on the tiles of a 400x260 photo."""
+    grid = [int(v) for v in result.manifest["model"]["grid"].split("x")]
     pixel = canvas_tiles(_photo(400, 260), {"grid": grid, "count": tiles}, SIZE, MEAN, STD)
-    out = get_target(m["target"]["name"]).stages(result.bundle, m)[-1].run(pixel)
-    features, kept = out["image_features"], out["kept_indices"]
-    assert features.shape == (1, keep, WIDTH) and kept.shape == (1, keep)
-    assert kept.min() >= 0 and kept.max() < tiles * TOKENS and len(set(kept[0].tolist())) == keep
-    assert len(set((kept[0] // TOKENS).tolist())) == tiles  # the equal split keeps tokens of every tile
-    hf = hf_rows(model, torch.from_numpy(pixel)).reshape(tiles * TOKENS, WIDTH)
-    assert_close(torch.from_numpy(features[0]), hf[torch.from_numpy(kept[0])])
+    rows = hf_rows(model, torch.from_numpy(pixel)).reshape(tiles * TOKENS, WIDTH)
+    check_tile_rows(result, pixel, rows, tiles=tiles, tokens=TOKENS, keep=keep)
 
 
 def test_grid_1x2_bundle(internvl_dir, hf_model, tmp_path):
-    result = _compile(internvl_dir, tmp_path / "b", "1x2")
+    result = compile_tiles(internvl_dir, tmp_path / "b", "1x2")
     m = result.manifest
     assert m["inputs"][0]["shape"] == [3, 3, SIZE, SIZE]  # two tiles + the thumbnail
     assert m["model"]["grid"] == "1x2" and m["model"]["crops"] == 3 and m["model"]["resolution"] == [112, 224]
@@ -126,7 +110,7 @@ def test_grid_1x2_bundle(internvl_dir, hf_model, tmp_path):
 def test_grid_on_tensorrt_targets(internvl_dir, hf_model, tmp_path, target, method, options):
     """orin and xavier take the tiles as the engine's static batch of 3: every host parity stage passes, and the
     graph (their ONNX Runtime stand-in) gives HF's rows at kept_indices over both tiles and the thumbnail."""
-    result = _compile(internvl_dir, tmp_path / "b", "1x2", target=target, method=method, method_options=options)
+    result = compile_tiles(internvl_dir, tmp_path / "b", "1x2", target=target, method=method, method_options=options)
     m = result.manifest
     assert m["target"]["name"] == target and m["inputs"][0]["shape"] == [3, 3, SIZE, SIZE]
     assert m["method"]["params"]["crops"]["count"] == 3
@@ -138,7 +122,7 @@ def test_grid_on_tensorrt_targets(internvl_dir, hf_model, tmp_path, target, meth
 def test_grid_on_openvino(internvl_dir, hf_model, tmp_path):
     """openvino (the CPU plugin here): the IR's parity stage passes, and its rows are HF's at kept_indices."""
     pytest.importorskip("openvino", reason="openvino is not installed (pip install 'vlmprune[openvino]')")
-    result = _compile(internvl_dir, tmp_path / "b", "1x2", target="openvino")
+    result = compile_tiles(internvl_dir, tmp_path / "b", "1x2", target="openvino")
     assert "openvino" in [s.stage for s in result.report.stages]
     assert result.manifest["inputs"][0]["shape"] == [3, 3, SIZE, SIZE]
     _rows_are_hf_rows(result, hf_model, 3, 10)
@@ -146,7 +130,7 @@ def test_grid_on_openvino(internvl_dir, hf_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def bundle_2x2(llm_dir, tmp_path_factory):
-    return _compile(llm_dir, tmp_path_factory.mktemp("internvl_tiles") / "b", "2x2", keep=12)
+    return compile_tiles(llm_dir, tmp_path_factory.mktemp("internvl_tiles") / "b", "2x2", keep=12)
 
 
 def test_grid_2x2_bundle(bundle_2x2, llm_dir):
@@ -237,7 +221,7 @@ def test_cli_refusal_is_one_line(internvl_dir, tmp_path):
 @pytest.fixture(scope="module")
 def llm_bundle_1x2(llm_dir, tmp_path_factory):
     """--grid 1x2 --with-llm on ort: the tiles' kept rows and the Qwen2 language model's graphs in one bundle."""
-    return _compile(llm_dir, tmp_path_factory.mktemp("internvl_tiles_llm") / "b", "1x2", keep=8, with_llm=True)
+    return compile_tiles(llm_dir, tmp_path_factory.mktemp("internvl_tiles_llm") / "b", "1x2", keep=8, with_llm=True)
 
 
 def test_with_llm_over_tiles_and_generate_through_its_graphs(llm_bundle_1x2, llm_dir, tmp_path_factory):

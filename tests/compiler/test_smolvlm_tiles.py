@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import assert_close, cat_image, check_eval, check_generate_through_graphs
+from merged_checks import (assert_close, cat_image, check_eval, check_generate_through_graphs, check_tile_rows,
+                           compile_tiles)
 from tiny_models import tiny_smolvlm
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
@@ -115,32 +116,16 @@ def test_dense_tiles_are_hf_image_features(smolvlm_dir, hf_model):
     assert_close(got.reshape(-1, WIDTH), hf_rows(hf_model, pixel))
 
 
-def _compile(model_dir, out, grid: str, **options):
-    options = {"method": "divprune", "keep": 10, **options}
-    result = compile_model(str(model_dir), out, CompileOptions(family_options={"grid": grid}, **options))
-    assert result.report.passed, result.manifest["parity"]
-    return result
-
-
 def _rows_are_hf_rows(result, model, tiles: int, keep: int) -> None:
-    """The bundle's rows, run as its target's last parity stage runs them, are HF's rows of the image (its tiles end
-    to end) at kept_indices."""
-    from vlmprune.targets import get_target
-
-    m = result.manifest
-    grid = [int(v) for v in m["model"]["grid"].split("x")]
+    """merged_checks.check_tile_rows on the tiles of a 400x260 photo."""
+    grid = [int(v) for v in result.manifest["model"]["grid"].split("x")]
     pixel = smolvlm_tiles(_photo(400, 260), {"grid": grid, "count": tiles}, SIZE, MEAN, STD)
-    out = get_target(m["target"]["name"]).stages(result.bundle, m)[-1].run(pixel)
-    features, kept = out["image_features"], out["kept_indices"]
-    assert features.shape == (1, keep, WIDTH) and kept.shape == (1, keep)
-    assert kept.min() >= 0 and kept.max() < tiles * TOKENS and len(set(kept[0].tolist())) == keep
-    assert len(set((kept[0] // TOKENS).tolist())) == tiles  # the equal split keeps tokens of every tile
-    hf = hf_rows(model, torch.from_numpy(pixel))
-    assert_close(torch.from_numpy(features[0]), hf[torch.from_numpy(kept[0]).long()])
+    check_tile_rows(result, pixel, hf_rows(model, torch.from_numpy(pixel)), tiles=tiles, tokens=TOKENS,
+                    keep=keep)
 
 
 def test_grid_1x2_bundle(smolvlm_dir, hf_model, tmp_path):
-    result = _compile(smolvlm_dir, tmp_path / "b", "1x2")
+    result = compile_tiles(smolvlm_dir, tmp_path / "b", "1x2")
     m = result.manifest
     assert m["inputs"][0]["shape"] == [3, 3, SIZE, SIZE]  # two tiles + the global thumbnail
     assert m["model"]["grid"] == "1x2" and m["model"]["crops"] == 3 and m["model"]["resolution"] == [128, 256]
@@ -159,7 +144,7 @@ def test_grid_1x2_bundle(smolvlm_dir, hf_model, tmp_path):
 def test_grid_methods_and_targets(smolvlm_dir, hf_model, tmp_path, target, method, options):
     """orin and xavier take the tiles as the engine's static batch of 3: every host parity stage passes; dart over
     the tiles on ort too; the rows are HF's at kept_indices."""
-    result = _compile(smolvlm_dir, tmp_path / "b", "1x2", target=target, method=method, method_options=options)
+    result = compile_tiles(smolvlm_dir, tmp_path / "b", "1x2", target=target, method=method, method_options=options)
     m = result.manifest
     assert m["target"]["name"] == target and m["inputs"][0]["shape"] == [3, 3, SIZE, SIZE]
     assert all(s.passed for s in result.report.stages), [s.stage for s in result.report.stages]
@@ -269,7 +254,7 @@ def test_prompt_and_pixels_are_the_processors(llm_dir, square_photo, monkeypatch
 
 @pytest.fixture(scope="module")
 def bundle_2x2(llm_dir, tmp_path_factory):
-    return _compile(llm_dir, tmp_path_factory.mktemp("smolvlm_tiles") / "b", "2x2", keep=12)
+    return compile_tiles(llm_dir, tmp_path_factory.mktemp("smolvlm_tiles") / "b", "2x2", keep=12)
 
 
 def test_generate_with_pruned_tiles_is_hf_forward(bundle_2x2, llm_dir, tmp_path_factory):
@@ -312,7 +297,7 @@ def test_generate_with_pruned_tiles_is_hf_forward(bundle_2x2, llm_dir, tmp_path_
 @pytest.fixture(scope="module")
 def llm_bundle_1x2(llm_dir, tmp_path_factory):
     """--grid 1x2 --with-llm on ort: the tiles' kept rows and the Llama language model's graphs in one bundle."""
-    return _compile(llm_dir, tmp_path_factory.mktemp("smolvlm_tiles_llm") / "b", "1x2", keep=8, with_llm=True)
+    return compile_tiles(llm_dir, tmp_path_factory.mktemp("smolvlm_tiles_llm") / "b", "1x2", keep=8, with_llm=True)
 
 
 def test_generate_through_graphs_is_the_reference(llm_bundle_1x2, llm_dir, tmp_path_factory):
