@@ -455,3 +455,20 @@ def check_tile_rows(result, pixel: np.ndarray, hf_rows: torch.Tensor, *, tiles: 
     assert kept.min() >= 0 and kept.max() < tiles * tokens and len(set(kept[0].tolist())) == keep
     assert len(set((kept[0] // tokens).tolist())) == tiles
     assert_close(torch.from_numpy(features[0]), hf_rows[torch.from_numpy(kept[0]).long()])
+
+
+def check_dense_tiles(model_dir, cut: Callable, hf_rows: Callable, *, resolution: int, tokens: int) -> None:
+    """A 2x2 grid's five tiles (the grid, then the thumbnail) of a 300x280 photo: the dense pipeline's rows of each
+    tile = HF's (hf_rows(pixel) [5·tokens, D]); cut(source.crops) gives the tiles as the family's processor cuts
+    them."""
+    from vlmprune.compiler.frontend.tiles import set_tiles
+
+    source = load_source(str(model_dir))
+    set_tiles(source, (2, 2))
+    assert source.crops == {"grid": [2, 2], "count": 5, "side": 4, "thumbnail": True,
+                            "resolution": [resolution, resolution]}
+    pixel = torch.from_numpy(cut(source.crops))
+    with torch.inference_mode():
+        got = source.pipeline(pixel)
+    assert got.shape[:2] == (5, tokens)
+    assert_close(got.reshape(5 * tokens, -1), hf_rows(pixel).reshape(5 * tokens, -1))

@@ -31,12 +31,10 @@ import torch
 from cli_helpers import eval_inputs, one_line_error, run_cli
 from internvl_fixtures import (IMAGE, MEAN, SIZE, STD, TOKENS, WIDTH, hf_model, hf_rows, internvl_dir,  # noqa: F401
                                llm_dir)
-from merged_checks import (assert_close, cat_image, check_eval, check_generate_through_graphs, check_tile_rows,
+from merged_checks import (cat_image, check_dense_tiles, check_eval, check_generate_through_graphs, check_tile_rows,
                            compile_tiles)
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.images import canvas_tiles
-from vlmprune.compiler.frontend.tiles import set_tiles
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
 
@@ -72,14 +70,8 @@ def test_tiles_are_the_processors_pixel_values():
 
 
 def test_dense_tiles_are_hf_image_features(internvl_dir, hf_model):
-    source = load_source(str(internvl_dir))
-    set_tiles(source, (2, 2))
-    assert source.crops == {"grid": [2, 2], "count": 5, "side": 4, "thumbnail": True, "resolution": [224, 224]}
-    pixel = torch.from_numpy(canvas_tiles(_photo(300, 280), source.crops, SIZE, MEAN, STD))
-    with torch.inference_mode():
-        got = source.pipeline(pixel)
-    assert got.shape == (5, TOKENS, WIDTH)
-    assert_close(got, hf_rows(hf_model, pixel))
+    check_dense_tiles(internvl_dir, lambda crops: canvas_tiles(_photo(300, 280), crops, SIZE, MEAN, STD),
+                      lambda pixel: hf_rows(hf_model, pixel), resolution=224, tokens=TOKENS)
 
 
 def _rows_are_hf_rows(result, model, tiles: int, keep: int) -> None:

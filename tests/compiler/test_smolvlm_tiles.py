@@ -28,13 +28,11 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, cat_image, check_eval, check_generate_through_graphs, check_tile_rows,
+from merged_checks import (cat_image, check_dense_tiles, check_eval, check_generate_through_graphs, check_tile_rows,
                            compile_tiles)
 from tiny_models import tiny_smolvlm
 from vlmprune.compiler.errors import InputError
-from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.frontend.smolvlm import smolvlm_tiles
-from vlmprune.compiler.frontend.tiles import set_tiles
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
 SIZE, TOKENS, WIDTH = 128, 16, 48
@@ -106,14 +104,8 @@ def test_any_photo_gives_the_grid(grid, width, height):
 
 
 def test_dense_tiles_are_hf_image_features(smolvlm_dir, hf_model):
-    source = load_source(str(smolvlm_dir))
-    set_tiles(source, (2, 2))
-    assert source.crops == {"grid": [2, 2], "count": 5, "side": 4, "thumbnail": True, "resolution": [256, 256]}
-    pixel = torch.from_numpy(smolvlm_tiles(_photo(300, 280), source.crops, SIZE, MEAN, STD))
-    with torch.inference_mode():
-        got = source.pipeline(pixel)
-    assert got.shape == (5, TOKENS, WIDTH)
-    assert_close(got.reshape(-1, WIDTH), hf_rows(hf_model, pixel))
+    check_dense_tiles(smolvlm_dir, lambda crops: smolvlm_tiles(_photo(300, 280), crops, SIZE, MEAN, STD),
+                      lambda pixel: hf_rows(hf_model, pixel), resolution=256, tokens=TOKENS)
 
 
 def _rows_are_hf_rows(result, model, tiles: int, keep: int) -> None:
