@@ -30,6 +30,16 @@ import torch.nn.functional as F
 from torch._higher_order_ops.scan import scan
 
 
+MODULE = "linear_attn"  # the decoder layer's attribute holding the operator (Qwen3_5GatedDeltaNet)
+STATES = ("conv", "recurrent")  # the states one layer keeps, as the graphs name them (present.{i}.conv, .recurrent)
+
+
+def state_shapes(attn) -> list[list[int]]:
+    """Each state's shape past the batch: the convolution's last L inputs [channels, L], the rule's state
+    [value heads, dk, dv]."""
+    return [[attn.conv_dim, attn.conv1d.kernel_size[0]], [attn.num_v_heads, attn.head_k_dim, attn.head_v_dim]]
+
+
 def _activation(attn):
     from transformers.activations import ACT2FN
 

@@ -162,17 +162,21 @@ def layer_types(config) -> list[str] | None:
     return list(config.layer_types) if getattr(config, "model_type", None) in LAYER_TYPES else None
 
 
+def _layers_of_type(config, types: dict) -> list[int]:
+    """The layers whose config.layer_types entry is the one `types` names for the decoder's model_type, else []."""
+    kind = types.get(getattr(config, "model_type", None))
+    return [i for i, t in enumerate(config.layer_types) if t == kind] if kind is not None else []
+
+
 def conv_layers(config) -> list[int]:
     """The layers that are short convolutions (CONV_STATE: a convolution state, no keys and values), else []."""
-    kind = CONV_STATE.get(getattr(config, "model_type", None))
-    return [i for i, t in enumerate(config.layer_types) if t == kind] if kind is not None else []
+    return _layers_of_type(config, CONV_STATE)
 
 
 def recurrent_layers(config) -> list[int]:
     """The layers that are gated delta-nets (RECURRENT_STATE: a convolution and a recurrent state, no keys and
     values), else []."""
-    kind = RECURRENT_STATE.get(getattr(config, "model_type", None))
-    return [i for i, t in enumerate(config.layer_types) if t == kind] if kind is not None else []
+    return _layers_of_type(config, RECURRENT_STATE)
 
 
 def module_name(config, name: str) -> str:

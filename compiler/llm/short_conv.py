@@ -2,7 +2,8 @@
 
 Why a module of its own: the layer is not attention and keeps a state of another kind, so its math and what its state
 is stay here, apart from compiler.llm.torch_exporter's attention; the exporter asks lm_source which layers are
-convolutions (conv_layers) and calls these two functions.
+convolutions (conv_layers) and calls these two functions, with what the module declares (MODULE, STATES,
+state_shapes), as it does compiler.llm.gated_delta's.
 
 The operator (transformers' modeling_lfm2, on the layer's own modules): in_proj splits each row into B, C and x; B*x
 goes through a depthwise causal conv1d of kernel L (conv_L_cache); C times its output goes through out_proj. A decode
@@ -15,6 +16,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+MODULE = "conv"  # the decoder layer's attribute holding the operator (Lfm2ShortConv)
+STATES = ("conv",)  # the states one layer keeps, as the graphs name them (present.{i}.conv)
+
+
+def state_shapes(conv) -> list[list[int]]:
+    """Each state's shape past the batch: the convolution's last L inputs [hidden, L]."""
+    return [[conv.conv.in_channels, conv.conv.kernel_size[0]]]
 
 
 def _gated_input(conv, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

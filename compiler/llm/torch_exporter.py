@@ -136,7 +136,10 @@ class _Decoder(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.convs = frozenset(conv_layers(config))  # short-convolution layers: a convolution state, no attention
         self.deltas = frozenset(recurrent_layers(config))  # gated delta-nets: a conv and a recurrent state
-        self.attending = [i for i in range(self.num_layers) if i not in self.convs and i not in self.deltas]
+        # the layers that keep states other than keys and values, each with its operator's module (what it declares:
+        # MODULE, STATES, state_shapes, prefill, step)
+        self.stateful = {**{i: short_conv for i in self.convs}, **{i: gated_delta for i in self.deltas}}
+        self.attending = [i for i in range(self.num_layers) if i not in self.stateful]
         self.gated = config.model_type in GATED_QUERY  # q_proj gives the queries and an output gate per head
         first = model.model.layers[self.attending[0]].self_attn  # Gemma 4's config has a head size per layer
         self.head_dim = getattr(first, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -157,12 +160,14 @@ class _Decoder(nn.Module):
         self.cache_shapes = [(attns[i].k_proj.out_features // getattr(attns[i], "head_dim", self.head_dim),
                               getattr(attns[i], "head_dim", self.head_dim)) for i in self.cached]
         # each convolution state's [hidden, L] (the conv's last L inputs: compiler.llm.short_conv)
-        self.conv_shape = ([config.hidden_size, model.model.layers[min(self.convs)].conv.conv.kernel_size[0]]
-                           if self.convs else None)
+        self.conv_shape = self.state_shapes(min(self.convs))[0] if self.convs else None
         # each gated delta-net's ([channels, L] of its convolution state, [value heads, dk, dv] of its recurrent state)
-        delta = model.model.layers[min(self.deltas)].linear_attn if self.deltas else None
-        self.delta_shapes = (([delta.conv_dim, delta.conv1d.kernel_size[0]],
-                              [delta.num_v_heads, delta.head_k_dim, delta.head_v_dim]) if delta is not None else None)
+        self.delta_shapes = tuple(self.state_shapes(min(self.deltas))) if self.deltas else None
+
+    def state_shapes(self, i: int) -> list[list[int]]:
+        """Layer i's states' shapes past the batch, as its operator declares them (stateful layers only)."""
+        op = self.stateful[i]
+        return op.state_shapes(getattr(self.lm.model.layers[i], op.MODULE))
 
     def part(self, owner: nn.Module, name: str) -> nn.Module:
         """owner's module that Llama's layer calls name, by the decoder's own name (lm_source.MODULE_NAMES)."""
@@ -174,10 +179,8 @@ class _Decoder(nn.Module):
         cache of its own (none for one that shares another's)."""
         names = []
         for i in range(self.num_layers):
-            if i in self.convs:
-                names.append(f"{prefix}.{i}.conv")
-            elif i in self.deltas:
-                names += [f"{prefix}.{i}.conv", f"{prefix}.{i}.recurrent"]
+            if i in self.stateful:
+                names += [f"{prefix}.{i}.{state}" for state in self.stateful[i].STATES]
             elif self.sources[i] == i:
                 names += [f"{prefix}.{i}.key", f"{prefix}.{i}.value"]
         return names
@@ -264,23 +267,15 @@ class _Decoder(nn.Module):
             out = out * torch.sigmoid(gate)
         return self.part(attn, "o_proj")(out), k, v, q, kx
 
-    def conv_layer(self, layer, hidden, state=None):
-        """(hidden, new convolution state) of a short-convolution layer: its operator (compiler.llm.short_conv) on the
-        normed rows in place of attention, over the prompt (state None) or one row on state; then the MLP."""
-        x = self.part(layer, "input_layernorm")(hidden)
-        out, state = short_conv.prefill(layer.conv, x) if state is None else short_conv.step(layer.conv, x, state)
+    def state_layer(self, i: int, layer, hidden, states=None):
+        """(hidden, its new states) of layer i, one that keeps states other than keys and values (LFM2's short
+        convolutions: compiler.llm.short_conv; Qwen3.5's gated delta-nets: compiler.llm.gated_delta): its operator
+        on the normed rows in place of attention, over the prompt (states None) or one row on states; then the MLP."""
+        op = self.stateful[i]
+        mixer, x = getattr(layer, op.MODULE), self.part(layer, "input_layernorm")(hidden)
+        out, *states = op.prefill(mixer, x) if states is None else op.step(mixer, x, *states)
         hidden = hidden + out
-        return hidden + self.part(layer, "mlp")(self.part(layer, "post_attention_layernorm")(hidden)), state
-
-    def delta_layer(self, layer, hidden, states=None):
-        """(hidden, new convolution state, new recurrent state) of a gated delta-net layer: its operator
-        (compiler.llm.gated_delta) on the normed rows in place of attention, over the prompt (states None) or one row
-        on (conv, recurrent); then the MLP."""
-        x = self.part(layer, "input_layernorm")(hidden)
-        out, conv, state = (gated_delta.prefill(layer.linear_attn, x) if states is None
-                            else gated_delta.step(layer.linear_attn, x, *states))
-        hidden = hidden + out
-        return hidden + self.part(layer, "mlp")(self.part(layer, "post_attention_layernorm")(hidden)), conv, state
+        return hidden + self.part(layer, "mlp")(self.part(layer, "post_attention_layernorm")(hidden)), states
 
     def layer(self, layer, hidden, rope, past=None, causal=True, bias=None, index=None, shared=None,
               per_layer=None):
@@ -336,13 +331,9 @@ class PrefillGraph(_Decoder):
         hidden, presents, kept, caches = inputs_embeds, [], None, {}
         spec = self.spec
         for i, layer in enumerate(self.inner.layers):
-            if i in self.convs:  # a short convolution: its state, no keys and values
-                hidden, state = self.conv_layer(layer, hidden)
-                presents.append(state)
-                continue
-            if i in self.deltas:  # a gated delta-net: its two states, no keys and values
-                hidden, conv, state = self.delta_layer(layer, hidden)
-                presents += [conv, state]
+            if i in self.stateful:  # a short convolution or a gated delta-net: its states, no keys and values
+                hidden, states = self.state_layer(i, layer, hidden)
+                presents += states
                 continue
             shared = caches.get(self.sources[i]) if self.sources[i] != i else None
             hidden, k, v, q, kx = self.layer(layer, hidden, ropes[i], bias=biases[i], shared=shared,
@@ -382,13 +373,10 @@ class DecodeGraph(_Decoder):
         ropes = self.ropes(inputs_embeds, position_ids)
         hidden, presents, caches = inputs_embeds, [], {}
         for i, layer in enumerate(self.inner.layers):
-            if i in self.convs:  # a short convolution: this row on its state
-                hidden, state = self.conv_layer(layer, hidden, past.pop(0))
-                presents.append(state)
-                continue
-            if i in self.deltas:  # a gated delta-net: this row on its two states
-                hidden, conv, state = self.delta_layer(layer, hidden, (past.pop(0), past.pop(0)))
-                presents += [conv, state]
+            if i in self.stateful:  # a short convolution or a gated delta-net: this row on its states
+                states = [past.pop(0) for _ in self.stateful[i].STATES]
+                hidden, states = self.state_layer(i, layer, hidden, states)
+                presents += states
                 continue
             if self.sources[i] != i:  # shared KV: the owner's cache with this token's row
                 hidden, *_ = self.layer(layer, hidden, ropes[i], causal=False, index=i, shared=caches[self.sources[i]],
@@ -447,12 +435,10 @@ def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> 
     shapes = dict(zip(graph.cached, graph.cache_shapes))
     past, dims = [], []  # in state_names' order: layer by layer
     for i in range(graph.num_layers):
-        if i in graph.convs:  # a convolution state: [batch, hidden, L], L fixed
-            past.append(torch.zeros(2, *graph.conv_shape))
-            dims.append({0: batch})
-        elif i in graph.deltas:  # a convolution state [batch, channels, L] and a recurrent state [batch, Hv, dk, dv]
-            past += [torch.zeros(2, *shape) for shape in graph.delta_shapes]
-            dims += [{0: batch}, {0: batch}]
+        if i in graph.stateful:  # a short convolution's or a gated delta-net's states: fixed shapes past the batch
+            state_shapes = graph.state_shapes(i)
+            past += [torch.zeros(2, *shape) for shape in state_shapes]
+            dims += [{0: batch} for _ in state_shapes]
         elif i in shapes:
             n = 9 if spec is None or i < spec.layer else 6 if pruned else 9
             past += [torch.zeros(2, shapes[i][0], n, shapes[i][1]) for _ in range(2)]
