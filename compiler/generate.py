@@ -112,9 +112,9 @@ class Prompt:
     text: str
     how: str
     # The ids its processor writes between two tiles' rows (ImagePrompt.between; one list per tile but the last),
-    # and the rows of one tile: spliced among the image rows at their dense places (between_tiles). [] for most.
+    # and the rows of each tile: spliced among the image rows at their dense places (between_tiles). [] for most.
     between: list[list[int]] = dataclasses.field(default_factory=list)
-    tile_rows: int = 0
+    tile_rows: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -262,7 +262,8 @@ def build_prompt(vlm: Vlm, prompt: str) -> Prompt:
     chat = vlm.rules.chat  # the family's mark, text-only turn and convention
     # the text its processor writes around the image rows (and between its tiles' rows), if any
     wrap = vlm.rules.source_image_prompt(vlm.tokenizer, vlm.source)
-    tiles = {"tile_rows": vlm.source.num_patches} if wrap is not None and wrap.between else {}
+    tiles = {"tile_rows": wrap.tile_rows or (vlm.source.num_patches,) * (len(wrap.between) + 1)} \
+        if wrap is not None and wrap.between else {}
     clip = chat.video and vlm.source.frames > 1  # written as its processor writes a video
     image_token = vlm.model.config.video_token_id if clip else image_token_id(vlm)
     own_mark = wrap is not None and wrap.mark is not None  # the template writes a mark other than the image token
@@ -366,13 +367,12 @@ def hf_forward_ids(vlm: Vlm, prompt: Prompt, tokens: int) -> dict:
     video = vlm.source.frames > 1  # a video source: Qwen's video placeholder, token type 2
     token = vlm.model.config.video_token_id if video else image_token_id(vlm)
     span = [token] * tokens
-    if prompt.between:  # the tiles' rows, the processor's text between them (as many rows to each tile)
-        tiles = len(prompt.between) + 1
-        if tokens % tiles:
-            raise ValueError(f"{tokens} image tokens do not split over {tiles} tiles")
-        span = [token] * (tokens // tiles)
-        for piece in prompt.between:
-            span = span + piece + [token] * (tokens // tiles)
+    if prompt.between:  # the tiles' rows, the processor's text between them (each tile's rows: tile_rows)
+        if tokens != sum(prompt.tile_rows):
+            raise ValueError(f"{tokens} image tokens are not the tiles' {sum(prompt.tile_rows)}")
+        span = [token] * prompt.tile_rows[0]
+        for piece, rows in zip(prompt.between, prompt.tile_rows[1:]):
+            span = span + piece + [token] * rows
     ids = torch.tensor([prompt.before + span + prompt.after])
     out = {"input_ids": ids}
     if vlm.rules.vision_span is not None:  # Qwen's forward marks the image (1) and video (2) tokens
@@ -388,16 +388,18 @@ def between_tiles(prompt: Prompt, embed, rows: torch.Tensor, image_positions: np
     its rows at their dense places: (the image span's rows, their positions, the text start after it).
 
     image_positions place the rows as the tiles' rows end to end (offset + c·N + i for token i of tile c, the
-    family's positions rule): each row moves past the text written before its tile, each piece of text takes the
-    positions right after its tile's N, and the span is in position order (a tile's kept rows, then its text)."""
+    family's positions rule; offset + the rows of the tiles before c + i where tiles differ, Prompt.tile_rows): each
+    row moves past the text written before its tile, each piece of text takes the positions right after its tile's
+    rows, and the span is in position order (a tile's kept rows, then its text)."""
     if image_positions.ndim != 1:
         raise ValueError("text between tiles takes 1-D positions")
-    offset, n = len(prompt.before), prompt.tile_rows
+    offset = len(prompt.before)
+    ends = np.cumsum(prompt.tile_rows).astype(np.int64)  # the image rows up to the end of tile c
     lengths = [len(piece) for piece in prompt.between]
     before_tile = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)  # text tokens before tile c
-    tile = np.clip((image_positions - offset) // n, 0, len(lengths))
+    tile = np.clip(np.searchsorted(ends, image_positions - offset, side="right"), 0, len(lengths))
     moved = image_positions + before_tile[tile]
-    text = [offset + (c + 1) * n + before_tile[c] + np.arange(k) for c, k in enumerate(lengths)]
+    text = [offset + ends[c] + before_tile[c] + np.arange(k) for c, k in enumerate(lengths)]
     ids = torch.tensor([[t for piece in prompt.between for t in piece]], dtype=torch.long)
     positions = np.concatenate([moved, *text]).astype(np.int64)
     span = torch.cat([rows, embed(ids)[0].to(rows.dtype)])

@@ -21,13 +21,15 @@ from vlmprune.compiler.frontend.tower import Exported, VisionPipeline
 STACK_TRACE = "pkg.torch.onnx.stack_trace"
 
 
-def export_onnx(pipeline: VisionPipeline, image_size: int, batch: int | None, opset: int):
+def export_onnx(pipeline: VisionPipeline, image_size: int, batch: int | None, opset: int,
+                pixel_shape: tuple[int, ...] | None = None):
     """The dense pipeline as ONNX: input `pixel_values`, output `image_features`.
 
     batch=None exports a dynamic batch dimension (traced at batch 2 so that the exporter
-    cannot specialise it to 1).
+    cannot specialise it to 1). pixel_shape: one image's input where it is not [3, S, S] (MiniCPM-V's sliced image,
+    the processor's NaViT-packed patches [3, p, L·p]).
     """
-    example = torch.zeros(batch or 2, 3, image_size, image_size)
+    example = torch.zeros(batch or 2, *(pixel_shape or (3, image_size, image_size)))
     dynamic = None if batch else {PIXELS: {0: torch.export.Dim("batch", min=1, max=4096)}}
     return torch_onnx("torch.onnx export", Exported(pipeline.with_pruner(None)), (example,), input_names=[PIXELS],
                       output_names=[FEATURES], dynamic_shapes=dynamic, opset_version=opset)

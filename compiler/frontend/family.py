@@ -64,6 +64,9 @@ class ImagePrompt:
     # What the processor writes between two tiles' rows where one image is several tiles (Family.source_image_prompt:
     # SmolVLM's row / column markers), one entry per tile but the last; () where the rows run end to end.
     between: tuple[str, ...] = ()
+    # The rows of each tile where they differ (MiniCPM-V's source image and its slices); (): the source's num_patches
+    # each, as equal tiles have.
+    tile_rows: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

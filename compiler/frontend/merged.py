@@ -33,18 +33,23 @@ def siglip_block(layer) -> BlockParts:
 
 
 def patches(pixel_values: torch.Tensor, p: int, channels_last: bool = False) -> torch.Tensor:
-    """[B, C, S, S] -> [B, (S/p)², C·p·p] raster order, each patch flattened as a Conv's weight is (C, row, col), or
-    (row, col, C) with channels_last (SigLIP2's NaFlex processor): the patch embedding then is one MatMul."""
-    b, c, s, _ = pixel_values.shape
-    g = s // p
+    """[B, C, H, W] -> [B, (H/p)·(W/p), C·p·p] raster order, each patch flattened as a Conv's weight is (C, row, col),
+    or (row, col, C) with channels_last (SigLIP2's NaFlex processor): the patch embedding then is one MatMul."""
+    b, c, h, w = pixel_values.shape
+    gh, gw = h // p, w // p
     order = (0, 2, 4, 3, 5, 1) if channels_last else (0, 2, 4, 1, 3, 5)
-    return pixel_values.reshape(b, c, g, p, g, p).permute(*order).reshape(b, g * g, c * p * p)
+    return pixel_values.reshape(b, c, gh, p, gw, p).permute(*order).reshape(b, gh * gw, c * p * p)
+
+
+def patch_matmul(conv, x: torch.Tensor) -> torch.Tensor:
+    """Flattened patches [B, N, C·p·p] (a Conv's weight order) through a patch Conv as one MatMul: [B, N, D]. Apart
+    from conv_as_matmul for a family whose processor hands over patches, not a picture (MiniCPM-V's NaViT packing)."""
+    return x @ conv.weight.reshape(conv.weight.shape[0], -1).t() + conv.bias
 
 
 def conv_as_matmul(conv, pixel_values: torch.Tensor) -> torch.Tensor:
     """A patch Conv (kernel = stride = p) applied as one MatMul over the flattened patches: [B, N, D]."""
-    x = patches(pixel_values, conv.kernel_size[0])
-    return x @ conv.weight.reshape(conv.weight.shape[0], -1).t() + conv.bias
+    return patch_matmul(conv, patches(pixel_values, conv.kernel_size[0]))
 
 
 def token_counts(image_size: int, patch: int, merge: int) -> dict:
