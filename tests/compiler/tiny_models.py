@@ -397,7 +397,8 @@ def tiny_minicpm_v(path: Path, seed: int = 0, image_token_id: int = 120, tokeniz
                        eos_token="<|im_end|>",
                        extra_special_tokens={"image_token": "<|image_pad|>", "image_start_token": "<image>",
                                              "image_end_token": "</image>", "image_id_start_token": "<image_id>",
-                                             "image_id_end_token": "</image_id>"})
+                                             "image_id_end_token": "</image_id>", "slice_start_token": "<slice>",
+                                             "slice_end_token": "</slice>"})
     return Path(path)
 
 
