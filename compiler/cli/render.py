@@ -56,6 +56,9 @@ def _counts_line(counts: dict, grid_thw: list[int], frames: int | None) -> str:
     merge, how = counts["spatial_merge"], "pooled" if counts.get("pool") else "merged"
     line = (f"image {counts['image_size']}x{counts['image_size']}: {counts['patch_grid'][0]}x"
             f"{counts['patch_grid'][1]} = {counts['patches']} patches, {how} {merge}x{merge} into {h}x{w}")
+    if counts.get("slices"):  # a sliced image (MiniCPM-V --grid): the slices' grid, then the source image's tokens
+        return line + (f" = {counts['tokens']} tokens per slice, {counts['slices']} slices + the source image's "
+                       f"{counts['source_tokens']}: {counts['image_tokens']} tokens")
     if not frames:
         return line + f" = {counts['tokens']} tokens"
     if t == frames:

@@ -16,13 +16,31 @@ position ids a full tile of that size gets (a constant), blocks 1..insert_layer_
 projections, windows taken by a static reshape in place of transformers' window index: the same order), the other
 blocks, post_layernorm, and the merger's MLPs fed the groups as transformers' merger lays them out. VisionPipeline
 runs the blocks up to the window merger as its blocks and the rest as its projector (block-site methods are refused,
-so no method runs between them).
+so no method runs between them). The patch grid need not be square (a sliced image's source is not).
 
-Slicing is not compiled: a bundle takes one square tile per image at one static --image-size S (a multiple of patch x
-the total merge, 56 for MiniCPM-V 4.6; default the processor's scale_resolution, 448, or the tower's own size where
-that is smaller), as MiniCPM-V's processor feeds an image that needs no slicing (slice_mode off, or an image of at
-most scale_resolution² pixels), resized to S x S. Its slices plus the source image under one budget (as LLaVA-NeXT's
-crops have) are not there; each slice can be run as an image of the batch.
+By default a bundle takes one square tile per image at one static --image-size S (a multiple of patch x the total
+merge, 56 for MiniCPM-V 4.6; default the processor's scale_resolution, 448, or the tower's own size where that is
+smaller), as MiniCPM-V's processor feeds an image that needs no slicing (slice_mode off, or an image of at most
+scale_resolution² pixels), resized to S x S.
+
+Slicing (`--grid RxC`): the processor (MiniCPMV4_6ImageProcessor) cuts a large image into a source image
+(find_best_resize: the whole image at about S² pixels, its aspect kept) and R x C slices (get_sliced_grid,
+get_refine_size, divide_to_patches), and the source and the slices differ in size, so they are no one static batch.
+A compile fixes the image's shape to the grid's, R·S x C·S (each slice's region S x S), and takes the sizes the
+processor itself derives for it (slice_layout: at 448, 1x2 gives a 336x616 source and two 448x448 slices); a grid
+the processor would not cut from that shape (one slice, more than its max_slice_nums, another grid by its aspect
+search) or parts the merges do not divide are refused in one line. The bundle's input is the processor's own
+pixel_values of one image, its NaViT-packed patches [B, 3, p, L·p] (the source's patches, then each slice's);
+minicpm_slices centre-crops a photo to the grid's aspect and lets the processor cut it, the crop resized to the
+grid's shape first where the processor would cut it otherwise. The graph (SlicedPipeline) runs the tower and merger
+twice on the same weights, on the source's patch grid and on the slices' as a batch of R·C, each with its grid's
+position ids, as transformers' packed forward does (its attention never crosses two parts); the image's rows are the
+source's tokens then each slice's, and K is one budget over all of them (the method sees the image's rows as one
+set), kept_indices their place among those rows. ort, orin and xavier (host parity) run it; rk3588 and qnn, which
+run batch 1, are refused in one line, as tiles are. generate and eval (`--grid`, default the bundle's) slice the
+same and write the processor's prompt for a sliced image (slice_prompt): the source's rows in <image> ... </image>,
+each slice's in <slice> ... </slice>, a newline between two rows of slices, every kept row and marker at its dense
+place (ImagePrompt.between with the parts' own row counts, tile_rows).
 
 Where pruning goes: after the connector, on the merged tokens (the features site; Source.spatial_merge 4, or 2 at
 "4x"): divprune, dart, and random / grid with --site features. That is the one site with exact parity against Hugging
