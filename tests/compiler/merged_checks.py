@@ -457,6 +457,52 @@ def check_tile_rows(result, pixel: np.ndarray, hf_rows: torch.Tensor, *, tiles: 
     assert_close(torch.from_numpy(features[0]), hf_rows[torch.from_numpy(kept[0]).long()])
 
 
+def check_pruned_tiles_splice(result, model_dir, image, prompt_text: str, image_token: int, hf_rows: Callable,
+                              pooled: Callable = lambda rows: rows[None]):
+    """A bundle over one image's parts (tiles, MiniCPM-V's slices): its kept rows, spliced by generate among the
+    processor's text between the parts (Prompt.between, Prompt.tile_rows: between_tiles), give the logits of HF's own
+    forward on the processor's prompt (hf_forward_ids: every part's rows and the text between) with the pruned image
+    tokens dropped, fed its own tower's rows of the kept tokens (hf_rows(model, pixel): the image's rows end to end,
+    [T, D] or [parts, T_c, D]; as the forward's mm_encoder_outputs take them: pooled(rows)), every kept and marker token
+    at its dense position; consecutive positions give other logits. Written once: the tiled families differ only in
+    how HF is fed. Returns (vlm, pixel, the line load_pixels says, kept)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from vlmprune.compiler import generate as gen
+
+    vlm = gen.load_vlm(str(model_dir), bundle=result.manifest)
+    pixel, described = gen.load_pixels(vlm, image)
+    prompt = gen.build_prompt(vlm, prompt_text)
+    tokens = gen.bundle_tokens(result.bundle, result.manifest, pixel, vlm)
+    kept = np.asarray(tokens.kept)
+    assert (np.diff(kept) > 0).all()  # raster order: the kept rows meet the image tokens in the same order
+    positions, text_start = gen.bundle_positions(tokens, len(prompt.before))
+    ours = gen.answer(vlm, prompt, tokens.features, positions, text_start, 1)
+
+    dense = gen.hf_forward_ids(vlm, prompt, tokens.llm["dense_image_tokens"])["input_ids"][0]
+    slots = np.flatnonzero(dense.numpy() == image_token)  # the dense image tokens, part by part
+    assert len(slots) == tokens.llm["dense_image_tokens"]
+    keep = np.ones(len(dense), dtype=bool)
+    keep[np.setdiff1d(slots, slots[kept])] = False
+    ids, where = dense[torch.from_numpy(keep)][None], np.flatnonzero(keep)
+    assert ours.position_ids == where.tolist()
+    all_rows = hf_rows(vlm.model, torch.from_numpy(pixel))
+    rows = all_rows.reshape(-1, all_rows.shape[-1])[torch.from_numpy(kept)]
+
+    def logits(position_ids):
+        with torch.inference_mode():
+            return vlm.model(input_ids=ids, position_ids=torch.from_numpy(position_ids)[None], logits_to_keep=1,
+                             mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=pooled(rows))},
+                             ).logits[0, -1].float()
+
+    hf = logits(where)
+    print(f"{len(kept)} of {len(slots)} image tokens among {len(dense) - len(slots)} others: first logits max-abs "
+          f"{float((ours.first_logits - hf).abs().max()):.3g} against HF's forward")
+    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
+    assert (logits(np.arange(len(where))) - hf).abs().max() > 1e-4  # the positions count
+    return vlm, pixel, described, kept
+
+
 def check_dense_tiles(model_dir, cut: Callable, hf_rows: Callable, *, resolution: int, tokens: int) -> None:
     """A 2x2 grid's five tiles (the grid, then the thumbnail) of a 300x280 photo: the dense pipeline's rows of each
     tile = HF's (hf_rows(pixel) [5·tokens, D]); cut(source.crops) gives the tiles as the family's processor cuts

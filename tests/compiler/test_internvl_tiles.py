@@ -31,8 +31,8 @@ import torch
 from cli_helpers import eval_inputs, one_line_error, run_cli
 from internvl_fixtures import (IMAGE, MEAN, SIZE, STD, TOKENS, WIDTH, hf_model, hf_rows, internvl_dir,  # noqa: F401
                                llm_dir)
-from merged_checks import (cat_image, check_dense_tiles, check_eval, check_generate_through_graphs, check_tile_rows,
-                           compile_tiles)
+from merged_checks import (cat_image, check_dense_tiles, check_eval, check_generate_through_graphs,
+                           check_pruned_tiles_splice, check_tile_rows, compile_tiles)
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.images import canvas_tiles
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
@@ -139,38 +139,12 @@ def test_grid_2x2_bundle(bundle_2x2, llm_dir):
 
 def test_generate_with_pruned_tiles_is_hf_forward(bundle_2x2, llm_dir, tmp_path_factory):
     """The 2x2 bundle's 12 kept rows, spliced by generate at their places among the image's 80 dense rows (between
-    one <img> and </img>), give the logits of HF's own forward given its own rows of those 12 tokens there."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    from vlmprune.compiler import generate as gen
-    image = cat_image(tmp_path_factory)
-    vlm = gen.load_vlm(str(llm_dir), bundle=bundle_2x2.manifest)
-    assert vlm.source.crops["count"] == 5
-    pixel, described = gen.load_pixels(vlm, image)
-    assert pixel.shape == (5, 3, SIZE, SIZE) and "5 tiles" in described
-    prompt = gen.build_prompt(vlm, "what is in the image?")
-    bundle = gen.bundle_tokens(bundle_2x2.bundle, bundle_2x2.manifest, pixel, vlm)
-    kept = np.asarray(bundle.kept)
-    offset = len(prompt.before)
-    positions, text_start = gen.bundle_positions(bundle, offset)
-    np.testing.assert_array_equal(positions, offset + kept)
-    assert text_start == offset + 5 * TOKENS and kept.max() >= 4 * TOKENS  # the thumbnail's rows are placed last
-    ours = gen.answer(vlm, prompt, bundle.features, positions, text_start, 1)
-
-    rows = hf_rows(vlm.model, torch.from_numpy(pixel)).reshape(-1, WIDTH)[kept]
-    ids = torch.tensor([prompt.before + [IMAGE] * len(kept) + prompt.after])
-
-    def logits(image_positions):
-        position_ids = torch.from_numpy(np.concatenate([np.arange(offset), image_positions,
-                                                        text_start + np.arange(len(prompt.after))]))[None]
-        with torch.inference_mode():
-            return vlm.model(input_ids=ids, position_ids=position_ids, logits_to_keep=1,
-                             mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=rows[None])},
-                             ).logits[0, -1].float()
-
-    hf = logits(positions)
-    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
-    assert (logits(offset + np.arange(len(kept))) - hf).abs().max() > 1e-4  # the positions count
+    one <img> and </img>), give the logits of HF's own forward given its own rows of those 12 tokens there
+    (merged_checks.check_pruned_tiles_splice); the thumbnail's rows are placed last."""
+    vlm, pixel, described, kept = check_pruned_tiles_splice(bundle_2x2, llm_dir, cat_image(tmp_path_factory),
+                                                            "what is in the image?", IMAGE, hf_rows)
+    assert vlm.source.crops["count"] == 5 and pixel.shape == (5, 3, SIZE, SIZE) and "5 tiles" in described
+    assert kept.max() >= 4 * TOKENS
 
 
 def test_dense_generate_over_tiles_is_hf_forward(llm_dir, tmp_path_factory):

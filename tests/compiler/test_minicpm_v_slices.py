@@ -12,8 +12,9 @@ window merger and merger folding 4x4 patches into a token; seed 0 for the tower 
 - --grid 1x2 divprune on ort, orin and xavier (host parity), dart on ort: parity passes, the rows are HF's rows at
   kept_indices (over the image's 50 rows end to end);
 - generate's prompt at --grid 2x2 is the processor's own (replace_image_token and its image id on its own outputs),
-  its dense splice of the 5 parts' rows among the slice markers gives HF's own forward; `generate` through a
-  --with-llm 1x2 bundle's graphs gives the --reference tokens;
+  its dense splice of the 5 parts' rows among the slice markers gives HF's own forward; a pruned 2x2 bundle's kept
+  rows, spliced among the markers, give HF's forward on the processor's prompt with the pruned image tokens dropped;
+  `generate` through a --with-llm 1x2 bundle's graphs gives the --reference tokens;
 - a grid the processor does not cut (12 slices, one slice, a bad spelling) and the batch-1 targets rk3588 and qnn
   are refused in one line, nothing written.
 """
@@ -27,7 +28,8 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import assert_close, cat_image, check_generate_through_graphs, compiled
+from merged_checks import (assert_close, cat_image, check_generate_through_graphs, check_pruned_tiles_splice,
+                           compiled)
 from tiny_models import tiny_minicpm_v
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
@@ -267,6 +269,26 @@ def test_prompt_of_an_uneven_grid_is_the_processors(llm_dir, tmp_path):
     assert prompt.tile_rows == (18, 16, 16)
     ids = gen.hf_forward_ids(vlm, prompt, 50)["input_ids"]
     assert ids[0].tolist() == _processor_ids(llm_dir, path, sliced(vlm.source))
+
+
+@pytest.fixture(scope="module")
+def bundle_2x2(llm_dir, tmp_path_factory):
+    """--grid 2x2 divprune K = 12 on ort, no LLM graphs: the kept rows generate splices."""
+    return compiled(llm_dir, tmp_path_factory.mktemp("minicpm_slices_2x2") / "b", method="divprune", keep=12,
+                    family_options={"grid": "2x2"})
+
+
+def test_generate_with_pruned_slices_is_hf_forward(bundle_2x2, llm_dir, square_photo):
+    """The 2x2 bundle's 12 kept rows, spliced by generate among the processor's slice markers (Prompt.tile_rows,
+    between_tiles), give the logits of HF's own forward on the processor's prompt with the 68 pruned image tokens
+    dropped: its own rows of the 12 kept tokens, every kept and marker token at its dense position
+    (merged_checks.check_pruned_tiles_splice)."""
+    source = _sliced(llm_dir, (2, 2))
+    vlm, pixel, described, kept = check_pruned_tiles_splice(
+        bundle_2x2, llm_dir, square_photo, PROMPT, IMAGE, lambda model, pixel: hf_rows(model, source, pixel.numpy()),
+        pooled=lambda rows: [rows])
+    assert "2x2 slices" in described and pixel.shape == (1, 3, PATCH, 80 * 16 * PATCH)
+    assert vlm.source.details["grid"] == "2x2" and len(kept) == 12
 
 
 @pytest.fixture(scope="module")

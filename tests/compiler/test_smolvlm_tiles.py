@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (cat_image, check_dense_tiles, check_eval, check_generate_through_graphs, check_tile_rows,
-                           compile_tiles)
+from merged_checks import (cat_image, check_dense_tiles, check_eval, check_generate_through_graphs,
+                           check_pruned_tiles_splice, check_tile_rows, compile_tiles)
 from tiny_models import tiny_smolvlm
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.smolvlm import smolvlm_tiles
@@ -251,39 +251,11 @@ def bundle_2x2(llm_dir, tmp_path_factory):
 
 def test_generate_with_pruned_tiles_is_hf_forward(bundle_2x2, llm_dir, tmp_path_factory):
     """The 2x2 bundle's 12 kept rows, spliced by generate among the processor's markers, give the logits of HF's own
-    forward on the processor's prompt with the 68 pruned image tokens dropped: its own rows of the 12 kept tokens,
-    every kept and marker token at its dense position."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    from vlmprune.compiler import generate as gen
-
-    image = cat_image(tmp_path_factory)
-    vlm = gen.load_vlm(str(llm_dir), bundle=bundle_2x2.manifest)
-    pixel, _ = gen.load_pixels(vlm, image)
-    prompt = gen.build_prompt(vlm, PROMPT)
-    bundle = gen.bundle_tokens(bundle_2x2.bundle, bundle_2x2.manifest, pixel, vlm)
-    kept = np.sort(np.asarray(bundle.kept))
-    assert len(set((kept // TOKENS).tolist())) == 5  # rows of every tile and of the thumbnail
-    positions, text_start = gen.bundle_positions(bundle, len(prompt.before))
-    ours = gen.answer(vlm, prompt, bundle.features, positions, text_start, 1)
-
-    dense = gen.hf_forward_ids(vlm, prompt, 5 * TOKENS)["input_ids"][0]
-    slots = np.flatnonzero(dense.numpy() == IMAGE)  # the dense image tokens, tile by tile
-    keep = np.ones(len(dense), dtype=bool)
-    keep[np.setdiff1d(slots, slots[kept])] = False
-    ids, where = dense[torch.from_numpy(keep)][None], np.flatnonzero(keep)
-    assert ours.position_ids == where.tolist()
-    rows = hf_rows(vlm.model, torch.from_numpy(pixel))[torch.from_numpy(kept)]
-
-    def logits(position_ids):
-        with torch.inference_mode():
-            return vlm.model(input_ids=ids, position_ids=torch.from_numpy(position_ids)[None], logits_to_keep=1,
-                             mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=rows[None])},
-                             ).logits[0, -1].float()
-
-    hf = logits(where)
-    torch.testing.assert_close(ours.first_logits, hf, rtol=0, atol=1e-4)
-    assert (logits(np.arange(len(where))) - hf).abs().max() > 1e-4  # the positions count
+    forward on the processor's prompt with the 68 pruned image tokens dropped (merged_checks.check_pruned_tiles_splice),
+    with rows of every tile and of the thumbnail kept."""
+    kept = check_pruned_tiles_splice(bundle_2x2, llm_dir, cat_image(tmp_path_factory), PROMPT, IMAGE,
+                                     hf_rows)[-1]
+    assert len(set((kept // TOKENS).tolist())) == 5
 
 
 @pytest.fixture(scope="module")
