@@ -257,8 +257,9 @@ def check_generate_cli(llm_bundle, llm_dir, image, prompt_text: str, keep: int =
     assert f"pruned: {keep} image tokens" in result.output and "the checkpoint's chat template" in result.output
 
 
-def check_eval(llm_bundle, llm_dir, tmp_path, prompts: list[str], tokens: int, keep: int = 8) -> None:
-    """eval's harness holds (its dense splice is HF's forward), and the bundle's rows give its reference's figures."""
+def check_eval(llm_bundle, llm_dir, tmp_path, prompts: list[str], tokens: int, keep: int = 8):
+    """eval's harness holds (its dense splice is HF's forward), and the bundle's rows give its reference's figures.
+    Returns (the report, its images folder) for the family's own checks (check_eval_is_generate)."""
     from skimage import data
 
     from cli_helpers import eval_inputs
@@ -273,6 +274,24 @@ def check_eval(llm_bundle, llm_dir, tmp_path, prompts: list[str], tokens: int, k
     for a, b in zip(reference["samples"], compiled["samples"]):
         assert np.isfinite(a["kl"]) and a["kl"] > 0
         assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6) and a["pruned_tokens"] == b["pruned_tokens"]
+    return report, images
+
+
+def check_eval_is_generate(report: dict, llm_bundle, llm_dir, images) -> None:
+    """eval's answers are generate's: each sample of the bundle's row, the tokens `generate` gives through the bundle on
+    that image and prompt, and its dense tokens `generate --dense`'s (one code path for both commands' prompts,
+    pixels and splices, so that eval's figures describe what generate answers)."""
+    from vlmprune.compiler import generate as gen
+
+    row = next(r for r in report["results"] if r["from"].startswith("bundle"))
+    steps = report["max_new_tokens"]
+    for sample in row["samples"]:
+        image = images / sample["image"]
+        pruned = gen.generate(llm_bundle.bundle, str(llm_dir), image, sample["prompt"], max_new_tokens=steps)
+        dense = gen.generate(llm_bundle.bundle, str(llm_dir), image, sample["prompt"], max_new_tokens=steps,
+                             dense=True)
+        assert pruned.answer.tokens == sample["pruned_tokens"] and dense.answer.tokens == sample["dense_tokens"]
+        assert pruned.answer.image_tokens == sample["image_tokens"]
 
 
 def check_generate_through_graphs(bundle_dir, model_dir, image, prompt_text: str, keep: int) -> str:

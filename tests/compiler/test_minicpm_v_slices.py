@@ -15,6 +15,9 @@ window merger and merger folding 4x4 patches into a token; seed 0 for the tower 
   its dense splice of the 5 parts' rows among the slice markers gives HF's own forward; a pruned 2x2 bundle's kept
   rows, spliced among the markers, give HF's forward on the processor's prompt with the pruned image tokens dropped;
   `generate` through a --with-llm 1x2 bundle's graphs gives the --reference tokens;
+- eval at the 2x2 bundle's grid: its harness holds, the bundle's figures are divprune's reference's over the same
+  slices, its answers are generate's (pruned and --dense); `eval --grid 2x2` runs, --grid 1x2 beside the bundle is
+  one line;
 - a grid the processor does not cut (12 slices, one slice, a bad spelling) and the batch-1 targets rk3588 and qnn
   are refused in one line, nothing written.
 """
@@ -28,8 +31,8 @@ import pytest
 import torch
 
 from cli_helpers import one_line_error, run_cli
-from merged_checks import (assert_close, cat_image, check_generate_through_graphs, check_pruned_tiles_splice,
-                           compiled)
+from merged_checks import (assert_close, cat_image, check_eval, check_eval_is_generate, check_generate_through_graphs,
+                           check_pruned_tiles_splice, compiled)
 from tiny_models import tiny_minicpm_v
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
@@ -289,6 +292,35 @@ def test_generate_with_pruned_slices_is_hf_forward(bundle_2x2, llm_dir, square_p
         pooled=lambda rows: [rows])
     assert "2x2 slices" in described and pixel.shape == (1, 3, PATCH, 80 * 16 * PATCH)
     assert vlm.source.details["grid"] == "2x2" and len(kept) == 12
+
+
+@pytest.mark.slow
+def test_eval_over_slices_is_generate(bundle_2x2, llm_dir, tmp_path):
+    """eval at the bundle's grid (its default): its harness is HF's forward over the 5 parts' 80 rows among the slice
+    markers, the bundle's rows give divprune's reference's figures over the same slices, and every answer is
+    generate's through the bundle (and dense, generate --dense's)."""
+    report, images = check_eval(bundle_2x2, llm_dir, tmp_path, [PROMPT], 80, keep=12)
+    check_eval_is_generate(report, bundle_2x2, llm_dir, images)
+
+
+def test_eval_cli_grid_and_another_grid_refused(bundle_2x2, llm_dir, tmp_path):
+    """`eval --grid 2x2` runs the references over the slices; --grid 1x2 beside a 2x2 bundle is one line."""
+    import json
+
+    from skimage import data
+
+    from cli_helpers import eval_inputs
+
+    images, prompts = eval_inputs(tmp_path, {"cat.png": data.chelsea()}, [PROMPT])
+    report = tmp_path / "r.json"
+    result = run_cli("eval", llm_dir, "--images", images, "--prompts", prompts, "-m", "divprune", "-k", "12",
+                     "--grid", "2x2", "--max-new-tokens", "1", "--report", report, "-q")
+    assert result.exit_code == 0, result.output
+    out = json.loads(report.read_text())
+    assert out["dense_image_tokens"] == 80 and out["harness_kl_max"] < 1e-8
+    assert out["results"][0]["samples"][0]["image_tokens"] == 12
+    one_line_error(run_cli("eval", llm_dir, "--images", images, "--prompts", prompts, "--bundle", bundle_2x2.bundle,
+                           "--grid", "1x2", "-q"), "compiled for --grid 2x2")
 
 
 @pytest.fixture(scope="module")
