@@ -9,8 +9,8 @@ window merger and merger folding 4x4 patches into a token; seed 0 for the tower 
   photo it would slice otherwise is resized to the grid's shape first, and still gives the bundle's layout;
 - the dense pipeline over the source image and the slices is get_image_features on the same pixel_values (1x2: a
   96x192 source, 18 tokens, and two 128x128 slices, 16 each; 2x2 and 1x3 too);
-- --grid 1x2 divprune on ort, orin and xavier (host parity), dart on ort: parity passes, the rows are HF's rows at
-  kept_indices (over the image's 50 rows end to end);
+- --grid 1x2 divprune on ort, orin, xavier (host parity) and openvino (the CPU plugin), dart on ort: parity passes,
+  the rows are HF's rows at kept_indices (over the image's 50 rows end to end);
 - generate's prompt at --grid 2x2 is the processor's own (replace_image_token and its image id on its own outputs),
   its dense splice of the 5 parts' rows among the slice markers gives HF's own forward; a pruned 2x2 bundle's kept
   rows, spliced among the markers, give HF's forward on the processor's prompt with the pruned image tokens dropped;
@@ -170,6 +170,17 @@ def test_grid_methods_and_targets(minicpm_dir, hf_model, tmp_path, target, metho
     result = compiled(minicpm_dir, tmp_path / "b", target=target, method=method, keep=10, method_options=options,
                       family_options={"grid": "1x2"})
     assert all(s.passed for s in result.report.stages), [s.stage for s in result.report.stages]
+    _rows_are_hf_rows(result, hf_model, _sliced(minicpm_dir, (1, 2)), 10)
+
+
+def test_grid_on_openvino(minicpm_dir, hf_model, tmp_path):
+    """openvino (the CPU plugin here) runs the two-size graph as it is: the IR's parity stage passes, and its rows are
+    HF's at kept_indices (as InternVL's tiles)."""
+    pytest.importorskip("openvino", reason="openvino is not installed (pip install 'vlmprune[openvino]')")
+    result = compiled(minicpm_dir, tmp_path / "b", target="openvino", method="divprune", keep=10,
+                      family_options={"grid": "1x2"})
+    assert "openvino" in [s.stage for s in result.report.stages]
+    assert result.manifest["inputs"][0]["shape"] == [1, 3, PATCH, 50 * 16 * PATCH]
     _rows_are_hf_rows(result, hf_model, _sliced(minicpm_dir, (1, 2)), 10)
 
 
