@@ -18,6 +18,7 @@ window merger and merger folding 4x4 patches into a token; seed 0 for the tower 
 - eval at the 2x2 bundle's grid: its harness holds, the bundle's figures are divprune's reference's over the same
   slices, its answers are generate's (pruned and --dense); `eval --grid 2x2` runs, --grid 1x2 beside the bundle is
   one line;
+- --batch 2: each image's rows are HF's at its own kept_indices, `run` slices two photos into the batch;
 - a grid the processor does not cut (12 slices, one slice, a bad spelling) and the batch-1 targets rk3588 and qnn
   are refused in one line, nothing written.
 """
@@ -182,6 +183,39 @@ def test_grid_on_openvino(minicpm_dir, hf_model, tmp_path):
     assert "openvino" in [s.stage for s in result.report.stages]
     assert result.manifest["inputs"][0]["shape"] == [1, 3, PATCH, 50 * 16 * PATCH]
     _rows_are_hf_rows(result, hf_model, _sliced(minicpm_dir, (1, 2)), 10)
+
+
+def test_batch_2_of_sliced_images(minicpm_dir, hf_model, tmp_path):
+    """--batch 2 --grid 1x2: two images' packed pixel_values in one static batch, the tower on 2 sources and 4 slices;
+    each image's rows are HF's rows of that image at its own kept_indices, and `run` (api.run) slices two photos into
+    the batch; one photo for the batch of 2 is one line."""
+    from PIL import Image
+    from skimage import data
+
+    from vlmprune.compiler import api
+    from vlmprune.targets import get_target
+
+    result = compiled(minicpm_dir, tmp_path / "b", method="divprune", keep=10, batch=2, family_options={"grid": "1x2"})
+    m = result.manifest
+    assert m["inputs"][0]["shape"] == [2, 3, PATCH, 50 * 16 * PATCH] and m["outputs"][0]["shape"] == [2, 10, WIDTH]
+    source = _sliced(minicpm_dir, (1, 2))
+    photos = [_photo(400, 260), data.coffee()]
+    pixel = np.concatenate([minicpm_slices(photo, sliced(source), MEAN, STD) for photo in photos])
+    out = get_target("ort").stages(result.bundle, m)[-1].run(pixel)
+    kept = out["kept_indices"]
+    assert (kept[0] != kept[1]).any()  # each image its own selection
+    for b in range(2):
+        got = torch.from_numpy(out["image_features"][b])
+        want = hf_rows(hf_model, source, pixel[b:b + 1])[torch.from_numpy(kept[b]).long()]
+        print(f"batch 2, image {b}: kept rows max-abs {float((got - want).abs().max()):.3g}")
+        assert_close(got, want)
+    files = []
+    for name, photo in zip(("a.png", "b.png"), photos):
+        Image.fromarray(photo).save(tmp_path / name)
+        files.append(tmp_path / name)
+    np.testing.assert_array_equal(np.asarray(api.run(result.bundle, images=files).kept), kept)
+    one_line_error(run_cli("run", result.bundle, "--image", files[0]),
+                   "this bundle has a static batch of 2: pass --image 2 times")
 
 
 @pytest.mark.parametrize("options, message", [
