@@ -36,7 +36,8 @@ grid's shape first where the processor would cut it otherwise. The graph (Sliced
 twice on the same weights, on the source's patch grid and on the slices' as a batch of R·C, each with its grid's
 position ids, as transformers' packed forward does (its attention never crosses two parts); the image's rows are the
 source's tokens then each slice's, and K is one budget over all of them (the method sees the image's rows as one
-set), kept_indices their place among those rows. ort, orin and xavier (host parity) run it; rk3588 and qnn, which
+set), kept_indices their place among those rows. ort, orin, xavier (host parity) and openvino (CPU) run it;
+`--batch B` takes B images, each its own source and slices and its own K rows (tested on ort); rk3588 and qnn, which
 run batch 1, are refused in one line, as tiles are. generate and eval (`--grid`, default the bundle's) slice the
 same and write the processor's prompt for a sliced image (slice_prompt): the source's rows in <image> ... </image>,
 each slice's in <slice> ... </slice>, a newline between two rows of slices, every kept row and marker at its dense
