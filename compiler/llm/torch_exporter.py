@@ -24,7 +24,9 @@ on any ONNX runtime: that form is written as prefill.decomposed.onnx and decode.
 prefill.onnx and decode.onnx, what target ort runs, are the same graphs with each layer's
 attention (and the prefill's per-layer causal mask) fused into ONNX Runtime's
 com.microsoft.MultiHeadAttention by passes.llm_attention_fusion (the mask's Where and the Softmax
-were a sixth of the dense prefill). Both pairs are checked against the reference.
+were a sixth of the dense prefill), and each RMSNorm into SimplifiedLayerNormalization, with the residual Add before
+it into SkipSimplifiedLayerNormalization, by passes.llm_norm_fusion (seven elementwise nodes a norm, as
+onnxruntime-genai's builder writes them). Both pairs are checked against the reference.
 The parity reference (compiler.llm.fastv) runs the Hugging Face decoder
 layers themselves.
 
@@ -456,10 +458,12 @@ def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> 
 
 
 def fuse_attention(model: ir.Model, layers: int) -> ir.Model:
-    """model (an exported prefill or decode graph) with every layer's attention fused, in place."""
+    """model (an exported prefill or decode graph) as target ort ships it, in place: every layer's attention fused
+    (all or a clear error), then its RMSNorms and the residual Adds feeding them (where their form allows)."""
     from vlmprune.passes.llm_attention_fusion import LlmAttentionFusionPass
+    from vlmprune.passes.llm_norm_fusion import LlmNormFusionPass
 
-    return LlmAttentionFusionPass(layers)(model).model
+    return LlmNormFusionPass()(LlmAttentionFusionPass(layers)(model).model).model
 
 
 def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = DEFAULT_OPSET) -> dict:
@@ -786,7 +790,7 @@ def readme_section(manifest: Manifest) -> str:
 
 `{files['prefill']}` and `{files['decode']}` ({llm['family']}, {n} layers, weights in `{files['weights']}`),
 exported with {llm['exporter']}; each layer's attention is ONNX Runtime's `com.microsoft.MultiHeadAttention`
-(causal in prefill), so they run in ONNX Runtime.{fused_note} {how}
+(causal in prefill) and its RMSNorms ONNX Runtime's (Skip)SimplifiedLayerNormalization, so they run in ONNX Runtime.{fused_note} {how}
 
 - prefill: `inputs_embeds` [batch, sequence, {llm['hidden_size']}] (text embeddings with `image_features` in
   the image's place) and `position_ids` {positions} (the positions above) -> `logits` [batch, 1,
@@ -915,7 +919,8 @@ class TorchExporter(LlmExporter):
                               f"(logits max-abs {gap}, tolerance {PARITY_ATOL})")
         return {
             "exporter": f"torch.onnx (dynamo) {torch.__version__}, opset {options.opset}",
-            "runtime": "ONNX Runtime (com.microsoft.MultiHeadAttention); the .decomposed.onnx pair: standard ops only",
+            "runtime": "ONNX Runtime (com.microsoft.MultiHeadAttention, (Skip)SimplifiedLayerNormalization); "
+                       "the .decomposed.onnx pair: standard ops only",
             "family": config.model_type, "mrope": uses_mrope(config), "layers": config.num_hidden_layers,
             "hidden_size": config.hidden_size, "deepstack_levels": deepstack_levels(lm),
             "image_block": has_image_block(config), "layer_types": layer_types(config),

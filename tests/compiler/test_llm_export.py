@@ -46,7 +46,8 @@ def _prefill(folder, embeds, positions):
 
 
 def test_graphs_are_valid_onnx_sharing_one_weights_file(exported):
-    """The decomposed pair is standard ops only; the shipped pair has every layer's attention fused, nothing else."""
+    """The decomposed pair is standard ops only; the shipped pair has every layer's attention and
+    every norm after a residual Add fused, nothing else."""
     model, spec, folder, info = exported
     layers = model.config.num_hidden_layers
     for name in (PREFILL_DECOMPOSED, DECODE_DECOMPOSED):
@@ -60,6 +61,12 @@ def test_graphs_are_valid_onnx_sharing_one_weights_file(exported):
         assert {n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")} == {"com.microsoft"}
         assert ops.count("MultiHeadAttention") == layers and "Where" not in ops
         assert ops.count("Softmax") == (1 if name == PREFILL else 0)  # FastV's own score row stays
+        # every norm right after a residual Add fused (passes.llm_norm_fusion): all 2·layers + 1 but the first
+        # layer's input norm, and in prefill the one after FastV's selection (it reads the Gather of the kept rows)
+        # and the final one (it reads the last row's Slice: the head runs on the last token)
+        fused_norms = 2 * layers - (2 if name == PREFILL else 0)
+        assert ops.count("SkipSimplifiedLayerNormalization") == fused_norms, name
+        assert ops.count("Pow") == 2 * layers + 1 - fused_norms, name
     assert sorted(p.name for p in folder.iterdir()) == ["decode.decomposed.onnx", "decode.onnx", "llm.weights.bin",
                                                         "prefill.decomposed.onnx", "prefill.onnx"]
     names = [o["name"] for o in info["io"]["decode"]["inputs"]]
