@@ -125,6 +125,24 @@ FEATURE_LAYER = Capability("feature_layer", "single-grid towers whose feature la
 
 
 # --- what a pruner gets at its site ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class QuantizationNeeds:
+    """What a family's graph needs of a quantizing target beyond the target's default recipe, each by measurement
+    (the family's docstring gives the figures); the default needs nothing. A target applies what it runs (qnn: all
+    of it, on HTP).
+
+    wide_weights: why 8-bit weights lose the family's parity ("" where they do not): its weights take 16 bits.
+    float_attention: why its attention loses parity with one side of q.k^T and probs.v read in 8 bits, as a 16-bit
+    target must read two activations ("" where not): the attention core (q.k^T, its Softmax, probs.v) stays float.
+    headroom: each 16-bit activation range is the calibrated one times this (1: as calibrated), where images past
+    the calibration set's extremes clip; 16 bits have steps to spare for it.
+    """
+
+    wide_weights: str = ""
+    float_attention: str = ""
+    headroom: float = 1.0
+
+
 @dataclasses.dataclass
 class SiteTensors:
     """What a pruner gets at its site, all torch tensors of one batch: the frontend's tower builds it

@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmprune.compiler.contract import PROBE_KEEP, Manifest, PruneRecord
+from vlmprune.compiler.contract import PROBE_KEEP, Manifest, PruneRecord, QuantizationNeeds
 from vlmprune.compiler.errors import InputError
 from vlmprune.passes.fusion import FusionPass
 from vlmprune.passes.methods.base import BLOCK, FusedOp, Method
@@ -83,6 +83,8 @@ class EmitContext:
     # shape): parity's fixed-seed one (compiler.frontend.roi_input.parity_roi_feed), handed down like images;
     # None: none, i.e. no region.
     calibration_roi: Callable[[np.ndarray, list], dict[str, np.ndarray]] | None = None
+    # What the family's graph needs of a quantizing target beyond its default recipe (the family's declaration)
+    quantization: QuantizationNeeds = QuantizationNeeds()
 
     def calibration_inputs(self, count: int, size: int | None = None) -> tuple[np.ndarray, list[str]]:
         """count preprocessed calibration images, disjoint from the parity images (targets.calibration)."""

@@ -141,10 +141,16 @@ class QnnTarget(Target):
         options, chosen = context.options, context.target_options
         precision, soc, soc_model = chosen["precision"], chosen["soc"], chosen["soc_model"]
         act, weight = PRECISIONS[precision]
+        needs = context.quantization  # what the family's graph needs beyond this recipe, by measurement
+        if needs.wide_weights:
+            weight = "uint16"
         batch = options.batch or 1
         ir.save(model, out_dir / MODEL)
-        # The selection stays float (fp16 on HTP), found by the roles the insertion recorded.
+        # The selection stays float (fp16 on HTP), found by the roles the insertion recorded; so do the attention
+        # cores, found by structure, where the family's attention needs it.
         float_nodes = [n.name for n in selection_nodes(model.graph)]
+        attention = [n.name for n in qnn_tools.attention_cores(onnx.load(str(out_dir / MODEL)))] \
+            if needs.float_attention else []
         calib, names = context.calibration_inputs(CALIBRATION_COUNT)
         input_name = model.graph.inputs[0].name
         samples = [{input_name: calib[[(i * batch + j) % len(calib) for j in range(batch)]]}
@@ -153,7 +159,7 @@ class QnnTarget(Target):
         samples = [{**x, **context.calibration_feed(model.graph.inputs[1:], x[input_name])} for x in samples]
         try:
             qnn_tools.quantize_qdq(out_dir / MODEL, out_dir / QDQ, samples, act_type=act, weight_type=weight,
-                                   float_nodes=float_nodes)
+                                   float_nodes=float_nodes + attention, headroom=needs.headroom)
             qnn_tools.check_qdq(onnx.load(str(out_dir / QDQ)))
             ctx, binaries = qnn_tools.make_epcontext(out_dir / QDQ, out_dir, soc_model, ctx_name=CTX)
             rows = [{"op": r["op"], "type": r["type"],
@@ -166,8 +172,12 @@ class QnnTarget(Target):
         return {"runtime": "ONNX Runtime QNN EP on the Hexagon NPU (HTP)", "soc": soc, "soc_model": soc_model,
                 "htp_arch": arch, "device": product, "precision": precision,
                 "quantization": {"activations": act, "weights": weight,
-                                 "float_nodes": f"{len(float_nodes)} nodes of the selection (fp16 on HTP)",
-                                 "activation_matmuls": "input 1 read as uint8" if act == "uint16" else "uint8"},
+                                 "float_nodes": f"{len(float_nodes)} nodes of the selection (fp16 on HTP)"
+                                                + (f", {len(attention)} of the attention cores" if attention else ""),
+                                 "activation_matmuls": ("float (fp16 on HTP): " + needs.float_attention if attention
+                                                        else "input 1 read as uint8" if act == "uint16" else "uint8"),
+                                 **({"wide_weights": needs.wide_weights} if needs.wide_weights else {}),
+                                 **({"range_headroom": needs.headroom} if needs.headroom != 1.0 else {})},
                 "calibration": {"images": names}, "batch": batch, "selection": self.selection,
                 "artifacts": {"qdq": QDQ, "epcontext": CTX, "context_binaries": [b.name for b in binaries]},
                 "placement": {"qdq": _with_cycles(rows, trace)}, "placement_summary": {"qdq": placement.summarize(rows)},

@@ -247,7 +247,7 @@ def _attr(node: onnx.NodeProto, name: str):
 
 def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]], act_type: str = "uint16",
                  weight_type: str = "uint8", *, score_path: str = "fp16", score_weight_type: str | None = None,
-                 act_matmul: str = "uint8", float_nodes: list[str] | None = None) -> Path:
+                 act_matmul: str = "uint8", float_nodes: list[str] | None = None, headroom: float = 1.0) -> Path:
     """QDQ model for QNN HTP via onnxruntime.quantization's QNN helpers.
 
     Steps: legalize (static input shapes, named nodes, non-negative constant Gather
@@ -268,7 +268,14 @@ def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]],
     makes that explicit and calibrated: input 1 is converted to 8-bit for that MatMul only
     (a TensorQuantOverrides "convert"); "keep" leaves it to the EP (for comparison).
     Excluding such a MatMul from quantization does not keep it float: its neighbours'
-    Q/DQ pairs still make it a quantized node unit. check_qdq verifies the result.
+    Q/DQ pairs still make it a quantized node unit; an attention's whole core among float_nodes
+    (attention_cores: q . k^T, its Softmax, probs . v) does stay float, fp16 on HTP, for a family
+    whose attention loses parity with one side read in 8 bits (QuantizationNeeds.float_attention).
+    check_qdq verifies the result.
+
+    headroom: every 16-bit activation range is its calibrated one times this (1: as calibrated), for
+    a graph whose activations on other images pass the calibration set's extremes and clip; an 8-bit
+    convert keeps the calibrated range.
     """
     from onnxruntime.quantization import quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
@@ -302,12 +309,21 @@ def quantize_qdq(onnx_path, out_path, calib_inputs: list[dict[str, np.ndarray]],
             # calibrated range instead (16 bits resolve 1/65535, enough).
             for name, override in softmax_overrides(model, calib_inputs).items():
                 overrides.setdefault(name, override)
+        if act_type in ("uint16", "int16") and headroom != 1.0:
+            for name, (lo, hi) in _calibrated_ranges(model, calib_inputs, set(exclude)).items():
+                overrides.setdefault(name, [{"rmin": np.array(lo * headroom, np.float32),
+                                             "rmax": np.array(hi * headroom, np.float32), CALIBRATED: (lo, hi)}])
         if act_type in ("uint16", "int16") and act_matmul != "keep":
             for node in activation_matmuls(model):
                 if node.name not in exclude:
                     convert = overrides.setdefault(node.input[1], [{}])[0].setdefault(
                         "convert", {"quant_type": _quant_type("uint8"), "recv_nodes": set()})
                     convert["recv_nodes"].add(node.name)
+        for entries in overrides.values():  # an 8-bit convert keeps the calibrated range: 8 bits have no steps to spare
+            calibrated = entries[0].pop(CALIBRATED, None)
+            if calibrated is not None and "convert" in entries[0]:
+                entries[0]["convert"].update(rmin=np.array(calibrated[0], np.float32),
+                                             rmax=np.array(calibrated[1], np.float32))
         config = get_qnn_qdq_config(str(source), _Reader(calib_inputs), activation_type=_quant_type(act_type),
                                     weight_type=_quant_type(weight_type), init_overrides=overrides or None,
                                     nodes_to_exclude=exclude or None)
@@ -334,6 +350,25 @@ def activation_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     constant |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
     return [n for n in model.graph.node
             if n.op_type == "MatMul" and n.input[0] not in constant and n.input[1] not in constant]
+
+
+def attention_cores(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Each attention's core, by structure: an activation MatMul (q . k^T) whose one consumer is a Softmax whose one
+    consumer is an activation MatMul (probs . v); the three nodes each."""
+    matmuls = {n.output[0]: n for n in activation_matmuls(model)}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    cores = []
+    for logits, qk in matmuls.items():
+        after = consumers.get(logits, [])
+        if len(after) != 1 or after[0].op_type != "Softmax":
+            continue
+        then = consumers.get(after[0].output[0], [])
+        if len(then) == 1 and then[0].output[0] in matmuls and then[0].input[0] == after[0].output[0]:
+            cores += [qk, after[0], then[0]]
+    return cores
 
 
 def check_qdq(model: onnx.ModelProto) -> None:
@@ -485,6 +520,37 @@ def _calibrated_max(model: onnx.ModelProto, tensors: list[str], calib_inputs: li
         for name, value in zip(tensors, session.run(tensors, sample)):
             maxima[name] = max(maxima[name], float(np.max(value)))
     return maxima
+
+
+FIXED_RANGE_OPS = {"Softmax", "Tanh", "Sigmoid"}
+
+
+CALIBRATED = "calibrated"  # a headroom override's own record of the range it widened (not an onnxruntime key)
+
+
+def _calibrated_ranges(model: onnx.ModelProto, calib_inputs: list[dict], skip: set[str]) -> dict[str, tuple]:
+    """(min, max) over calib_inputs, zero included (a quantized range holds zero exactly), of every float tensor a
+    node outside skip computes and of the graph's inputs; fixed-range outputs (Softmax, Tanh, Sigmoid) left out."""
+    import onnxruntime as ort
+
+    tensors = [o for n in model.graph.node if n.name not in skip and n.op_type not in FIXED_RANGE_OPS | {"Constant"}
+               for o in n.output if o]
+    tensors += [i.name for i in model.graph.input]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    have = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(onnx.ValueInfoProto(name=t) for t in tensors if t not in have)
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    wanted = set(tensors)
+    ranges: dict[str, tuple] = {}
+    for sample in calib_inputs:
+        for name, value in zip(names, session.run(names, sample)):
+            if name in wanted and np.issubdtype(value.dtype, np.floating) and value.size:
+                lo, hi = float(value.min()), float(value.max())
+                old = ranges.get(name, (0.0, 0.0))
+                ranges[name] = (min(lo, old[0]), max(hi, old[1]))
+    return ranges
 
 
 def _first_line(exc: BaseException) -> str:

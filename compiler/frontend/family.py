@@ -29,6 +29,7 @@ import numpy as np
 # The capabilities families and methods share live in the contract (methods import them from there): re-exported.
 from vlmprune.compiler.contract import (CLS_TOKEN, CROPS, FEATURE_LAYER, FRAME_TOWER, FRAMES_META,  # noqa: F401
                                          MERGED_TOKENS, PATCH_TOKENS, POOLING_HEAD, VIDEO, Capability, Manifest)
+from vlmprune.compiler.contract import QuantizationNeeds
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.export import export_onnx
 from vlmprune.compiler.frontend.images import UPSCALE_WARNING, load_image_file, parity_inputs
@@ -194,6 +195,8 @@ class Family:
     # Its bundles name the checkpoint they came from (content hash, family), so generate and eval can hold a
     # checkpoint to it; False: a graph exported elsewhere (.onnx), which any checkpoint with that tower may run.
     identifies_model: ClassVar[bool] = True
+    # What its graph needs of a quantizing target beyond the target's default recipe, by measurement (none by default)
+    quantization: ClassVar[QuantizationNeeds] = QuantizationNeeds()
 
     def positions_of(self, model: dict) -> IndicesPositions:
         """The positions rule of one bundle (its manifest's model section): the family's, unless its bundles differ

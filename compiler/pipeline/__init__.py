@@ -92,7 +92,7 @@ def check_bundle(bundle_dir: Path, batch: int | None = None, progress: Progress 
     loaded, options = load_bundle(manifest, model, cache, progress=timer.step)  # check's --no-cache
     # what a target's stages get of the source, as its emit did (rk3588 rebuilds its .rknn with calibration images)
     pixel, _ = loaded.family.parity_pixels(loaded.source, batching.images)
-    context = emit_context(None, options, dict(options.target_options or {}), loaded.source, pixel)
+    context = emit_context(None, options, dict(options.target_options or {}), loaded, pixel)
     with tempfile.TemporaryDirectory(prefix="vlmprune-") as scratch:
         dense = export_dense(loaded, options, Path(scratch), timer.step)
         report = run_parity(loaded, dense.path, bundle_dir, manifest, target, batching, context, timer.step,

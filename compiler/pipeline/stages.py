@@ -239,7 +239,7 @@ def emit(fused: Fused, loaded: Loaded, plan: Plan, folder: Path, progress: Progr
     if pixel is None:
         pixel, _ = loaded.family.parity_pixels(loaded.source, batch.images)
     progress(f"emit target {plan.target.name}")
-    context = emit_context(plan.config, plan.options, plan.target_options, loaded.source, pixel)
+    context = emit_context(plan.config, plan.options, plan.target_options, loaded, pixel)
     return Emitted(plan.target.emit(fused.model, folder, context), context, batch)
 
 
@@ -319,13 +319,15 @@ def write_bundle(folder: Path, manifest: Manifest, report: parity.ParityReport, 
 # ------------------------------------------------------------------------ shared by the stages and check
 
 
-def emit_context(config: PruneConfig | None, options: CompileOptions, target_options: dict, source: Source,
+def emit_context(config: PruneConfig | None, options: CompileOptions, target_options: dict, loaded: Loaded,
                  pixel: np.ndarray) -> EmitContext:
     """What a target's emit (and its parity stages) is handed: of the source, what calibration needs; the frontend's
     preprocessing for the targets' calibration images (frontend.images), and the fixed-seed ROI their calibration
-    samples carry beside them (frontend.roi_input: parity's)."""
+    samples carry beside them (frontend.roi_input: parity's); of the family, what its graph needs of a quantizing
+    target (Family.quantization)."""
+    source = loaded.source
     return EmitContext(config, options, target_options, source.image_size, tuple(source.mean), tuple(source.std),
-                       images, pixel, roi_input.parity_roi_feed)
+                       images, pixel, roi_input.parity_roi_feed, loaded.family.quantization)
 
 
 def parity_batch(static: int | str | None, batch: int | None) -> ParityBatch:
