@@ -8,9 +8,8 @@ against Hugging Face itself:
 - the dense pipeline's rows are get_image_features' (the processor's patches in [0, 1] and their positions), and
   the tower's ONNX export alone is exact against them at a fixed seed;
 - a pruned bundle's rows are HF's rows at kept_indices, on ort (both graphs, the ONNX checker, standard ops);
-- parity on orin, xavier (host), openvino (CPU) and rk3588 (simulator), each gated on its toolchain as the other
-  families' tests are; the qnn (HTP emulator) bundle compiles but misses int16 parity (an expected failure, measured
-  over four weight draws: see QNN_MISSES);
+- parity on orin, xavier (host), openvino (CPU), rk3588 (simulator) and qnn (HTP emulator, int16 with the family's
+  quantization needs: Gemma4Family.quantization), each gated on its toolchain as the other families' tests are;
 - block-site and attention-scored methods are refused in one line before any work; `vlmprune methods` lists Gemma 4
   (--with-llm: test_gemma4_llm.py);
 - the gemma4-e2b-768 preset has Gemma 4 E2B's vision shapes;
@@ -151,23 +150,12 @@ def test_openvino(gemma4_dir, tmp_path):
     check_openvino(gemma4_dir, tmp_path / "b")
 
 
-# The HTP emulator misses int16 parity on Gemma 4, and not by an accident of one seed's weights (measured with
-# divprune -k 6, batch 1): seeds 0, 1, 2, 3 gave features cosine 0.995, 0.995, 0.984, 0.9985 and kept-index agreement
-# 0.58, 0.92, 1.0, 0.58 against the 0.99 / 0.99 int16 asks; seed 3 with every norm scale at 1 and no standardisation
-# still 0.997 / 0.92. The QDQ graph alone under ONNX Runtime's CPU loses the same (token cosine 0.998-0.9996, one
-# kept index swapped): the quantization recipe (uint16 activations, uint8 weights, k in 8 bits for q.k^T), not the
-# emulator. Not traced to one op yet (a suspect: attention at scale 1 over RMS-normed q and k). Strict: when it
-# passes, this test says so.
-QNN_MISSES = pytest.mark.xfail(strict=True, raises=AssertionError,
-                               reason="Gemma 4 misses int16 parity on the HTP emulator (see the comment above)")
-
-
 @pytest.mark.slow
 @pytest.mark.toolchain
-@pytest.mark.parametrize(QNN_RK3588_CASES[0], [pytest.param(*case, marks=QNN_MISSES) if case[0] == "qnn" else case
-                                               for case in QNN_RK3588_CASES[1]])
+@pytest.mark.parametrize(*QNN_RK3588_CASES)
 def test_qnn_and_rk3588(request, gemma4_dir, tmp_path, target, method):
-    """The whole Gemma 4 graph, RoPE and pooling too, on the HTP emulator (int16) and the RKNN simulator (fp16)."""
+    """The whole Gemma 4 graph, RoPE and pooling too, on the HTP emulator (int16, with the family's quantization
+    needs: 16-bit weights, widened ranges, the attention cores in fp16) and the RKNN simulator (fp16)."""
     check_qnn_or_rk3588(request, gemma4_dir, tmp_path / "b", target, method)
 
 
