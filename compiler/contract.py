@@ -131,7 +131,10 @@ class QuantizationNeeds:
     (the family's docstring gives the figures); the default needs nothing. A target applies what it runs (qnn: all
     of it, on HTP).
 
-    wide_weights: why 8-bit weights lose the family's parity ("" where they do not): its weights take 16 bits.
+    wide_weights: why 8-bit weights lose the family's parity ("" where they do not): its weights take 16 bits. The
+    HTP runs 16-bit weights in MatMuls without a bias (Gemma 4's tower: RMSNorms, no biases); a LayerNormalization or a
+    MatMul + bias (which ONNX Runtime fuses into Gemm) has no such kernel, and the QNN EP refuses the graph (measured on
+    the tiny ViT of tests/targets/test_qnn.py), so only a family whose graph has neither declares it.
     float_attention: why its attention loses parity with one side of q.k^T and probs.v read in 8 bits, as a 16-bit
     target must read two activations ("" where not): the attention core (q.k^T, its Softmax, probs.v) stays float.
     headroom: each 16-bit activation range is the calibrated one times this (1: as calibrated), where images past

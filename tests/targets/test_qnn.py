@@ -193,3 +193,89 @@ def test_native_chatter_stays_off_stdout(tiny_llava_dir, tmp_path):
                            capture_output=True, text=True, timeout=600)
     assert drawn.returncode == 0, drawn.stderr
     assert drawn.stdout.splitlines() == [f"1 picture written to {tmp_path / 'c.png'}"]
+
+
+# ------------------------------------------------- what a family's graph needs of the quantizing target (declared)
+
+
+def _attention_graph(second: str = "MatMul") -> onnx.ModelProto:
+    """q.k^T -> Softmax -> probs.v (second: the op after the Softmax), beside a weight MatMul that is no attention."""
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["logits"], name="qk"),
+             helper.make_node("Softmax", ["logits"], ["probs"], axis=-1, name="softmax"),
+             helper.make_node(second, ["probs", "v"], ["attended"], name="pv"),
+             helper.make_node("MatMul", ["attended", "w"], ["y"], name="proj")]
+    graph = helper.make_graph(nodes, "attention",
+                              [helper.make_tensor_value_info("q", f, [1, 4, 8]),
+                               helper.make_tensor_value_info("kt", f, [1, 8, 4]),
+                               helper.make_tensor_value_info("v", f, [1, 4, 8])],
+                              [helper.make_tensor_value_info("y", f, [1, 4, 8])],
+                              [helper.make_tensor("w", f, [8, 8], np.eye(8, dtype=np.float32).ravel())])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_attention_cores_are_found_by_structure():
+    """The three nodes of q.k^T -> Softmax -> probs.v, named anything; a weight MatMul is not one, nor a Softmax
+    whose probabilities are not multiplied into an activation."""
+    cores = qnn_tools.attention_cores(_attention_graph())
+    assert [(n.name, n.op_type) for n in cores] == [("qk", "MatMul"), ("softmax", "Softmax"), ("pv", "MatMul")]
+    assert qnn_tools.attention_cores(_attention_graph(second="Mul")) == []
+
+
+def _output_scale(qdq: onnx.ModelProto, output: str) -> float:
+    """The scale of the QuantizeLinear / DequantizeLinear pair that gives the graph output `output`."""
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in qdq.graph.initializer}
+    node = next(n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == output)
+    return float(inits[node.input[1]])
+
+
+def test_headroom_widens_the_sixteen_bit_ranges_it_calibrated(tmp_path):
+    """headroom 4: every 16-bit activation range is four times the calibrated one, so an image past the calibration
+    set's extremes does not clip; as calibrated (1), it does."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"], name="scale")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor("w", TensorProto.FLOAT, [1], [2.0])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    rng = np.random.default_rng(0)
+    calib = [{"x": rng.uniform(-1, 1, (1, 64)).astype(np.float32)} for _ in range(4)]
+    past = np.linspace(-3, 3, 64, dtype=np.float32)[None]  # three times the calibration's extremes
+    outs, scales = {}, {}
+    for headroom in (1.0, 4.0):
+        path = qnn_tools.quantize_qdq(tmp_path / "m.onnx", tmp_path / f"q{headroom}.onnx", calib, headroom=headroom)
+        scales[headroom] = _output_scale(onnx.load(str(path)), "y")
+        outs[headroom] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": past})[0]
+    assert scales[4.0] == pytest.approx(4 * scales[1.0], rel=1e-2)
+    assert np.abs(outs[1.0] - 2 * past).max() > 1.0  # clipped at the calibrated extremes (about +-2)
+    assert np.abs(outs[4.0] - 2 * past).max() < 1e-2
+
+
+@needs_qnn
+def test_a_familys_declared_needs_reach_the_qnn_recipe(monkeypatch, tmp_path, tiny_vit_dir):
+    """Family.quantization is the family's to declare and the target's to apply: a toy ViT family declaring float
+    attention and a headroom compiles on qnn with parity, the manifest saying what was applied. (Its 16-bit weights
+    are Gemma 4's test's: the tiny ViT's LayerNorms and biased MatMuls, fused to Gemm, have no 16-bit-weight HTP
+    kernel, so the EP refuses them, which the contract's QuantizationNeeds says.)"""
+    from vlmprune.compiler import frontend
+    from vlmprune.compiler.contract import QuantizationNeeds
+    from vlmprune.compiler.frontend.vit import VitFamily
+
+    class Needy(VitFamily):
+        quantization = QuantizationNeeds(float_attention="a test's reason for float attention", headroom=2.0)
+
+    family = Needy()
+    monkeypatch.setattr(frontend, "FAMILIES", tuple(family if f.id == family.id else f for f in frontend.FAMILIES))
+    result = compile_model(str(tiny_vit_dir), tmp_path / "b", CompileOptions(target="qnn", keep=16, method="cls"))
+    assert result.report.passed, [(s.stage, s.passed) for s in result.report.stages]
+    assert any(s.stage.startswith("qnn") for s in result.report.stages)  # the emulator's stage ran, and passed
+    fields = result.manifest["target"]["quantization"]
+    assert fields["weights"] == "uint8" and "wide_weights" not in fields
+    assert fields["range_headroom"] == 2.0
+    assert fields["activation_matmuls"] == "float (fp16 on HTP): a test's reason for float attention"
+    assert "of the attention cores" in fields["float_nodes"]
+    qnn_tools.check_qdq(onnx.load(str(tmp_path / "b" / "model.qdq.onnx")))
