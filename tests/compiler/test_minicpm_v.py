@@ -34,25 +34,12 @@ from merged_checks import (QNN_RK3588_CASES, TENSORRT_CASES, assert_close, check
                            check_eval, check_generate_cli, check_methods_listing, check_openvino, check_other_method,
                            check_pruned_splice, check_qnn_or_rk3588, check_rows_on_ort, check_tensorrt, hf_rows_of,
                            llm_side_fixtures)
+from minicpm_fixtures import IMAGE, PROMPT, VOCAB, hf_model, minicpm_dir  # noqa: F401
 from tiny_models import edited_copy, tiny_minicpm_v
 from vlmprune.compiler.frontend import load_source
 from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
 SIZE, TOKENS, WIDTH, PATCH = 128, 16, 48, 8
-VOCAB, IMAGE = 320, 300  # the LLM-side model: bytes 0-255, its special tokens, the image token at 300
-PROMPT = "what is in the image?"
-
-
-@pytest.fixture(scope="module")
-def minicpm_dir(tmp_path_factory):
-    return tiny_minicpm_v(tmp_path_factory.mktemp("tiny_minicpm_v"), 0)
-
-
-@pytest.fixture(scope="module")
-def hf_model(minicpm_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(minicpm_dir).eval()
 
 
 def _hf_rows(model, pixel: torch.Tensor) -> torch.Tensor:

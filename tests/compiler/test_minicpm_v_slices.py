@@ -34,6 +34,7 @@ import torch
 from cli_helpers import one_line_error, run_cli
 from merged_checks import (assert_close, cat_image, check_eval, check_eval_is_generate, check_generate_through_graphs,
                            check_pruned_tiles_splice, compiled)
+from minicpm_fixtures import IMAGE, PROMPT, VOCAB, hf_model, minicpm_dir  # noqa: F401
 from tiny_models import tiny_minicpm_v
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend import load_source
@@ -42,22 +43,8 @@ from vlmprune.compiler.pipeline import CompileOptions, compile_model
 
 SIZE, WIDTH, PATCH = 128, 48, 8
 MEAN = STD = (0.5, 0.5, 0.5)
-VOCAB, IMAGE = 320, 300
-PROMPT = "what is in the image?"
 # grid -> (source image (h, w) px, tokens of the source, of one slice): the processor's cut of rows·128 x cols·128
 LAYOUTS = {(1, 2): ((96, 192), 18, 16), (2, 2): ((128, 128), 16, 16), (1, 3): ((64, 224), 14, 16)}
-
-
-@pytest.fixture(scope="module")
-def minicpm_dir(tmp_path_factory):
-    return tiny_minicpm_v(tmp_path_factory.mktemp("tiny_minicpm_v"), 0)
-
-
-@pytest.fixture(scope="module")
-def hf_model(minicpm_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(minicpm_dir).eval()
 
 
 def _photo(width: int, height: int) -> np.ndarray:
