@@ -64,7 +64,9 @@ def test_family_options_replace_the_fixed_fields():
     # --image-size: the families whose adapter takes a static size (dynamic_resolution), main's named here too
     sized = {f.id for f in FAMILIES if getattr(f.adapter, "dynamic_resolution", False)}
     assert {"qwen2_vl", "qwen3_vl", "smolvlm", "lfm2_vl"} <= sized
-    assert declared == {"grid": {"llava_next", "internvl", "smolvlm"}, "crop_budget": {"llava_next", "internvl", "smolvlm"},
+    # MiniCPM-V's --grid slices one image into a source and slices under one budget, with no per-tile split to choose
+    assert declared == {"grid": {"llava_next", "internvl", "smolvlm", "minicpm_v"},
+                        "crop_budget": {"llava_next", "internvl", "smolvlm"},
                         "image_size": sized, "video_frames": {"qwen2_vl", "llava_next", "llava_onevision"}}
 
 
