@@ -161,7 +161,8 @@ def llm_flops(length: int, fastv: FastVSpec | None, cfg=QWEN2_05B) -> float:
 # -------------------------------------------------------------------------------------- graphs
 
 
-def _save(model: ir.Model, folder: Path, name: str) -> Path:
+def save_graph(model: ir.Model, folder: Path, name: str) -> Path:
+    """model as folder/name.onnx, its weights in folder/name.weights.bin beside it (shared with tools/bench_llm_fusion)."""
     ir.external_data.unload_from_model(model, folder, f"{name}.weights.bin", size_threshold_bytes=1024)
     ir.save(model, folder / f"{name}.onnx")
     return folder / f"{name}.onnx"
@@ -197,7 +198,7 @@ def _fused(unfused: Path, folder: Path, name: str, layers: int) -> Path:
     return folder / f"{name}.onnx"
 
 
-def _genai_graph(lm, folder: Path, log) -> Path | None:
+def genai_graph(lm, folder: Path, log) -> Path | None:
     """onnxruntime-genai's builder graph of lm (fp32 CPU, head on the last token), or None where it is absent."""
     from vlmprune.compiler.llm.genai import MODEL, export_genai
 
@@ -311,7 +312,7 @@ def main() -> int:
         blocks = source.num_blocks
         reuse = lambda name, make: folder / f"{name}.onnx" if (folder / f"{name}.onnx").is_file() else make()
         log("export tower (dense)")
-        dense_tower = reuse("tower", lambda: _save(export_onnx(source.pipeline, source.image_size, 1, 18), folder,
+        dense_tower = reuse("tower", lambda: save_graph(export_onnx(source.pipeline, source.image_size, 1, 18), folder,
                                                    "tower"))
         towers = {"dense": dense_tower}
         for k in keeps:
@@ -324,14 +325,14 @@ def main() -> int:
         text_before, text_after = embed[ids[:before]][None], embed[ids[before:]][None]
 
         log("export LLM prefill (dense)")
-        llms = {"dense": reuse("llm_dense", lambda: _save(export_prefill(lm, None), folder, "llm_dense"))}
+        llms = {"dense": reuse("llm_dense", lambda: save_graph(export_prefill(lm, None), folder, "llm_dense"))}
         image_tokens = {"dense": n, **{f"K={k}": tower_flops(n, blocks, args.layer, k)[1] for k in keeps}}
         fastv_specs = {}
         for tower_name in ("dense", f"K={keeps[0]}"):
             spec = FastVSpec(before, image_tokens[tower_name], args.fastv_layer, args.fastv_keep)
             log(f"export LLM prefill (FastV over {spec.image_len} image tokens)")
             name = f"llm_fastv_{spec.image_len}"
-            llms[f"fastv {tower_name}"] = reuse(name, lambda: _save(export_prefill(lm, spec), folder, name))
+            llms[f"fastv {tower_name}"] = reuse(name, lambda: save_graph(export_prefill(lm, spec), folder, name))
             fastv_specs[tower_name] = spec
         layers = lm.config.num_hidden_layers
         for name in list(llms):  # the fused form of each, on the same weights file
@@ -340,8 +341,8 @@ def main() -> int:
             llms[f"{name} fused"] = reuse(f"{stem}_fused", lambda p=llms[name], stem=stem: _fused(p, folder,
                                                                                                   f"{stem}_fused",
                                                                                                   layers))
-        genai = None if args.no_genai else _genai_graph(lm, folder, log)
-        head_path = reuse("head", lambda: _save(_head_graph(embed), folder, "head"))
+        genai = None if args.no_genai else genai_graph(lm, folder, log)
+        head_path = reuse("head", lambda: save_graph(_head_graph(embed), folder, "head"))
         lm = embed = None  # the torch weights (2 GB) are not needed for timing
 
         plain = {"dense": ("dense", "dense", None),

@@ -149,7 +149,7 @@ def main() -> int:
     if not (folder / "llm_dense_fused.onnx").is_file():
         log("export the LLM prefill and fuse its attention (target ort's form)")
         if not (folder / "llm_dense.onnx").is_file():
-            bench_e2e._save(bench_e2e.export_prefill(lm, None), folder, "llm_dense")
+            bench_e2e.save_graph(bench_e2e.export_prefill(lm, None), folder, "llm_dense")
         bench_e2e._fused(folder / "llm_dense.onnx", folder, "llm_dense_fused", layers)
     embed = lm.get_input_embeddings().weight.detach().numpy()
     ids = np.random.default_rng(0).integers(0, embed.shape[0], size=args.text)
