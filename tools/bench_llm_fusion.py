@@ -66,10 +66,11 @@ def graphs(folder: Path, log, genai: bool = True, lm=None) -> dict[str, Path]:
     return out
 
 
-def _feeds(session, embeds: np.ndarray) -> dict[str, np.ndarray]:
+def _feeds(session, embeds: np.ndarray, heads: int) -> dict[str, np.ndarray]:
     """inputs_embeds and, by what the graph takes, position_ids or an attention mask and an empty past (its head
-    count and size read off the graph's own past input)."""
-    tokens = embeds.shape[1]
+    count read off the graph's own past input; its head size too, or the width over the query heads where the
+    builder leaves that axis named)."""
+    tokens, width = embeds.shape[1], embeds.shape[2]
     feeds = {}
     for spec in session.get_inputs():
         if spec.name == "inputs_embeds":
@@ -78,23 +79,25 @@ def _feeds(session, embeds: np.ndarray) -> dict[str, np.ndarray]:
             feeds[spec.name] = np.arange(tokens, dtype=np.int64)[None]
         elif spec.name == "attention_mask":
             feeds[spec.name] = np.ones((1, tokens), dtype=np.int64)
-        elif spec.name.startswith("past_key_values."):
-            feeds[spec.name] = np.zeros((1, spec.shape[1], 0, spec.shape[3]), dtype=np.float32)
+        elif spec.name.startswith("past_key_values."):  # [batch, kv heads, 0, head size]
+            size = spec.shape[3] if isinstance(spec.shape[3], int) else width // heads  # the builder names it
+            feeds[spec.name] = np.zeros((1, spec.shape[1], 0, size), dtype=np.float32)
     return feeds
 
 
-def time_graphs(paths: dict[str, Path], tokens: int, rounds: int, log,
+def time_graphs(paths: dict[str, Path], tokens: int, rounds: int, log, heads: int,
                 outputs: dict | None = None) -> tuple[dict[str, list[float]], tuple | None]:
     """ms per run of each graph, interleaved round by round; the load other processes put on the CPUs meanwhile.
-    outputs: where given, each graph's first output (the last token's logits) of its last run, by name."""
+    heads: the model's query heads. outputs: where given, each graph's first output (the last token's logits) of its
+    last run, by name."""
     from vlmprune.targets.runtime import ort_session
 
     runs = {}
     for name, path in paths.items():
         session = ort_session(path)
-        width = session.get_inputs()[0].shape[2]  # inputs_embeds [batch, sequence, hidden]
+        width = next(i for i in session.get_inputs() if i.name == "inputs_embeds").shape[2]  # [batch, sequence, hidden]
         embeds = (np.random.default_rng(0).standard_normal((1, tokens, width)) * 0.02).astype(np.float32)
-        feeds = _feeds(session, embeds)
+        feeds = _feeds(session, embeds, heads)
         for _ in range(WARMUP):
             session.run(None, feeds)
         runs[name] = (session, feeds)
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vlmprune-llm-fusion-") as tmp:
         folder = args.workdir or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        times, load = time_graphs(graphs(folder, log, genai=not args.no_genai), args.tokens, args.rounds, log)
+        times, load = time_graphs(graphs(folder, log, genai=not args.no_genai), args.tokens, args.rounds, log,
+                                  heads=bench_e2e.QWEN2_05B["num_attention_heads"])
     print("\n".join(table(times, args.tokens)))
     if busy_line(load):
         print(busy_line(load))

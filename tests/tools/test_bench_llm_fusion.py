@@ -43,7 +43,7 @@ def test_each_graph_is_the_fusion_it_names(paths):
 
 def test_the_graphs_agree_and_every_round_times_every_graph(paths):
     outputs = {}
-    times, _load = bench.time_graphs(paths, tokens=12, rounds=3, log=lambda _line: None, outputs=outputs)
+    times, _load = bench.time_graphs(paths, tokens=12, rounds=3, log=lambda _line: None, heads=4, outputs=outputs)
     assert {name: len(t) for name, t in times.items()} == {name: 3 for name in paths}
     assert all(t > 0 for values in times.values() for t in values)
     reference = outputs[bench.UNFUSED]
