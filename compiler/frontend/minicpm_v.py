@@ -80,7 +80,7 @@ from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.adapter import Checkpoint, ModelAdapter
 from vlmprune.compiler.frontend.export import export_onnx
 from vlmprune.compiler.frontend.family import PATCH_TOKENS, DenseRequest, ImagePrompt
-from vlmprune.compiler.frontend.images import REAL_IMAGES, crop_to_grid, parse_grid, read_rgb, real_image
+from vlmprune.compiler.frontend.images import crop_to_grid, parity_crops, parse_grid, read_rgb
 from vlmprune.compiler.frontend.merged import (MergedTokensFamily, load_tower_and_connector, patch_matmul, patches,
                                                token_counts)
 from vlmprune.compiler.frontend.source import Source, built, sha256_files, sha256_state
@@ -532,22 +532,17 @@ class MiniCPMVFamily(MergedTokensFamily):
         return export_onnx(source.pipeline, source.image_size, batch, request.opset, layout.pixel_shape())
 
     def parity_pixels(self, source: Source, images: int) -> tuple[np.ndarray, dict]:
+        """A sliced source: each parity photo as the processor slices it for the bundle's grid, one photo a batch
+        item (the tiles' photos and their fallback without scikit-image: images.parity_crops)."""
         layout = sliced(source)
         if layout is None:
             return super().parity_pixels(source, images)
-        out, names = [], []
         rows, cols = layout.grid
-        for i in range(max(2, images)):
-            name = REAL_IMAGES[i % len(REAL_IMAGES)]
-            raw = real_image(name)
-            if raw is None:  # no skimage photos: a seeded picture of the grid's shape
-                raw = np.random.default_rng(i).integers(0, 256, (rows * layout.size, cols * layout.size, 3), np.uint8)
-                name = f"synthetic(seed={i})"
-            out.append(minicpm_slices(raw, layout, source.mean, source.std))
-            names.append(f"skimage.data.{name}" if not name.startswith("synthetic") else name)
-        return np.concatenate(out), {"images": names, "seed": 0, "size": source.image_size,
-                                     "mean": list(source.mean), "std": list(source.std), "grid": [rows, cols],
-                                     "slices": layout.count}
+        shape = {"resolution": [rows * layout.size, cols * layout.size], "count": layout.count, "grid": [rows, cols]}
+        pixel, meta = parity_crops(max(2, images), shape, source.image_size, source.mean, source.std,
+                                   cut=lambda raw, _shape, _size, mean, std: minicpm_slices(raw, layout, mean, std))
+        meta.pop("crops")
+        return pixel, {**meta, "slices": layout.count}
 
     def cannot_draw(self, manifest: Manifest) -> str | None:
         return "a sliced bundle (a source image and its slices per image)" if manifest.model.get("slices") else None
