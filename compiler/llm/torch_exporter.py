@@ -161,10 +161,6 @@ class _Decoder(nn.Module):
         # each cached layer's (kv heads, head size): Gemma 4's global layers have their own
         self.cache_shapes = [(attns[i].k_proj.out_features // getattr(attns[i], "head_dim", self.head_dim),
                               getattr(attns[i], "head_dim", self.head_dim)) for i in self.cached]
-        # each convolution state's [hidden, L] (the conv's last L inputs: compiler.llm.short_conv)
-        self.conv_shape = self.state_shapes(min(self.convs))[0] if self.convs else None
-        # each gated delta-net's ([channels, L] of its convolution state, [value heads, dk, dv] of its recurrent state)
-        self.delta_shapes = tuple(self.state_shapes(min(self.deltas))) if self.deltas else None
 
     def state_shapes(self, i: int) -> list[list[int]]:
         """Layer i's states' shapes past the batch, as its operator declares them (stateful layers only)."""
@@ -929,11 +925,12 @@ class TorchExporter(LlmExporter):
             "per_layer_inputs": per_layer_width(config) or None,
             "cache_layers": len(graph.cached),  # the layers with keys and values of their own
             # the short-convolution layers, each with a convolution state [batch, hidden, L] (present.{i}.conv)
-            "conv_layers": sorted(graph.convs) or None, "conv_state": graph.conv_shape,
+            "conv_layers": sorted(graph.convs) or None,
+            "conv_state": graph.state_shapes(min(graph.convs))[0] if graph.convs else None,
             # the gated delta-net layers, each with a convolution state [batch, channels, L] (present.{i}.conv) and a
-            # recurrent state [batch, value heads, dk, dv] (present.{i}.recurrent)
+            # recurrent state [batch, value heads, dk, dv] (present.{i}.recurrent), as the operator declares them
             "recurrent_layers": sorted(graph.deltas) or None,
-            "recurrent_states": [list(x) for x in graph.delta_shapes] if graph.delta_shapes else None,
+            "recurrent_states": graph.state_shapes(min(graph.deltas)) if graph.deltas else None,
             "kv_sources": kv_sources(config) if kv_sources(config) != list(range(config.num_hidden_layers)) else None,
             "sliding_window": getattr(config, "sliding_window", None) if layer_types(config) else None,
             "kv_heads": shapes[0][0], "head_dim": shapes[0][1], "vocab_size": config.vocab_size,
