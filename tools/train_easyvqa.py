@@ -144,6 +144,7 @@ class Dataset:
     more: int = 0  # further training questions per image, read from its scene (tools/inspection_vqa.more_questions)
     extra: Callable[[list[dict], int], list[dict]] | None = None  # the training rows, more -> the further rows
     question_first: bool = False  # the chat template writes the question before the image (see its constant)
+    standardize: bool = False  # the projector trained on standardised feature channels, folded in (train's doc)
 
 
 DATASETS = {d.name: d for d in (
@@ -376,9 +377,42 @@ def packed_batches(encoded: list[Encoded], batch: int, generator: torch.Generato
     return [order[at: at + batch] for at in range(0, len(order), batch)]
 
 
+def feature_moments(features: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each channel's mean and standard deviation over every token of every image (fp64 sums, images in sorted
+    order: the same bits whatever the thread count)."""
+    total = count = square = None
+    for key in sorted(features):
+        x = features[key].double()
+        total = x.sum(0) if total is None else total + x.sum(0)
+        square = (x * x).sum(0) if square is None else square + (x * x).sum(0)
+        count = x.shape[0] if count is None else count + x.shape[0]
+    mean = total / count
+    std = (square / count - mean * mean).clamp_min(1e-12).sqrt()
+    return mean.float(), std.float()
+
+
+def fold_standardization(linear: torch.nn.Linear, mean: torch.Tensor, std: torch.Tensor) -> None:
+    """linear trained on (x - mean) / std becomes the same map on x: W' = W / std, b' = b - W (mean / std).
+
+    LLaVA's projector has no norm in front, and the checkpoint must stay a plain LLaVA that `generate`, `eval`
+    and every bundle read; the standardisation is a reparametrisation of its first Linear during training only."""
+    with torch.no_grad():
+        weight = linear.weight.double()
+        linear.bias.sub_((weight @ (mean.double() / std.double())).to(linear.bias.dtype))
+        linear.weight.copy_((weight / std.double()).to(linear.weight.dtype))
+
+
 def train(model, processor, samples: list[dict], features: dict, epochs: int, seed: int, batch: int = 32,
-          lr: float = 2e-3, pack: bool = False, log=print) -> list[float]:
-    """Projector and language model by AdamW on the answers' cross-entropy; the tower's features precomputed."""
+          lr: float = 2e-3, pack: bool = False, log=print, standardize: bool = False) -> list[float]:
+    """Projector and language model by AdamW on the answers' cross-entropy; the tower's features precomputed.
+
+    standardize: train the projector on each feature channel standardised over the training images, then fold
+    that into its first Linear (fold_standardization). DINOv2's 448 px tokens share one large component (the
+    channels' mean is twice as long as a token's deviation from it; two tokens' cosine is 0.89 on average), so a
+    freshly initialised projector maps every patch to nearly the same row and the language model's attention
+    starts with nothing to tell the few patches a question is about from the background; standardised (cosine
+    0.66), they differ from the first step. The optimiser then also sees channels of one scale: Adam's step is
+    the same size for every weight, so a channel ten times wider moves the projector's output ten times more."""
     tok = processor.tokenizer
     image_tokens = next(iter(features.values())).shape[0]
     encoded = encode(processor, samples, image_tokens, pack)
@@ -393,6 +427,7 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min((k + 1) / warm, (steps - k) / max(1, steps - warm)))
     order_gen = torch.Generator().manual_seed(seed)
     embed, projector = model.get_input_embeddings(), model.model.multi_modal_projector
+    mean, std = feature_moments(features) if standardize else (torch.zeros(()), torch.ones(()))
     model.train()
     model.model.vision_tower.eval()
     losses = []
@@ -411,7 +446,7 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
                          "position_ids": torch.stack([positions(encoded[r], width) for r in rows])}
             else:  # no padding, so an all-ones mask and SDPA's causal flash kernel
                 extra = {"attention_mask": torch.ones((len(rows), width), dtype=torch.long)}
-            feats = projector(torch.stack([features[images[r]] for r in rows]).float())
+            feats = projector((torch.stack([features[images[r]] for r in rows]).float() - mean) / std)
             embeds = embed(ids).masked_scatter((ids == image_id)[..., None], feats.to(embed.weight.dtype))
             loss = model(inputs_embeds=embeds, labels=labels, **extra).loss
             opt.zero_grad()
@@ -423,6 +458,8 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
                 log(f"step {len(losses)}/{steps}: mean loss of the last 200 {sum(losses[-200:]) / 200:.4f}")
         per_epoch = len(losses) // (epoch + 1)
         log(f"epoch {epoch + 1}/{epochs}: mean loss {sum(losses[-per_epoch:]) / per_epoch:.4f}")
+    if standardize:
+        fold_standardization(projector.linear_1, mean, std)
     model.eval()
     return losses
 
@@ -447,7 +484,7 @@ def answers(model, processor, samples: list[dict], batch: int = 16) -> list[str]
 def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: int | None = None,
                   test_n: int | None = None, seed: int = 0, lm: dict | None = None, threads: int = 2,
                   force: bool = False, log=print, dataset: str | Dataset = "easyvqa", lr: float | None = None,
-                  batch: int | None = None, question_first: bool = False) -> dict:
+                  batch: int | None = None, question_first: bool = False, standardize: bool | None = None) -> dict:
     """Train, evaluate and publish the checkpoint at out; its training.json record (the existing one if reused).
 
     dataset: a name of DATASETS or a Dataset; train_n, epochs, test_n, lr and batch default to the dataset's own.
@@ -458,6 +495,8 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
     data = dataclasses.replace(data, lr=data.lr if lr is None else lr, batch=data.batch if batch is None else batch)
     if question_first:
         data = dataclasses.replace(data, question_first=True, pack=False, more=0)
+    if standardize is not None:
+        data = dataclasses.replace(data, standardize=standardize)
     dataset = data.name
     train_n, epochs, test_n = (data.train if train_n is None else train_n, data.epochs if epochs is None else epochs,
                                data.test if test_n is None else test_n)
@@ -488,7 +527,7 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
     featured = time.perf_counter()
     log(f"training on {len(train_rows)} questions, {epochs} epochs")
     losses = train(model, processor, train_rows, features, epochs, seed, batch=data.batch, lr=data.lr,
-                   pack=data.pack, log=log)
+                   pack=data.pack, log=log, standardize=data.standardize)
     trained = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -504,6 +543,7 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
             "train_questions": len(train_rows), "train_images": len(images),
             "epochs": epochs, "batch": data.batch, "lr": data.lr, "seed": seed, "threads": threads,
             "language_model": lm, "packed": data.pack, "question_first": data.question_first,
+            "standardized_features": data.standardize,
             "tower": str(Path(tower).resolve()), "final_loss": losses[-1] if losses else None,
             "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
             "environment": environment(),
@@ -595,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--question-first", action="store_true",
                         help="the chat template writes the question before the image, so the image's tokens see it; "
                              "one sequence per question, no further questions per image")
+    parser.add_argument("--standardize-features", action="store_true",
+                        help="train the projector on standardised feature channels and fold that into its first "
+                             "Linear (the saved model is a plain LLaVA)")
     parser.add_argument("--force", action="store_true", help="retrain and replace an existing model")
     args = parser.parse_args(argv)
     data = DATASETS[args.dataset]
@@ -612,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:
                                args.seed, threads=args.threads, force=args.force,
                                lm=None if args.lm_layers is None else {"num_hidden_layers": args.lm_layers},
                                log=lambda line: print(line, flush=True), dataset=args.dataset, lr=args.lr,
-                               batch=args.batch, question_first=args.question_first)
+                               batch=args.batch, question_first=args.question_first,
+                               standardize=True if args.standardize_features else None)
     except (FileExistsError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

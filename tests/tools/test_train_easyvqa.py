@@ -262,3 +262,41 @@ def test_question_first_puts_the_question_before_the_image_in_training_and_in_vl
     with pytest.raises(ValueError, match="do not share the prompt up to the image"):
         train_easyvqa.encode(processor, [{"question": q, "answers": ["a"], "image": "x.png"}
                                          for q in ("what shape is it?", "what color is it?")], 4, pack=True)
+
+
+def test_folded_standardization_is_the_same_projector_on_raw_features():
+    """A Linear trained on standardised channels, folded, maps raw features as the unfolded one maps standardised
+    ones; feature_moments are the channels' own mean and (population) standard deviation."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    features = {f"img{k}": torch.randn(16, 6, generator=gen) * torch.tensor([1, 2, 5, 0.5, 30, 1]) + 7
+                for k in range(3)}
+    mean, std = train_easyvqa.feature_moments(features)
+    everything = torch.cat([features[k] for k in sorted(features)])
+    assert torch.allclose(mean, everything.mean(0), atol=1e-5)
+    assert torch.allclose(std, everything.std(0, unbiased=False), rtol=1e-5)
+    linear = torch.nn.Linear(6, 4)
+    x = everything
+    want = linear((x - mean) / std)
+    train_easyvqa.fold_standardization(linear, mean, std)
+    assert torch.allclose(linear(x), want, atol=1e-5)
+    assert not torch.allclose(linear((x - mean) / std), want, atol=1e-3)  # the fold did change the weights
+
+
+def test_standardized_training_saves_a_plain_llava_and_records_it(trained, tower, tmp_path):
+    """--standardize-features trains other weights than the default, records it, and the saved checkpoint (no
+    extra module: LLaVA's own projector keys) generates words of its vocabulary."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    out, record = trained
+    assert record["standardized_features"] is False
+    std = _train(tmp_path / "std", tower, standardize=True)
+    assert std["standardized_features"] is True and std["weights_sha256"] != record["weights_sha256"]
+    model = LlavaForConditionalGeneration.from_pretrained(tmp_path / "std").eval()
+    base = LlavaForConditionalGeneration.from_pretrained(out).eval()
+    assert model.state_dict().keys() == base.state_dict().keys()
+    sample = easyvqa_jsonl.records("test")[0]
+    processor = AutoProcessor.from_pretrained(tmp_path / "std")
+    words = train_easyvqa.answers(model, processor, [sample])[0].split()
+    assert words and all(w in processor.tokenizer.get_vocab() for w in words)
