@@ -455,11 +455,14 @@ def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> 
 
 def fuse_attention(model: ir.Model, layers: int) -> ir.Model:
     """model (an exported prefill or decode graph) as target ort ships it, in place: every layer's attention fused
-    (all or a clear error), then its RMSNorms and the residual Adds feeding them (where their form allows)."""
+    (all or a clear error), the prefill's causal ones over shared key/value heads then GroupQueryAttention (where
+    their form allows), then its RMSNorms and the residual Adds feeding them (where their form allows)."""
     from vlmprune.passes.llm_attention_fusion import LlmAttentionFusionPass
+    from vlmprune.passes.llm_gqa_fusion import LlmGroupQueryAttentionPass
     from vlmprune.passes.llm_norm_fusion import LlmNormFusionPass
 
-    return LlmNormFusionPass()(LlmAttentionFusionPass(layers)(model).model).model
+    model = LlmGroupQueryAttentionPass()(LlmAttentionFusionPass(layers)(model).model).model
+    return LlmNormFusionPass()(model).model
 
 
 def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = DEFAULT_OPSET) -> dict:

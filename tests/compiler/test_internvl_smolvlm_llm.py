@@ -117,7 +117,7 @@ def test_with_llm_bundle_passes_its_llm_parity_and_says_what_it_takes(case):
                                  "llm.weights.bin")} <= set(manifest["files"])
     for name in ("prefill.onnx", "decode.onnx"):
         ops = [n.op_type for n in onnx.load(llm / name, load_external_data=False).graph.node]
-        assert ops.count("MultiHeadAttention") == LAYERS and "Softmax" not in ops, name
+        assert ops.count("MultiHeadAttention") + ops.count("GroupQueryAttention") == LAYERS and "Softmax" not in ops, name
     for name in ("prefill.decomposed.onnx", "decode.decomposed.onnx"):
         onnx.checker.check_model(str(llm / name))
         model = onnx.load(llm / name, load_external_data=False)

@@ -59,7 +59,8 @@ def test_graphs_are_valid_onnx_sharing_one_weights_file(exported):
         proto = onnx.load(str(folder / name), load_external_data=False)
         ops = [n.op_type for n in proto.graph.node]
         assert {n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")} == {"com.microsoft"}
-        assert ops.count("MultiHeadAttention") == layers and "Where" not in ops
+        assert ops.count("MultiHeadAttention") + ops.count("GroupQueryAttention") == layers and "Where" not in ops
+        assert ops.count("GroupQueryAttention") == (layers if name == PREFILL else 0), name  # causal: prefill
         assert ops.count("Softmax") == (1 if name == PREFILL else 0)  # FastV's own score row stays
         # every norm right after a residual Add fused (passes.llm_norm_fusion): all 2·layers + 1 but the first
         # layer's input norm, and in prefill the one after FastV's selection (it reads the Gather of the kept rows)

@@ -102,7 +102,8 @@ def test_with_llm_bundle_passes_its_llm_parity_and_says_what_it_holds(bundle):
     for name, scans in (("prefill.onnx", len(DELTAS)), ("decode.onnx", 0)):
         model = onnx.load(bundle.bundle / "llm" / name, load_external_data=False)
         ops = [n.op_type for n in model.graph.node]
-        assert ops.count("MultiHeadAttention") == len(ATTENTION) and ops.count("Conv") == len(DELTAS), name
+        assert ops.count("MultiHeadAttention") + ops.count("GroupQueryAttention") == len(ATTENTION), name
+        assert ops.count("Conv") == len(DELTAS), name
         assert ops.count("Scan") == scans, name  # the prefill's delta rule over the prompt; a decode step is one step
     readme = (bundle.bundle / "README.md").read_text()
     assert "Layers 0, 1, 3 are gated delta-nets" in readme
