@@ -20,9 +20,10 @@ for the FastV rows, its image span compiled in).
 
 Each row runs twice, with the LLM prefill graph as exported (standard ops: per layer a causal
 mask built as a Where over [1, heads, S, S], MatMul/Softmax/MatMul; `LLM unfused`) and as target
-ort ships it (each layer's attention com.microsoft.MultiHeadAttention, unidirectional=1, by
-passes.llm_attention_fusion, and each residual Add + RMSNorm one SkipSimplifiedLayerNormalization, by
-passes.llm_norm_fusion; `LLM fused`), the same tower; the fused row's ratio to the unfused
+ort ships it (compiler.llm.torch_exporter.fuse_attention: each layer's causal attention one
+com.microsoft.GroupQueryAttention over the shared key/value heads, each rotation of q and K one RotaryEmbedding,
+each residual Add + RMSNorm one SkipSimplifiedLayerNormalization; `LLM fused`), the same tower; the fused row's
+ratio to the unfused
 is printed per row. The dense row also runs with onnxruntime-genai's model builder graph
 (compiler.llm.genai.export_genai, fp32 CPU, prune_lm_head: the head on the last token as the
 torch.onnx graphs do; fed inputs_embeds, attention_mask and an empty past) where

@@ -15,9 +15,10 @@ lands on every graph alike):
 - `attention`: each layer's attention fused into com.microsoft.MultiHeadAttention (passes.llm_attention_fusion);
 - `attention+norms`: that and each residual Add + RMSNorm fused into SkipSimplifiedLayerNormalization
   (passes.llm_norm_fusion);
-- `gqa+norms`: what target ort ships as prefill.onnx (torch_exporter.fuse_attention): as `attention+norms`, with
-  each causal attention over the decoder's shared key/value heads GroupQueryAttention (passes.llm_gqa_fusion) instead
-  of the heads' expansion and MultiHeadAttention;
+- `gqa+norms`: as `attention+norms`, with each causal attention GroupQueryAttention (passes.llm_gqa_fusion) instead
+  of the shared key/value heads' expansion and MultiHeadAttention;
+- `shipped`: what target ort ships as prefill.onnx (torch_exporter.fuse_attention): `gqa+norms` with each rotation
+  of q and K one RotaryEmbedding (passes.llm_rotary_fusion);
 - `genai builder`: onnxruntime-genai's model builder graph of the same model (compiler.llm.genai.export_genai: fp32
   CPU, the head on the last token), where onnxruntime-genai is installed.
 
@@ -43,19 +44,21 @@ from machine_load import CpuMeter, busy_line
 
 SETTLE_S = 0.2
 WARMUP = 2
-UNFUSED, ATTENTION, NORMS, SHIPPED, GENAI = "unfused", "attention", "attention+norms", "gqa+norms", "genai builder"
+UNFUSED, ATTENTION, NORMS, GQA, SHIPPED, GENAI = ("unfused", "attention", "attention+norms", "gqa+norms",
+                                                 "shipped (gqa+rotary+norms)", "genai builder")
 
 
 def graphs(folder: Path, log, genai: bool = True, lm=None) -> dict[str, Path]:
     """The prefill graphs of lm (default: the Qwen2-0.5B-shaped model) in folder (made once, reused), by row name."""
     from vlmprune.compiler.llm.torch_exporter import export_prefill, fuse_attention
     from vlmprune.passes.llm_attention_fusion import LlmAttentionFusionPass
+    from vlmprune.passes.llm_gqa_fusion import LlmGroupQueryAttentionPass
     from vlmprune.passes.llm_norm_fusion import LlmNormFusionPass
 
     lm = bench_e2e.qwen2_05b_shaped() if lm is None else lm
     layers = lm.config.num_hidden_layers
     out = {UNFUSED: folder / "unfused.onnx", ATTENTION: folder / "attention.onnx", NORMS: folder / "norms.onnx",
-           SHIPPED: folder / "shipped.onnx"}
+           GQA: folder / "gqa.onnx", SHIPPED: folder / "shipped.onnx"}
     if not out[UNFUSED].is_file():
         log("export the prefill graph (torch.onnx)")
         bench_e2e.save_graph(export_prefill(lm, None), folder, "unfused")
@@ -63,6 +66,8 @@ def graphs(folder: Path, log, genai: bool = True, lm=None) -> dict[str, Path]:
         ir.save(LlmAttentionFusionPass(layers)(ir.load(out[UNFUSED])).model, out[ATTENTION])
     if not out[NORMS].is_file():
         ir.save(LlmNormFusionPass()(ir.load(out[ATTENTION])).model, out[NORMS])
+    if not out[GQA].is_file():
+        ir.save(LlmNormFusionPass()(LlmGroupQueryAttentionPass()(ir.load(out[ATTENTION])).model).model, out[GQA])
     if not out[SHIPPED].is_file():
         ir.save(fuse_attention(ir.load(out[UNFUSED]), layers), out[SHIPPED])
     if genai:

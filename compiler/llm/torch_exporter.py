@@ -455,14 +455,23 @@ def export_decode(model, spec: FastVSpec | None, opset: int = DEFAULT_OPSET) -> 
 
 def fuse_attention(model: ir.Model, layers: int) -> ir.Model:
     """model (an exported prefill or decode graph) as target ort ships it, in place: every layer's attention fused
-    (all or a clear error), the prefill's causal ones over shared key/value heads then GroupQueryAttention (where
-    their form allows), then its RMSNorms and the residual Adds feeding them (where their form allows)."""
+    (all or a clear error); then, where their form allows, the prefill's causal attention GroupQueryAttention, the
+    rotations of q and K RotaryEmbedding, and the RMSNorms with the residual Adds feeding them
+    SkipSimplifiedLayerNormalization. Last, repeated subexpressions are merged (torch.export leaves each one as
+    often as the code wrote it: each rotation's Transpose and Reshape twice, each RotaryEmbedding's row tables once
+    per layer; a Qwen2-0.5B-shaped prefill goes from 1,876 nodes to 1,147), the same numbers by construction."""
+    from onnx_ir.passes.common import CommonSubexpressionEliminationPass
+
     from vlmprune.passes.llm_attention_fusion import LlmAttentionFusionPass
     from vlmprune.passes.llm_gqa_fusion import LlmGroupQueryAttentionPass
     from vlmprune.passes.llm_norm_fusion import LlmNormFusionPass
+    from vlmprune.passes.llm_rotary_fusion import LlmRotaryFusionPass
 
-    model = LlmGroupQueryAttentionPass()(LlmAttentionFusionPass(layers)(model).model).model
-    return LlmNormFusionPass()(model).model
+    model = LlmAttentionFusionPass(layers)(model).model
+    for step in (LlmGroupQueryAttentionPass(), LlmRotaryFusionPass(), LlmNormFusionPass(),
+                 CommonSubexpressionEliminationPass()):
+        model = step(model).model
+    return model
 
 
 def export_decoder(model, spec: FastVSpec | None, folder: Path, opset: int = DEFAULT_OPSET) -> dict:

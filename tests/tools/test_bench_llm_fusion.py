@@ -30,8 +30,8 @@ def _ops(path: Path) -> list[str]:
 
 
 def test_each_graph_is_the_fusion_it_names(paths):
-    assert list(paths) == [bench.UNFUSED, bench.ATTENTION, bench.NORMS, bench.SHIPPED]
-    unfused, attention, norms, shipped = (_ops(paths[name]) for name in paths)
+    assert list(paths) == [bench.UNFUSED, bench.ATTENTION, bench.NORMS, bench.GQA, bench.SHIPPED]
+    unfused, attention, norms, gqa, shipped = (_ops(paths[name]) for name in paths)
     assert "MultiHeadAttention" not in unfused and unfused.count("Where") == LAYERS  # the per-layer causal mask
     assert attention.count("MultiHeadAttention") == LAYERS and "SkipSimplifiedLayerNormalization" not in attention
     # every norm right after a residual Add: all 2·layers + 1 but the first layer's input norm and the final one (it
@@ -39,10 +39,13 @@ def test_each_graph_is_the_fusion_it_names(paths):
     assert norms.count("MultiHeadAttention") == LAYERS
     assert norms.count("SkipSimplifiedLayerNormalization") == 2 * LAYERS - 1
     assert attention.count("Pow") == 2 * LAYERS + 1 and norms.count("Pow") == 2
-    # what target ort ships: the tiny Qwen2 shares its key/value heads (4 query heads, 2 key/value heads)
-    assert shipped.count("GroupQueryAttention") == LAYERS and "MultiHeadAttention" not in shipped
-    assert shipped.count("Unsqueeze") == norms.count("Unsqueeze") - 2 * LAYERS  # repeat_kv's, for K and V: gone
-    assert shipped.count("SkipSimplifiedLayerNormalization") == 2 * LAYERS - 1
+    # the tiny Qwen2 shares its key/value heads (4 query heads, 2 key/value heads)
+    assert gqa.count("GroupQueryAttention") == LAYERS and "MultiHeadAttention" not in gqa
+    assert gqa.count("Unsqueeze") == norms.count("Unsqueeze") - 2 * LAYERS  # repeat_kv's, for K and V: gone
+    assert gqa.count("SkipSimplifiedLayerNormalization") == 2 * LAYERS - 1 and "RotaryEmbedding" not in gqa
+    # what target ort ships: that, and q's and K's rotation in every layer one op
+    assert shipped.count("GroupQueryAttention") == LAYERS and shipped.count("RotaryEmbedding") == 2 * LAYERS
+    assert "Neg" not in shipped and shipped.count("SkipSimplifiedLayerNormalization") == 2 * LAYERS - 1
 
 
 def test_the_graphs_agree_and_every_round_times_every_graph(paths):
@@ -51,7 +54,7 @@ def test_the_graphs_agree_and_every_round_times_every_graph(paths):
     assert {name: len(t) for name, t in times.items()} == {name: 3 for name in paths}
     assert all(t > 0 for values in times.values() for t in values)
     reference = outputs[bench.UNFUSED]
-    for name in (bench.ATTENTION, bench.NORMS, bench.SHIPPED):
+    for name in (bench.ATTENTION, bench.NORMS, bench.GQA, bench.SHIPPED):
         np.testing.assert_allclose(outputs[name], reference, rtol=0, atol=1e-4)
     lines = bench.table(times, 12)
     assert lines[0].startswith("prefill of 12 tokens") and len(lines) == 4 + len(paths)
