@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 
 # Ops whose work the benchmarks' FLOP models count; everything else is "uncounted".
-COUNTED = {"MatMul", "Gemm", "Conv", "FusedMatMul", "MatMulNBits", "MatMulInteger", "QLinearMatMul",
-           "DynamicQuantizeMatMul", "MultiHeadAttention", "Attention", "GroupQueryAttention", "FusedGemm", "FusedConv"}
+COUNTED = {"MatMul", "Gemm", "Conv", "FusedMatMul", "MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat",
+           "QLinearMatMul", "DynamicQuantizeMatMul", "MultiHeadAttention", "Attention", "GroupQueryAttention", "FusedGemm",
+           "FusedConv"}  # MatMulIntegerToFloat: what ORT fuses an int8 bundle's QDQ MatMul into
 M_BUCKETS = (1, 16, 128, 512, 2048)  # MatMul row-count groups: [1], (1, 16], ... (2048, inf)
 
 
