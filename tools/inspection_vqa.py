@@ -368,6 +368,32 @@ def more_questions(seed: int, split: str, index: int, count: int) -> list[dict]:
     return out
 
 
+DESCRIBE = "describe the parts."
+
+
+def describe(seed: int, split: str, index: int) -> dict:
+    """One training question about image `index` whose answer names every part: the count, then each part's
+    colour, shape and 3x3 region, its defect and its label where it has one, in reading order (region by region,
+    then top to bottom, left to right), e.g. `2 parts : red circle topleft , blue cross center scratch`.
+
+    LLaVA's own training has such data beside its short answers (detailed descriptions): a one-word answer
+    supervises one look at one part, a description supervises a look at every part of the scene, for the price
+    of a few dozen answer tokens beside the 1,024 image tokens the step pays for anyway. Read from the scene the
+    image was rendered from, like more_questions; the test split never gets it."""
+    _, _, parts, _ = _planned(image_rng(seed, split, index))
+    cell = SIZE / 3
+
+    def order(p: Part):
+        cx, cy = p.center
+        return min(2, int(cy // cell)), min(2, int(cx // cell)), cy, cx
+
+    words = []
+    for p in sorted(parts, key=order):
+        words.append(" ".join([p.color, p.shape, region_of(*p.center)] + ([p.defect] if p.defect else [])
+                              + (["label", p.label] if p.label else [])))
+    return {"question": DESCRIBE, "answers": [f"{len(parts)} parts : " + " , ".join(words)], "type": "describe"}
+
+
 def summary(rows: list[dict]) -> dict:
     """Per type: questions, the answer counts, the majority answer (as eval's stats.majority picks it) and its share."""
     from vlmprune.compiler.quality import stats

@@ -126,6 +126,17 @@ def _inspection_more(rows: list[dict], count: int) -> list[dict]:
     return out
 
 
+def _inspection_describe(rows: list[dict]) -> list[dict]:
+    """One description of each training image (tools/inspection_vqa.describe), packed beside its questions."""
+    import inspection_vqa
+
+    out = []
+    for image, row in {r["image"]: r for r in rows}.items():
+        split, index = row["id"].split("-")[:2]
+        out.append({**inspection_vqa.describe(0, split, int(index)), "id": f"{split}-{index}-d", "image": image})
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Dataset:
     """What the training reads for one dataset: its splits, default sizes and where its model and tower live."""
@@ -145,6 +156,8 @@ class Dataset:
     extra: Callable[[list[dict], int], list[dict]] | None = None  # the training rows, more -> the further rows
     question_first: bool = False  # the chat template writes the question before the image (see its constant)
     standardize: bool = False  # the projector trained on standardised feature channels, folded in (train's doc)
+    describe: Callable[[list[dict]], list[dict]] | None = None  # the training rows -> one description per image
+    described: bool = False  # train on describe's rows too
 
 
 DATASETS = {d.name: d for d in (
@@ -166,7 +179,7 @@ DATASETS = {d.name: d for d in (
     # The benchmark's data is the generator's seed 0, whatever the training seed: one test set for every model.
     Dataset("inspection", lambda n: (_inspection_split("train", 0, _inspection_images(n)), _inspection_split("test", 0)),
             "inspection-llava-dinov2", "dinov2-s14-imgfocus-448", train=8000, epochs=3, test=500, batch=8, lr=1e-3,
-            pack=True, more=6, extra=_inspection_more),
+            pack=True, more=6, extra=_inspection_more, describe=_inspection_describe),
 )}
 
 
@@ -486,19 +499,30 @@ def answers(model, processor, samples: list[dict], batch: int = 16) -> list[str]
 def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: int | None = None,
                   test_n: int | None = None, seed: int = 0, lm: dict | None = None, threads: int = 2,
                   force: bool = False, log=print, dataset: str | Dataset = "easyvqa", lr: float | None = None,
-                  batch: int | None = None, question_first: bool = False, standardize: bool | None = None) -> dict:
+                  batch: int | None = None, question_first: bool = False, standardize: bool | None = None,
+                  more: int | None = None, describe: bool | None = None) -> dict:
     """Train, evaluate and publish the checkpoint at out; its training.json record (the existing one if reused).
 
     dataset: a name of DATASETS or a Dataset; train_n, epochs, test_n, lr and batch default to the dataset's own.
     question_first: the question before the image in the chat template; each question is then its own sequence
     (packing shares the prompt up to the image, which now differs per question) and the further questions read
-    from the scenes are left out (each would cost a whole sequence of image tokens)."""
+    from the scenes are left out (each would cost a whole sequence of image tokens).
+    more: further questions per training image (the dataset's own by default); describe: one description of every
+    training image beside its questions (a dataset that has them)."""
     data = DATASETS[dataset] if isinstance(dataset, str) else dataset
     data = dataclasses.replace(data, lr=data.lr if lr is None else lr, batch=data.batch if batch is None else batch)
     if question_first:
         data = dataclasses.replace(data, question_first=True, pack=False, more=0)
     if standardize is not None:
         data = dataclasses.replace(data, standardize=standardize)
+    if more is not None:
+        if not data.extra:
+            raise ValueError(f"{data.name} has no further questions to ask (--more)")
+        data = dataclasses.replace(data, more=more)
+    if describe:
+        if not data.describe:
+            raise ValueError(f"{data.name} has no descriptions (--describe)")
+        data = dataclasses.replace(data, described=True)
     dataset = data.name
     train_n, epochs, test_n = (data.train if train_n is None else train_n, data.epochs if epochs is None else epochs,
                                data.test if test_n is None else test_n)
@@ -518,6 +542,8 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
     train_rows, test_rows = train_all[:train_n], test_all[:test_n]
     if data.more and data.extra:
         train_rows = train_rows + data.extra(train_rows, data.more)
+    if data.described:
+        train_rows = train_rows + data.describe(train_rows)
     everything = train_all + test_all + train_rows  # train_rows: with the further questions, if any
     tokenizer = build_tokenizer([r["question"] for r in everything] + [r["answers"][0] for r in everything])
     lm = {**LM, **data.lm, **(lm or {})}
@@ -545,7 +571,7 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
             "train_questions": len(train_rows), "train_images": len(images),
             "epochs": epochs, "batch": data.batch, "lr": data.lr, "seed": seed, "threads": threads,
             "language_model": lm, "packed": data.pack, "question_first": data.question_first,
-            "standardized_features": data.standardize,
+            "standardized_features": data.standardize, "further_questions": data.more, "described": data.described,
             "tower": str(Path(tower).resolve()), "final_loss": losses[-1] if losses else None,
             "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
             "environment": environment(),
@@ -640,6 +666,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standardize-features", action="store_true",
                         help="train the projector on standardised feature channels and fold that into its first "
                              "Linear (the saved model is a plain LLaVA)")
+    parser.add_argument("--more", type=int, default=None,
+                        help="further questions per training image read from its scene (inspection 6; at most "
+                             "what a scene holds)")
+    parser.add_argument("--describe", action="store_true",
+                        help="also train on one description of each training image (every part's colour, shape, "
+                             "region, defect and label), packed beside its questions")
     parser.add_argument("--force", action="store_true", help="retrain and replace an existing model")
     args = parser.parse_args(argv)
     data = DATASETS[args.dataset]
@@ -649,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             print(f"error: --{flag.replace('_', '-')} must be at least 1, got {value}", file=sys.stderr)
             return 2
+    if args.more is not None and args.more < 0:
+        print(f"error: --more must be at least 0, got {args.more}", file=sys.stderr)
+        return 2
     if args.lr is not None and not 0 < args.lr < 1:
         print(f"error: --lr must be in (0, 1), got {args.lr}", file=sys.stderr)
         return 2
@@ -658,8 +693,9 @@ def main(argv: list[str] | None = None) -> int:
                                lm=None if args.lm_layers is None else {"num_hidden_layers": args.lm_layers},
                                log=lambda line: print(line, flush=True), dataset=args.dataset, lr=args.lr,
                                batch=args.batch, question_first=args.question_first,
-                               standardize=True if args.standardize_features else None)
-    except (FileExistsError, FileNotFoundError) as exc:
+                               standardize=True if args.standardize_features else None, more=args.more,
+                               describe=args.describe or None)
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"dense accuracy {record['dense_accuracy']:.4f} on {record['test_questions']} test questions; "

@@ -116,3 +116,35 @@ def test_every_type_can_be_drawn(split):
         _, rows = iv.scene(1, split, i)
         seen |= {r["type"] for r in rows}
     assert seen == set(iv.TYPES)
+
+
+def test_a_description_names_every_part_in_reading_order_and_agrees_with_the_questions():
+    """describe: the count, then each part's colour, shape and region (its defect and label where it has them),
+    region by region; the same facts the scene's questions answer; deterministic."""
+    for i in range(40):
+        d = iv.describe(0, "train", i)
+        assert d == iv.describe(0, "train", i) and d["question"] == iv.DESCRIBE and d["type"] == "describe"
+        head, body = d["answers"][0].split(" parts : ")
+        parts = [p.split() for p in body.split(" , ")]
+        assert int(head) == len(parts)
+        regions = [iv.REGIONS.index(p[2]) for p in parts]
+        assert regions == sorted(regions)  # reading order
+        for words in parts:
+            assert words[0] in iv.COLORS and words[1] in iv.SHAPES and words[2] in iv.REGIONS
+            rest = words[3:]
+            if rest and rest[0] in iv.DEFECTS:
+                rest = rest[1:]
+            assert rest == [] or (rest[0] == "label" and rest[1] in iv.LABELS and len(rest) == 2)
+        _, rows = iv.scene(0, "train", i)
+        more = iv.more_questions(0, "train", i, 64)
+        for q in rows + more:
+            answer = q["answers"][0]
+            if q["type"] == "count":
+                assert answer == head
+            elif q["type"] == "region":
+                color, shape = q["question"].split()[-2:]
+                assert any(w[:2] == [color, shape.rstrip("?")] and w[2] == answer for w in parts)
+            elif q["type"] == "label":
+                assert ["label", answer] in [w[-2:] for w in parts]
+            elif q["type"] == "defect":
+                assert (answer == "yes") == any(set(w) & set(iv.DEFECTS) for w in parts)

@@ -93,6 +93,8 @@ def test_refusals(tmp_path, capsys):
     assert capsys.readouterr().err == "error: --batch must be at least 1, got 0\n" and not (tmp_path / "z").exists()
     assert train_easyvqa.main(["-o", str(tmp_path / "z"), "--tower", str(tmp_path), "--lr", "2"]) == 2
     assert capsys.readouterr().err == "error: --lr must be in (0, 1), got 2.0\n" and not (tmp_path / "z").exists()
+    assert train_easyvqa.main(["-o", str(tmp_path / "z"), "--tower", str(tmp_path), "--more", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --more must be at least 0, got -1\n" and not (tmp_path / "z").exists()
 
 
 def test_weights_do_not_depend_on_the_thread_count(trained, tower, tmp_path):
@@ -124,6 +126,32 @@ def test_inspection_scenes_train_with_per_type_accuracy(tower, tmp_path, monkeyp
     for row in types.values():
         assert 0 <= row["dense_accuracy"] <= 1 and row["majority_answer"] in sum(inspection_vqa.ANSWERS.values(), ())
     assert (tmp_path / "cache" / "datasets" / "inspection-test-s0-n6" / "questions.jsonl").is_file()
+
+
+def test_descriptions_and_further_questions_are_asked_for_and_recorded(tower, tmp_path, monkeypatch):
+    """--describe packs one description of each training image beside its questions (its words in the vocabulary,
+    the test questions unchanged); --more sets the further questions per image; both are recorded, and a dataset
+    without them refuses the flags in one line."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
+    data = train_easyvqa.Dataset(
+        "inspection", lambda _n: (train_easyvqa._inspection_split("train", 0, 6), train_easyvqa._inspection_split("test", 0, 3)),
+        "m", "t", train=12, epochs=1, test=6, pack=True, lm=TINY_LM, more=3, extra=train_easyvqa._inspection_more,
+        describe=train_easyvqa._inspection_describe)
+    plain = train_easyvqa.train_easyvqa(tmp_path / "plain", tower, log=lambda line: None, dataset=data, more=0)
+    assert plain["train_questions"] == 12 and plain["further_questions"] == 0 and plain["described"] is False
+    got = train_easyvqa.train_easyvqa(tmp_path / "described", tower, log=lambda line: None, dataset=data, more=1,
+                                      describe=True)
+    assert got["train_questions"] == 12 + 6 * 1 + 6 and got["further_questions"] == 1 and got["described"] is True
+    assert got["test_questions"] == plain["test_questions"] == 6
+    assert got["weights_sha256"] != plain["weights_sha256"]
+    vocab = AutoTokenizer.from_pretrained(tmp_path / "described").get_vocab()
+    assert {"describe", "parts", "topleft", ","} <= set(vocab)
+    with pytest.raises(ValueError, match="easyvqa has no descriptions"):
+        train_easyvqa.train_easyvqa(tmp_path / "e", tower, dataset="easyvqa", describe=True)
+    assert train_easyvqa.main(["-o", str(tmp_path / "z"), "--tower", str(tower), "--more", "2"]) == 2
+    assert not (tmp_path / "z").exists() and not (tmp_path / "e").exists()
 
 
 def test_inspection_training_split_grows_with_the_questions_asked_for(tmp_path, monkeypatch):
