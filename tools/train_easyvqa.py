@@ -126,6 +126,20 @@ def _inspection_more(rows: list[dict], count: int) -> list[dict]:
     return out
 
 
+def _inspection_ground(rows: list[dict], grid: int) -> dict[str, list[str | None]]:
+    """Each training image's per-patch words (tools/inspection_vqa.patch_words), keyed by its path."""
+    import inspection_vqa
+
+    out = {}
+    for image, row in {r["image"]: r for r in rows}.items():
+        split, index = row["id"].split("-")[:2]
+        out[image] = inspection_vqa.patch_words(0, split, int(index), grid)
+    return out
+
+
+BACKGROUND_WORD = "no"  # --ground's target on a patch no part covers
+
+
 def _inspection_describe(rows: list[dict]) -> list[dict]:
     """One description of each training image (tools/inspection_vqa.describe), packed beside its questions."""
     import inspection_vqa
@@ -158,6 +172,8 @@ class Dataset:
     standardize: bool = False  # the projector trained on standardised feature channels, folded in (train's doc)
     describe: Callable[[list[dict]], list[dict]] | None = None  # the training rows -> one description per image
     described: bool = False  # train on describe's rows too
+    ground: Callable[[list[dict], int], dict[str, list[str | None]]] | None = None  # rows, grid -> patch words
+    grounded: bool = False  # train with ground's per-patch targets beside the answers (train's doc)
 
 
 DATASETS = {d.name: d for d in (
@@ -179,7 +195,8 @@ DATASETS = {d.name: d for d in (
     # The benchmark's data is the generator's seed 0, whatever the training seed: one test set for every model.
     Dataset("inspection", lambda n: (_inspection_split("train", 0, _inspection_images(n)), _inspection_split("test", 0)),
             "inspection-llava-dinov2", "dinov2-s14-imgfocus-448", train=8000, epochs=3, test=500, batch=8, lr=1e-3,
-            pack=True, more=6, extra=_inspection_more, describe=_inspection_describe),
+            pack=True, more=6, extra=_inspection_more, describe=_inspection_describe,
+            ground=_inspection_ground),
 )}
 
 
@@ -418,7 +435,8 @@ def fold_standardization(linear: torch.nn.Linear, mean: torch.Tensor, std: torch
 
 
 def train(model, processor, samples: list[dict], features: dict, epochs: int, seed: int, batch: int = 32,
-          lr: float = 2e-3, pack: bool = False, log=print, standardize: bool = False) -> list[float]:
+          lr: float = 2e-3, pack: bool = False, log=print, standardize: bool = False,
+          patch_words: dict[str, list[str | None]] | None = None) -> list[float]:
     """Projector and language model by AdamW on the answers' cross-entropy; the tower's features precomputed.
 
     standardize: train the projector on each feature channel standardised over the training images, then fold
@@ -427,7 +445,15 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
     freshly initialised projector maps every patch to nearly the same row and the language model's attention
     starts with nothing to tell the few patches a question is about from the background; standardised (cosine
     0.66), they differ from the first step. The optimiser then also sees channels of one scale: Adam's step is
-    the same size for every weight, so a channel ten times wider moves the projector's output ten times more."""
+    the same size for every weight, so a channel ten times wider moves the projector's output ten times more.
+
+    patch_words: per image, a word for each image token (None on the background). The language model's own head
+    then also predicts, at every image token, that word (BACKGROUND_WORD on the background; parts and background
+    weighted alike), beside the answers' loss. The tower's patch tokens tell a part's colour and shape apart
+    linearly (a probe on 2,000 scenes: colour 0.98, shape 0.93, part against background 0.999), yet a decoder
+    trained on the answers alone attends almost evenly over the 1,024 rows (the largest weight ~1/500 in most
+    heads) and answers by priors: an answer's gradient reaches a part's few rows diluted by their share of the
+    image. The per-patch targets train every row directly; the saved checkpoint is the same plain LLaVA."""
     tok = processor.tokenizer
     image_tokens = next(iter(features.values())).shape[0]
     encoded = encode(processor, samples, image_tokens, pack)
@@ -442,6 +468,14 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min((k + 1) / warm, (steps - k) / max(1, steps - warm)))
     order_gen = torch.Generator().manual_seed(seed)
     embed, projector = model.get_input_embeddings(), model.model.multi_modal_projector
+    targets = {}
+    if patch_words is not None:
+        vocab = tok.get_vocab()
+        for image, words in patch_words.items():
+            if len(words) != image_tokens:
+                raise ValueError(f"{len(words)} patch targets for {image_tokens} image tokens")
+            # the background's word written as -1 - id, so _grounded_loss tells it apart and weighs it apart
+            targets[image] = torch.tensor([vocab[w] if w else -1 - vocab[BACKGROUND_WORD] for w in words])
     mean, std = feature_moments(features) if standardize else (torch.zeros(()), torch.ones(()))
     model.train()
     model.model.vision_tower.eval()
@@ -463,7 +497,11 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
                 extra = {"attention_mask": torch.ones((len(rows), width), dtype=torch.long)}
             feats = projector((torch.stack([features[images[r]] for r in rows]).float() - mean) / std)
             embeds = embed(ids).masked_scatter((ids == image_id)[..., None], feats.to(embed.weight.dtype))
-            loss = model(inputs_embeds=embeds, labels=labels, **extra).loss
+            if patch_words is None:
+                loss = model(inputs_embeds=embeds, labels=labels, **extra).loss
+            else:
+                loss = _grounded_loss(model(inputs_embeds=embeds, **extra).logits, labels,
+                                      torch.stack([targets[images[r]] for r in rows]), ids == image_id)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -477,6 +515,24 @@ def train(model, processor, samples: list[dict], features: dict, epochs: int, se
         fold_standardization(projector.linear_1, mean, std)
     model.eval()
     return losses
+
+
+def _grounded_loss(logits: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor,
+                   at_image: torch.Tensor) -> torch.Tensor:
+    """The answers' next-token cross-entropy (as transformers computes it from labels) plus the per-patch one:
+    parts' and background's patches each averaged, then the two added, so the few part patches weigh as much as
+    the many background ones. targets: [B, patches] word ids, the background's written as -1 - id."""
+    import torch.nn.functional as F
+
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    answer = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100)
+    rows = logits[at_image].reshape(-1, vocab)  # each sequence's image tokens, in order
+    flat = targets.reshape(-1)
+    part, background = flat >= 0, flat < 0
+    ids = torch.where(part, flat, -1 - flat)
+    each = F.cross_entropy(rows, ids, reduction="none")
+    return answer + each[part].mean() + each[background].mean()
 
 
 @torch.inference_mode()
@@ -500,7 +556,7 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
                   test_n: int | None = None, seed: int = 0, lm: dict | None = None, threads: int = 2,
                   force: bool = False, log=print, dataset: str | Dataset = "easyvqa", lr: float | None = None,
                   batch: int | None = None, question_first: bool = False, standardize: bool | None = None,
-                  more: int | None = None, describe: bool | None = None) -> dict:
+                  more: int | None = None, describe: bool | None = None, ground: bool | None = None) -> dict:
     """Train, evaluate and publish the checkpoint at out; its training.json record (the existing one if reused).
 
     dataset: a name of DATASETS or a Dataset; train_n, epochs, test_n, lr and batch default to the dataset's own.
@@ -523,6 +579,10 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
         if not data.describe:
             raise ValueError(f"{data.name} has no descriptions (--describe)")
         data = dataclasses.replace(data, described=True)
+    if ground:
+        if not data.ground:
+            raise ValueError(f"{data.name} has no per-patch targets (--ground)")
+        data = dataclasses.replace(data, grounded=True)
     dataset = data.name
     train_n, epochs, test_n = (data.train if train_n is None else train_n, data.epochs if epochs is None else epochs,
                                data.test if test_n is None else test_n)
@@ -545,7 +605,14 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
     if data.described:
         train_rows = train_rows + data.describe(train_rows)
     everything = train_all + test_all + train_rows  # train_rows: with the further questions, if any
-    tokenizer = build_tokenizer([r["question"] for r in everything] + [r["answers"][0] for r in everything])
+    texts = [r["question"] for r in everything] + [r["answers"][0] for r in everything]
+    patch_words = None
+    if data.grounded:
+        vision = json.loads((Path(tower) / "config.json").read_text())
+        grid = vision["image_size"] // vision["patch_size"]  # the tower's patch grid (train checks it on the features)
+        patch_words = data.ground(train_rows, grid)
+        texts += [w for words in patch_words.values() for w in words if w] + [BACKGROUND_WORD]
+    tokenizer = build_tokenizer(texts)
     lm = {**LM, **data.lm, **(lm or {})}
     model = build_model(Path(tower), tokenizer, lm)
     processor = build_processor(tokenizer, model.config.vision_config,
@@ -555,7 +622,7 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
     featured = time.perf_counter()
     log(f"training on {len(train_rows)} questions, {epochs} epochs")
     losses = train(model, processor, train_rows, features, epochs, seed, batch=data.batch, lr=data.lr,
-                   pack=data.pack, log=log, standardize=data.standardize)
+                   pack=data.pack, log=log, standardize=data.standardize, patch_words=patch_words)
     trained = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -572,6 +639,7 @@ def train_easyvqa(out: Path, tower: Path, train_n: int | None = None, epochs: in
             "epochs": epochs, "batch": data.batch, "lr": data.lr, "seed": seed, "threads": threads,
             "language_model": lm, "packed": data.pack, "question_first": data.question_first,
             "standardized_features": data.standardize, "further_questions": data.more, "described": data.described,
+            "grounded": data.grounded,
             "tower": str(Path(tower).resolve()), "final_loss": losses[-1] if losses else None,
             "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
             "environment": environment(),
@@ -672,6 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--describe", action="store_true",
                         help="also train on one description of each training image (every part's colour, shape, "
                              "region, defect and label), packed beside its questions")
+    parser.add_argument("--ground", action="store_true",
+                        help="also train the language model's head to name, at every image token, what lies under "
+                             "that patch (a part's colour, shape or region; the background)")
     parser.add_argument("--force", action="store_true", help="retrain and replace an existing model")
     args = parser.parse_args(argv)
     data = DATASETS[args.dataset]
@@ -694,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
                                log=lambda line: print(line, flush=True), dataset=args.dataset, lr=args.lr,
                                batch=args.batch, question_first=args.question_first,
                                standardize=True if args.standardize_features else None, more=args.more,
-                               describe=args.describe or None)
+                               describe=args.describe or None, ground=args.ground or None)
     except (FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -148,3 +148,30 @@ def test_a_description_names_every_part_in_reading_order_and_agrees_with_the_que
                 assert ["label", answer] in [w[-2:] for w in parts]
             elif q["type"] == "defect":
                 assert (answer == "yes") == any(set(w) & set(iv.DEFECTS) for w in parts)
+
+
+def test_patch_words_name_the_part_under_each_patch_and_nothing_on_the_background():
+    """patch_words: a patch whose centre lies on a part's silhouette names its colour, shape or region by the
+    patch's index (t % 3); patches far from every part are None; the part's pixel colour is under its patches."""
+    grid, step = 32, iv.SIZE / 32
+    for i in range(20):
+        pixels, _ = iv.scene(0, "train", i)
+        _, _, parts, _ = iv._planned(iv.image_rng(0, "train", i))
+        words = iv.patch_words(0, "train", i, grid)
+        assert len(words) == grid * grid and words == iv.patch_words(0, "train", i, grid)
+        for t, w in enumerate(words):
+            r, c = divmod(t, grid)
+            cx, cy = (c + 0.5) * step, (r + 0.5) * step
+            owners = [p for p in parts if p.x <= cx < p.x + p.side and p.y <= cy < p.y + p.side]
+            if w is None:
+                continue
+            assert owners, (i, t, w)
+            p = next(p for p in owners if (p.color, p.shape, iv.region_of(*p.center))[t % 3] == w)
+            if t % 3 == 0 and not p.label and not p.defect and p.shape != "triangle":
+                assert tuple(pixels[int(cy), int(cx)]) == iv.COLORS[w]
+        for t in range(grid * grid):  # a patch centre outside every part's box is background
+            r, c = divmod(t, grid)
+            cx, cy = (c + 0.5) * step, (r + 0.5) * step
+            if not any(p.x - 1 <= cx < p.x + p.side + 1 and p.y - 1 <= cy < p.y + p.side + 1 for p in parts):
+                assert words[t] is None
+        assert sum(w is not None for w in words) >= len(parts)  # every part covers at least one patch centre

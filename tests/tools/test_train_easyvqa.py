@@ -154,6 +154,55 @@ def test_descriptions_and_further_questions_are_asked_for_and_recorded(tower, tm
     assert not (tmp_path / "z").exists() and not (tmp_path / "e").exists()
 
 
+def test_grounded_training_adds_the_per_patch_loss_and_saves_a_plain_llava(tower, tmp_path, monkeypatch):
+    """--ground: the patch words reach the vocabulary, the loss is the answers' plus the per-patch one (other
+    weights than without it), recorded; the checkpoint has LLaVA's keys only; a dataset without targets refuses."""
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
+    data = train_easyvqa.Dataset(
+        "inspection", lambda _n: (train_easyvqa._inspection_split("train", 0, 6), train_easyvqa._inspection_split("test", 0, 3)),
+        "m", "t", train=12, epochs=1, test=6, pack=True, lm=TINY_LM, more=1, extra=train_easyvqa._inspection_more,
+        ground=train_easyvqa._inspection_ground)
+    plain = train_easyvqa.train_easyvqa(tmp_path / "plain", tower, log=lambda line: None, dataset=data)
+    got = train_easyvqa.train_easyvqa(tmp_path / "grounded", tower, log=lambda line: None, dataset=data, ground=True)
+    assert got["grounded"] is True and plain["grounded"] is False
+    assert got["weights_sha256"] != plain["weights_sha256"] and got["train_questions"] == plain["train_questions"]
+    vocab = AutoTokenizer.from_pretrained(tmp_path / "grounded").get_vocab()
+    rows = data.splits(12)[0]
+    words = {w for ws in train_easyvqa._inspection_ground(rows, 8).values() for w in ws if w}  # the tiny tower's 8x8
+    assert words and words | {train_easyvqa.BACKGROUND_WORD} <= set(vocab)
+    keys = LlavaForConditionalGeneration.from_pretrained(tmp_path / "grounded").state_dict().keys()
+    assert keys == LlavaForConditionalGeneration.from_pretrained(tmp_path / "plain").state_dict().keys()
+    with pytest.raises(ValueError, match="easyvqa has no per-patch targets"):
+        train_easyvqa.train_easyvqa(tmp_path / "e", tower, dataset="easyvqa", ground=True)
+
+
+def test_the_grounded_loss_is_the_answers_plus_parts_and_background_each_averaged():
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=20))
+    ids = torch.randint(0, 20, (2, 9))
+    labels = torch.full((2, 9), -100)
+    labels[:, 6:] = ids[:, 6:]
+    out = model(input_ids=ids, labels=labels)
+    at = torch.zeros(2, 9, dtype=torch.bool)
+    at[:, 1:5] = True
+    targets = torch.tensor([[3, -8, 4, -8], [5, 5, -8, -8]])  # -8: the background's word 7
+    rows = out.logits[at].reshape(-1, 20)
+    flat = targets.reshape(-1)
+    want = (out.loss + F.cross_entropy(rows[flat >= 0], flat[flat >= 0])
+            + F.cross_entropy(rows[flat < 0], torch.full(((flat < 0).sum(),), 7)))
+    got = train_easyvqa._grounded_loss(out.logits, labels, targets, at)
+    assert torch.allclose(got, want, atol=1e-6)
+    no_patches = train_easyvqa._grounded_loss(out.logits, labels, torch.tensor([[3, 3, 3, 3], [3, 3, 3, 3]]), at)
+    assert not torch.allclose(no_patches, got)
+
+
 def test_inspection_training_split_grows_with_the_questions_asked_for(tmp_path, monkeypatch):
     """--train above the default split's two questions a image makes a larger split (N/2 images), not a silent
     cap at the default's; at or below it the default split (and its cached features) is used."""
