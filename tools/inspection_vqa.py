@@ -394,13 +394,12 @@ def describe(seed: int, split: str, index: int) -> dict:
     return {"question": DESCRIBE, "answers": [f"{len(parts)} parts : " + " , ".join(words)], "type": "describe"}
 
 
-GROUND_FIELDS = ("color", "shape", "region")
-
-
 def patch_words(seed: int, split: str, index: int, grid: int) -> list[str | None]:
     """What lies under each of the grid x grid patches of image `index` (row-major, as the tower orders them): for
-    a patch whose centre falls on a part's silhouette, one word about that part, taking colour, shape and region in
-    turn by the patch's index (so a part of a few patches names all three); None on the background.
+    a patch whose centre falls on a part's silhouette, one word about that part, taking its colour, shape, region,
+    defect (where it has one) and label (where it has one) in turn by the patch's index, so a part of a few patches
+    names each; None on the background. A decoder cannot tell which turn a patch is on from the patch alone, so
+    what it learns is every word of the part at each of its patches.
 
     Training-time grounding for tools/train_easyvqa.py --ground: a per-patch target is 1,024 supervised rows an
     image where an answer is one, and the answer's attention must otherwise find the few rows a part covers among
@@ -410,13 +409,13 @@ def patch_words(seed: int, split: str, index: int, grid: int) -> list[str | None
     out: list[str | None] = [None] * (grid * grid)
     for p in parts:
         mask = _mask(p.shape, p.side)
-        region = region_of(*p.center)
+        words = [p.color, p.shape, region_of(*p.center)] + [w for w in (p.defect, p.label) if w]
         for r in range(grid):
             for c in range(grid):
                 y, x = int((r + 0.5) * step) - p.y, int((c + 0.5) * step) - p.x
                 if 0 <= y < p.side and 0 <= x < p.side and mask[y, x]:
                     t = r * grid + c
-                    out[t] = (p.color, p.shape, region)[t % 3]
+                    out[t] = words[t % len(words)]
     return out
 
 

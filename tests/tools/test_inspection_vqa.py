@@ -151,8 +151,9 @@ def test_a_description_names_every_part_in_reading_order_and_agrees_with_the_que
 
 
 def test_patch_words_name_the_part_under_each_patch_and_nothing_on_the_background():
-    """patch_words: a patch whose centre lies on a part's silhouette names its colour, shape or region by the
-    patch's index (t % 3); patches far from every part are None; the part's pixel colour is under its patches."""
+    """patch_words: a patch whose centre lies on a part's silhouette names its colour, shape, region, defect or
+    label by the patch's index; patches far from every part are None; the part's pixel colour is under its
+    patches."""
     grid, step = 32, iv.SIZE / 32
     for i in range(20):
         pixels, _ = iv.scene(0, "train", i)
@@ -166,8 +167,10 @@ def test_patch_words_name_the_part_under_each_patch_and_nothing_on_the_backgroun
             if w is None:
                 continue
             assert owners, (i, t, w)
-            p = next(p for p in owners if (p.color, p.shape, iv.region_of(*p.center))[t % 3] == w)
-            if t % 3 == 0 and not p.label and not p.defect and p.shape != "triangle":
+            fields = {p.x: [p.color, p.shape, iv.region_of(*p.center)] + [f for f in (p.defect, p.label) if f]
+                      for p in owners}
+            p = next(p for p in owners if fields[p.x][t % len(fields[p.x])] == w)
+            if w == p.color and t % len(fields[p.x]) == 0 and not p.label and not p.defect and p.shape != "triangle":
                 assert tuple(pixels[int(cy), int(cx)]) == iv.COLORS[w]
         for t in range(grid * grid):  # a patch centre outside every part's box is background
             r, c = divmod(t, grid)
@@ -175,3 +178,7 @@ def test_patch_words_name_the_part_under_each_patch_and_nothing_on_the_backgroun
             if not any(p.x - 1 <= cx < p.x + p.side + 1 and p.y - 1 <= cy < p.y + p.side + 1 for p in parts):
                 assert words[t] is None
         assert sum(w is not None for w in words) >= len(parts)  # every part covers at least one patch centre
+        named = set(words)
+        for p in parts:  # defects and labels are named too, where a part is large enough to reach their turn
+            if p.label and sum(1 for w in words if w == p.color) > 6:
+                assert p.label in named
