@@ -156,16 +156,18 @@ def test_descriptions_and_further_questions_are_asked_for_and_recorded(tower, tm
 
 def test_grounded_training_adds_the_per_patch_loss_and_saves_a_plain_llava(tower, tmp_path, monkeypatch):
     """--ground: the patch words reach the vocabulary, the loss is the answers' plus the per-patch one (other
-    weights than without it), recorded; the checkpoint has LLaVA's keys only; a dataset without targets refuses."""
+    weights than without it), recorded; the checkpoint has LLaVA's keys only; a dataset without targets refuses.
+    Grounding is the inspection dataset's default (as here): ground=None keeps it, ground=False (--no-ground) drops it."""
     from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
     monkeypatch.setenv("VLMPRUNE_CACHE", str(tmp_path / "cache"))
     data = train_easyvqa.Dataset(
         "inspection", lambda _n: (train_easyvqa._inspection_split("train", 0, 6), train_easyvqa._inspection_split("test", 0, 3)),
         "m", "t", train=12, epochs=1, test=6, pack=True, lm=TINY_LM, more=1, extra=train_easyvqa._inspection_more,
-        ground=train_easyvqa._inspection_ground)
-    plain = train_easyvqa.train_easyvqa(tmp_path / "plain", tower, log=lambda line: None, dataset=data)
-    got = train_easyvqa.train_easyvqa(tmp_path / "grounded", tower, log=lambda line: None, dataset=data, ground=True)
+        ground=train_easyvqa._inspection_ground, grounded=True)
+    assert train_easyvqa.DATASETS["inspection"].grounded and train_easyvqa.DATASETS["inspection"].described
+    plain = train_easyvqa.train_easyvqa(tmp_path / "plain", tower, log=lambda line: None, dataset=data, ground=False)
+    got = train_easyvqa.train_easyvqa(tmp_path / "grounded", tower, log=lambda line: None, dataset=data)
     assert got["grounded"] is True and plain["grounded"] is False
     assert got["weights_sha256"] != plain["weights_sha256"] and got["train_questions"] == plain["train_questions"]
     vocab = AutoTokenizer.from_pretrained(tmp_path / "grounded").get_vocab()
