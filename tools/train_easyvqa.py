@@ -116,13 +116,18 @@ def _inspection_images(train_n: int) -> int:
     return max(inspection_vqa.DEFAULT_COUNT["train"], -(-train_n // 2))
 
 
+def _inspection_scenes(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """Each training image once, in first-seen order, with the split and index its questions' ids name
+    (`train-00012-0`): what the scene-reading extras (more questions, descriptions, patch words) regenerate from."""
+    return [(image, *row["id"].split("-")[:2]) for image, row in {r["image"]: r for r in rows}.items()]
+
+
 def _inspection_more(rows: list[dict], count: int) -> list[dict]:
     """`count` further questions about each training image, read from its scene (ids `train-00012-0` name it)."""
     import inspection_vqa
 
     out = []
-    for image, row in {r["image"]: r for r in rows}.items():
-        split, index = row["id"].split("-")[:2]
+    for image, split, index in _inspection_scenes(rows):
         out += [{**q, "id": f"{split}-{index}-m{k}", "image": image}
                 for k, q in enumerate(inspection_vqa.more_questions(0, split, int(index), count))]
     return out
@@ -132,11 +137,8 @@ def _inspection_ground(rows: list[dict], grid: int) -> dict[str, list[str | None
     """Each training image's per-patch words (tools/inspection_vqa.patch_words), keyed by its path."""
     import inspection_vqa
 
-    out = {}
-    for image, row in {r["image"]: r for r in rows}.items():
-        split, index = row["id"].split("-")[:2]
-        out[image] = inspection_vqa.patch_words(0, split, int(index), grid)
-    return out
+    return {image: inspection_vqa.patch_words(0, split, int(index), grid)
+            for image, split, index in _inspection_scenes(rows)}
 
 
 BACKGROUND_WORD = "no"  # --ground's target on a patch no part covers
@@ -146,11 +148,8 @@ def _inspection_describe(rows: list[dict]) -> list[dict]:
     """One description of each training image (tools/inspection_vqa.describe), packed beside its questions."""
     import inspection_vqa
 
-    out = []
-    for image, row in {r["image"]: r for r in rows}.items():
-        split, index = row["id"].split("-")[:2]
-        out.append({**inspection_vqa.describe(0, split, int(index)), "id": f"{split}-{index}-d", "image": image})
-    return out
+    return [{**inspection_vqa.describe(0, split, int(index)), "id": f"{split}-{index}-d", "image": image}
+            for image, split, index in _inspection_scenes(rows)]
 
 
 @dataclasses.dataclass(frozen=True)
