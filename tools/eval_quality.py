@@ -350,10 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, default=None, help="also write eval's HTML report (with the picture) here")
     a = p.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    from vlmprune.compiler.errors import VlmpruneError
+
     try:
         return run(a, log)
     except Refused as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except VlmpruneError as exc:  # a setting the compiler refuses (a K out of a method's reach): its one line
+        print(f"error: {exc.cli_text()}", file=sys.stderr)
         return 2
 
 

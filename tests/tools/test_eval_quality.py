@@ -64,6 +64,16 @@ def test_refusals_are_one_line(tmp_path, capsys, monkeypatch):
     assert err.startswith("error: tools/inspection_vqa.py is not in this checkout") and "\n" not in err
 
 
+def test_a_setting_the_compiler_refuses_is_one_line(tmp_path, capsys):
+    """A K out of a method's reach (ToMe merges at most half a block's tokens) is the compiler's own line, exit 2."""
+    model = tiny_vlm(tmp_path / "model")
+    data = write_dataset(tmp_path)
+    code = eval_quality.main(["--dataset", str(data), "--model", str(model), "--methods", "tome:blocks=1-1",
+                              "--keep", "4", "--layer", "1", "--no-latency", "--store", str(tmp_path / "s.sqlite")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: --keep 4 is out of ToMe's reach") and "Traceback" not in err
+
+
 def test_speedup_picture():
     """A point per (method, K, place), the baselines hollow, a marker per place, dense at (1, 1); rows without a
     speedup or a retained figure are left out, and no such row at all is no picture."""
