@@ -267,12 +267,27 @@ def render(rng: np.random.Generator, parts: list[Part]) -> np.ndarray:
             cy += rng.uniform(-s * 0.08, s * 0.12)
             draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=(20, 20, 20))
         if p.label:
-            text = p.label.upper()
-            font = ImageFont.load_default(size=max(12, int(s * (0.42 if len(text) == 2 else 0.55))))
+            text, font, at = _label_text(p)
             ink = (0, 0, 0) if p.color in ("yellow", "green") else (255, 255, 255)
-            cx, cy = p.center
-            draw.text((cx, cy + s * 0.1 if p.shape == "triangle" else cy), text, fill=ink, font=font, anchor="mm")
+            draw.text(at, text, fill=ink, font=font, anchor="mm")
     return np.asarray(pil)
+
+
+def _label_text(p: Part):
+    """How a part's label is drawn: the text, its font and the point its middle is anchored at."""
+    from PIL import ImageFont
+
+    text, s = p.label.upper(), p.side
+    font = ImageFont.load_default(size=max(12, int(s * (0.42 if len(text) == 2 else 0.55))))
+    cx, cy = p.center
+    return text, font, (cx, cy + s * 0.1 if p.shape == "triangle" else cy)
+
+
+def label_box(p: Part) -> tuple[float, float, float, float]:
+    """The image box (x0, y0, x1, y1) the label's characters take: render draws them there."""
+    text, font, (x, y) = _label_text(p)
+    x0, y0, x1, y1 = font.getbbox(text, anchor="mm")
+    return x + x0, y + y0, x + x1, y + y1
 
 
 def question(kind: str, refs: dict, parts: list[Part]) -> tuple[str, str]:
@@ -394,12 +409,14 @@ def describe(seed: int, split: str, index: int) -> dict:
     return {"question": DESCRIBE, "answers": [f"{len(parts)} parts : " + " , ".join(words)], "type": "describe"}
 
 
-def patch_words(seed: int, split: str, index: int, grid: int) -> list[str | None]:
+def patch_words(seed: int, split: str, index: int, grid: int, label_on_text: bool = True) -> list[str | None]:
     """What lies under each of the grid x grid patches of image `index` (row-major, as the tower orders them): for
-    a patch whose centre falls on a part's silhouette, one word about that part, taking its colour, shape, region,
-    defect (where it has one) and label (where it has one) in turn by the patch's index, so a part of a few patches
-    names each; None on the background. A decoder cannot tell which turn a patch is on from the patch alone, so
-    what it learns is every word of the part at each of its patches.
+    a patch whose centre falls on a part's silhouette, one word about that part: its label on every patch that
+    overlaps the label's characters (label_box), and elsewhere its colour, shape, region and defect (where it has
+    one) in turn by the patch's index, so a part of a few patches names each; None on the background. A decoder
+    cannot tell which turn a patch is on from the patch alone, so what it learns is every word of the part at each
+    of its patches; the label is named where it can be read, not by turn (label_on_text=False: the earlier targets,
+    where it took a turn like the other words and landed on the characters only by chance).
 
     Training-time grounding for tools/train_easyvqa.py --ground: a per-patch target is 1,024 supervised rows an
     image where an answer is one, and the answer's attention must otherwise find the few rows a part covers among
@@ -409,13 +426,17 @@ def patch_words(seed: int, split: str, index: int, grid: int) -> list[str | None
     out: list[str | None] = [None] * (grid * grid)
     for p in parts:
         mask = _mask(p.shape, p.side)
-        words = [p.color, p.shape, region_of(*p.center)] + [w for w in (p.defect, p.label) if w]
+        text = p.label and label_on_text
+        words = [p.color, p.shape, region_of(*p.center)] + [w for w in (p.defect, None if text else p.label) if w]
+        box = label_box(p) if text else None
         for r in range(grid):
             for c in range(grid):
                 y, x = int((r + 0.5) * step) - p.y, int((c + 0.5) * step) - p.x
                 if 0 <= y < p.side and 0 <= x < p.side and mask[y, x]:
                     t = r * grid + c
-                    out[t] = words[t % len(words)]
+                    on_text = box and box[0] < (c + 1) * step and c * step < box[2] and box[1] < (r + 1) * step \
+                        and r * step < box[3]
+                    out[t] = p.label if on_text else words[t % len(words)]
     return out
 
 

@@ -151,10 +151,11 @@ def test_a_description_names_every_part_in_reading_order_and_agrees_with_the_que
 
 
 def test_patch_words_name_the_part_under_each_patch_and_nothing_on_the_background():
-    """patch_words: a patch whose centre lies on a part's silhouette names its colour, shape, region, defect or
-    label by the patch's index; patches far from every part are None; the part's pixel colour is under its
-    patches."""
+    """patch_words: a patch whose centre lies on a part's silhouette names its label where it overlaps the label's
+    characters, and otherwise its colour, shape, region or defect by the patch's index; patches far from every
+    part are None; the part's pixel colour is under its patches, and the label's ink under its label patches."""
     grid, step = 32, iv.SIZE / 32
+    by_turn = on_text = 0
     for i in range(20):
         pixels, _ = iv.scene(0, "train", i)
         _, _, parts, _ = iv._planned(iv.image_rng(0, "train", i))
@@ -167,8 +168,13 @@ def test_patch_words_name_the_part_under_each_patch_and_nothing_on_the_backgroun
             if w is None:
                 continue
             assert owners, (i, t, w)
-            fields = {p.x: [p.color, p.shape, iv.region_of(*p.center)] + [f for f in (p.defect, p.label) if f]
+            fields = {p.x: [p.color, p.shape, iv.region_of(*p.center)] + [f for f in (p.defect,) if f]
                       for p in owners}
+            if w in iv.LABELS:  # on the label's characters: the patch overlaps the box they are drawn in
+                p = next(p for p in owners if p.label == w)
+                x0, y0, x1, y1 = iv.label_box(p)
+                assert x0 < (c + 1) * step and c * step < x1 and y0 < (r + 1) * step and r * step < y1, (i, t, w)
+                continue
             p = next(p for p in owners if fields[p.x][t % len(fields[p.x])] == w)
             if w == p.color and t % len(fields[p.x]) == 0 and not p.label and not p.defect and p.shape != "triangle":
                 assert tuple(pixels[int(cy), int(cx)]) == iv.COLORS[w]
@@ -179,6 +185,14 @@ def test_patch_words_name_the_part_under_each_patch_and_nothing_on_the_backgroun
                 assert words[t] is None
         assert sum(w is not None for w in words) >= len(parts)  # every part covers at least one patch centre
         named = set(words)
-        for p in parts:  # defects and labels are named too, where a part is large enough to reach their turn
-            if p.label and sum(1 for w in words if w == p.color) > 6:
-                assert p.label in named
+        for p in parts:  # every label is named on its characters; defects where a part reaches their turn
+            if p.label:
+                assert p.label in named, (i, p)
+                x0, y0, x1, y1 = (round(v) for v in iv.label_box(p))  # render drew the characters in that box
+                ink = pixels[y0:y1, x0:x1].reshape(-1, 3)
+                assert (ink == (0, 0, 0)).all(1).sum() + (ink == (255, 255, 255)).all(1).sum() > 10, (i, p)
+        old = iv.patch_words(0, "train", i, grid, label_on_text=False)  # the earlier targets: labels by turn only
+        assert [w is None for w in old] == [w is None for w in words]
+        by_turn += sum(w in iv.LABELS for w in old)
+        on_text += sum(w in iv.LABELS for w in words)
+    assert on_text > by_turn  # every patch on the characters names the label, where a turn gave it one in four or five
