@@ -235,7 +235,7 @@ def _mask(shape: str, side: int) -> np.ndarray:
 
 
 def render(rng: np.random.Generator, parts: list[Part]) -> np.ndarray:
-    from PIL import Image, ImageDraw, ImageFont
+    from PIL import Image, ImageDraw
 
     img = _background(rng)
     bg = img.copy()

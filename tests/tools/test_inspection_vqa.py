@@ -153,7 +153,7 @@ def test_a_description_names_every_part_in_reading_order_and_agrees_with_the_que
 def test_patch_words_name_the_part_under_each_patch_and_nothing_on_the_background():
     """patch_words: a patch whose centre lies on a part's silhouette names its label where it overlaps the label's
     characters, and otherwise its colour, shape, region or defect by the patch's index; patches far from every
-    part are None; the part's pixel colour is under its patches, and the label's ink under its label patches."""
+    part are None; the part's pixel colour is under its patches, and the label's ink inside its label box."""
     grid, step = 32, iv.SIZE / 32
     by_turn = on_text = 0
     for i in range(20):
