@@ -14,7 +14,8 @@ any dataset `vlmprune eval --dataset` reads, with --model. For every method (--m
 specs, NAME or NAME:OPTION=VALUE, e.g. a progressive schedule `cls:schedule=...`) at each K and place (--layer:
 blocks and `end`), beside dense, random keep and a uniform grid, every figure from compiled ort bundles:
 - accuracy and accuracy retained with 95 % bootstrap intervals, and the paired difference to random keep at the
-  same K and place (it counts where its interval excludes 0): `vlmprune eval --dataset` (the API call the CLI
+  same K and place, or for a row spread over blocks after the earliest block the sweep prunes random keep at (it
+  counts where its interval excludes 0): `vlmprune eval --dataset` (the API call the CLI
   makes); per question type where the dataset has types, each beside its majority-answer baseline;
 - latency (unless --no-latency): each row's bundle run by the ort runner on one dataset image, the tower's
   median ms and its speedup over the dense bundle, and time to first token and KV-cache bytes per image with
@@ -294,7 +295,9 @@ def markdown(report: dict, out_rows: list[dict], extras: bool, latency: bool) ->
             cells += ["—" if r["keep"] is None else format(r["saliency_held"], ".3f"), f"{r['cls_cosine']:.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("vs random: accuracy minus random keep's at the same K and place, paired 95 % bootstrap interval; "
+    lines.append("vs random: accuracy minus random keep's at the same K and place (a row spread over blocks, ToMe's "
+                 "range or a progressive schedule: random keep after the earliest block the table has), paired 95 % "
+                 "bootstrap interval; "
                  "**bold** where the interval excludes 0 (only there does the difference count). Agrees with "
                  "dense: the share of answers equal to the dense bundle's own, right or wrong, which sees what "
                  "pruning changed where the model answers at chance; agreement vs random: minus random keep's, "
@@ -304,8 +307,8 @@ def markdown(report: dict, out_rows: list[dict], extras: bool, latency: bool) ->
     types = report.get("types") or {}
     if types:
         names = list(types)
-        lines += ["", "Accuracy per question type (95% CI); **bold** where the paired difference to random keep at the "
-                  "same K and place excludes 0:", "",
+        lines += ["", "Accuracy per question type (95% CI); **bold** where the paired difference to random keep (paired as "
+                  "above) excludes 0:", "",
                   "| method | K | pruned | " + " | ".join(f"{t} (n={types[t]['samples']})" for t in names) + " |",
                   "|" + "---|" * (3 + len(names)),
                   "| majority answer | | | " + " | ".join(

@@ -157,8 +157,9 @@ class Method(abc.ABC):
     # Bump when what the method keeps or outputs changes: `eval --dataset` keys stored answers by it.
     version: ClassVar[int] = 1
     baseline: ClassVar[bool] = False  # a reference point for accuracy tables (random keep, a grid), not to deploy
-    # The baseline every other row of an accuracy table is paired with at the same K and place (the report's
-    # vs_random): random keep's, which declares it; one method at most.
+    # The baseline every other row of an accuracy table is paired with at the same K and place, or after the
+    # earliest block for a row spread over blocks (the report's vs_random): random keep's, which declares it; one
+    # method at most.
     paired: ClassVar[bool] = False
     selection: ClassVar[str] = BY_SCORE  # BY_SCORE or GREEDY: how parity compares the kept indices
     options: ClassVar[dict[str, tuple[type, str]]] = {}  # option name -> (type, help); the CLI flag is --NAME

@@ -81,6 +81,23 @@ def test_rows_are_paired_with_the_baseline_the_methods_declare(monkeypatch):
     assert paired_baseline() is None and random_partners(plans) == {}
 
 
+def test_a_row_spread_over_blocks_is_paired_with_random_keep_after_the_earliest_block():
+    """ToMe's block range and a progressive schedule have no random keep at their place: each is compared with random
+    keep at its K after the lowest block the sweep prunes it at; a row at one place keeps its own partner, and with
+    random keep only at the tower's end a spread row has none."""
+    from vlmprune.compiler.accuracy import random_partners
+
+    plans = plans_for(["tome:blocks=1-4", "cls:schedule=2/4/6", "cls"], [8], [4, 2])
+    partners = random_partners(plans)
+    paired = {(p.label, p.where): plans[partners[i]].where for i, p in enumerate(plans) if i in partners}
+    assert paired[("tome blocks=1-4", "in blocks 1-4")] == "after block 2"
+    assert paired[("cls", "progressive 2→4→6")] == "after block 2"
+    assert paired[("cls", "after block 4")] == "after block 4" and paired[("cls", "after block 2")] == "after block 2"
+    plans = plans_for(["tome:blocks=1-4", "cls:schedule=2/4/6", "cls"], [8], ["end"])
+    partners = random_partners(plans)
+    assert [p.label for i, p in enumerate(plans) if i in partners] == ["cls", "grid"]
+
+
 def test_a_method_with_options_is_its_own_row_beside_the_plain_one():
     """NAME:OPTION=VALUE: the same method with and without an option, two plans with their own labels."""
     plans = [(p.label, p.method, p.method_options)
