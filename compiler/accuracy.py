@@ -85,6 +85,11 @@ class Plan:
         return " ".join([self.method, *(f"{k.replace('_', '-')}={v}" for k, v in sorted(given.items()))])
 
     @property
+    def spread(self) -> bool:
+        """Whether it reduces in several blocks (its place is a block range or a schedule), not at one place."""
+        return self.layer == IN_BLOCKS or self.method_options.get("schedule") is not None
+
+    @property
     def where(self) -> str:
         if self.method is None:
             return "-"
@@ -420,15 +425,10 @@ def random_partners(plans: list[Plan]) -> dict[int, int]:
             earliest[keep] = i
     out = {}
     for i, p in enumerate(plans):
-        j = earliest.get(p.keep) if _spread(p) else at.get((p.keep, p.layer))
+        j = earliest.get(p.keep) if p.spread else at.get((p.keep, p.layer))
         if p.method is not None and j is not None and j != i:
             out[i] = j
     return out
-
-
-def _spread(plan: Plan) -> bool:
-    """Whether the plan reduces in several blocks (its place is a block range or a schedule), not at one place."""
-    return plan.layer == IN_BLOCKS or plan.method_options.get("schedule") is not None
 
 
 def scores(correct: list[bool], dense: list[bool], random: list[bool] | None) -> dict:

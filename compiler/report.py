@@ -670,9 +670,10 @@ def quality_html(data: dict) -> str:
     out.append(_html_table((*columns, "bundle parity"), table_rows))
     out.append('<p class="key">vs random: accuracy minus random keep\'s at the same K and place (a row spread over '
                "blocks, ToMe's range or a progressive schedule: random keep after the earliest block the table has), "
-               "with the paired 95 % bootstrap interval; * where the interval excludes 0 (only there does the difference count). Agrees with dense: "
-               "the share of answers equal to the dense bundle's own, right or wrong (it sees what pruning changed "
-               "where the model is at chance); agreement vs random: minus random keep's, paired the same way.</p>")
+               "with the paired 95 % bootstrap interval; * where the interval excludes 0 (only there does the "
+               "difference count). Agrees with dense: the share of answers equal to the dense bundle's own, right or "
+               "wrong (it sees what pruning changed where the model is at chance); agreement vs random: minus random "
+               "keep's, paired the same way.</p>")
     if data.get("retained_null"):
         out.append(f'<p class="info">Retained — : {e(data["retained_null"])}.</p>')
     if types:

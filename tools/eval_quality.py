@@ -307,8 +307,8 @@ def markdown(report: dict, out_rows: list[dict], extras: bool, latency: bool) ->
     types = report.get("types") or {}
     if types:
         names = list(types)
-        lines += ["", "Accuracy per question type (95% CI); **bold** where the paired difference to random keep (paired as "
-                  "above) excludes 0:", "",
+        lines += ["", "Accuracy per question type (95% CI); **bold** where the paired difference to random keep "
+                  "(paired as above) excludes 0:", "",
                   "| method | K | pruned | " + " | ".join(f"{t} (n={types[t]['samples']})" for t in names) + " |",
                   "|" + "---|" * (3 + len(names)),
                   "| majority answer | | | " + " | ".join(

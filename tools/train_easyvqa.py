@@ -25,8 +25,8 @@ scratch, with a word-level tokenizer over easy-vqa's vocabulary and LLaVA-1.5's 
   generator's seed 0: their 2 questions each, 6 more read from each scene and one description of each, packed one
   sequence per image with each question seeing the image and itself only; beside the answers, the LM's head names
   at every image token a word of the part under that patch, or "background" elsewhere (--ground, _grounded_loss);
-  12 epochs in batches of 8 images (3,000 updates), a 2-layer language model; the test split is its own stream, never seen in
-  training; `--no-ground --no-describe` is the earlier recipe), on the tower converted at 448 px
+  12 epochs in batches of 8 images (3,000 updates), a 2-layer language model; the test split is its own stream,
+  never seen in training; `--no-ground --no-describe` is the earlier recipe), on the tower converted at 448 px
   (`tools/dinov2_from_onnx.py --image-size 448`: 1024 patches). The splits are generated into
   $VLMPRUNE_CACHE/datasets on first use and reused. Dense accuracy and the majority baseline are also given per
   question type.
