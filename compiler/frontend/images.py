@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,14 @@ def preprocess(image: np.ndarray, size: int, mean, std) -> np.ndarray:
 
 
 def real_image(name: str) -> np.ndarray | None:
+    """skimage.data's photo `name` as uint8 HxWx3 (a copy the caller may change), or None without scikit-image."""
+    image = _decoded(name)
+    return None if image is None else image.copy()
+
+
+@functools.lru_cache(maxsize=len(REAL_IMAGES) + 2)
+def _decoded(name: str) -> np.ndarray | None:
+    """Each photo is decoded once a process: every compile's parity and calibration batch reads the same few."""
     try:
         from skimage import data
     except ImportError:

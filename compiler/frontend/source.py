@@ -11,6 +11,7 @@ import contextlib
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 import warnings
 from collections.abc import Callable
@@ -21,6 +22,10 @@ from torch import nn
 
 from vlmprune.compiler.errors import InputError
 from vlmprune.compiler.frontend.tower import VisionPipeline
+
+# Weights below this size are not worth a full garbage collection after release_weights: a tiny checkpoint's tower
+# frees kilobytes, a real one hundreds of megabytes.
+COLLECT_FROM_BYTES = 64 << 20
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -65,13 +70,21 @@ class Source:
         """Free the torch weights once the reference has run. The parity stages after it run the bundle's graphs
         in ONNX Runtime sessions, which hold their own copy; the two together were a big tower's peak (6.4 GB of
         qwen2.5-vl-3b-448's compile). The module stays, on the meta device, so what it says of its shape still
-        answers, and a forward after this fails loudly instead of computing."""
+        answers, and a forward after this fails loudly instead of computing.
+
+        The weights go with their last reference; the full garbage collection after it only finds what a cycle
+        still holds, and costs a fraction of a second in a process holding many objects (a notebook, a sweep, the
+        test suite) whatever the tower's size, so it runs only where what was freed is worth it
+        (COLLECT_FROM_BYTES)."""
         if self.pipeline is not None:
             import ctypes
             import gc
 
+            held = sum(t.numel() * t.element_size() for t in itertools.chain(self.pipeline.parameters(),
+                                                                             self.pipeline.buffers()))
             self.pipeline.to("meta")
-            gc.collect()
+            if held >= COLLECT_FROM_BYTES:
+                gc.collect()
             with contextlib.suppress(OSError, AttributeError):  # glibc: hand the freed heap back to the system
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
 

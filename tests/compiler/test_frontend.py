@@ -142,3 +142,60 @@ def test_exported_graphs_carry_no_stack_trace_of_the_build_machine():
     assert metadata and not any(export.STACK_TRACE in m for m in metadata)
     here = str(Path(__file__).resolve().parents[2])
     assert not any(here in value for m in metadata for value in m.values())
+
+
+def test_exports_share_one_torchlib_registry_and_give_the_same_graph(monkeypatch):
+    """torch_onnx builds the exporter's ATen-to-ONNX table once per opset instead of once per export (a fifth of a
+    tiny tower's export); each export still gets its own table, the graph is the one a freshly built table gives,
+    and outside the block torch builds its table as before."""
+    import onnx_ir as ir
+    from torch.onnx._internal.exporter import _registration
+
+    import vlmprune.compiler.frontend.export as export
+
+    class Traced(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.layer_norm(torch.nn.functional.gelu(x @ x.transpose(-1, -2)), (4,))
+
+    def graph(model):
+        return ir.serde.serialize_model(model).SerializeToString()
+
+    args = (torch.zeros(1, 4, 4),)
+    export._registry_for.cache_clear()
+    original = vars(_registration.ONNXRegistry)["from_torchlib"]
+    built = []
+    monkeypatch.setattr(export, "_registry_for", export.functools.lru_cache(maxsize=4)(
+        lambda build, *a, **k: built.append(a or k) or build(*a, **k)))
+    first = export.torch_onnx("t", Traced(), args, input_names=["x"], output_names=["y"])
+    second = export.torch_onnx("t", Traced(), args, input_names=["x"], output_names=["y"])
+    assert len(built) == 1  # the second export reused the first's table
+    assert vars(_registration.ONNXRegistry)["from_torchlib"] is original  # restored after each export
+    tables = [_registration.ONNXRegistry.from_torchlib(), _registration.ONNXRegistry.from_torchlib()]
+    assert tables[0] is not tables[1] and tables[0].functions is not tables[1].functions
+    with export.one_torchlib_registry():
+        shared = [_registration.ONNXRegistry.from_torchlib(), _registration.ONNXRegistry.from_torchlib()]
+    assert shared[0].functions is not shared[1].functions  # a copy each: one export's registrations stay its own
+    assert shared[0].functions.keys() == tables[0].functions.keys()
+    export._registry_for.cache_clear()
+    before = len(built)
+    fresh = export.torch_onnx("t", Traced(), args, input_names=["x"], output_names=["y"])
+    assert len(built) == before + 1  # built anew
+    assert graph(first) == graph(second) == graph(fresh)
+    assert [n.op_type for n in first.graph] == ["Transpose", "MatMul", "Gelu", "LayerNormalization"]
+
+
+def test_release_weights_collects_only_where_the_freed_weights_are_worth_it(tiny_clip_dir, monkeypatch):
+    """A full garbage collection costs a fraction of a second in a process holding many objects, whatever the
+    tower's size: a tiny tower's release skips it, a tower over COLLECT_FROM_BYTES still has it."""
+    import gc
+
+    from vlmprune.compiler.frontend import load_source
+    from vlmprune.compiler.frontend import source as source_module
+
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
+    load_source(str(tiny_clip_dir)).release_weights()
+    assert collected == []
+    monkeypatch.setattr(source_module, "COLLECT_FROM_BYTES", 1)
+    load_source(str(tiny_clip_dir)).release_weights()
+    assert collected == [()]
