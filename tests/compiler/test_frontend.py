@@ -145,7 +145,7 @@ def test_exported_graphs_carry_no_stack_trace_of_the_build_machine():
 
 
 def test_exports_share_one_torchlib_registry_and_give_the_same_graph(monkeypatch):
-    """torch_onnx builds the exporter's ATen-to-ONNX table once per opset instead of once per export (a fifth of a
+    """torch_onnx builds the exporter's ATen-to-ONNX table once per opset instead of once per export (a quarter of a
     tiny tower's export); each export still gets its own table, the graph is the one a freshly built table gives,
     and outside the block torch builds its table as before."""
     import onnx_ir as ir
