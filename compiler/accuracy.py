@@ -529,10 +529,7 @@ def table(report: dict) -> list[str]:
                  f"majority answer {report['majority_answer']!r}: {report['majority_accuracy']:.3f}; "
                  f"{report['target']} bundles; {report['computed']} cells computed, {report['reused']} reused "
                  f"from {report['store']})")
-    lines.append("(vs random: accuracy minus random keep's at the same K and place (a row spread over blocks: "
-                 "after the earliest block random keep has), paired 95% interval; "
-                 "* where it excludes 0. agrees: the share of answers equal to dense's own, right or wrong; "
-                 "agreement vs random: minus random keep's, paired as above)")
+    lines.append(f"(vs random: {stats.VERSUS_RANDOM}; * where it excludes 0. agrees: {stats.AGREES})")
     if report.get("retained_null"):
         lines.append(f"(retained -: {report['retained_null']})")
     types = report.get("types") or {}

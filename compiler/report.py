@@ -27,6 +27,7 @@ from vlmprune.compiler import pictures
 from vlmprune.compiler.bundle.manifest import KeepAutoSection, Manifest
 from vlmprune.compiler.parity import ParityReport, StageResult, Tolerance, figure_text
 from vlmprune.compiler.parity.reference import KEPT
+from vlmprune.compiler.quality import stats
 
 EXTRA_RGB = (255, 0, 255)  # kept by the stage, not by the reference
 MISSING_RGB = (0, 255, 255)  # kept by the reference, not by the stage
@@ -668,12 +669,8 @@ def quality_html(data: dict) -> str:
                     "—" if r.get("tower_speedup") is None else f"{r['tower_speedup']:.2f}x"]
         table_rows.append(row + ["pass" if r["parity_passed"] else "FAIL"])
     out.append(_html_table((*columns, "bundle parity"), table_rows))
-    out.append('<p class="key">vs random: accuracy minus random keep\'s at the same K and place (a row spread over '
-               "blocks, ToMe's range or a progressive schedule: random keep after the earliest block the table has), "
-               "with the paired 95 % bootstrap interval; * where the interval excludes 0 (only there does the "
-               "difference count). Agrees with dense: the share of answers equal to the dense bundle's own, right or "
-               "wrong (it sees what pruning changed where the model is at chance); agreement vs random: minus random "
-               "keep's, paired the same way.</p>")
+    out.append(f'<p class="key">vs random: {e(stats.VERSUS_RANDOM)}; * where the interval excludes 0 (only there '
+               f"does the difference count). Agrees with dense: {e(stats.AGREES)}.</p>")
     if data.get("retained_null"):
         out.append(f'<p class="info">Retained — : {e(data["retained_null"])}.</p>')
     if types:

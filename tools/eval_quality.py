@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from vlmprune.compiler.quality import stats  # noqa: E402
 from vlmprune.kernels.build import cache_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -295,13 +296,8 @@ def markdown(report: dict, out_rows: list[dict], extras: bool, latency: bool) ->
             cells += ["—" if r["keep"] is None else format(r["saliency_held"], ".3f"), f"{r['cls_cosine']:.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("vs random: accuracy minus random keep's at the same K and place (a row spread over blocks, ToMe's "
-                 "range or a progressive schedule: random keep after the earliest block the table has), paired 95 % "
-                 "bootstrap interval; "
-                 "**bold** where the interval excludes 0 (only there does the difference count). Agrees with "
-                 "dense: the share of answers equal to the dense bundle's own, right or wrong, which sees what "
-                 "pruning changed where the model answers at chance; agreement vs random: minus random keep's, "
-                 "paired the same way.")
+    lines.append(f"vs random: {stats.VERSUS_RANDOM}; **bold** where the interval excludes 0 (only there does the "
+                 f"difference count). Agrees with dense: {stats.AGREES}.")
     if report.get("retained_null"):
         lines.append(f"retained —: {report['retained_null']}.")
     types = report.get("types") or {}

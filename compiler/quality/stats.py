@@ -27,6 +27,14 @@ RESAMPLES = 1000
 SEED = 0
 _ARTICLES = {"a", "an", "the"}
 
+# What an accuracy table's "vs random" and "agrees" columns mean, said once for its three renderings (the CLI's
+# text, tools/eval_quality.py's markdown, the HTML report); each adds its own mark for a difference that counts.
+VERSUS_RANDOM = ("accuracy minus random keep's at the same K and place (a row spread over blocks, ToMe's range or a "
+                 "progressive schedule: random keep after the earliest block the table has), paired 95 % bootstrap "
+                 "interval")
+AGREES = ("the share of answers equal to the dense bundle's own, right or wrong, which sees what pruning changed "
+          "where the model answers at chance; agreement vs random: minus random keep's, paired the same way")
+
 
 def normalize(text: str) -> str:
     words = re.sub(r"[^\w\s]", " ", text.lower()).split()

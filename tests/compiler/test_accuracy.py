@@ -327,6 +327,12 @@ def test_retained_is_null_and_explained_where_dense_answers_nothing_right(setup,
     assert "(retained -: dense accuracy is 0 on these samples: nothing to retain)" in lines
     page = (tmp_path / "e.html").read_text()
     assert "nan" not in page.lower() and "nothing to retain" in page
+    # What the columns mean is one text (quality.stats), said in each rendering.
+    from html import escape
+
+    from vlmprune.compiler.quality import stats
+    assert f"(vs random: {stats.VERSUS_RANDOM}; * where it excludes 0. agrees: {stats.AGREES})" in lines
+    assert escape(stats.VERSUS_RANDOM) in page and escape(stats.AGREES) in page
 
 
 def write_typed(root: Path, dense_answers: list[str]) -> Path:

@@ -49,6 +49,11 @@ def test_tables_latency_and_picture(tmp_path, capsys):
     assert "no picture: no pruned row has an accuracy retained" in capsys.readouterr().err
     page = out.with_suffix(".html").read_text()
     assert "Accuracy per question type" in page and "tower ms" in page
+    from html import escape
+
+    from vlmprune.compiler.quality import stats
+    assert f"vs random: {stats.VERSUS_RANDOM}; **bold** where" in text and stats.AGREES in text
+    assert escape(stats.VERSUS_RANDOM) in page and escape(stats.AGREES) in page
 
 
 def test_refusals_are_one_line(tmp_path, capsys, monkeypatch):
