@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import io
 import logging
@@ -94,10 +95,9 @@ def one_torchlib_registry():
 
     def from_torchlib(*args, **kwargs):
         made = _registry_for(build, *args, **kwargs)
-        copy = registry_class()
-        copy._opset_version = made._opset_version
-        copy.functions = {target: list(decomps) for target, decomps in made.functions.items()}
-        return copy
+        own = copy.copy(made)  # whatever else the registry holds (its opset), as built
+        own.functions = {target: list(decomps) for target, decomps in made.functions.items()}
+        return own
 
     with _REGISTRY_LOCK:
         registry_class.from_torchlib = staticmethod(from_torchlib)
