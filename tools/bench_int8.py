@@ -64,16 +64,12 @@ CONFIGS = {  # each a variation of the chosen one (targets.ort_quant.DEFAULT)
 
 
 def test_images(size: int, mean, std) -> tuple[np.ndarray, list[str]]:
-    from skimage import data
+    import skimage  # noqa: F401  (the extra pictures have no stand-in: without scikit-image, stop here)
 
     from vlmprune.compiler.frontend import images
 
     pixel, described = images.parity_inputs(len(images.REAL_IMAGES), size, mean, std)
-    extra = []
-    for name in EXTRA_IMAGES:
-        image = getattr(data, name)()
-        image = np.stack([image] * 3, -1) if image.ndim == 2 else image[..., :3]
-        extra.append(images.preprocess(image, size, mean, std))
+    extra = [images.preprocess(images.real_image(name), size, mean, std) for name in EXTRA_IMAGES]
     return np.concatenate([pixel, np.stack(extra)]), [*described["images"], *EXTRA_IMAGES]
 
 
